@@ -1,0 +1,31 @@
+"""recsys_trainer: a hook-list trainer for recommendation models with a sparse/dense split."""
+
+from recsys_trainer.args import NotSupportedYetError, TrainingArguments
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.distributed import shutdown
+from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.lambda_hook import LambdaHook
+from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
+from recsys_trainer.trainer import Trainer, TrainerState, setup_logging
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch",
+    "Hook",
+    "LambdaHook",
+    "LoggerHook",
+    "MicroBatchOutput",
+    "NotSupportedYetError",
+    "SparseOptimizer",
+    "StepOutput",
+    "Trainer",
+    "TrainerState",
+    "TrainingArguments",
+    "WindowedDataset",
+    "setup_logging",
+    "shutdown",
+    "supported_sparse_optimizers",
+]

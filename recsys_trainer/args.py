@@ -1,0 +1,139 @@
+"""``TrainingArguments``: the run's configuration, validated at construction.
+
+Field names follow Alibaba RecIS's ``TrainingArguments`` where the concept is the same, so RecIS
+users feel at home. Every invalid value raises ``ValueError`` naming the field, the value and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MixedPrecision = Literal["no", "bf16", "fp16"]
+SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+
+
+class NotSupportedYetError(NotImplementedError):
+    """A configured feature exists in the API but is not implemented in this version."""
+
+
+def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be an int >= 1{' or None' if allow_none else ''}, but is {value!r}.")
+
+
+@dataclass(kw_only=True)
+class TrainingArguments:
+    """How to train. All counts are optimizer steps unless the name says otherwise."""
+
+    output_dir: str = "output"
+    """Where checkpoints, logs and TensorBoard events go."""
+
+    train_steps: int | None = None
+    """Stop after exactly this many optimizer steps (None: run ``train_epoch`` epochs)."""
+
+    train_epoch: int = 1
+    """Passes over the training data (each pass walks every train window once)."""
+
+    eval_steps: int | None = None
+    """Evaluate at most this many batches per evaluation (None: all eval data)."""
+
+    log_steps: int = 100
+    """``LoggerHook`` (and other periodic reporters) report every this many steps."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step. Dense grads accumulate (no all-reduce until the last
+    micro-batch); fused sparse optimizers update embeddings on every micro-batch."""
+
+    max_grad_norm: float | None = None
+    """Clip the global L2 norm of the dense gradients (identical on every rank). None: off."""
+
+    mixed_precision: MixedPrecision = "no"
+    """Autocast for the forward pass: "no", "bf16", or "fp16" (CUDA only; with loss scaling)."""
+
+    window_iter: int | None = None
+    """Train on at most this many windows per epoch (None: all)."""
+
+    seed: int = 0
+    """Seeds torch, numpy and python RNGs on every rank (dense init must match across ranks)."""
+
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto": CUDA when available, else CPU."""
+
+    sharding_types: dict[str, str] = field(default_factory=dict)
+    """Per-table sharding override, e.g. ``{"t_user": "row_wise"}``. On CPU only table_wise,
+    column_wise and data_parallel exist."""
+
+    # ---- checkpointing (see recsys_trainer.checkpoint) ----
+    save_steps: int | None = None
+    """Save every this many optimizer steps."""
+    save_every_n_windows: int | None = None
+    """Save after every this many train windows."""
+    save_every_n_epochs: int | None = None
+    """Save after every this many epochs."""
+    save_end: bool = False
+    """Save once more when training ends (not twice if that step was saved anyway)."""
+    max_to_keep: int = 5
+    """Keep this many newest committed checkpoints on disk."""
+    save_concurrency_per_rank: int = 4
+    """Writer threads per rank for checkpoint files."""
+    model_bank: list[dict[str, Any]] | None = None
+    """Warm-start sources (other checkpoints) applied before training."""
+    params_not_save: list[str] | None = None
+    """Parameter-name patterns left out of checkpoints."""
+    save_filter_fn: Callable[[str], bool] | None = None
+    """Predicate on state-dict keys; False leaves the key out of checkpoints."""
+    resume_from: str | None = None
+    """"auto" (newest committed checkpoint in output_dir), a path, or None (fresh start)."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_steps", "eval_steps", "window_iter", "save_steps",
+                     "save_every_n_windows", "save_every_n_epochs"):
+            _positive(name, getattr(self, name))
+        for name in ("train_epoch", "log_steps", "gradient_accumulation_steps", "max_to_keep",
+                     "save_concurrency_per_rank"):
+            _positive(name, getattr(self, name), allow_none=False)
+        if self.max_grad_norm is not None and not (
+            isinstance(self.max_grad_norm, int | float) and self.max_grad_norm > 0
+        ):
+            raise ValueError(f"`max_grad_norm` must be a number > 0 or None, but is {self.max_grad_norm!r}.")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(
+                f"`mixed_precision` must be one of 'no', 'bf16', 'fp16', but is {self.mixed_precision!r}."
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"`device` must be one of 'auto', 'cpu', 'cuda', but is {self.device!r}.")
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ValueError(f"`output_dir` must be a non-empty path string, but is {self.output_dir!r}.")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"`seed` must be an int, but is {self.seed!r}.")
+        for table, st in self.sharding_types.items():
+            if st not in SHARDING_TYPES:
+                raise ValueError(
+                    f"`sharding_types[{table!r}]` must be one of {', '.join(SHARDING_TYPES)}, but is {st!r}."
+                )
+        self._check_not_supported_yet()
+
+    def _check_not_supported_yet(self) -> None:
+        """Fields whose feature is not implemented yet fail loudly instead of being ignored."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)
+                    if f.default is not dataclasses.MISSING}
+        for name in ("save_steps", "save_every_n_windows", "save_every_n_epochs", "save_end",
+                     "model_bank", "params_not_save", "save_filter_fn", "resume_from"):
+            if name in _SUPPORTED:
+                continue
+            if getattr(self, name) != defaults[name]:
+                raise NotSupportedYetError(
+                    f"`{name}` is not supported yet in this version of recsys_trainer "
+                    f"(checkpointing lands with the checkpoint subsystem); leave it at "
+                    f"{defaults[name]!r}."
+                )
+
+
+# Names of deferred fields whose feature is implemented; the checkpoint subsystem adds itself.
+_SUPPORTED: set[str] = set()

@@ -1,0 +1,77 @@
+"""What the Trainer needs from a dataset: ordered windows of this rank's batches.
+
+A *window* is an ordered unit of data (e.g. one hour of parquet). Training walks windows in
+order; ``train_and_evaluate`` pairs train window ``i`` with eval window ``i``. Any plain iterable
+of ``Batch`` also works: it is one window named ``"all"``, re-iterated every epoch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from recsys_trainer.batch import Batch
+
+
+class WindowedDataset(ABC):
+    """Base class of windowed datasets.
+
+    ``setup(rank, world_size)`` is called by the Trainer before any iteration so the dataset can
+    shard itself; ``iter_window`` then yields only this rank's batches. All ranks must see the
+    same window ids in the same order (the Trainer agrees on batches, not on windows).
+    """
+
+    def setup(self, rank: int, world_size: int) -> None:
+        """Choose this rank's share of every window. Default: no sharding (rank reads all)."""
+
+    @abstractmethod
+    def window_ids(self) -> Iterator[str]:
+        """Window ids in training order (may block, for streaming sources)."""
+
+    @abstractmethod
+    def iter_window(self, window_id: str, skip_batches: int = 0) -> Iterator[Batch]:
+        """This rank's batches of ``window_id``, starting after ``skip_batches`` batches."""
+
+    def padding_batch(self) -> Batch | None:
+        """A batch shaped like real ones, used (with zero weights) to pad exhausted ranks in
+        evaluation when the rank saw no batch at all. None: use the last batch seen."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class IterableAsWindow(WindowedDataset):
+    """Any re-iterable of batches (a list, a DataLoader) or a factory of iterators, as one window
+    ``"all"``. No sharding: pass each rank its own data."""
+
+    def __init__(self, source: Iterable[Batch] | Callable[[], Iterable[Batch]]) -> None:
+        self._source = source
+
+    def window_ids(self) -> Iterator[str]:
+        yield "all"
+
+    def iter_window(self, window_id: str, skip_batches: int = 0) -> Iterator[Batch]:
+        src = self._source() if callable(self._source) and not isinstance(self._source, Iterable) else self._source
+        it = iter(src)  # type: ignore[arg-type]
+        for _ in range(skip_batches):
+            if next(it, None) is None:
+                break
+        return it
+
+
+def as_windowed(dataset: Any) -> WindowedDataset | None:
+    if dataset is None:
+        return None
+    if isinstance(dataset, WindowedDataset):
+        return dataset
+    if isinstance(dataset, Iterable) or callable(dataset):
+        return IterableAsWindow(dataset)
+    raise TypeError(
+        f"a dataset must be a recsys_trainer.data.WindowedDataset, an iterable of Batch, or a "
+        f"callable returning one; got {type(dataset).__name__}."
+    )

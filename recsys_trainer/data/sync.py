@@ -1,0 +1,105 @@
+"""The cross-rank exit flag: one all-reduce per fetched batch, below any prefetching.
+
+Ranks often hold uneven data (a window's rows do not split evenly). Every rank fetches its next
+local batch, then one ``all_reduce(MAX)`` of ``[out_of_data, has_data, stop, non_finite]`` tells
+all ranks the same thing at the same fetch. Because TorchRec pipelines pull batches ahead, this
+must live inside the iterator's ``__next__``, never in the training loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.distributed import Gang
+
+
+@dataclass
+class SyncState:
+    """What the last agreement said (read by the Trainer after the iterator stops)."""
+
+    out_of_data: bool = False
+    stop_requested: bool = False
+    non_finite_loss: bool = False
+    rows_unread: int = 0
+    fetched: int = 0
+    padding: int = 0
+
+
+class SyncedIterator(Iterator[Batch]):
+    """Yields this rank's batches until the ranks agree to stop.
+
+    Training (``pad=False``): stops on every rank as soon as *any* rank is out of data; the batch
+    other ranks fetched is not trained (``rows_unread`` counts it and, when the iterator can tell
+    cheaply, the rest of the local window). Evaluation (``pad=True``): ranks that are out of data
+    yield padding batches (zero weights, ``Batch.as_padding``) until *all* ranks are out, so
+    every row is evaluated and model collectives stay matched.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Batch],
+        gang: Gang,
+        *,
+        pad: bool,
+        local_flags: Callable[[], tuple[bool, bool]] = lambda: (False, False),
+        padding_batch: Callable[[], Batch | None] = lambda: None,
+    ) -> None:
+        self._source = source
+        self._gang = gang
+        self._pad = pad
+        self._local_flags = local_flags
+        self._padding_batch = padding_batch
+        self._last: Batch | None = None
+        self._exhausted = False
+        self._done = False
+        self.last_was_padding = False
+        self.state = SyncState()
+
+    def __iter__(self) -> SyncedIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        local: Batch | None = None
+        if not self._exhausted:
+            local = next(self._source, None)
+            self._exhausted = local is None
+        stop, non_finite = self._local_flags()
+        out_of_data, has_data, stop_any, nf_any = self._gang.all_reduce_max(
+            [int(local is None), int(local is not None), int(stop), int(non_finite)]
+        )
+        st = self.state
+        st.stop_requested, st.non_finite_loss = bool(stop_any), bool(nf_any)
+        finished = (not has_data) if self._pad else bool(out_of_data)
+        if finished or stop_any or nf_any:
+            st.out_of_data = bool(finished)
+            if local is not None:
+                st.rows_unread += local.num_real_rows()
+                if not self._pad:
+                    st.rows_unread += self._count_rest()
+            self._done = True
+            raise StopIteration
+        if local is None:
+            pad = self._last if self._last is not None else self._padding_batch()
+            if pad is None:
+                raise RuntimeError(
+                    f"rank {self._gang.rank} has no evaluation data to shape a padding batch while "
+                    "other ranks still evaluate; give the eval dataset a padding_batch()."
+                )
+            st.padding += 1
+            self.last_was_padding = True
+            return pad.as_padding()
+        self.last_was_padding = False
+        st.fetched += 1
+        self._last = local
+        return local
+
+    def _count_rest(self) -> int:
+        rows_remaining = getattr(self._source, "rows_remaining", None)
+        if callable(rows_remaining):
+            return int(rows_remaining())
+        # Reads (but does not train) the rest of the window so the log can say what was left.
+        return sum(b.num_real_rows() for b in self._source)

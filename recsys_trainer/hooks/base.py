@@ -1,0 +1,199 @@
+"""``Hook``: the base class for everything that watches or steers a run.
+
+Every method is a no-op. Subclass and override the events you need; the Trainer works out once
+which events each hook overrides, so an event no hook overrides costs nothing per step.
+The event order is written out in ``Trainer``'s docstring and the README.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from recsys_trainer.batch import Batch
+
+if TYPE_CHECKING:
+    from recsys_trainer.trainer import Trainer
+
+
+@dataclass
+class MicroBatchOutput:
+    """One forward (and, in training, backward) pass.
+
+    ``loss`` is the model's loss for this micro-batch (detached). ``outputs`` is the second
+    element when the model's forward returns ``(loss, outputs)`` (e.g. logits), else None.
+    """
+
+    batch: Batch
+    loss: torch.Tensor
+    outputs: Any
+
+
+@dataclass
+class StepOutput:
+    """What ``after_step``/``after_eval_step`` receive.
+
+    In training one step is one optimizer step over ``gradient_accumulation_steps`` micro-batches
+    (fewer at the end of a window); in evaluation one step is one batch. ``loss`` is the mean of
+    the micro-batch losses, detached (reading it as a float is a device sync: do it every
+    ``log_steps``, not every step).
+    """
+
+    step: int
+    loss: torch.Tensor
+    micro_batches: Sequence[MicroBatchOutput]
+    is_padding: bool = False
+
+    @property
+    def num_samples(self) -> int:
+        return sum(m.batch.batch_size for m in self.micro_batches)
+
+
+EVENTS: tuple[str, ...] = (
+    "before_train",
+    "after_train",
+    "before_evaluate",
+    "after_evaluate",
+    "before_epoch",
+    "after_epoch",
+    "before_window",
+    "after_window",
+    "after_data",
+    "out_of_data",
+    "before_step",
+    "after_step",
+    "before_eval_step",
+    "after_eval_step",
+    "before_save_checkpoint",
+    "after_save_checkpoint",
+    "after_load_checkpoint",
+    "on_exception",
+    "end",
+)
+
+
+class Hook:
+    """Base class: override any subset of the events below. All are no-ops here.
+
+    Every event receives the ``Trainer``; read counters from ``trainer.state`` (``global_step``,
+    ``epoch``, ``mode``, ``window_id``...). To stop a run, call ``trainer.request_stop(reason)``:
+    the request is agreed across ranks at the next batch fetch, so every rank stops after the
+    same step.
+    """
+
+    def before_train(self, trainer: Trainer) -> None:
+        """Once, when ``train()`` (or ``train_and_evaluate()``) starts, before any data."""
+
+    def after_train(self, trainer: Trainer) -> None:
+        """Once, when training ends normally (limit reached, data exhausted, or stop agreed)."""
+
+    def before_evaluate(self, trainer: Trainer) -> None:
+        """At the start of each evaluation pass."""
+
+    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        """At the end of each evaluation pass; ``metrics`` holds at least ``loss`` (averaged
+        over all ranks' real rows) and ``num_samples``; hooks may add their own."""
+
+    def before_epoch(self, trainer: Trainer, epoch: int) -> None:
+        """Before each training epoch (a pass over all train windows)."""
+
+    def after_epoch(self, trainer: Trainer, epoch: int) -> None:
+        """After each training epoch that started."""
+
+    def before_window(self, trainer: Trainer, window_id: str) -> None:
+        """Before the first batch of a window; ``trainer.state.mode`` says train or eval."""
+
+    def after_window(self, trainer: Trainer, window_id: str) -> None:
+        """After a window ends (all ranks agreed it is exhausted, or a limit/stop cut it)."""
+
+    def after_data(self, trainer: Trainer, batch: Batch) -> None:
+        """After each batch is fetched (and moved to the device), before it is used."""
+
+    def out_of_data(self, trainer: Trainer, window_id: str, rows_unread: int) -> None:
+        """When all ranks agreed the current window is exhausted. In training, ranks that
+        still had data drop it (``rows_unread`` counts this rank's rows left in the batch it
+        fetched); in evaluation nothing is dropped (exhausted ranks pad instead), so it is 0."""
+
+    def before_step(self, trainer: Trainer) -> None:
+        """Before the first micro-batch of each optimizer step (``state.global_step`` is the
+        number of steps done so far)."""
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        """After each optimizer step (``state.global_step`` already counts it)."""
+
+    def before_eval_step(self, trainer: Trainer) -> None:
+        """Before each evaluation batch's forward pass."""
+
+    def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
+        """After each evaluation batch's forward pass; padding batches have ``is_padding``."""
+
+    def before_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        """Before a checkpoint snapshot is taken for ``path``."""
+
+    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        """After the checkpoint at ``path`` is committed (for async saves: when it commits)."""
+
+    def after_load_checkpoint(self, trainer: Trainer, path: str) -> None:
+        """After the state was restored from ``path``."""
+
+    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+        """When ``train``/``evaluate``/``train_and_evaluate`` raises; ``end`` still follows."""
+
+    def end(self, trainer: Trainer) -> None:
+        """Exactly once per top-level call (``train``, ``evaluate``, ``train_and_evaluate``),
+        last, whether it ended normally or by an exception."""
+
+    def handled_events(self) -> set[str] | None:
+        """Which events this hook handles; None (the default) means: those its class overrides."""
+        return None
+
+    # -- state for checkpoints: hooks with state override both --
+    def state_dict(self) -> dict[str, Any]:
+        """State to save in checkpoints (e.g. early-stopping counters). Default: none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned."""
+
+
+def overridden_events(hook: Hook) -> set[str]:
+    """The events ``hook`` handles (so the dispatcher can skip the rest for free): those its
+    class overrides, or what the hook's ``handled_events()`` says (e.g. ``LambdaHook``)."""
+    declared = hook.handled_events()
+    if declared is not None:
+        return set(declared)
+    cls = type(hook)
+    return {e for e in EVENTS if getattr(cls, e) is not getattr(Hook, e)}
+
+
+class HookList:
+    """Calls hooks in list order, each only for the events it overrides."""
+
+    def __init__(self, hooks: Sequence[Hook] = ()) -> None:
+        self._hooks: list[Hook] = []
+        self._by_event: dict[str, list[Hook]] = {e: [] for e in EVENTS}
+        for h in hooks:
+            self.add(h)
+
+    def add(self, hook: Hook) -> None:
+        if not isinstance(hook, Hook):
+            raise TypeError(f"hooks must be recsys_trainer.Hook instances, got {type(hook).__name__}.")
+        self._hooks.append(hook)
+        for e in overridden_events(hook):
+            self._by_event[e].append(hook)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._hooks)
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+    def has(self, event: str) -> bool:
+        return bool(self._by_event[event])
+
+    def fire(self, event: str, *args: Any) -> None:
+        for h in self._by_event[event]:
+            getattr(h, event)(*args)

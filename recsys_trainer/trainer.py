@@ -1,0 +1,544 @@
+"""The Trainer: a hook-list training loop over sharded sparse and DDP dense parameters.
+
+Event order (every event fires exactly as written; ``end`` once per top-level call)::
+
+    train():
+        before_train
+        for epoch in epochs (until train_epoch, train_steps or an agreed stop):
+            before_epoch(epoch)
+            for window in train windows (at most window_iter):
+                before_window(window_id)
+                loop:
+                    batch = next()                   # one all-reduce: out of data / stop agreed
+                    if all ranks agreed to stop: out_of_data(window_id, rows_unread) if data ran out; break
+                    before_step
+                    for each micro-batch (gradient_accumulation_steps, fewer at a window's end):
+                        after_data(batch)
+                        forward, backward            # fused sparse update happens here
+                    dense optimizer step, lr scheduler step, global_step += 1
+                    after_step(output)
+                    [checkpoint triggers]
+                    if global_step == train_steps: break all
+                after_window(window_id)
+                [train_and_evaluate with windowed eval: evaluate eval window i (see below)]
+            after_epoch(epoch)
+            [train_and_evaluate with unwindowed eval: evaluate]
+        after_train
+        end
+
+    evaluate():
+        before_evaluate
+        for window in eval windows:
+            before_window(window_id)
+            for batch (exhausted ranks pad with zero-weight batches until all are done):
+                after_data(batch); before_eval_step; forward; after_eval_step(output)
+            out_of_data(window_id, 0); after_window(window_id)
+        after_evaluate(metrics)
+        end                                           # only when evaluate() is the top-level call
+
+On an exception: on_exception(exc), then end, then the exception propagates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from recsys_trainer.args import TrainingArguments
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.base import WindowedDataset, as_windowed
+from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.distributed import (
+    Gang,
+    ProcessGroupGang,
+    configure_cpu_threads,
+    init_distributed,
+    new_control_group,
+)
+from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.sharding import (
+    DenseOptimizerArg,
+    SchedulerArg,
+    SparseDenseOptimizer,
+    SparseOptimizer,
+    build_dense_optimizer,
+    install_sparse_grad_unscaling,
+    shard_model,
+)
+
+logger = logging.getLogger("recsys_trainer")
+
+
+class CheckpointerProtocol(Protocol):
+    """What the Trainer calls on its checkpointer (see ``recsys_trainer.checkpoint``)."""
+
+    def maybe_resume(self, trainer: Trainer) -> None: ...
+    def on_step_end(self, trainer: Trainer) -> None: ...
+    def on_window_end(self, trainer: Trainer) -> None: ...
+    def on_epoch_end(self, trainer: Trainer) -> None: ...
+    def on_train_end(self, trainer: Trainer) -> None: ...
+    def close(self) -> None: ...
+
+
+@dataclass
+class TrainerState:
+    """The counters the Trainer owns (saved in checkpoints, restored on resume)."""
+
+    global_step: int = 0
+    """Optimizer steps done."""
+    epoch: int = 0
+    """Current (0-based) epoch; after training, the number of epochs started."""
+    window_index: int = 0
+    """Index of the current train window within the epoch."""
+    batches_in_window: int = 0
+    """Micro-batches *trained* in the current train window (the resume position)."""
+    window_id: str | None = None
+    mode: Literal["idle", "train", "eval"] = "idle"
+    rows_unread: int = 0
+    """Train rows dropped because another rank ran out of data first (whole run)."""
+    stop_reason: str | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in ("mode", "stop_reason")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = set(self.state_dict())
+        if set(state) != expected:
+            raise ValueError(
+                f"trainer state keys differ: missing {sorted(expected - set(state))}, "
+                f"unexpected {sorted(set(state) - expected)}."
+            )
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def _split_output(out: Any) -> tuple[torch.Tensor, Any]:
+    if isinstance(out, torch.Tensor):
+        return out, None
+    if isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[0], torch.Tensor):
+        return out[0], out[1]
+    raise TypeError(
+        "the model's forward(batch) must return the loss tensor or a (loss, outputs) pair; "
+        f"got {type(out).__name__}."
+    )
+
+
+class Trainer:
+    """Trains a model whose embedding tables are sharded by TorchRec and whose dense part is DDP.
+
+    Args:
+        model: an *unsharded* ``nn.Module`` with torchrec ``EmbeddingBagCollection``s (tables
+            may be on the meta device) whose ``forward(batch: Batch)`` returns the loss, or
+            ``(loss, outputs)``; ``outputs`` (e.g. logits) reaches hooks as
+            ``StepOutput.micro_batches[i].outputs``. Losses should honour ``batch.weights``.
+        args: ``TrainingArguments``.
+        train_dataset / eval_dataset: a ``WindowedDataset`` or any re-iterable of ``Batch``
+            (then: one window, not sharded — give each rank its own data).
+        hooks: run in list order. A ``LoggerHook`` is added unless one is given or
+            ``add_logger_hook=False``.
+        dense_optimizers: ``(optimizer or factory params->optimizer, scheduler or factory
+            optimizer->scheduler or None)``. The factory form is preferred: the Trainer hands it
+            exactly the parameters without an in-backward optimizer.
+        sparse_optimizer: the fused optimizer for all embedding tables.
+
+    The constructor initialises the process group (via accelerate under torchrun; a world-size-1
+    gloo group in a plain process), shards the model, and builds both optimizers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        hooks: Sequence[Hook] | None = None,
+        dense_optimizers: tuple[DenseOptimizerArg, SchedulerArg] | None = None,
+        sparse_optimizer: SparseOptimizer | None = None,
+        *,
+        add_logger_hook: bool = True,
+        gang: Gang | None = None,
+    ) -> None:
+        self.args = args if args is not None else TrainingArguments()
+        if not isinstance(self.args, TrainingArguments):
+            raise TypeError(f"`args` must be a TrainingArguments, got {type(self.args).__name__}.")
+        self.accelerator = self._make_accelerator()
+        info = init_distributed(self.args.device)
+        self.device = info.device
+        self.rank, self.world_size = info.rank, info.world_size
+        configure_cpu_threads(info.local_world_size)
+        self._seed(self.args.seed)
+        self.gang: Gang = gang if gang is not None else ProcessGroupGang(new_control_group())
+
+        self.sparse_optimizer_spec = sparse_optimizer or SparseOptimizer()
+        self.model = shard_model(
+            model,
+            self.sparse_optimizer_spec,
+            self.device,
+            sharding_types=self.args.sharding_types,
+            local_world_size=info.local_world_size,
+            static_graph=self.args.gradient_accumulation_steps == 1,
+        )
+        if dense_optimizers is None:
+            dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
+        dense_arg, sched_arg = dense_optimizers
+        dense_opt, dense_named = build_dense_optimizer(self.model, dense_arg)
+        self.dense_params = [p for _, p in dense_named]
+        self.optimizer = SparseDenseOptimizer(dense_opt, dense_named, self.model.fused_optimizer)
+        if sched_arg is None or isinstance(sched_arg, torch.optim.lr_scheduler.LRScheduler):
+            self.lr_scheduler = sched_arg
+        else:
+            self.lr_scheduler = sched_arg(dense_opt)
+        if self.lr_scheduler is not None and self.lr_scheduler.optimizer is not dense_opt:
+            raise ValueError(
+                "the lr scheduler is bound to another optimizer than the dense optimizer; pass a "
+                "factory `lambda opt: Scheduler(opt, ...)` as dense_optimizers[1]."
+            )
+        if self.accelerator.scaler is not None:
+            # fp16: fused sparse updates run inside backward, before any unscale_ could: unscale
+            # on the way into the tables instead (see sharding._ScaleGrad).
+            scaler = self.accelerator.scaler
+            install_sparse_grad_unscaling(self.model, lambda: scaler.get_scale())
+
+        self.train_dataset: WindowedDataset | None = as_windowed(train_dataset)
+        self.eval_dataset: WindowedDataset | None = as_windowed(eval_dataset)
+        for ds in (self.train_dataset, self.eval_dataset):
+            if ds is not None:
+                ds.setup(self.rank, self.world_size)
+
+        self.hooks = HookList()
+        user_hooks = list(hooks or [])
+        if add_logger_hook and not any(isinstance(h, LoggerHook) for h in user_hooks):
+            user_hooks.insert(0, LoggerHook())
+        for h in user_hooks:
+            self.hooks.add(h)
+
+        self.state = TrainerState()
+        self.checkpointer: CheckpointerProtocol | None = None
+        self._stop_local = False
+        self._non_finite_local = False
+        self._depth = 0
+        self._in_train = False
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    def add_hook(self, hook: Hook) -> None:
+        """Append a hook (runs after those already added)."""
+        self.hooks.add(hook)
+
+    def add_hooks(self, hooks: Sequence[Hook]) -> None:
+        for h in hooks:
+            self.add_hook(h)
+
+    def request_stop(self, reason: str = "requested by a hook") -> None:
+        """Ask to stop training. Agreed across ranks at the next batch fetch, so every rank stops
+        after the same step (the current step completes)."""
+        self._stop_local = True
+        if self.state.stop_reason is None:
+            self.state.stop_reason = reason
+
+    def dense_lr(self) -> float:
+        return self.optimizer.dense_lr()
+
+    def sparse_lr(self) -> float | None:
+        return self.optimizer.sparse_lr()
+
+    def train(self) -> None:
+        """Train on ``train_dataset`` (see the module docstring for the event order)."""
+        with self._top_level():
+            self._train(with_eval=False)
+
+    def evaluate(self) -> dict[str, float]:
+        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
+        with self._top_level():
+            return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
+
+    def train_and_evaluate(self) -> None:
+        """Train, evaluating after each train window (windowed eval data: eval window ``i``
+        after train window ``i``) or after each epoch (unwindowed eval data)."""
+        self._require(self.eval_dataset, "eval_dataset")
+        with self._top_level():
+            self._train(with_eval=True)
+
+    # ------------------------------------------------------------------ loops
+
+    @contextlib.contextmanager
+    def _top_level(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        except BaseException as exc:
+            self.hooks.fire("on_exception", self, exc)
+            raise
+        finally:
+            self._depth -= 1
+            self.state.mode = "idle"
+            if self._depth == 0:
+                self.hooks.fire("end", self)
+
+    def _train(self, with_eval: bool) -> None:
+        train_ds = self._require(self.train_dataset, "train_dataset")
+        args, st = self.args, self.state
+        self._stop_local = False
+        st.stop_reason = None
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_resume(self)
+        self.hooks.fire("before_train", self)
+        done = False
+        while not done and st.epoch < args.train_epoch:
+            self.hooks.fire("before_epoch", self, st.epoch)
+            windows = self._window_list(train_ds, args.window_iter)
+            eval_windows = (
+                self._window_list(self.eval_dataset, None)
+                if with_eval and self._is_windowed(self.eval_dataset)
+                else None
+            )
+            for index in range(st.window_index, len(windows)):
+                st.window_index = index
+                done = self._train_window(train_ds, windows[index])
+                if eval_windows is not None and index < len(eval_windows):
+                    assert self.eval_dataset is not None
+                    self._evaluate(self.eval_dataset, [eval_windows[index]])
+                if not done:
+                    # The window is finished: the resume position moves to the next one.
+                    st.window_index, st.batches_in_window = index + 1, 0
+                    if self.checkpointer is not None:
+                        self.checkpointer.on_window_end(self)
+                if done:
+                    break
+            self.hooks.fire("after_epoch", self, st.epoch)
+            if with_eval and eval_windows is None:
+                assert self.eval_dataset is not None
+                self._evaluate(self.eval_dataset, None)
+            if not done:
+                st.epoch += 1
+                st.window_index = 0
+                if self.checkpointer is not None:
+                    self.checkpointer.on_epoch_end(self)
+        if args.train_steps is not None and st.global_step < args.train_steps and st.stop_reason is None:
+            logger.warning(
+                "training ended after %d of train_steps=%d steps: the data ran out after "
+                "train_epoch=%d epochs.", st.global_step, args.train_steps, args.train_epoch
+            )
+        if st.rows_unread and self.is_rank_zero:
+            logger.info("rank 0 left %d train rows unread at window ends (uneven data)", st.rows_unread)
+        if self.checkpointer is not None:
+            self.checkpointer.on_train_end(self)
+        self.hooks.fire("after_train", self)
+
+    def _train_window(self, ds: WindowedDataset, window_id: str) -> bool:
+        """Train one window; returns True when training must end (limit or agreed stop)."""
+        args, st = self.args, self.state
+        st.mode, st.window_id = "train", window_id
+        self.model.train()
+        self.hooks.fire("before_window", self, window_id)
+        it = SyncedIterator(
+            ds.iter_window(window_id, skip_batches=st.batches_in_window),
+            self.gang,
+            pad=False,
+            local_flags=lambda: (self._stop_local, self._non_finite_local),
+        )
+        finished = False
+        batch = self._fetch(it)
+        while batch is not None:
+            self._train_step(batch, it)
+            if self.checkpointer is not None:
+                self.checkpointer.on_step_end(self)
+            if args.train_steps is not None and st.global_step >= args.train_steps:
+                st.stop_reason = st.stop_reason or f"train_steps={args.train_steps} reached"
+                finished = True
+                break
+            batch = self._fetch(it)
+        if it.state.stop_requested or it.state.non_finite_loss:
+            finished = True
+            if it.state.non_finite_loss:
+                st.stop_reason = "non-finite loss"
+            st.stop_reason = st.stop_reason or "stop requested on another rank"
+        if it.state.out_of_data:
+            st.rows_unread += it.state.rows_unread
+            self.hooks.fire("out_of_data", self, window_id, it.state.rows_unread)
+        self.hooks.fire("after_window", self, window_id)
+        return finished
+
+    def _fetch(self, it: SyncedIterator) -> Batch | None:
+        b = next(it, None)
+        return None if b is None else b.to(self.device, non_blocking=True)
+
+    def _train_step(self, batch: Batch, it: SyncedIterator) -> None:
+        """One optimizer step over up to k micro-batches starting with ``batch``.
+
+        The next micro-batch is fetched *before* running the current one, so we know whether the
+        current one is the last of the step: only the last runs with DDP's gradient all-reduce
+        (the others under ``no_sync``, saving k-1 all-reduces of every dense gradient).
+        """
+        st, k = self.state, self.args.gradient_accumulation_steps
+        self.hooks.fire("before_step", self)
+        micro: list[MicroBatchOutput] = []
+        current: Batch | None = batch
+        while current is not None:
+            nxt = self._fetch(it) if len(micro) < k - 1 else None
+            is_last = nxt is None
+            self.accelerator.gradient_state._set_sync_gradients(is_last)
+            self.hooks.fire("after_data", self, current)
+            with self._no_sync(not is_last):
+                with self.accelerator.autocast():
+                    loss, outputs = _split_output(self.model(current))
+                # accelerate divides by gradient_accumulation_steps: dense grads become the mean
+                # over micro-batches; fused sparse updates see loss/k on every micro-batch.
+                self.accelerator.backward(loss)
+            micro.append(MicroBatchOutput(current, loss.detach(), outputs))
+            st.batches_in_window += 1
+            current = nxt
+        if len(micro) < k:
+            # A window ended mid-accumulation: make the dense grads the mean over the j
+            # micro-batches that ran (sparse updates already used loss/k).
+            for p in self.dense_params:
+                if p.grad is not None:
+                    p.grad.mul_(k / len(micro))
+        if self.args.max_grad_norm is not None:
+            # DDP already averaged the grads, so every rank computes the same global norm.
+            self.accelerator.unscale_gradients()
+            torch.nn.utils.clip_grad_norm_(self.dense_params, self.args.max_grad_norm)
+        self._optimizer_step()
+        st.global_step += 1
+        loss_mean = torch.stack([m.loss.float() for m in micro]).mean()
+        self.hooks.fire("after_step", self, StepOutput(st.global_step, loss_mean, micro))
+
+    def _optimizer_step(self) -> None:
+        scaler = self.accelerator.scaler
+        if scaler is not None:
+            scaler.step(self.optimizer.dense)
+            scaler.update()
+        else:
+            self.optimizer.dense.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.optimizer.dense.zero_grad(set_to_none=True)
+
+    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager[Any]:
+        inner = getattr(self.model, "_dmp_wrapped_module", None)
+        if skip and isinstance(inner, torch.nn.parallel.DistributedDataParallel):
+            return inner.no_sync()
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _evaluate(self, ds: WindowedDataset, windows: list[str] | None) -> dict[str, float]:
+        st, args = self.state, self.args
+        prev_mode = st.mode
+        st.mode = "eval"
+        self.model.eval()
+        self.hooks.fire("before_evaluate", self)
+        loss_sum, rows, steps = 0.0, 0, 0
+        for window_id in windows if windows is not None else self._window_list(ds, None):
+            st.window_id = window_id
+            self.hooks.fire("before_window", self, window_id)
+            it = SyncedIterator(
+                ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch
+            )
+            while args.eval_steps is None or steps < args.eval_steps:
+                raw = next(it, None)
+                if raw is None:
+                    break
+                batch = raw.to(self.device, non_blocking=True)
+                is_pad = it.last_was_padding
+                self.hooks.fire("after_data", self, batch)
+                self.hooks.fire("before_eval_step", self)
+                with self.accelerator.autocast():
+                    loss, outputs = _split_output(self.model(batch))
+                steps += 1
+                if not is_pad:
+                    n = batch.num_real_rows()
+                    loss_sum += float(loss.float().item()) * n
+                    rows += n
+                out = StepOutput(steps, loss.detach(), [MicroBatchOutput(batch, loss.detach(), outputs)], is_pad)
+                self.hooks.fire("after_eval_step", self, out)
+            if it.state.out_of_data:
+                self.hooks.fire("out_of_data", self, window_id, 0)
+            self.hooks.fire("after_window", self, window_id)
+            if args.eval_steps is not None and steps >= args.eval_steps:
+                break
+        total_loss, total_rows = self.gang.all_reduce_sum_float([loss_sum, float(rows)])
+        metrics = {
+            "loss": total_loss / total_rows if total_rows else math.nan,
+            "num_samples": total_rows,
+        }
+        self.hooks.fire("after_evaluate", self, metrics)
+        st.mode = prev_mode
+        if prev_mode == "train":
+            self.model.train()
+        return metrics
+
+    # ------------------------------------------------------------------ helpers
+
+    def _make_accelerator(self) -> Any:
+        from accelerate import Accelerator
+
+        a = self.args
+        cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
+        if a.mixed_precision == "fp16" and not cuda:
+            raise ValueError(
+                "`mixed_precision` is 'fp16', which needs CUDA (CPU autocast has no fp16 loss "
+                "scaling); on CPU use 'bf16' or 'no'."
+            )
+        return Accelerator(
+            cpu=not cuda,
+            mixed_precision=a.mixed_precision,
+            gradient_accumulation_steps=a.gradient_accumulation_steps,
+        )
+
+    @staticmethod
+    def _seed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def _is_windowed(ds: WindowedDataset | None) -> bool:
+        from recsys_trainer.data.base import IterableAsWindow
+
+        return ds is not None and not isinstance(ds, IterableAsWindow)
+
+    @staticmethod
+    def _window_list(ds: WindowedDataset | None, limit: int | None) -> list[str]:
+        assert ds is not None
+        out: list[str] = []
+        for w in ds.window_ids():
+            if limit is not None and len(out) >= limit:
+                break
+            out.append(w)
+        return out
+
+    @staticmethod
+    def _require(ds: WindowedDataset | None, name: str) -> WindowedDataset:
+        if ds is None:
+            raise ValueError(f"`{name}` is None; pass it to Trainer(...) to use this method.")
+        return ds
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log ``recsys_trainer`` messages to stderr with rank-aware formatting (idempotent)."""
+    log = logging.getLogger("recsys_trainer")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
+
+
+__all__ = ["Trainer", "TrainerState", "setup_logging"]
