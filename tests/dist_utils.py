@@ -1,0 +1,94 @@
+"""Run a function on N real processes with a gloo group, with a hard timeout.
+
+``run_distributed(fn, world_size=2, timeout_s=120, args=(...))`` starts ``world_size`` spawned
+processes, each with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set as torchrun would, calls
+``fn(*args)`` in each, and returns the per-rank return values (must be picklable). A rank that
+raises fails the test with its traceback; a hang past ``timeout_s`` kills every rank and fails.
+``fn`` must be defined at module level (spawn pickles it by reference).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from recsys_trainer.distributed import free_port
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
+           args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    })
+    try:
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+        os._exit(1)
+    try:
+        import recsys_trainer.distributed as rd
+
+        rd.shutdown()
+    except Exception:  # noqa: BLE001 - teardown best effort
+        pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 120,
+                    args: tuple[Any, ...] = (), env: dict[str, str] | None = None) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, dict(env or {}), args, results),
+                    daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"distributed test timed out after {timeout_s}s; ranks done: {sorted(out)}"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and not errors and len(out) + len(errors) < world_size:
+                    # a rank died without reporting (e.g. SIGABRT in a collective)
+                    time.sleep(1.0)
+                    if results.empty():
+                        raise RuntimeError(
+                            f"rank process exited with code {dead[0].exitcode} without a result"
+                        ) from None
+                continue
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+        if errors:
+            raise AssertionError("\n".join(errors))
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
