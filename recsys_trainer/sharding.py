@@ -123,11 +123,11 @@ def apply_sparse_optimizer(model: nn.Module, spec: SparseOptimizer) -> list[str]
 def table_names(model: nn.Module) -> list[str]:
     out: list[str] = []
     for _, module in embedding_modules(model):
-        configs = (
-            module.embedding_bag_configs()
-            if isinstance(module, EmbeddingBagCollection)
-            else module.embedding_configs()
-        )
+        configs: Any
+        if isinstance(module, EmbeddingBagCollection):
+            configs = module.embedding_bag_configs()
+        else:
+            configs = module.embedding_configs()  # type: ignore[operator]
         out.extend(c.name for c in configs)
     return out
 

@@ -46,6 +46,7 @@ import logging
 import math
 import random
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
@@ -67,6 +68,7 @@ from recsys_trainer.distributed import (
 )
 from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.hooks.timing import StepTimings
 from recsys_trainer.sharding import (
     DenseOptimizerArg,
     SchedulerArg,
@@ -227,6 +229,14 @@ class Trainer:
         self.checkpointer: CheckpointerProtocol | None = None
         self._stop_local = False
         self._non_finite_local = False
+        self.timings = StepTimings()
+        """Wall-time breakdown of the last training step (read it in ``after_step``)."""
+        self.skip_non_finite_loss = False
+        """When True (``NonFiniteLossHook(action="skip")`` sets it), each micro-batch's loss is
+        checked *before* backward and the ranks agree (one extra all-reduce per micro-batch, and
+        a device sync on CUDA) whether to skip it; see ``_train_step``."""
+        self.last_step_skipped = False
+        """True when the last step had a micro-batch skipped for a non-finite loss."""
         self._depth = 0
         self._in_train = False
 
@@ -250,6 +260,11 @@ class Trainer:
         self._stop_local = True
         if self.state.stop_reason is None:
             self.state.stop_reason = reason
+
+    def report_non_finite_loss(self) -> None:
+        """Flag this rank's loss as non-finite: like ``request_stop``, every rank stops after the
+        same step (agreed at the next batch fetch), with stop reason "non-finite loss"."""
+        self._non_finite_local = True
 
     def dense_lr(self) -> float:
         return self.optimizer.dense_lr()
@@ -301,6 +316,7 @@ class Trainer:
         done = False
         while not done and st.epoch < args.train_epoch:
             self.hooks.fire("before_epoch", self, st.epoch)
+            train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             windows = self._window_list(train_ds, args.window_iter)
             eval_windows = (
                 self._window_list(self.eval_dataset, None)
@@ -375,8 +391,11 @@ class Trainer:
         return finished
 
     def _fetch(self, it: SyncedIterator) -> Batch | None:
+        t0 = time.perf_counter()
         b = next(it, None)
-        return None if b is None else b.to(self.device, non_blocking=True)
+        out = None if b is None else b.to(self.device, non_blocking=True)
+        self.timings.add_data_wait(t0)
+        return out
 
     def _train_step(self, batch: Batch, it: SyncedIterator) -> None:
         """One optimizer step over up to k micro-batches starting with ``batch``.
@@ -389,6 +408,8 @@ class Trainer:
         self.hooks.fire("before_step", self)
         micro: list[MicroBatchOutput] = []
         current: Batch | None = batch
+        skipped = False
+        t_fb, wait_before = time.perf_counter(), self.timings.data_wait_s
         while current is not None:
             nxt = self._fetch(it) if len(micro) < k - 1 else None
             is_last = nxt is None
@@ -399,24 +420,47 @@ class Trainer:
                     loss, outputs = _split_output(self.model(current))
                 # accelerate divides by gradient_accumulation_steps: dense grads become the mean
                 # over micro-batches; fused sparse updates see loss/k on every micro-batch.
-                self.accelerator.backward(loss)
+                if self.skip_non_finite_loss and self._agree_non_finite(loss):
+                    # No backward at all, on every rank: the fused sparse update runs inside
+                    # backward, so this is the only way to keep a NaN out of the tables, and
+                    # skipping on all ranks together keeps DDP's and the shards' collectives
+                    # matched.
+                    skipped = True
+                else:
+                    self.accelerator.backward(loss)
             micro.append(MicroBatchOutput(current, loss.detach(), outputs))
             st.batches_in_window += 1
             current = nxt
-        if len(micro) < k:
+        tm = self.timings
+        tm.forward_backward_s += time.perf_counter() - t_fb - (tm.data_wait_s - wait_before)
+        t_opt = time.perf_counter()
+        if skipped:
+            # The accumulated dense grads are partial, and unsynchronised if the skipped
+            # micro-batch was the one that would all-reduce: drop the whole dense update.
+            self.optimizer.dense.zero_grad(set_to_none=True)
+        elif len(micro) < k:
             # A window ended mid-accumulation: make the dense grads the mean over the j
             # micro-batches that ran (sparse updates already used loss/k).
             for p in self.dense_params:
                 if p.grad is not None:
                     p.grad.mul_(k / len(micro))
-        if self.args.max_grad_norm is not None:
-            # DDP already averaged the grads, so every rank computes the same global norm.
-            self.accelerator.unscale_gradients()
-            torch.nn.utils.clip_grad_norm_(self.dense_params, self.args.max_grad_norm)
-        self._optimizer_step()
+        if not skipped:
+            if self.args.max_grad_norm is not None:
+                # DDP already averaged the grads, so every rank computes the same global norm.
+                self.accelerator.unscale_gradients()
+                torch.nn.utils.clip_grad_norm_(self.dense_params, self.args.max_grad_norm)
+            self._optimizer_step()
+        tm.optimizer_s += time.perf_counter() - t_opt
+        self.last_step_skipped = skipped
         st.global_step += 1
         loss_mean = torch.stack([m.loss.float() for m in micro]).mean()
         self.hooks.fire("after_step", self, StepOutput(st.global_step, loss_mean, micro))
+        tm.reset()
+
+    def _agree_non_finite(self, loss: torch.Tensor) -> bool:
+        """Whether any rank's micro-batch loss is non-finite (one all-reduce; a device sync)."""
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        return bool(self.gang.all_reduce_max([int(bad)])[0])
 
     def _optimizer_step(self) -> None:
         scaler = self.accelerator.scaler
@@ -494,6 +538,14 @@ class Trainer:
                 "`mixed_precision` is 'fp16', which needs CUDA (CPU autocast has no fp16 loss "
                 "scaling); on CPU use 'bf16' or 'no'."
             )
+        from accelerate.state import AcceleratorState, GradientState
+
+        # accelerate keeps process-wide singletons; a second Trainer in the same process (tests,
+        # notebooks) with another precision would be refused, so start them afresh. The process
+        # group itself is kept.
+        if AcceleratorState._shared_state:
+            AcceleratorState._reset_state(reset_partial_state=False)
+            GradientState._reset_state()
         return Accelerator(
             cpu=not cuda,
             mixed_precision=a.mixed_precision,

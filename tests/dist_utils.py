@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 from collections.abc import Callable
@@ -29,7 +30,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: d
     })
     try:
         out = fn(*args)
-        results.put((rank, True, out))
+        # Plain pickle bytes: torch's mp reductions would pass tensors as shared-memory handles
+        # that vanish when this process exits.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
         os._exit(1)
@@ -78,7 +81,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout_s: floa
                         ) from None
                 continue
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

@@ -1,0 +1,258 @@
+"""Single-process behaviour of the Trainer, its arguments and hooks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import Recorder, batches, make_trainer, tiny_model
+
+from recsys_trainer import (
+    LambdaHook,
+    NotSupportedYetError,
+    SparseOptimizer,
+    Trainer,
+    TrainingArguments,
+    supported_sparse_optimizers,
+)
+from recsys_trainer.distributed import FakeGang
+from recsys_trainer.hooks.base import HookList
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("train_steps", 0, "`train_steps` must be an int >= 1 or None, but is 0."),
+        ("train_epoch", -1, "`train_epoch` must be an int >= 1, but is -1."),
+        ("gradient_accumulation_steps", 0, "`gradient_accumulation_steps` must be an int >= 1"),
+        ("log_steps", 2.5, "`log_steps` must be an int >= 1, but is 2.5."),
+        ("max_grad_norm", -1.0, "`max_grad_norm` must be a number > 0 or None, but is -1.0."),
+        ("mixed_precision", "fp8", "`mixed_precision` must be one of 'no', 'bf16', 'fp16', but is 'fp8'."),
+        ("device", "tpu", "`device` must be one of 'auto', 'cpu', 'cuda', but is 'tpu'."),
+        ("output_dir", "", "`output_dir` must be a non-empty path string"),
+        ("sharding_types", {"t_f0": "diagonal"}, "`sharding_types['t_f0']` must be one of"),
+    ],
+)
+def test_invalid_training_arguments_name_the_field_value_and_range(field, value, message) -> None:
+    with pytest.raises(ValueError) as err:
+        TrainingArguments(**{field: value})
+    assert message in str(err.value)
+
+
+def test_unsupported_sparse_optimizer_on_cpu_lists_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match="not supported by FBGEMM on cpu; supported there: sgd, adagrad, rowwise_adagrad"):
+        SparseOptimizer("adam").check_device("cpu")
+    assert supported_sparse_optimizers("cuda")[:3] == ["sgd", "adagrad", "rowwise_adagrad"]
+    with pytest.raises(ValueError, match="`sparse_optimizer.name` must be one of"):
+        SparseOptimizer("adamw")
+    with pytest.raises(ValueError, match="`sparse_optimizer.lr` must be a number > 0"):
+        SparseOptimizer("sgd", lr=0)
+
+
+def test_trainer_refuses_adam_for_tables_on_cpu() -> None:
+    with pytest.raises(ValueError, match="sparse optimizer 'adam' is not supported by FBGEMM on cpu"):
+        make_trainer(train=batches(2), sparse=SparseOptimizer("adam"), device="cpu")
+
+
+def test_fp16_on_cpu_is_refused_with_the_alternative() -> None:
+    with pytest.raises(ValueError, match="needs CUDA .* on CPU use 'bf16' or 'no'"):
+        make_trainer(train=batches(2), mixed_precision="fp16", device="cpu")
+
+
+def test_row_wise_sharding_on_cpu_is_refused_with_the_cpu_choices() -> None:
+    with pytest.raises(ValueError, match="which needs CUDA; on CPU use one of table_wise, column_wise, data_parallel"):
+        make_trainer(train=batches(2), sharding_types={"t_f0": "row_wise"}, device="cpu")
+
+
+def test_sharding_override_for_an_unknown_table_names_the_known_tables() -> None:
+    with pytest.raises(ValueError, match=r"names tables \['nope'\].*its tables: \['t_f0'"):
+        make_trainer(train=batches(2), sharding_types={"nope": "table_wise"})
+
+
+def test_checkpoint_fields_not_implemented_yet_fail_loudly() -> None:
+    from recsys_trainer.args import _SUPPORTED
+
+    unsupported = [f for f in ("save_steps", "model_bank") if f not in _SUPPORTED]
+    for f in unsupported:
+        with pytest.raises(NotSupportedYetError, match=f"`{f}` is not supported yet"):
+            TrainingArguments(**{f: 5 if f == "save_steps" else [{"path": "x"}]})
+
+
+def test_dense_optimizer_holding_embedding_tables_is_refused() -> None:
+    model = tiny_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    # Table params are on the meta device before sharding, but the optimizer holds them.
+    with pytest.raises(ValueError, match="the dense optimizer holds"):
+        Trainer(model=model, args=TrainingArguments(), train_dataset=batches(2),
+                dense_optimizers=(opt, None), add_logger_hook=False)
+
+
+def test_dense_optimizer_gets_exactly_the_parameters_without_a_fused_optimizer() -> None:
+    trainer = make_trainer(train=batches(2))
+    dense_ids = {id(p) for g in trainer.optimizer.dense.param_groups for p in g["params"]}
+    named = dict(trainer.model.named_parameters())
+    tables = {n for n in named if "embedding_bags" in n}
+    assert tables, "expected sharded table parameters"
+    assert dense_ids == {id(p) for n, p in named.items() if n not in tables}
+    assert all(hasattr(named[n], "_in_backward_optimizers") for n in tables)
+
+
+def test_train_steps_gives_exactly_that_many_optimizer_steps() -> None:
+    seen: list[int] = []
+    trainer = make_trainer(
+        train=batches(10), train_steps=7, train_epoch=5,
+        hooks=[LambdaHook(after_step=lambda t, out: seen.append(out.step))],
+    )
+    trainer.train()
+    assert trainer.state.global_step == 7
+    assert seen == list(range(1, 8))
+
+
+def test_train_epoch_walks_the_data_that_many_times() -> None:
+    trainer = make_trainer(train=batches(4), train_epoch=3)
+    trainer.train()
+    assert trainer.state.global_step == 12
+    assert trainer.state.epoch == 3
+
+
+def test_gradient_accumulation_counts_optimizer_steps_and_closes_partial_steps() -> None:
+    steps: list[int] = []
+    trainer = make_trainer(
+        train=batches(7), gradient_accumulation_steps=3,
+        hooks=[LambdaHook(after_step=lambda t, out: steps.append(len(out.micro_batches)))],
+    )
+    trainer.train()
+    # 7 micro-batches -> 3 + 3 + 1 (the window's last step is partial, not dropped)
+    assert steps == [3, 3, 1]
+    assert trainer.state.global_step == 3
+
+
+def test_event_sequence_of_train() -> None:
+    rec = Recorder()
+    trainer = make_trainer(train=batches(2), train_epoch=2, hooks=[rec])
+    trainer.train()
+    step = ["before_step", "after_data", "after_step"]
+    epoch0 = ["before_epoch(0)", "before_window(all)", *step[:2], "after_step(1)", *step[:2],
+              "after_step(2)", "out_of_data(all,0)", "after_window(all)", "after_epoch(0)"]
+    epoch1 = ["before_epoch(1)", "before_window(all)", *step[:2], "after_step(3)", *step[:2],
+              "after_step(4)", "out_of_data(all,0)", "after_window(all)", "after_epoch(1)"]
+    assert rec.events == ["before_train", *epoch0, *epoch1, "after_train", "end"]
+
+
+def test_event_sequence_of_evaluate() -> None:
+    rec = Recorder()
+    trainer = make_trainer(train=batches(1), eval_=batches(2, seed=9), hooks=[rec])
+    metrics = trainer.evaluate()
+    ev = ["after_data", "before_eval_step", "after_eval_step(1)", "after_data", "before_eval_step",
+          "after_eval_step(2)"]
+    assert rec.events == ["before_evaluate", "before_window(all)", *ev, "out_of_data(all,0)",
+                          "after_window(all)", "after_evaluate", "end"]
+    assert metrics["num_samples"] == 64 and math.isfinite(metrics["loss"])
+
+
+def test_event_sequence_of_train_and_evaluate_fires_end_once() -> None:
+    rec = Recorder()
+    trainer = make_trainer(train=batches(1), eval_=batches(1, seed=9), hooks=[rec], train_epoch=2)
+    trainer.train_and_evaluate()
+    one_epoch = lambda e, s: [  # noqa: E731
+        f"before_epoch({e})", "before_window(all)", "before_step", "after_data", f"after_step({s})",
+        "out_of_data(all,0)", "after_window(all)", f"after_epoch({e})",
+        "before_evaluate", "before_window(all)", "after_data", "before_eval_step",
+        "after_eval_step(1)", "out_of_data(all,0)", "after_window(all)", "after_evaluate",
+    ]
+    assert rec.events == ["before_train", *one_epoch(0, 1), *one_epoch(1, 2), "after_train", "end"]
+    assert rec.events.count("end") == 1
+
+
+def test_exception_fires_on_exception_then_end_and_propagates() -> None:
+    rec = Recorder()
+
+    def boom(trainer, out):  # noqa: ANN001
+        if out.step == 2:
+            raise RuntimeError("boom")
+
+    trainer = make_trainer(train=batches(4), hooks=[LambdaHook(after_step=boom), rec])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    assert rec.events[-2:] == ["on_exception", "end"]
+    assert "after_train" not in rec.events
+
+
+def test_a_hook_can_request_a_stop_after_the_current_step() -> None:
+    def stop_at_3(trainer, out):  # noqa: ANN001
+        if out.step == 3:
+            trainer.request_stop("enough")
+
+    trainer = make_trainer(train=batches(10), hooks=[LambdaHook(after_step=stop_at_3)])
+    trainer.train()
+    assert trainer.state.global_step == 3
+    assert trainer.state.stop_reason == "enough"
+
+
+def test_evaluate_uses_the_model_in_memory_after_train() -> None:
+    data = batches(30, seed=1)
+    held_out = batches(4, seed=2)
+    trainer = make_trainer(train=data, eval_=held_out, train_epoch=2)
+    before = trainer.evaluate()["loss"]
+    trainer.train()
+    after = trainer.evaluate()["loss"]
+    assert after < before - 0.02, (before, after)
+
+
+def test_hooks_run_in_list_order_and_only_for_overridden_events() -> None:
+    calls: list[str] = []
+    a = LambdaHook(before_train=lambda t: calls.append("a"))
+    b = LambdaHook(before_train=lambda t: calls.append("b"))
+    hl = HookList([a, b])
+    assert not hl.has("after_step") and hl.has("before_train")
+    hl.fire("before_train", None)
+    assert calls == ["a", "b"]
+    with pytest.raises(ValueError, match="unknown hook events"):
+        LambdaHook(after_stepp=lambda t, o: None)
+
+
+def test_lr_of_both_optimizers_is_readable_and_follows_the_scheduler() -> None:
+    trainer = Trainer(
+        model=tiny_model(),
+        args=TrainingArguments(log_steps=1000),
+        train_dataset=batches(4),
+        dense_optimizers=(
+            lambda p: torch.optim.SGD(p, lr=0.1),
+            lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        ),
+        sparse_optimizer=SparseOptimizer("sgd", lr=0.05),
+        add_logger_hook=False,
+    )
+    assert trainer.dense_lr() == pytest.approx(0.1)
+    assert trainer.sparse_lr() == pytest.approx(0.05)
+    trainer.train()
+    assert trainer.dense_lr() == pytest.approx(0.1 * 0.5**4)
+
+
+def test_bf16_autocast_trains_on_cpu() -> None:
+    trainer = make_trainer(train=batches(4), mixed_precision="bf16")
+    trainer.train()
+    assert trainer.state.global_step == 4
+
+
+def test_grad_clipping_bounds_the_dense_update() -> None:
+    # With SGD, lr 1 and max norm 1e-3, no dense parameter can move by more than 1e-3 in total.
+    trainer = make_trainer(train=batches(1), dense_sgd=True, dense_lr=1.0, max_grad_norm=1e-3)
+    before = [p.detach().clone() for p in trainer.dense_params]
+    trainer.train()
+    moved = torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.dense_params, before, strict=True)])
+    assert 0 < moved.norm().item() <= 1e-3 + 1e-7
+
+
+def test_fake_gang_plays_another_rank_running_out_of_data() -> None:
+    # The peer reports out_of_data on the third fetch: training stops after 2 steps though this
+    # rank has 5 batches, and the rows it fetched but did not train are counted.
+    peer = [[0, 1, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0]]
+    rec = Recorder()
+    trainer = make_trainer(train=batches(5, batch_size=16), hooks=[rec])
+    trainer.gang = FakeGang(rank=0, world_size=2, peer_max=peer)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert "out_of_data(all,48)" in rec.events  # the fetched batch + the 2 left = 3 x 16 rows
+    assert trainer.state.rows_unread == 48
