@@ -25,6 +25,9 @@ class WindowedDataset(ABC):
     def setup(self, rank: int, world_size: int) -> None:
         """Choose this rank's share of every window. Default: no sharding (rank reads all)."""
 
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the Trainer before each epoch's windows (e.g. to reseed a shuffle)."""
+
     @abstractmethod
     def window_ids(self) -> Iterator[str]:
         """Window ids in training order (may block, for streaming sources)."""

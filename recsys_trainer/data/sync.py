@@ -81,6 +81,7 @@ class SyncedIterator(Iterator[Batch]):
                 if not self._pad:
                     st.rows_unread += self._count_rest()
             self._done = True
+            self.close()
             raise StopIteration
         if local is None:
             pad = self._last if self._last is not None else self._padding_batch()
@@ -96,6 +97,12 @@ class SyncedIterator(Iterator[Batch]):
         st.fetched += 1
         self._last = local
         return local
+
+    def close(self) -> None:
+        """Release the source (e.g. stop a dataset's read-ahead thread), if it can be closed."""
+        close = getattr(self._source, "close", None)
+        if callable(close):
+            close()
 
     def _count_rest(self) -> int:
         rows_remaining = getattr(self._source, "rows_remaining", None)

@@ -1,0 +1,408 @@
+"""``ParquetWindowDataset``: windows of parquet (or CSV) files, sharded by rows, prefetched.
+
+Per window, every rank reads the footers of all the window's files (cheap; it makes every rank
+agree on the sharding and on schema errors) and takes its share of the window's rows:
+
+* ``sharding="rows"`` (default): the window's rows, in file / row-group order, are cut into
+  ``world_size`` contiguous ranges whose sizes differ by at most one row, so even a window with
+  one row group splits. A rank reads only the row groups that overlap its range.
+* ``sharding="row_groups"``: row group ``i`` of the window goes whole to rank ``i % world_size``
+  (fewer partial reads; uneven when row groups are few or uneven).
+
+Each row is read by exactly one rank. With ``shuffle=True`` the order of the rank's pieces and of
+the rows inside each piece is permuted with a seed from ``(seed, epoch, window, rank)``.
+
+Batches are the rank's row stream cut every ``batch_size`` rows (the last one of a window may be
+short), so ``iter_window(w, skip_batches=k)`` starts exactly ``k * batch_size`` rows in, found
+from row counts without decoding the skipped rows. The position itself belongs to the Trainer
+(``TrainerState.window_index`` / ``batches_in_window``: *trained* micro-batches); this dataset's
+``state_dict`` holds the epoch and a fingerprint of its configuration, so a resume with another
+world size, seed, batch size or source fails loudly instead of reading other rows.
+
+CSV files are read whole with ``pyarrow.csv`` when their window is planned (one "row group" per
+file); use parquet for large data.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.features import DataError, FeatureSpec, _RowError
+from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.windows import Window, WindowSource, describe_source, resolve_windows
+
+logger = logging.getLogger("recsys_trainer.data")
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One readable unit of a window: a row group of a parquet file, or a whole CSV file."""
+
+    file: str
+    row_group: int
+    num_rows: int
+    table: pa.Table | None = field(default=None, compare=False, repr=False)
+    """A CSV file's rows, read when the window was planned."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Rows ``[start, start + length)`` of a unit, permuted by ``shuffle_seed`` if set."""
+
+    unit: _Unit
+    start: int
+    length: int
+    shuffle_seed: int | None
+    skip: int = 0
+    """Rows already consumed at the front (in shuffled order; a resume inside the piece)."""
+
+    @property
+    def rows(self) -> int:
+        return self.length - self.skip
+
+
+@dataclass
+class WindowStats:
+    """Counters of problems met so far (per dataset instance, this rank)."""
+
+    corrupt_files_skipped: int = 0
+    corrupt_rows_skipped: int = 0
+    empty_windows: int = 0
+
+
+class ParquetWindowDataset(WindowedDataset):
+    """A windowed dataset over parquet or CSV files (see the module docstring).
+
+    Args:
+        windows: a partitioned root directory, a list of globs, a list of ``Window``, a callable
+            returning windows, or ``StreamingWindows``.
+        features: the ``FeatureSpec`` (label, dense and sparse columns).
+        batch_size: rows per batch (per rank).
+        sharding: ``"rows"`` or ``"row_groups"``.
+        shuffle: permute rows within the window (per rank; seeded, reproducible).
+        seed: the shuffle seed (combined with the epoch and the window id).
+        prefetch_batches: decoded batches read ahead on a background thread (0: read on the
+            caller's thread).
+        on_corrupt: an unreadable file or row group: ``"error"`` (raise ``DataError``), or
+            ``"skip"`` it (counted in ``stats`` and logged).
+        file_format: ``"auto"`` (by extension), ``"parquet"`` or ``"csv"``.
+        csv_convert_options: passed to ``pyarrow.csv.read_csv`` (e.g. column types).
+    """
+
+    def __init__(
+        self,
+        windows: WindowSource,
+        features: FeatureSpec,
+        batch_size: int,
+        *,
+        sharding: Literal["rows", "row_groups"] = "rows",
+        shuffle: bool = False,
+        seed: int = 0,
+        prefetch_batches: int = 4,
+        on_corrupt: Literal["error", "skip"] = "error",
+        file_format: Literal["auto", "parquet", "csv"] = "auto",
+        csv_convert_options: pacsv.ConvertOptions | None = None,
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"`batch_size` must be an int >= 1, but is {batch_size!r}.")
+        if sharding not in ("rows", "row_groups"):
+            raise ValueError(f"`sharding` must be 'rows' or 'row_groups', but is {sharding!r}.")
+        if on_corrupt not in ("error", "skip"):
+            raise ValueError(f"`on_corrupt` must be 'error' or 'skip', but is {on_corrupt!r}.")
+        if prefetch_batches < 0:
+            raise ValueError(f"`prefetch_batches` must be >= 0, but is {prefetch_batches}.")
+        self.windows = windows
+        self.features = features
+        self.batch_size = batch_size
+        self.sharding = sharding
+        self.shuffle = shuffle
+        self.seed = seed
+        self.prefetch_batches = prefetch_batches
+        self.on_corrupt = on_corrupt
+        self.file_format = file_format
+        self.csv_convert_options = csv_convert_options
+        self.rank, self.world_size = 0, 1
+        self.epoch = 0
+        self.stats = WindowStats()
+        self._columns = features.columns()
+        self._known: dict[str, Window] = {}
+        self._pending_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ WindowedDataset
+
+    def setup(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"`rank` must be in [0, {world_size}), but is {rank}.")
+        self.rank, self.world_size = rank, world_size
+        if self._pending_state is not None:
+            self._check_fingerprint(self._pending_state)
+            self._pending_state = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def window_ids(self) -> Iterator[str]:
+        for w in resolve_windows(self.windows):
+            self._known[w.id] = w
+            yield w.id
+
+    def iter_window(self, window_id: str, skip_batches: int = 0) -> WindowIterator:
+        window = self._window(window_id)
+        pieces, total = self._plan(window)
+        pieces, rows = _skip(pieces, skip_batches * self.batch_size)
+        if total == 0:
+            self.stats.empty_windows += 1
+            logger.warning("window %s has no rows (files: %d); skipping it", window_id, len(window.files))
+        return WindowIterator(self, pieces, rows, window_id)
+
+    def padding_batch(self) -> Batch | None:
+        """An all-null row decoded through the spec: shapes a padding batch for a rank that has
+        no eval data at all (its values never count: the Trainer zeroes its weights)."""
+        spec = self.features
+        cols: dict[str, pa.Array] = {c: pa.array([0.0]) for c in spec.labels}
+        for d in spec.dense_features:
+            cols[d.column] = pa.array([0.0])
+        if spec.weight_column:
+            cols[spec.weight_column] = pa.array([0.0])
+        for s in spec.sparse:
+            cols[s.source] = pa.array([0], pa.int64())
+            if s.weight_column:
+                cols[s.weight_column] = pa.array([1.0])
+        return spec.decode(pa.table(cols))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "epoch": self.epoch, "fingerprint": self._fingerprint(),
+                "stats": dict(vars(self.stats))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {"version", "epoch", "fingerprint", "stats"}
+        if set(state) != expected:
+            raise ValueError(
+                f"ParquetWindowDataset state keys differ: missing {sorted(expected - set(state))}, "
+                f"unexpected {sorted(set(state) - expected)}."
+            )
+        self._check_fingerprint(state)
+        self.epoch = int(state["epoch"])
+        self.stats = WindowStats(**state["stats"])
+
+    # ------------------------------------------------------------------ planning
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "source": describe_source(self.windows), "world_size": self.world_size,
+            "rank": self.rank, "seed": self.seed, "batch_size": self.batch_size,
+            "shuffle": self.shuffle, "sharding": self.sharding, "columns": list(self._columns),
+        }
+
+    def _check_fingerprint(self, state: dict[str, Any]) -> None:
+        mine, saved = self._fingerprint(), dict(state["fingerprint"])
+        diff = {k: (saved.get(k), mine.get(k)) for k in set(mine) | set(saved) if saved.get(k) != mine.get(k)}
+        if diff:
+            detail = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise ValueError(
+                f"cannot resume this dataset from a state saved with another configuration ({detail}); "
+                "a resumed run must use the same world size, seed, batch size, sharding and data to "
+                "read every row exactly once."
+            )
+
+    def _window(self, window_id: str) -> Window:
+        if window_id not in self._known:
+            for _ in self.window_ids():
+                if window_id in self._known:
+                    break
+        if window_id not in self._known:
+            raise KeyError(f"unknown window {window_id!r}; window_ids() does not list it.")
+        return self._known[window_id]
+
+    def _format(self, path: str) -> str:
+        if self.file_format != "auto":
+            return self.file_format
+        return "csv" if path.endswith((".csv", ".csv.gz")) else "parquet"
+
+    def _units(self, window: Window) -> list[_Unit]:
+        """Every readable unit of the window, in file order; checks schemas on the way."""
+        units: list[_Unit] = []
+        for path in window.files:
+            try:
+                if self._format(path) == "csv":
+                    table = pacsv.read_csv(path, convert_options=self.csv_convert_options)
+                    self.features.check_schema(table.schema, path)
+                    units.append(_Unit(path, 0, table.num_rows, table))
+                    continue
+                md = pq.ParquetFile(path).metadata
+                schema = md.schema.to_arrow_schema()
+            except DataError:
+                raise
+            except (OSError, pa.ArrowException) as exc:
+                if self.on_corrupt == "skip":
+                    self.stats.corrupt_files_skipped += 1
+                    logger.warning("window %s: skipping unreadable file %s (%s)", window.id, path, exc)
+                    continue
+                raise DataError(
+                    f"cannot read the file ({type(exc).__name__}: {exc}); fix or remove it, or set "
+                    "on_corrupt='skip' to skip unreadable files (they are counted).", file=path,
+                ) from exc
+            self.features.check_schema(schema, path)
+            units.extend(_Unit(path, i, md.row_group(i).num_rows) for i in range(md.num_row_groups))
+        return units
+
+    def _plan(self, window: Window) -> tuple[list[_Piece], int]:
+        """This rank's pieces of the window, in reading order, and their total rows."""
+        units = [u for u in self._units(window) if u.num_rows > 0]
+        w, r = self.world_size, self.rank
+        rng = np.random.default_rng(
+            [self.seed, self.epoch, zlib.crc32(window.id.encode()), r]) if self.shuffle else None
+        pieces: list[_Piece] = []
+        if self.sharding == "row_groups":
+            pieces = [_Piece(u, 0, u.num_rows, None) for i, u in enumerate(units) if i % w == r]
+        else:
+            total = sum(u.num_rows for u in units)
+            lo, hi = total * r // w, total * (r + 1) // w
+            pos = 0
+            for u in units:
+                a, b = max(lo, pos), min(hi, pos + u.num_rows)
+                if a < b:
+                    pieces.append(_Piece(u, a - pos, b - a, None))
+                pos += u.num_rows
+        if rng is not None:
+            order = rng.permutation(len(pieces))
+            seeds = rng.integers(0, 2**63 - 1, size=len(pieces))
+            pieces = [
+                _Piece(pieces[i].unit, pieces[i].start, pieces[i].length, int(seeds[k]))
+                for k, i in enumerate(order)
+            ]
+        return pieces, sum(p.rows for p in pieces)
+
+    # ------------------------------------------------------------------ reading
+
+    def _read_piece(self, piece: _Piece) -> tuple[pa.Table, np.ndarray] | None:
+        """The piece's rows (projected on the spec's columns) and their row numbers in the unit."""
+        u = piece.unit
+        try:
+            if u.table is not None:
+                table = u.table.select(self._columns)
+            else:
+                table = pq.ParquetFile(u.file).read_row_group(u.row_group, columns=self._columns)
+        except (OSError, pa.ArrowException) as exc:
+            if self.on_corrupt == "skip":
+                self.stats.corrupt_rows_skipped += piece.rows
+                logger.warning("skipping unreadable row group %d of %s (%s)", u.row_group, u.file, exc)
+                return None
+            raise DataError(
+                f"cannot read the row group ({type(exc).__name__}: {exc}); fix or remove the file, "
+                "or set on_corrupt='skip'.", file=u.file, row_group=u.row_group,
+            ) from exc
+        rows = np.arange(piece.start, piece.start + piece.length)
+        if piece.shuffle_seed is not None:
+            rows = np.random.default_rng(piece.shuffle_seed).permutation(rows)[piece.skip:]
+            return table.take(pa.array(rows)), rows
+        return table.slice(piece.start, piece.length), rows
+
+    def _batches(self, pieces: list[_Piece]) -> Iterator[tuple[Batch, int]]:
+        """(batch, source rows it consumed) for the pieces, cut every ``batch_size`` rows."""
+        bs = self.batch_size
+        parts: list[pa.Table] = []
+        prov: list[tuple[_Unit, np.ndarray]] = []
+        n = 0
+        for piece in pieces:
+            got = self._read_piece(piece)
+            if got is None:
+                continue
+            table, rows = got
+            off = 0
+            while off < table.num_rows:
+                take = min(bs - n, table.num_rows - off)
+                parts.append(table.slice(off, take))
+                prov.append((piece.unit, rows[off:off + take]))
+                n += take
+                off += take
+                if n == bs:
+                    yield from self._flush(parts, prov, n, final=False)
+                    parts, prov, n = [], [], 0
+        yield from self._flush(parts, prov, n, final=True)
+
+    def _flush(self, parts: list[pa.Table], prov: list[tuple[_Unit, np.ndarray]], n: int,
+               final: bool) -> Iterator[tuple[Batch, int]]:
+        if n == 0:
+            return
+        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        try:
+            batch = self.features.decode(table)
+        except _RowError as exc:
+            row = exc.row or 0
+            for unit, rows in prov:
+                if row < len(rows):
+                    raise DataError(exc.detail, file=unit.file, row_group=unit.row_group,
+                                    row=int(rows[row]), column=exc.column) from None
+                row -= len(rows)
+            raise
+        if batch.batch_size > 0:
+            yield batch, n
+
+
+def _skip(pieces: list[_Piece], rows: int) -> tuple[list[_Piece], int]:
+    """Drop the first ``rows`` rows of the piece stream (counts only, nothing is read)."""
+    out: list[_Piece] = []
+    for p in pieces:
+        if rows >= p.rows:
+            rows -= p.rows
+            continue
+        if rows and p.shuffle_seed is None:
+            p = _Piece(p.unit, p.start + rows, p.length - rows, None)
+        elif rows:
+            p = _Piece(p.unit, p.start, p.length, p.shuffle_seed, skip=rows)
+        out.append(p)
+        rows = 0
+    return out, sum(p.rows for p in out)
+
+
+class WindowIterator(Iterator[Batch]):
+    """This rank's batches of one window; reading runs ahead on a bounded background thread.
+
+    ``rows_remaining()`` (rows not yet handed out, from metadata counts) lets the Trainer log how
+    many rows a window left unread when another rank ran out first. ``close()`` stops the
+    background thread; so does dropping the iterator.
+    """
+
+    def __init__(self, ds: ParquetWindowDataset, pieces: list[_Piece], rows: int, window_id: str) -> None:
+        self.window_id = window_id
+        self._rows_left = rows
+        make = lambda: ds._batches(pieces)  # noqa: E731
+        self._source: Iterator[tuple[Batch, int]]
+        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
+        if ds.prefetch_batches > 0 and rows > 0:
+            self._prefetcher = Prefetcher(make, ds.prefetch_batches, name=f"read-{window_id}")
+            self._source = self._prefetcher
+        else:
+            self._source = make()
+
+    def __iter__(self) -> WindowIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        batch, rows = next(self._source)
+        self._rows_left -= rows
+        return batch
+
+    def rows_remaining(self) -> int:
+        """Rows of this rank's share of the window not yet returned (cheap: no reading)."""
+        return max(0, self._rows_left)
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close(timeout_s=0)  # type: ignore[union-attr]
