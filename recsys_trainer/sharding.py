@@ -20,7 +20,8 @@ from torchrec.distributed.model_parallel import (
     DefaultDataParallelWrapper,
     DistributedModelParallel,
 )
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -165,10 +166,9 @@ def plan_sharding(
             constraints[name] = ParameterConstraints(sharding_types=[st])
         elif device.type == "cpu":
             constraints[name] = ParameterConstraints(sharding_types=["table_wise", "column_wise"])
-    topology = Topology(
-        world_size=env.world_size,
-        compute_device=device.type,
-        local_world_size=local_world_size,
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(world_size=env.world_size, local_world_size=local_world_size),
+        kernel_config=KernelConfig(compute_device=device.type),
     )
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, constraints=constraints, debug=False
