@@ -1,0 +1,136 @@
+"""FeatureSpec decoding: dense/sparse/labels from Arrow, stable hashing, and bad-value errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from recsys_trainer.data.features import (
+    DataError,
+    DenseFeature,
+    FeatureSpec,
+    SparseFeature,
+    stable_hash_strings,
+)
+
+
+def _table(**cols: list) -> pa.Table:
+    return pa.table({k: pa.array(v) for k, v in cols.items()})
+
+
+def test_decode_builds_dense_labels_and_a_key_major_kjt_with_jagged_list_columns() -> None:
+    t = pa.table({
+        "y": [1.0, 0.0, 1.0], "d": [1.5, None, 3.0], "i": pa.array([1, None, 3], pa.int64()),
+        "l": pa.array([[1, 2], None, []], pa.list_(pa.int64())),
+    })
+    spec = FeatureSpec(labels=["y"], dense=[DenseFeature(column="d", fill_value=-1.0)],
+                       sparse=[SparseFeature(name="i", num_embeddings=10),
+                               SparseFeature(name="l", num_embeddings=5)])
+    b = spec.decode(t)
+    assert b.dense.tolist() == [[1.5], [-1.0], [3.0]]
+    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    kjt = b.sparse
+    assert kjt.keys() == ["i", "l"] and kjt.stride() == 3
+    assert kjt.values().dtype == torch.int64
+    assert kjt.lengths().tolist() == [1, 0, 1, 2, 0, 0]
+    assert kjt.values().tolist() == [1, 3, 1, 2]
+    assert kjt.weights_or_none() is None
+
+
+def test_sliced_list_columns_decode_only_the_slice() -> None:
+    # ListArray.values ignores slice offsets; the decoder must not.
+    t = pa.table({"y": [0.0] * 4, "l": pa.array([[9], [1, 2], [3], [4]], pa.list_(pa.int64()))}).slice(1, 2)
+    b = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="l", num_embeddings=10)]).decode(t)
+    assert b.sparse.values().tolist() == [1, 2, 3]
+
+
+def test_string_ids_hash_stably_into_the_table_and_slices_hash_like_the_original() -> None:
+    arr = pa.array(["a", "bb", "", "a", "ééé"])
+    h = stable_hash_strings(arr)
+    assert h[0] == h[3] and len(set(h.tolist())) == 4
+    # Pinned: the hash is defined on the bytes and must never change between versions or runs
+    # (embedding rows trained under one hash are meaningless under another).
+    assert stable_hash_strings(arr.slice(1)).tolist() == h[1:].tolist()
+    assert int(stable_hash_strings(pa.array(["a"]))[0]) == PINNED_HASH_OF_A
+    spec = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="s", num_embeddings=7)])
+    b = spec.decode(pa.table({"y": [0.0] * 5, "s": arr}))
+    assert ((b.sparse.values() >= 0) & (b.sparse.values() < 7)).all()
+
+
+PINNED_HASH_OF_A = 17360999193197444373
+
+
+def test_sparse_weight_columns_become_kjt_weights_and_must_match_the_ids() -> None:
+    t = pa.table({"y": [0.0, 1.0], "l": pa.array([[1, 2], [3]], pa.list_(pa.int64())),
+                  "w": pa.array([[0.5, 0.25], [2.0]], pa.list_(pa.float32()))})
+    spec = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="l", num_embeddings=5, weight_column="w")])
+    assert spec.decode(t).sparse.weights().tolist() == [0.5, 0.25, 2.0]
+    bad = t.set_column(2, "w", pa.array([[0.5], [2.0]], pa.list_(pa.float32())))
+    with pytest.raises(DataError, match=r"row 0, column 'w': has 1 weights but column 'l' has 2 ids"):
+        spec.decode(bad)
+
+
+def test_out_of_range_and_negative_ids_are_rejected_or_hashed_never_passed_through() -> None:
+    t = _table(y=[0.0, 0.0, 0.0], i=[1, -4, 12])
+    with pytest.raises(DataError, match=r"row 1, column 'i': id -4 is outside the table \[0, 10\)"):
+        FeatureSpec(labels=["y"], sparse=[SparseFeature(name="i", num_embeddings=10)]).decode(t)
+    hashed = FeatureSpec(labels=["y"], sparse=[
+        SparseFeature(name="i", num_embeddings=10, on_out_of_range="hash")]).decode(t)
+    v = hashed.sparse.values()
+    assert v[0] == 1 and ((v >= 0) & (v < 10)).all()
+
+
+def test_nan_dense_values_are_filled_or_rejected_per_config() -> None:
+    t = _table(y=[0.0, 1.0], d=[float("nan"), float("inf")])
+    filled = FeatureSpec(labels=["y"], dense=[DenseFeature(column="d", fill_value=7.0)]).decode(t)
+    assert filled.dense.tolist() == [[7.0], [7.0]]
+    with pytest.raises(DataError, match=r"row 0, column 'd': dense value nan is not finite"):
+        FeatureSpec(labels=["y"], dense=[DenseFeature(column="d", on_non_finite="error")]).decode(t)
+
+
+def test_nan_labels_are_rejected_by_default_or_dropped_on_request() -> None:
+    t = _table(y=[1.0, float("nan"), None, 0.0], d=[1.0, 2.0, 3.0, 4.0])
+    with pytest.raises(DataError, match=r"row 1, column 'y': 2 label\(s\) in this batch are null, NaN"):
+        FeatureSpec(labels=["y"], dense=["d"]).decode(t)
+    b = FeatureSpec(labels=["y"], dense=["d"], on_nan_label="drop").decode(t)
+    assert b.labels.tolist() == [1.0, 0.0] and b.dense[:, 0].tolist() == [1.0, 4.0]
+
+
+def test_schema_check_names_the_file_and_the_missing_or_mistyped_column() -> None:
+    spec = FeatureSpec(labels=["y"], dense=["d"], sparse=[SparseFeature(name="s", num_embeddings=3)])
+    with pytest.raises(DataError, match=r"file f.parquet, column 'd': the declared dense column is missing"):
+        spec.check_schema(pa.schema([("y", pa.float32()), ("s", pa.string())]), "f.parquet")
+    with pytest.raises(DataError, match=r"column 's': the declared sparse id column must be an integer or "
+                                        r"string.*but is double"):
+        spec.check_schema(pa.schema([("y", pa.float32()), ("d", pa.float32()), ("s", pa.float64())]), "f")
+    with pytest.raises(DataError, match=r"column 'd': the declared dense column must be numeric"):
+        spec.check_schema(pa.schema([("y", pa.float32()), ("d", pa.string()), ("s", pa.string())]), "f")
+
+
+def test_multi_label_specs_give_a_label_matrix_and_example_weights_are_checked() -> None:
+    t = _table(a=[1.0, 0.0], b=[0.0, 1.0], w=[1.0, -1.0])
+    assert FeatureSpec(labels=["a", "b"]).decode(t).labels.shape == (2, 2)
+    with pytest.raises(DataError, match=r"row 1, column 'w': example weight -1.0 must be"):
+        FeatureSpec(labels=["a"], weight_column="w").decode(t)
+
+
+def test_decoding_is_vectorized_fast_enough_for_a_criteo_sized_batch() -> None:
+    rng = np.random.default_rng(0)
+    n = 2048
+    cols = {"y": rng.integers(0, 2, n).astype(np.float32)}
+    cols |= {f"d{i}": rng.random(n) for i in range(13)}
+    cols |= {f"s{i}": rng.integers(0, 10**6, n) for i in range(26)}
+    spec = FeatureSpec(labels=["y"], dense=[f"d{i}" for i in range(13)],
+                       sparse=[SparseFeature(name=f"s{i}", num_embeddings=1000, hash=True) for i in range(26)])
+    t = pa.table(cols)
+    import time
+
+    spec.decode(t)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        spec.decode(t)
+    per_batch = (time.perf_counter() - t0) / 5
+    # A per-row Python loop takes ~20 ms for this shape; vectorized is a few ms even on a busy host.
+    assert per_batch < 0.015, per_batch

@@ -1,0 +1,214 @@
+"""ParquetWindowDataset on one process: windows, sharding, skipping, shuffle, state, bad input."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+from data_utils import row_id_spec, row_ids, write_windows
+
+from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.windows import StreamingWindows, Window, glob_windows, partitioned_windows
+
+
+def _ds(root: str, **kw) -> ParquetWindowDataset:  # type: ignore[no-untyped-def]
+    kw.setdefault("batch_size", 4)
+    return ParquetWindowDataset(root, row_id_spec(), **kw)
+
+
+def _read_all(ds: ParquetWindowDataset, window: str, world_size: int, skip: int = 0) -> list[list[int]]:
+    out = []
+    for r in range(world_size):
+        ds.setup(r, world_size)
+        out.append([i for b in ds.iter_window(window, skip) for i in row_ids(b)])
+    return out
+
+
+@pytest.mark.parametrize("sharding", ["rows", "row_groups"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_row_of_a_window_is_read_by_exactly_one_rank(tmp_path, sharding, shuffle) -> None:
+    total = write_windows(str(tmp_path), [[13, 0, 22], [5]], row_group_size=4)
+    ds = _ds(str(tmp_path), sharding=sharding, shuffle=shuffle, seed=3)
+    assert list(ds.window_ids()) == ["hour=00", "hour=01"]
+    seen: list[int] = []
+    for w in ds.window_ids():
+        for ws in (1, 2, 3):
+            per_rank = _read_all(ds, w, ws)
+            flat = sorted(i for r in per_rank for i in r)
+            assert len(flat) == len(set(flat))
+            if ws == 3:
+                seen += flat
+    assert sorted(seen) == list(range(total))
+
+
+def test_row_sharding_splits_a_single_row_group_window_evenly(tmp_path) -> None:
+    write_windows(str(tmp_path), [[10]], row_group_size=100)
+    sizes = [len(r) for r in _read_all(_ds(str(tmp_path)), "hour=00", 3)]
+    assert sizes == [3, 3, 4]
+
+
+def test_skip_batches_resumes_at_the_same_rows_without_decoding_the_skipped_ones(tmp_path) -> None:
+    write_windows(str(tmp_path), [[9, 14]], row_group_size=4)
+    for shuffle in (False, True):
+        ds = _ds(str(tmp_path), shuffle=shuffle, seed=1, batch_size=3)
+        ds.setup(1, 2)
+        full = [row_ids(b) for b in ds.iter_window("hour=00")]
+        it = ds.iter_window("hour=00", skip_batches=2)
+        assert it.rows_remaining() == sum(len(b) for b in full[2:])
+        assert [row_ids(b) for b in it] == full[2:]
+        assert it.rows_remaining() == 0
+
+
+def test_shuffle_is_seeded_by_seed_and_epoch(tmp_path) -> None:
+    write_windows(str(tmp_path), [[40]], row_group_size=8)
+    def order(seed: int, epoch: int) -> list[int]:
+        ds = _ds(str(tmp_path), shuffle=True, seed=seed)
+        ds.set_epoch(epoch)
+        return [i for b in ds.iter_window("hour=00") for i in row_ids(b)]
+    assert order(1, 0) == order(1, 0)
+    assert order(1, 0) != order(1, 1) and order(1, 0) != order(2, 0)
+    assert sorted(order(1, 0)) == list(range(40))
+
+
+def test_prefetch_thread_stops_when_the_iterator_is_closed_or_dropped(tmp_path) -> None:
+    write_windows(str(tmp_path), [[200]], row_group_size=8)
+    ds = _ds(str(tmp_path), prefetch_batches=2)
+    before = threading.active_count()
+    it = ds.iter_window("hour=00")
+    next(it)
+    time.sleep(0.2)
+    assert it._prefetcher is not None and it._prefetcher.alive
+    # Bounded: the producer is blocked after queue size (2) + the batch being put.
+    assert it.rows_remaining() == 196
+    it.close()
+    assert not it._prefetcher.alive
+    it2 = ds.iter_window("hour=00")
+    next(it2)
+    pf = it2._prefetcher
+    assert pf is not None
+    del it2
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while pf.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pf.alive and threading.active_count() <= before
+
+
+def test_windows_come_from_globs_callables_and_csv_files(tmp_path) -> None:
+    write_windows(str(tmp_path / "p"), [[6], [5]])
+    ws = glob_windows({"a": str(tmp_path / "p/hour=01/*.parquet"), "missing": str(tmp_path / "nope/*"),
+                       "b": str(tmp_path / "p/hour=00/*.parquet")})
+    assert [w.id for w in ws] == ["a", "b"]  # the empty glob is skipped (and logged)
+    ds = ParquetWindowDataset(lambda: ws, row_id_spec(), batch_size=4)
+    assert [sorted(i for b in ds.iter_window(w) for i in row_ids(b)) for w in ds.window_ids()] == [
+        [6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 5]]
+    csv_path = str(tmp_path / "w.csv")
+    pacsv.write_csv(pq.read_table(ws[1].files[0]), csv_path)
+    ds = ParquetWindowDataset([Window("csv", (csv_path,))], row_id_spec(), batch_size=4)
+    ds.setup(1, 2)
+    assert [row_ids(b) for b in ds.iter_window("csv")] == [[3, 4, 5]]
+
+
+def test_empty_partitions_are_skipped_and_zero_row_windows_yield_nothing(tmp_path) -> None:
+    write_windows(str(tmp_path), [[4], [0], [3]])
+    os.makedirs(tmp_path / "hour=03")  # a partition without data files
+    ds = _ds(str(tmp_path))
+    assert list(ds.window_ids()) == ["hour=00", "hour=01", "hour=02"]
+    assert list(ds.iter_window("hour=01")) == [] and ds.stats.empty_windows == 1
+
+
+def test_streaming_windows_wait_for_new_partitions_until_the_end_marker(tmp_path) -> None:
+    root = str(tmp_path)
+    write_windows(root, [[3]])
+    open(os.path.join(root, "hour=00", "_SUCCESS"), "w").close()
+    def later() -> None:
+        time.sleep(0.3)
+        write_windows(root, [[], [2]], first_row_id=3)
+        open(os.path.join(root, "hour=01", "_SUCCESS"), "w").close()
+        time.sleep(0.2)
+        open(os.path.join(root, "_END"), "w").close()
+    t = threading.Thread(target=later)
+    t.start()
+    stream = StreamingWindows(lambda: partitioned_windows(root, ready_marker="_SUCCESS"),
+                              end_marker=os.path.join(root, "_END"), poll_interval_s=0.05, timeout_s=10)
+    ds = ParquetWindowDataset(stream, row_id_spec(), batch_size=4)
+    assert list(ds.window_ids()) == ["hour=00", "hour=01"]
+    t.join()
+    assert [row_ids(b) for b in ds.iter_window("hour=01")] == [[3, 4]]
+    quiet = StreamingWindows(lambda: [], end_marker=str(tmp_path / "never"), poll_interval_s=0.05, timeout_s=0.2)
+    with pytest.raises(TimeoutError, match="no new window and no end marker"):
+        list(quiet)
+
+
+def test_state_dict_restores_the_epoch_and_refuses_another_configuration(tmp_path) -> None:
+    write_windows(str(tmp_path), [[4]])
+    a = _ds(str(tmp_path), shuffle=True, seed=5)
+    a.setup(0, 2)
+    a.set_epoch(3)
+    state = a.state_dict()
+    b = _ds(str(tmp_path), shuffle=True, seed=5)
+    b.setup(0, 2)
+    b.load_state_dict(state)
+    assert b.epoch == 3 and a.epoch == 3
+    c = _ds(str(tmp_path), shuffle=True, seed=5)
+    c.setup(0, 4)
+    with pytest.raises(ValueError, match=r"world_size: saved 2, now 4"):
+        c.load_state_dict(state)
+    # No state is shared between instances (RecIS kept offsets in class attributes).
+    b.set_epoch(9)
+    assert a.epoch == 3
+
+
+def test_corrupt_files_raise_a_data_error_naming_the_file_or_are_skipped_and_counted(tmp_path) -> None:
+    write_windows(str(tmp_path), [[5, 6]])
+    bad = tmp_path / "hour=00" / "part-0.parquet"
+    bad.write_bytes(b"not a parquet file at all")
+    with pytest.raises(DataError, match=rf"file {bad}: cannot read the file"):
+        _ds(str(tmp_path)).iter_window("hour=00")
+    ds = _ds(str(tmp_path), on_corrupt="skip")
+    assert sorted(i for b in ds.iter_window("hour=00") for i in row_ids(b)) == list(range(5, 11))
+    assert ds.stats.corrupt_files_skipped == 1
+
+
+def test_a_missing_or_mistyped_declared_column_names_the_file(tmp_path) -> None:
+    write_windows(str(tmp_path), [[5]])
+    f = str(tmp_path / "hour=00" / "part-0.parquet")
+    pq.write_table(pq.read_table(f).drop_columns(["item"]), f)
+    with pytest.raises(DataError, match=rf"file {f}, column 'item': the declared sparse id column is missing"):
+        _ds(str(tmp_path)).iter_window("hour=00")
+
+
+def test_bad_values_name_the_file_row_group_and_row_they_came_from(tmp_path) -> None:
+    write_windows(str(tmp_path), [[12]], row_group_size=5)
+    f = str(tmp_path / "hour=00" / "part-0.parquet")
+    t = pq.read_table(f)
+    y = t["y"].to_pylist()
+    y[7] = float("nan")
+    pq.write_table(t.set_column(1, "y", pa.array(y, pa.float32())), f, row_group_size=5)
+    ds = _ds(str(tmp_path), prefetch_batches=2)
+    with pytest.raises(DataError, match=rf"file {f}, row group 1, row 2, column 'y': 1 label"):
+        list(ds.iter_window("hour=00"))
+    item = t["item"].to_pylist()
+    item[11] = 1000
+    pq.write_table(t.set_column(2, "item", pa.array(item)), f, row_group_size=5)
+    with pytest.raises(DataError, match=rf"row group 2, row 1, column 'item': id 1000 is outside"):
+        list(_ds(str(tmp_path), shuffle=True).iter_window("hour=00"))
+
+
+def test_padding_batch_has_the_shape_of_real_batches(tmp_path) -> None:
+    write_windows(str(tmp_path), [[3]])
+    ds = _ds(str(tmp_path))
+    pad, real = ds.padding_batch(), next(ds.iter_window("hour=00"))
+    assert pad is not None
+    assert pad.dense.shape[1] == real.dense.shape[1] and pad.sparse.keys() == real.sparse.keys()
+
+
+def test_feature_spec_without_sparse_features_is_allowed() -> None:
+    assert FeatureSpec(labels=["y"]).columns() == ["y"]
