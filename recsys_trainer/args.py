@@ -88,8 +88,22 @@ class TrainingArguments:
     """Parameter-name patterns left out of checkpoints."""
     save_filter_fn: Callable[[str], bool] | None = None
     """Predicate on state-dict keys; False leaves the key out of checkpoints."""
-    resume_from: str | None = None
-    """"auto" (newest committed checkpoint in output_dir), a path, or None (fresh start)."""
+    resume_from: str | None = "auto"
+    """"auto" (newest committed checkpoint in output_dir, if any), a checkpoint directory, an
+    output directory (its newest committed checkpoint), or None (fresh start)."""
+    async_save: bool = True
+    """Snapshot tensors to a CPU buffer and write in a background thread (the loop continues);
+    False: the loop waits for every save to commit."""
+    keep_every_n_hours: float | None = None
+    """Also keep (never rotate away) the oldest checkpoint of every such period."""
+    keep_best_metric: str | None = None
+    """Also keep the checkpoint with the best value of this evaluation metric (e.g. "loss")."""
+    keep_best_mode: Literal["min", "max"] = "min"
+    """Whether lower ("min") or higher ("max") ``keep_best_metric`` is better."""
+    reshard_data_position: Literal["error", "restart_window", "next_window"] = "error"
+    """Resuming with another world size from a checkpoint taken mid-window: "error" (default,
+    says what to do), "restart_window" (re-read that window) or "next_window" (skip its rest).
+    Checkpoints at window boundaries resume exactly at any world size."""
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "eval_steps", "window_iter", "save_steps",
@@ -117,6 +131,36 @@ class TrainingArguments:
                 raise ValueError(
                     f"`sharding_types[{table!r}]` must be one of {', '.join(SHARDING_TYPES)}, but is {st!r}."
                 )
+        if self.keep_every_n_hours is not None and not (
+            isinstance(self.keep_every_n_hours, int | float) and self.keep_every_n_hours > 0
+        ):
+            raise ValueError(
+                f"`keep_every_n_hours` must be a number > 0 or None, but is {self.keep_every_n_hours!r}."
+            )
+        if self.keep_best_mode not in ("min", "max"):
+            raise ValueError(f"`keep_best_mode` must be 'min' or 'max', but is {self.keep_best_mode!r}.")
+        if self.reshard_data_position not in ("error", "restart_window", "next_window"):
+            raise ValueError(
+                "`reshard_data_position` must be one of 'error', 'restart_window', 'next_window', "
+                f"but is {self.reshard_data_position!r}."
+            )
+        if self.model_bank is not None:
+            from recsys_trainer.checkpoint.model_bank import ModelBankSource
+
+            for entry in self.model_bank:
+                if not isinstance(entry, dict | ModelBankSource):
+                    raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
+                if isinstance(entry, dict):
+                    ModelBankSource.from_dict(entry)  # validates keys and components
+        if self.params_not_save is not None and (
+            isinstance(self.params_not_save, str)
+            or not all(isinstance(p, str) for p in self.params_not_save)
+        ):
+            raise ValueError(
+                f"`params_not_save` must be a list of name patterns, but is {self.params_not_save!r}."
+            )
+        if self.save_filter_fn is not None and not callable(self.save_filter_fn):
+            raise ValueError(f"`save_filter_fn` must be a callable name -> bool, but is {self.save_filter_fn!r}.")
         self._check_not_supported_yet()
 
     def _check_not_supported_yet(self) -> None:
@@ -136,4 +180,7 @@ class TrainingArguments:
 
 
 # Names of deferred fields whose feature is implemented; the checkpoint subsystem adds itself.
-_SUPPORTED: set[str] = set()
+_SUPPORTED: set[str] = {
+    "save_steps", "save_every_n_windows", "save_every_n_epochs", "save_end", "model_bank",
+    "params_not_save", "save_filter_fn", "resume_from",
+}

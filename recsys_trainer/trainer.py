@@ -226,7 +226,11 @@ class Trainer:
             self.hooks.add(h)
 
         self.state = TrainerState()
-        self.checkpointer: CheckpointerProtocol | None = None
+        from recsys_trainer.checkpoint import CheckpointManager
+
+        # Built on every rank (it creates its own gloo group: a collective). It resumes, saves
+        # on the configured triggers, and serves save_checkpoint/load_checkpoint.
+        self.checkpointer: CheckpointerProtocol | None = CheckpointManager.from_args(self.args)
         self._stop_local = False
         self._non_finite_local = False
         self.timings = StepTimings()
@@ -272,6 +276,24 @@ class Trainer:
     def sparse_lr(self) -> float | None:
         return self.optimizer.sparse_lr()
 
+    def save_checkpoint(self, path: str | None = None) -> str:
+        """Save a checkpoint now and wait for it to commit (all ranks must call this); returns
+        its directory (default ``output_dir/step_<global_step>``)."""
+        from recsys_trainer.checkpoint import CheckpointManager
+
+        if not isinstance(self.checkpointer, CheckpointManager):
+            raise RuntimeError("this Trainer's checkpointer does not support save_checkpoint().")
+        return self.checkpointer.save(self, path, blocking=True)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the full training state from the committed checkpoint at ``path`` (all ranks
+        must call this)."""
+        from recsys_trainer.checkpoint import CheckpointManager
+
+        if not isinstance(self.checkpointer, CheckpointManager):
+            raise RuntimeError("this Trainer's checkpointer does not support load_checkpoint().")
+        self.checkpointer.load(self, path)
+
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
         with self._top_level():
@@ -297,6 +319,12 @@ class Trainer:
         try:
             yield
         except BaseException as exc:
+            if self.checkpointer is not None:
+                # Never leave a save half-written behind an exception: let it commit first.
+                try:
+                    self.checkpointer.close()
+                except Exception:  # noqa: BLE001 - the original exception matters more
+                    logger.exception("finishing the in-flight checkpoint save failed")
             self.hooks.fire("on_exception", self, exc)
             raise
         finally:
@@ -313,7 +341,8 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.maybe_resume(self)
         self.hooks.fire("before_train", self)
-        done = False
+        # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
+        done = args.train_steps is not None and st.global_step >= args.train_steps
         while not done and st.epoch < args.train_epoch:
             self.hooks.fire("before_epoch", self, st.epoch)
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle

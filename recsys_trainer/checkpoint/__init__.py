@@ -1,0 +1,29 @@
+"""Checkpoints: per-rank concurrent, async, atomically committed, rotated, resumable.
+
+See ``docs/checkpoint.md`` for the layout and the guarantees.
+"""
+
+from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.checkpoint.export import export_model_state_dict
+from recsys_trainer.checkpoint.layout import (
+    CheckpointInfo,
+    RetentionPolicy,
+    latest_committed,
+    list_committed,
+    select_to_delete,
+)
+from recsys_trainer.checkpoint.manager import CheckpointManager, SaveStats
+from recsys_trainer.checkpoint.model_bank import ModelBankSource
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "ModelBankSource",
+    "RetentionPolicy",
+    "SaveStats",
+    "export_model_state_dict",
+    "latest_committed",
+    "list_committed",
+    "select_to_delete",
+]

@@ -1,0 +1,609 @@
+"""``CheckpointManager``: when to save, how to save (per-rank concurrent, async, atomic commit),
+which checkpoints to keep, and how to resume.
+
+A save, step by step (the only guarantee a reader relies on is the last line)::
+
+    main thread:   drain the previous save (at most one in flight)
+                   before_save_checkpoint hooks
+                   snapshot: copy every tensor into a CPU staging buffer (reused across saves),
+                             serialise this rank's extra state          <- the loop is blocked
+    writer thread: rank 0 removes a stale uncommitted dir of the same step; barrier
+                   each rank writes its extra file, then DCP writes its shards with
+                   ``save_concurrency_per_rank`` threads (fsynced); rank 0 writes .metadata
+                   each rank hashes its own files; all-gather of the file lists
+                   rank 0 writes args.json, then COMMITTED (atomic rename), the index;
+                   broadcast "committed"; rank 0 rotates old checkpoints
+    main thread:   (at the next step, the next save, the end, or an exception)
+                   after_save_checkpoint hooks
+
+All collectives of a save run on a dedicated gloo group, so the writer thread never interleaves
+with the training loop's collectives. A synchronous save (``async_save=False``) runs the same
+writer code on the main thread without the staging copy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+from recsys_trainer.checkpoint import layout
+from recsys_trainer.checkpoint import state as cstate
+from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.hooks.base import Hook
+
+if TYPE_CHECKING:
+    from recsys_trainer.args import TrainingArguments
+    from recsys_trainer.checkpoint.model_bank import ModelBankSource
+    from recsys_trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+ReshardDataPosition = Literal["error", "restart_window", "next_window"]
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save (for logs and benchmarks)."""
+
+    step: int
+    path: str
+    blocked_s: float
+    """Time the training loop was blocked (snapshot, plus the whole write when synchronous)."""
+    total_s: float = 0.0
+    """From the start of the save to its commit."""
+    num_bytes: int = 0
+    """Bytes written by all ranks (from the manifest)."""
+
+
+@dataclass
+class _Pending:
+    step: int
+    path: str
+    future: cf.Future[dict[str, Any]]
+    stats: SaveStats
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _MetricTap(Hook):
+    """Remembers the latest evaluation metrics, so a checkpoint can record them (keep-best)."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self._manager = manager
+
+    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self._manager.last_metrics = {
+            k: float(v) for k, v in metrics.items() if isinstance(v, int | float)
+        }
+
+
+class CheckpointManager:
+    """Saves, rotates and restores checkpoints of a ``Trainer``.
+
+    Args:
+        output_dir: where ``step_<N>/`` directories and ``checkpoints.json`` live.
+        save_steps / save_every_n_windows / save_every_n_epochs: periodic triggers.
+        save_end: save when training ends (once: not again if that step was just saved).
+        max_to_keep: committed checkpoints kept by rotation (plus the protected ones, see
+            ``layout.RetentionPolicy``).
+        save_concurrency_per_rank: DCP ``FileSystemWriter`` threads (and files) per rank.
+        async_save: snapshot on the main thread, write in a background thread.
+        resume_from: ``"auto"`` (newest committed checkpoint in ``output_dir``), a checkpoint
+            directory, an output directory (its newest), or None (fresh start).
+        model_bank: warm-start sources, applied only when nothing is resumed.
+        params_not_save / save_filter_fn: parameters left out of checkpoints.
+        keep_every_n_hours / keep_best_metric / keep_best_mode: extra retention.
+        verify_checksums: check every file's CRC32 before loading (sizes are always checked).
+        reshard_data_position: what to do with a mid-window data position when the world size
+            changed (``"error"``, ``"restart_window"``, ``"next_window"``).
+
+    Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        save_steps: int | None = None,
+        save_every_n_windows: int | None = None,
+        save_every_n_epochs: int | None = None,
+        save_end: bool = False,
+        max_to_keep: int = 5,
+        save_concurrency_per_rank: int = 4,
+        async_save: bool = True,
+        resume_from: str | None = "auto",
+        model_bank: Sequence[ModelBankSource | dict[str, Any]] | None = None,
+        params_not_save: Sequence[str] | None = None,
+        save_filter_fn: Callable[[str], bool] | None = None,
+        keep_every_n_hours: float | None = None,
+        keep_best_metric: str | None = None,
+        keep_best_mode: Literal["min", "max"] = "min",
+        verify_checksums: bool = True,
+        reshard_data_position: ReshardDataPosition = "error",
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        from recsys_trainer.checkpoint.model_bank import ModelBankSource
+
+        if reshard_data_position not in ("error", "restart_window", "next_window"):
+            raise ValueError(
+                "`reshard_data_position` must be one of 'error', 'restart_window', "
+                f"'next_window', but is {reshard_data_position!r}."
+            )
+        self.output_dir = output_dir
+        self.save_steps = save_steps
+        self.save_every_n_windows = save_every_n_windows
+        self.save_every_n_epochs = save_every_n_epochs
+        self.save_end = save_end
+        self.save_concurrency_per_rank = save_concurrency_per_rank
+        self.async_save = async_save
+        self.resume_from = resume_from
+        self.model_bank = [s if isinstance(s, ModelBankSource) else ModelBankSource.from_dict(s)
+                           for s in (model_bank or [])]
+        self.key_filter = cstate.KeyFilter(params_not_save, save_filter_fn)
+        self.policy = layout.RetentionPolicy(max_to_keep, keep_every_n_hours, keep_best_metric,
+                                             keep_best_mode)
+        self.verify_checksums = verify_checksums
+        self.reshard_data_position = reshard_data_position
+        if process_group is None and dist.is_initialized():
+            # A dedicated gloo group: the writer thread's collectives must never interleave with
+            # the training loop's on the default group (new_group is collective: all ranks).
+            process_group = dist.new_group(backend="gloo")
+        self._pg = process_group
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._pending: _Pending | None = None
+        self._trainer: Trainer | None = None
+        self._staging_cache: dict[str, Any] | None = None
+        self._resumed_step: int | None = None
+        self._resume_done = False
+        self.windows_done = 0
+        """Train windows finished in this run (saved; drives ``save_every_n_windows``)."""
+        self.last_metrics: dict[str, float] = {}
+        """The latest evaluation metrics (recorded in the next checkpoint's manifest)."""
+        self.history: list[SaveStats] = []
+        """Stats of every committed save of this manager."""
+
+    @classmethod
+    def from_args(cls, args: TrainingArguments) -> CheckpointManager:
+        """Build from ``TrainingArguments`` (fields of the same names)."""
+        return cls(
+            args.output_dir,
+            save_steps=args.save_steps,
+            save_every_n_windows=args.save_every_n_windows,
+            save_every_n_epochs=args.save_every_n_epochs,
+            save_end=args.save_end,
+            max_to_keep=args.max_to_keep,
+            save_concurrency_per_rank=args.save_concurrency_per_rank,
+            async_save=getattr(args, "async_save", True),
+            resume_from=args.resume_from,
+            model_bank=args.model_bank,
+            params_not_save=args.params_not_save,
+            save_filter_fn=args.save_filter_fn,
+            keep_every_n_hours=getattr(args, "keep_every_n_hours", None),
+            keep_best_metric=getattr(args, "keep_best_metric", None),
+            keep_best_mode=getattr(args, "keep_best_mode", "min"),
+            reshard_data_position=getattr(args, "reshard_data_position", "error"),
+        )
+
+    # ------------------------------------------------------------------ distributed helpers
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self._pg) if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self._pg) if dist.is_initialized() else 1
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self._pg)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)
+        return out
+
+    def _broadcast_from_zero(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self._pg, 0) if self._pg is not None else 0
+        dist.broadcast_object_list(box, src=src, group=self._pg)
+        return box[0]
+
+    # ------------------------------------------------------------------ Trainer protocol
+
+    def maybe_resume(self, trainer: Trainer) -> None:
+        """At the start of training: resume from ``resume_from`` (by default the newest
+        committed checkpoint in ``output_dir``), or else warm-start from the model bank. Runs
+        once per trainer (a second ``train()`` continues from memory)."""
+        self._attach(trainer)
+        if self._resume_done:
+            return
+        self._resume_done = True
+        if self.rank == 0 and self._pending is None:
+            for path in layout.list_incomplete(self.output_dir):
+                logger.warning("removing incomplete checkpoint %s (its save never committed)", path)
+                shutil.rmtree(path, ignore_errors=True)
+        source = self._resolve_resume_source()
+        # Every rank must load the same checkpoint: agree (one tiny collective).
+        local = source.step if source is not None else -1
+        agreed = trainer.gang.all_reduce_max([local])[0]
+        if agreed != local:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint to resume from (this rank sees step {local}, "
+                f"another {agreed}); is {self.output_dir!r} on a filesystem shared by all ranks?",
+                step=agreed, path=self.output_dir, kind="mismatch")
+        if source is not None:
+            logger.info("resuming from %s (step %d)", source.path, source.step)
+            self.load(trainer, source.path)
+            self._resumed_step = source.step
+        elif self.model_bank:
+            from recsys_trainer.checkpoint.model_bank import warm_start
+
+            warm_start(trainer, self.model_bank, process_group=self._pg)
+
+    def on_step_end(self, trainer: Trainer) -> None:
+        self._poll()
+        if self.save_steps is not None and trainer.state.global_step % self.save_steps == 0:
+            self.save(trainer)
+
+    def on_window_end(self, trainer: Trainer) -> None:
+        self.windows_done += 1
+        n = self.save_every_n_windows
+        if n is not None and self.windows_done % n == 0:
+            self.save(trainer)
+
+    def on_epoch_end(self, trainer: Trainer) -> None:
+        n = self.save_every_n_epochs
+        if n is not None and trainer.state.epoch % n == 0:
+            self.save(trainer)
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        if self.save_end:
+            self.save(trainer)
+        self.wait()
+
+    def close(self) -> None:
+        """Drain the in-flight save (its commit hooks fire) and stop the writer thread. Safe to
+        call more than once; a later save starts a new writer thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    # ------------------------------------------------------------------ public API
+
+    def save(self, trainer: Trainer, path: str | None = None, *, blocking: bool | None = None) -> str:
+        """Save a checkpoint of ``trainer`` at its current step; returns its directory.
+
+        ``path`` defaults to ``output_dir/step_<global_step>``. ``blocking`` defaults to
+        ``not async_save``. Saving a step that is already committed (or in flight) is a no-op.
+        """
+        self._attach(trainer)
+        step = trainer.state.global_step
+        path = path or os.path.join(self.output_dir, layout.step_dir_name(step))
+        if self._pending is not None and self._pending.path == path:
+            return path
+        self.wait()
+        if layout.is_committed(path):
+            logger.info("checkpoint %s is already committed; not saving step %d again", path, step)
+            return path
+        blocking = (not self.async_save) if blocking is None else blocking
+        self._save(trainer, step, path, blocking)
+        return path
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; fire ``after_save_checkpoint``.
+        A failed save raises ``CheckpointError`` here (the previous checkpoint is intact)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            manifest = pending.future.result()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"saving checkpoint step {pending.step} to {pending.path!r} "
+                                  f"failed: {e}", step=pending.step, path=pending.path,
+                                  kind="save_failed") from e
+        self._committed(pending, manifest)
+
+    def load(self, trainer: Trainer, path: str, *, strict: bool = True) -> None:
+        """Restore everything a checkpoint holds into ``trainer``: tables and their fused
+        optimizer state, dense parameters, dense optimizer, lr scheduler, counters, data
+        position, RNG, hook states. Works across world sizes and sharding plans (the data
+        position is remapped per ``reshard_data_position``)."""
+        self._attach(trainer)
+        self.wait()
+        info = layout.info_of(path)
+        self._load(trainer, info, strict=strict)
+        trainer.hooks.fire("after_load_checkpoint", trainer, path)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an asynchronous save is still being written."""
+        return self._pending is not None and not self._pending.future.done()
+
+    # ------------------------------------------------------------------ internals: save
+
+    def _attach(self, trainer: Trainer) -> None:
+        if self._trainer is not trainer:
+            self._trainer = trainer
+            trainer.hooks.add(_MetricTap(self))
+
+    def _save(self, trainer: Trainer, step: int, path: str, blocking: bool) -> None:
+        trainer.hooks.fire("before_save_checkpoint", trainer, path)
+        t0 = time.perf_counter()
+        tensors = cstate.tensor_state(trainer, self.key_filter)
+        extra = cstate.serialize(cstate.extra_state(trainer, {"windows_done": self.windows_done}))
+        base = {
+            "step": step,
+            "epoch": trainer.state.epoch,
+            "world_size": trainer.world_size,
+            "trainer_state": trainer.state.state_dict(),
+            "metrics": dict(self.last_metrics),
+            "args": cstate.args_to_jsonable(trainer.args),
+        }
+        stats = SaveStats(step=step, path=path, blocked_s=0.0)
+        if blocking:
+            pending = _Pending(step, path, cf.Future(), stats, started=t0)
+            try:
+                pending.future.set_result(self._write(path, tensors, extra, base, trainer.rank))
+            except BaseException as e:
+                pending.future.set_exception(e)
+            stats.blocked_s = time.perf_counter() - t0
+            self._pending = pending
+            self.wait()
+            return
+        # Snapshot: the loop mutates the live tensors in place from the next step on.
+        staged = self._stage(tensors)
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        future = self._executor.submit(self._write, path, staged, extra, base, trainer.rank)
+        stats.blocked_s = time.perf_counter() - t0
+        self._pending = _Pending(step, path, future, stats, started=t0)
+
+    def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Copy every tensor into CPU buffers allocated once and reused by later saves (the
+        copy is a memcpy; fresh allocations would add page faults to the blocked time)."""
+        if self._staging_cache is not None:
+            try:
+                return _copy_state_dict(tensors, self._staging_cache)
+            except Exception:  # noqa: BLE001 - structure changed: rebuild the buffers
+                self._staging_cache = None
+        self._staging_cache = _create_cpu_state_dict(tensors, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(tensors, self._staging_cache)
+
+    def _write(self, path: str, tensors: dict[str, Any], extra: bytes, base: dict[str, Any],
+               global_rank: int) -> dict[str, Any]:
+        """Write and commit one checkpoint (all ranks; collectives on the checkpoint group)."""
+        rank, step = self.rank, base["step"]
+        if rank == 0:
+            if os.path.isdir(path) and not layout.is_committed(path):
+                shutil.rmtree(path)  # a crashed earlier attempt at this step
+            os.makedirs(path, exist_ok=True)
+        self._barrier()
+        extra_name = cstate.extra_file_name(global_rank)
+        tmp = os.path.join(path, extra_name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(extra)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(path, extra_name))
+        writer = dcp.FileSystemWriter(path, thread_count=self.save_concurrency_per_rank,
+                                      sync_files=True)
+        dcp.save(tensors, storage_writer=writer, process_group=self._pg)
+        # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
+        # rank's shards were written and fsynced. Each rank hashes its own files, in parallel.
+        mine = [extra_name] + sorted(n for n in os.listdir(path)
+                                     if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
+        if rank == 0:
+            mine.append(".metadata")
+        with cf.ThreadPoolExecutor(max_workers=max(1, self.save_concurrency_per_rank)) as ex:
+            digests = list(ex.map(lambda n: layout.file_digest(os.path.join(path, n)), mine))
+        files = {n: {"size": s, "crc32": c} for n, (s, c) in zip(mine, digests, strict=True)}
+        gathered = self._all_gather(files)
+        manifest: dict[str, Any] = {}
+        error: str | None = None
+        if rank == 0:
+            try:
+                manifest = self._commit(path, base, gathered)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = f"{type(e).__name__}: {e}"
+        # Every rank learns whether the commit happened (no rank hangs if rank 0 failed).
+        error, manifest = self._broadcast_from_zero((error, manifest))
+        if error is not None:
+            raise CheckpointError(f"committing checkpoint step {step} at {path!r} failed: {error}",
+                                  step=step, path=path, kind="save_failed")
+        if rank == 0 and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.output_dir):
+            self._rotate()
+        return manifest
+
+    def _commit(self, path: str, base: dict[str, Any], gathered: list[dict[str, Any]]) -> dict[str, Any]:
+        files: dict[str, Any] = {}
+        for part in gathered:
+            files.update(part)
+        layout.atomic_write_text(os.path.join(path, "args.json"),
+                                 json.dumps(base["args"], indent=2, sort_keys=True) + "\n")
+        manifest = {
+            "format_version": layout.FORMAT_VERSION,
+            **{k: v for k, v in base.items() if k != "args"},
+            "commit_time": time.time(),
+            "files": files,
+        }
+        layout.atomic_write_text(os.path.join(path, layout.MARKER),
+                                 json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        parent = os.path.dirname(os.path.abspath(path))
+        try:
+            layout.write_index(parent, layout.list_committed(parent))
+        except OSError as e:  # the index is informational; the marker is what counts
+            logger.warning("could not update %s: %s", os.path.join(parent, layout.INDEX), e)
+        return manifest
+
+    def _rotate(self) -> None:
+        infos = layout.list_committed(self.output_dir)
+        protected = {s for s in (self._resumed_step,) if s is not None}
+        deleted = False
+        for info in layout.select_to_delete(infos, self.policy, protected):
+            logger.info("rotating out checkpoint %s", info.path)
+            deleted |= layout.remove_checkpoint(info.path)
+        if deleted:
+            try:
+                layout.write_index(self.output_dir, layout.list_committed(self.output_dir))
+            except OSError as e:
+                logger.warning("could not update the checkpoint index: %s", e)
+
+    def _poll(self) -> None:
+        """Finish a completed async save without blocking (fires its hooks on this thread)."""
+        if self._pending is not None and self._pending.future.done():
+            self.wait()
+
+    def _committed(self, pending: _Pending, manifest: dict[str, Any]) -> None:
+        stats = pending.stats
+        stats.total_s = time.perf_counter() - pending.started
+        stats.num_bytes = sum(int(f["size"]) for f in manifest.get("files", {}).values())
+        self.history.append(stats)
+        logger.info("checkpoint step %d committed at %s (%.1f MB, loop blocked %.3fs, total %.2fs)",
+                    stats.step, stats.path, stats.num_bytes / 1e6, stats.blocked_s, stats.total_s)
+        if self._trainer is not None:
+            self._trainer.hooks.fire("after_save_checkpoint", self._trainer, pending.path)
+
+    # ------------------------------------------------------------------ internals: load
+
+    def _resolve_resume_source(self) -> layout.CheckpointInfo | None:
+        src = self.resume_from
+        if src is None:
+            return None
+        if src == "auto":
+            return layout.latest_committed(self.output_dir)
+        if layout.parse_step(os.path.basename(os.path.normpath(src))) is not None or \
+                os.path.exists(os.path.join(src, layout.MARKER)):
+            return layout.info_of(src)
+        if os.path.isdir(src):
+            found = layout.latest_committed(src)
+            if found is None:
+                raise CheckpointError(f"`resume_from` is {src!r}, which holds no committed "
+                                      "checkpoint.", path=src, kind="missing")
+            return found
+        raise CheckpointError(f"`resume_from` is {src!r}, which does not exist.", path=src,
+                              kind="missing")
+
+    def _load(self, trainer: Trainer, info: layout.CheckpointInfo, strict: bool) -> None:
+        path, step = info.path, info.step
+        manifest = layout.read_manifest(path) or {}
+        layout.verify_files(path, manifest, checksums=self.verify_checksums)
+        same_world = info.world_size == trainer.world_size
+        src_rank = trainer.rank if same_world else 0
+        extra = cstate.load_extra(os.path.join(path, cstate.extra_file_name(src_rank)), step)
+
+        cstate.init_dense_optimizer_state(trainer)
+        target = cstate.tensor_state(trainer, lambda _k: True)
+        self._check_keys(target, path, step, strict)
+        target = self._restrict_to_checkpoint(target, path)
+        try:
+            dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=self._pg)
+        except Exception as e:
+            raise CheckpointError(f"loading checkpoint step {step} from {path!r} failed: {e}",
+                                  step=step, path=path, kind="load_failed") from e
+        # DCP loaded in place into tensors that share storage with the model and optimizers;
+        # load_state_dict makes that explicit for modules whose state_dict returns copies.
+        trainer.model.load_state_dict(target["model"], strict=False)
+
+        cstate.apply_dense_param_groups(trainer, extra["dense_param_groups"])
+        if trainer.lr_scheduler is not None and extra["lr_scheduler"] is not None:
+            trainer.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        if scaler is not None and extra.get("scaler"):
+            scaler.load_state_dict(extra["scaler"])
+        ts = dict(extra["trainer_state"])
+        if not same_world:
+            ts = self._remap_position(ts, info, trainer)
+            if extra["train_dataset"]:
+                logger.warning("world size changed (%d -> %d): the train dataset's own state is "
+                               "not restored; the data position comes from the trainer counters",
+                               info.world_size, trainer.world_size)
+        elif trainer.train_dataset is not None:
+            trainer.train_dataset.load_state_dict(extra["train_dataset"])
+        if same_world and trainer.eval_dataset is not None:
+            trainer.eval_dataset.load_state_dict(extra["eval_dataset"])
+        trainer.state.load_state_dict(ts)
+        cstate.set_rng_state(extra["rng"])
+        cstate.apply_hook_states(trainer, extra["hooks"])
+        self.windows_done = int(extra["manager"].get("windows_done", 0))
+        logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
+                    info.world_size)
+
+    def _check_keys(self, target: dict[str, Any], path: str, step: int, strict: bool) -> None:
+        """Strict loading: every state the trainer has must be in the checkpoint, unless this
+        run's filters leave it out of checkpoints."""
+        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        missing = [f"model.{k}" for k in target["model"]
+                   if f"model.{k}" not in saved and self.key_filter(k)]
+        for pk, entry in target["optim"]["state"].items():
+            if not self.key_filter(cstate.optim_param_name(pk)):
+                continue
+            missing.extend(f"optim.state.{pk}.{sk}" for sk in entry
+                           if f"optim.state.{pk}.{sk}" not in saved)
+        if missing and strict:
+            raise CheckpointError(
+                f"checkpoint step {step} at {path!r} lacks {len(missing)} entries this trainer "
+                f"has, e.g. {missing[:5]}; is it from another model? (Use the model bank to "
+                f"initialise from a different model.)", step=step, path=path, kind="mismatch")
+
+    @staticmethod
+    def _restrict_to_checkpoint(target: dict[str, Any], path: str) -> dict[str, Any]:
+        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        model = {k: v for k, v in target["model"].items() if f"model.{k}" in saved}
+        optim_state = {}
+        for pk, entry in target["optim"]["state"].items():
+            kept = {k: v for k, v in entry.items() if f"optim.state.{pk}.{k}" in saved}
+            if kept:
+                optim_state[pk] = kept
+        return {"model": model, "optim": {"state": optim_state}}
+
+    def _remap_position(self, ts: dict[str, Any], info: layout.CheckpointInfo,
+                        trainer: Trainer) -> dict[str, Any]:
+        """Map the data position of a checkpoint saved with another world size.
+
+        At a window boundary (no batch of the window trained) the position is the same for any
+        world size. Mid-window, each rank's batch count refers to its own shard of the window,
+        which does not exist at the new world size: follow ``reshard_data_position``.
+        """
+        ts = dict(ts)
+        ts["rows_unread"] = 0
+        if ts["batches_in_window"] == 0:
+            return ts
+        policy = self.reshard_data_position
+        if policy == "error":
+            raise CheckpointError(
+                f"checkpoint step {info.step} was saved with world size {info.world_size} in the "
+                f"middle of train window {ts['window_index']} ({ts['window_id']!r}, after "
+                f"{ts['batches_in_window']} batches per rank); this run has world size "
+                f"{trainer.world_size}, so that position does not exist. Either resume with "
+                f"{info.world_size} ranks, resume from a checkpoint taken at a window boundary "
+                f"(save_every_n_windows), or set reshard_data_position='restart_window' (re-read "
+                f"the window: some rows twice) or 'next_window' (skip the rest of it).",
+                step=info.step, path=info.path, kind="reshard")
+        logger.warning("world size changed %d -> %d mid-window: %s", info.world_size,
+                       trainer.world_size, policy)
+        if policy == "next_window":
+            ts["window_index"] += 1
+        ts["batches_in_window"] = 0
+        return ts
+
