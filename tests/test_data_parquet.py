@@ -198,7 +198,7 @@ def test_bad_values_name_the_file_row_group_and_row_they_came_from(tmp_path) -> 
     item = t["item"].to_pylist()
     item[11] = 1000
     pq.write_table(t.set_column(2, "item", pa.array(item)), f, row_group_size=5)
-    with pytest.raises(DataError, match=rf"row group 2, row 1, column 'item': id 1000 is outside"):
+    with pytest.raises(DataError, match=r"row group 2, row 1, column 'item': id 1000 is outside"):
         list(_ds(str(tmp_path), shuffle=True).iter_window("hour=00"))
 
 
