@@ -1,0 +1,123 @@
+"""Reader throughput on a Criteo-like schema (13 dense, 26 sparse) vs raw pyarrow and the trainer.
+
+    python benchmarks/bench_data.py [--rows 1000000] [--string-ids] [--train-steps 30]
+
+Prints three rates measured in the same run (compare them as ratios; this host is noisy):
+raw ``pyarrow.parquet.read_table`` of the same files and columns, ``ParquetWindowDataset``
+(read + decode to ``Batch`` with KJT, background prefetch) and the Trainer's consumption on the
+benchmark model (DLRM, 26 tables, world size 1). Goal: reader >= 0.5x raw and >= 3x trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.parquet import ParquetWindowDataset
+
+NUM_DENSE, NUM_SPARSE = 13, 26
+
+
+def write_data(root: str, rows: int, files_per_window: int, windows: int, string_ids: bool) -> None:
+    rng = np.random.default_rng(0)
+    per_file = rows // (files_per_window * windows)
+    for w in range(windows):
+        d = os.path.join(root, f"hour={w:02d}")
+        os.makedirs(d, exist_ok=True)
+        for f in range(files_per_window):
+            cols: dict[str, pa.Array] = {"label": pa.array(rng.integers(0, 2, per_file).astype(np.float32))}
+            for i in range(NUM_DENSE):
+                cols[f"I{i + 1}"] = pa.array(rng.exponential(5, per_file).astype(np.float32))
+            for i in range(NUM_SPARSE):
+                ids = (rng.zipf(1.3, per_file) - 1) % 1_000_000
+                cols[f"C{i + 1}"] = (pa.array(ids).cast(pa.string()) if string_ids
+                                     else pa.array(ids.astype(np.int64)))
+            pq.write_table(pa.table(cols), os.path.join(d, f"part-{f}.parquet"), row_group_size=65536)
+
+
+def spec(num_embeddings: int) -> FeatureSpec:
+    return FeatureSpec(
+        labels=["label"], dense=[f"I{i + 1}" for i in range(NUM_DENSE)],
+        sparse=[SparseFeature(name=f"C{i + 1}", num_embeddings=num_embeddings, hash=True)
+                for i in range(NUM_SPARSE)],
+    )
+
+
+def bench_raw(files: list[str], columns: list[str]) -> float:
+    t0 = time.perf_counter()
+    rows = sum(pq.read_table(f, columns=columns).num_rows for f in files)
+    return rows / (time.perf_counter() - t0)
+
+
+def bench_reader(root: str, fs: FeatureSpec, batch_size: int) -> float:
+    ds = ParquetWindowDataset(root, fs, batch_size=batch_size, prefetch_batches=4)
+    t0 = time.perf_counter()
+    rows = 0
+    for w in ds.window_ids():
+        for b in ds.iter_window(w):
+            rows += b.batch_size
+    return rows / (time.perf_counter() - t0)
+
+
+def bench_trainer(root: str, fs: FeatureSpec, batch_size: int, steps: int) -> float:
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer.models import DLRMClassifier
+
+    ds = ParquetWindowDataset(root, fs, batch_size=batch_size)
+    w = next(ds.window_ids())
+    batches = []
+    for b in ds.iter_window(w):
+        batches.append(b)
+        if len(batches) >= steps + 5:
+            break
+    model = DLRMClassifier(fs.sparse_names, NUM_DENSE, [s.num_embeddings for s in fs.sparse],
+                           embedding_dim=64, dense_arch=(512, 256), over_arch=(512, 256, 1))
+    times: list[float] = []
+    from recsys_trainer.hooks.lambda_hook import LambdaHook
+
+    hook = LambdaHook(after_step=lambda t, out: times.append(time.perf_counter()))
+    trainer = Trainer(model, TrainingArguments(output_dir=tempfile.mkdtemp(), log_steps=10_000),
+                      train_dataset=batches, hooks=[hook], add_logger_hook=False,
+                      sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05))
+    trainer.train()
+    warm = 5  # skip warm-up steps (allocation, first-touch of tables)
+    return (len(times) - 1 - warm) * batch_size / (times[-1] - times[warm])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--batch-size", type=int, default=2048)
+    p.add_argument("--string-ids", action="store_true", help="sparse ids as strings (hashed)")
+    p.add_argument("--train-steps", type=int, default=30)
+    p.add_argument("--num-embeddings", type=int, default=100_000)
+    a = p.parse_args()
+    torch.set_flush_denormal(True)
+    with tempfile.TemporaryDirectory() as root:
+        write_data(root, a.rows, files_per_window=4, windows=2, string_ids=a.string_ids)
+        files = sorted(glob.glob(os.path.join(root, "*", "*.parquet")))
+        fs = spec(a.num_embeddings)
+        bench_raw(files, fs.columns())  # warm the page cache for both readers
+        raw = bench_raw(files, fs.columns())
+        reader = bench_reader(root, fs, a.batch_size)
+        raw2 = bench_raw(files, fs.columns())
+        train = bench_trainer(root, fs, a.batch_size, a.train_steps)
+    raw_rate = (raw + raw2) / 2
+    kind = "string (hashed)" if a.string_ids else "int64 (hashed)"
+    print(f"schema: {NUM_DENSE} dense + {NUM_SPARSE} sparse {kind}, {a.rows} rows, batch {a.batch_size}")
+    print(f"raw pyarrow read_table : {raw_rate:12,.0f} rows/s")
+    print(f"ParquetWindowDataset   : {reader:12,.0f} rows/s  ({reader / raw_rate:.2f}x raw, goal >= 0.5x)")
+    print(f"trainer consumption    : {train:12,.0f} rows/s  (reader is {reader / train:.1f}x, goal >= 3x)")
+
+
+if __name__ == "__main__":
+    main()
