@@ -59,6 +59,11 @@ class TrainingArguments:
     window_iter: int | None = None
     """Train on at most this many windows per epoch (None: all)."""
 
+    pipeline: Literal["none", "sparse_dist"] = "none"
+    """"sparse_dist": train with TorchRec's ``TrainPipelineSparseDist`` (overlaps the next
+    batches' device copy and sparse all-to-all with this step). Needs
+    gradient_accumulation_steps=1 and no fp16 / skip-non-finite guard."""
+
     seed: int = 0
     """Seeds torch, numpy and python RNGs on every rank (dense init must match across ranks)."""
 
@@ -119,6 +124,19 @@ class TrainingArguments:
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(
                 f"`mixed_precision` must be one of 'no', 'bf16', 'fp16', but is {self.mixed_precision!r}."
+            )
+        if self.pipeline not in ("none", "sparse_dist"):
+            raise ValueError(f"`pipeline` must be one of 'none', 'sparse_dist', but is {self.pipeline!r}.")
+        if self.pipeline == "sparse_dist" and self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "`pipeline` is 'sparse_dist', which steps the optimizer on every batch; it needs "
+                f"`gradient_accumulation_steps` = 1, but that is {self.gradient_accumulation_steps}. "
+                "Use pipeline='none' with accumulation."
+            )
+        if self.pipeline == "sparse_dist" and self.mixed_precision == "fp16":
+            raise ValueError(
+                "`pipeline` 'sparse_dist' runs backward itself without loss scaling; it cannot be "
+                "combined with `mixed_precision` 'fp16'. Use 'bf16' or pipeline='none'."
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"`device` must be one of 'auto', 'cpu', 'cuda', but is {self.device!r}.")

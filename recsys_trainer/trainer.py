@@ -226,6 +226,8 @@ class Trainer:
             self.hooks.add(h)
 
         self.state = TrainerState()
+        self._pipeline: Any = None
+        self._pipeline_last: MicroBatchOutput
         from recsys_trainer.checkpoint import CheckpointManager
 
         # Built on every rank (it creates its own gloo group: a collective). It resumes, saves
@@ -398,7 +400,9 @@ class Trainer:
             local_flags=lambda: (self._stop_local, self._non_finite_local),
         )
         finished = False
-        batch = self._fetch(it)
+        if args.pipeline == "sparse_dist":
+            finished = self._train_pipelined(it)
+        batch = None if args.pipeline == "sparse_dist" else self._fetch(it)
         while batch is not None:
             self._train_step(batch, it)
             if self.checkpointer is not None:
@@ -418,6 +422,78 @@ class Trainer:
             self.hooks.fire("out_of_data", self, window_id, it.state.rows_unread)
         self.hooks.fire("after_window", self, window_id)
         return finished
+
+    def _train_pipelined(self, it: SyncedIterator) -> bool:
+        """Train the window with TorchRec's ``TrainPipelineSparseDist``; True when a limit hit.
+
+        The pipeline copies batch i+2 to the device and starts batch i+1's sparse input
+        all-to-all while batch i runs forward/backward. It pulls batches ahead from ``it``, which
+        is why the cross-rank exit flag lives inside ``SyncedIterator.__next__``: all ranks still
+        stop at the same fetch, and each trains the same number of batches. The data position
+        counts *trained* batches, so batches fetched ahead and not trained are read again on
+        resume. Events per step are the same as without the pipeline.
+        """
+        args, st = self.args, self.state
+        if self.skip_non_finite_loss:
+            raise ValueError(
+                "skipping non-finite losses needs a decision before backward, which "
+                "TrainPipelineSparseDist runs itself; use pipeline='none' with that guard."
+            )
+        pipe = self._get_pipeline()
+        pipe.reset()
+        while True:
+            try:
+                pipe.progress(it)
+            except StopIteration:
+                break
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            st.batches_in_window += 1
+            st.global_step += 1
+            micro = self._pipeline_last
+            self.hooks.fire("after_step", self, StepOutput(st.global_step, micro.loss.float(), [micro]))
+            self.timings.reset()
+            if self.checkpointer is not None:
+                self.checkpointer.on_step_end(self)
+            if args.train_steps is not None and st.global_step >= args.train_steps:
+                st.stop_reason = st.stop_reason or f"train_steps={args.train_steps} reached"
+                pipe.detach()
+                return True
+        pipe.detach()  # restore the sharded modules' own forward (evaluation uses it)
+        return False
+
+    def _get_pipeline(self) -> Any:
+        if self._pipeline is None:
+            from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+            trainer = self
+
+            def forward(batch: Batch) -> tuple[torch.Tensor, Any]:
+                # Called once per progress() with the batch being trained.
+                trainer.hooks.fire("before_step", trainer)
+                trainer.hooks.fire("after_data", trainer, batch)
+                with trainer.accelerator.autocast():
+                    loss, outputs = _split_output(trainer.model(batch))
+                trainer._pipeline_last = MicroBatchOutput(batch, loss.detach(), outputs)
+                return loss, outputs
+
+            class _DenseStep:
+                """What the pipeline steps: zero_grad and (clipped) step of the dense optimizer;
+                the sparse optimizer already ran inside backward."""
+
+                def zero_grad(self) -> None:
+                    trainer.optimizer.dense.zero_grad(set_to_none=True)
+
+                def step(self) -> None:
+                    if trainer.args.max_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(trainer.dense_params, trainer.args.max_grad_norm)
+                    trainer.optimizer.dense.step()
+
+            self._pipeline = TrainPipelineSparseDist(
+                self.model, _DenseStep(), self.device, execute_all_batches=True,  # type: ignore[arg-type]
+                custom_model_fwd=forward,  # type: ignore[arg-type]
+            )
+        return self._pipeline
 
     def _fetch(self, it: SyncedIterator) -> Batch | None:
         t0 = time.perf_counter()

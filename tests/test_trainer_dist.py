@@ -166,3 +166,30 @@ def test_k_micro_batches_with_accumulation_match_one_batch_of_k_times_the_rows()
         assert torch.equal(accum[0][name], accum[1][name])  # ranks agree under no_sync too
         # tolerance: float32 summation order differs (4 partial means vs one mean)
         torch.testing.assert_close(accum[0][name], single[0][name], rtol=1e-5, atol=1e-6)
+
+
+def _pipeline_vs_plain(pipeline: str, n_by_rank: tuple[int, int]) -> dict[str, Any]:
+    rank = _rank()
+    rec = Recorder()
+    trainer = make_trainer(train=batches(n_by_rank[rank], seed=rank), pipeline=pipeline,
+                           eval_=batches(2, seed=50 + rank), hooks=[rec])
+    trainer.train_and_evaluate()
+    dense = {n: p.detach().clone() for n, p in trainer.model.named_parameters()
+             if not hasattr(p, "_in_backward_optimizers")}
+    tables = {n: [s.tensor.clone() for s in t.local_shards()]
+              for n, t in trainer.model.state_dict().items() if "embedding_bags" in n}
+    return {"dense": dense, "tables": tables, "events": rec.events,
+            "steps": trainer.state.global_step, "pos": trainer.state.batches_in_window}
+
+
+def test_train_pipeline_sparse_dist_gives_the_same_model_and_events_as_the_plain_loop_on_uneven_data() -> None:
+    plain = run_distributed(_pipeline_vs_plain, 2, TIMEOUT, args=("none", (7, 5)))
+    piped = run_distributed(_pipeline_vs_plain, 2, TIMEOUT, args=("sparse_dist", (7, 5)))
+    for a, b in zip(plain, piped, strict=True):
+        assert a["steps"] == b["steps"] == 5
+        assert a["events"] == b["events"]
+        for name in a["dense"]:
+            torch.testing.assert_close(a["dense"][name], b["dense"][name], rtol=0, atol=1e-6)
+        for name in a["tables"]:
+            for x, y in zip(a["tables"][name], b["tables"][name], strict=True):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-6)

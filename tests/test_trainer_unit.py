@@ -40,6 +40,23 @@ def test_invalid_training_arguments_name_the_field_value_and_range(field, value,
     assert message in str(err.value)
 
 
+def test_pipeline_with_accumulation_or_fp16_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="needs `gradient_accumulation_steps` = 1, but that is 2"):
+        TrainingArguments(pipeline="sparse_dist", gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="cannot be combined with `mixed_precision` 'fp16'"):
+        TrainingArguments(pipeline="sparse_dist", mixed_precision="fp16")
+    with pytest.raises(ValueError, match="`pipeline` must be one of 'none', 'sparse_dist', but is 'async'"):
+        TrainingArguments(pipeline="async")  # type: ignore[arg-type]
+
+
+def test_pipelined_training_stops_at_exactly_train_steps_and_evaluates_afterwards() -> None:
+    trainer = make_trainer(train=batches(10), eval_=batches(2, seed=3), pipeline="sparse_dist",
+                           train_steps=4)
+    trainer.train()
+    assert trainer.state.global_step == 4 and trainer.state.batches_in_window == 4
+    assert math.isfinite(trainer.evaluate()["loss"])  # the model's own forward is restored
+
+
 def test_unsupported_sparse_optimizer_on_cpu_lists_the_supported_ones() -> None:
     with pytest.raises(ValueError, match="not supported by FBGEMM on cpu; supported there: sgd, adagrad, rowwise_adagrad"):
         SparseOptimizer("adam").check_device("cpu")
