@@ -4,6 +4,16 @@ from recsys_trainer.args import NotSupportedYetError, TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.distributed import shutdown
+from recsys_trainer.hooks import (
+    EarlyStoppingHook,
+    JsonlMetricsHook,
+    MetricReport,
+    MetricReportHook,
+    NonFiniteLossHook,
+    ProfilerHook,
+    ProgressHook,
+    TensorBoardHook,
+)
 from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.logger import LoggerHook
@@ -14,13 +24,21 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch",
+    "EarlyStoppingHook",
     "Hook",
+    "JsonlMetricsHook",
     "LambdaHook",
     "LoggerHook",
+    "MetricReport",
+    "MetricReportHook",
     "MicroBatchOutput",
+    "NonFiniteLossHook",
     "NotSupportedYetError",
+    "ProfilerHook",
+    "ProgressHook",
     "SparseOptimizer",
     "StepOutput",
+    "TensorBoardHook",
     "Trainer",
     "TrainerState",
     "TrainingArguments",

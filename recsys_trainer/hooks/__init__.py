@@ -1,7 +1,42 @@
 """Hooks: the ``Hook`` base class and the built-in hooks."""
 
-from recsys_trainer.hooks.base import EVENTS, Hook, HookList, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.base import (
+    EVENTS,
+    Hook,
+    HookList,
+    MetricReport,
+    MicroBatchOutput,
+    StepOutput,
+)
+from recsys_trainer.hooks.early_stopping import EarlyStoppingHook
+from recsys_trainer.hooks.jsonl import JsonlMetricsHook, read_jsonl
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.hooks.metrics import METRIC_NAMES, ClickMetrics, MetricReportHook
+from recsys_trainer.hooks.nonfinite import NonFiniteLossHook
+from recsys_trainer.hooks.profiler import ProfilerHook
+from recsys_trainer.hooks.progress import ProgressHook
+from recsys_trainer.hooks.tensorboard import TensorBoardHook
+from recsys_trainer.hooks.timing import StepTimings
 
-__all__ = ["EVENTS", "Hook", "HookList", "LambdaHook", "LoggerHook", "MicroBatchOutput", "StepOutput"]
+__all__ = [
+    "EVENTS",
+    "METRIC_NAMES",
+    "ClickMetrics",
+    "EarlyStoppingHook",
+    "Hook",
+    "HookList",
+    "JsonlMetricsHook",
+    "LambdaHook",
+    "LoggerHook",
+    "MetricReport",
+    "MetricReportHook",
+    "MicroBatchOutput",
+    "NonFiniteLossHook",
+    "ProfilerHook",
+    "ProgressHook",
+    "StepOutput",
+    "StepTimings",
+    "TensorBoardHook",
+    "read_jsonl",
+]

@@ -52,6 +52,24 @@ class StepOutput:
         return sum(m.batch.batch_size for m in self.micro_batches)
 
 
+@dataclass
+class MetricReport:
+    """What ``on_metrics`` receives: one set of metric values, identical on every rank.
+
+    ``mode`` is "train" or "eval". ``scope`` says which rows the values cover: "interval" (train
+    rows since the previous train report, every ``log_steps``), "window" (one data window) or
+    "eval" (a whole evaluation pass). ``step`` is ``state.global_step`` when it was computed;
+    ``window_id`` is set for "window" reports (``window_index`` counts them per mode).
+    """
+
+    mode: str
+    scope: str
+    step: int
+    values: dict[str, float]
+    window_id: str | None = None
+    window_index: int | None = None
+
+
 EVENTS: tuple[str, ...] = (
     "before_train",
     "after_train",
@@ -70,6 +88,7 @@ EVENTS: tuple[str, ...] = (
     "before_save_checkpoint",
     "after_save_checkpoint",
     "after_load_checkpoint",
+    "on_metrics",
     "on_exception",
     "end",
 )
@@ -138,6 +157,10 @@ class Hook:
 
     def after_load_checkpoint(self, trainer: Trainer, path: str) -> None:
         """After the state was restored from ``path``."""
+
+    def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
+        """When a ``MetricReportHook`` has computed metrics (on every rank, same values); fired
+        by that hook, so only runs that include one see it."""
 
     def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         """When ``train``/``evaluate``/``train_and_evaluate`` raises; ``end`` still follows."""

@@ -1,0 +1,111 @@
+"""``JsonlMetricsHook``: one JSON object per line for scripts (and ``python -m recsys_trainer.plot``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+from recsys_trainer.hooks._interval import IntervalStats
+from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
+
+if TYPE_CHECKING:
+    from recsys_trainer.trainer import Trainer
+
+
+def _clean(v: Any) -> Any:
+    # Strict JSON has no NaN/Infinity: undefined metrics are written as null.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class JsonlMetricsHook(Hook):
+    """Appends records to ``path`` (default ``<output_dir>/metrics.jsonl``) on rank 0; add it on
+    every rank (the train loss is averaged over ranks with one small all-reduce per report).
+
+    Record types (every record has ``type``, ``step`` and ``time``, a Unix timestamp):
+
+    - ``{"type": "train", "epoch", "loss", "samples_per_s", "dense_lr", "sparse_lr",
+      "data_wait_s", "forward_backward_s", "optimizer_s"}`` every ``every`` steps (default
+      ``args.log_steps``) and at the end of training for a partial interval;
+    - ``{"type": "metrics", "mode", "scope", "window_id", "window_index", <metric>: value...}``
+      for each ``MetricReportHook`` report;
+    - ``{"type": "eval", <key>: value...}``: each evaluation's ``metrics`` dict.
+
+    Undefined values (NaN) are written as ``null``. Lines are flushed as written, so a reader
+    can follow a live run; a resumed run appends to the same file.
+    """
+
+    def __init__(self, path: str | None = None, every: int | None = None) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
+        self._path = path
+        self._every = every
+        self._file: IO[str] | None = None
+        self._stats = IntervalStats()
+
+    @property
+    def path(self) -> str | None:
+        return self._path
+
+    def _write(self, trainer: Trainer, record: dict[str, Any]) -> None:
+        if not trainer.is_rank_zero:
+            return
+        if self._file is None:
+            if self._path is None:
+                self._path = os.path.join(trainer.args.output_dir, "metrics.jsonl")
+            os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
+            self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in end()
+        record = {"type": record.pop("type"), "step": trainer.state.global_step, "time": time.time(), **record}
+        self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._file.flush()
+
+    def before_train(self, trainer: Trainer) -> None:
+        self._stats.start()
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        self._stats.add(trainer, output)
+        if trainer.state.global_step % (self._every or trainer.args.log_steps) == 0:
+            self._write_train(trainer)
+
+    def after_train(self, trainer: Trainer) -> None:
+        if len(self._stats):  # same step count on every rank: the all-reduce stays matched
+            self._write_train(trainer)
+
+    def _write_train(self, trainer: Trainer) -> None:
+        vals = self._stats.flush(trainer, across_ranks=True)
+        self._write(trainer, {"type": "train", "epoch": trainer.state.epoch, **vals,
+                              "dense_lr": trainer.dense_lr(), "sparse_lr": trainer.sparse_lr()})
+
+    def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
+        self._write(trainer, {"type": "metrics", "mode": report.mode, "scope": report.scope,
+                              "window_id": report.window_id, "window_index": report.window_index,
+                              **report.values})
+
+    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        self._write(trainer, {"type": "eval", **metrics})
+
+    def end(self, trainer: Trainer) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The records of a metrics log (a truncated last line, from a live run, is skipped)."""
+    out: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break  # still being written
+            raise ValueError(f"{path}:{i + 1} is not a JSON object: {line[:80]!r}") from None
+    return out

@@ -1,0 +1,127 @@
+"""``TensorBoardHook``: loss, metrics, learning rates, throughput and time breakdown as TB scalars."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from recsys_trainer.hooks._interval import IntervalStats
+from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
+
+if TYPE_CHECKING:
+    from recsys_trainer.trainer import Trainer
+
+
+def default_tensorboard_dir(trainer: Trainer) -> str:
+    """``<output_dir>/tensorboard``: where ``TensorBoardHook`` and ``ProfilerHook`` write."""
+    return os.path.join(trainer.args.output_dir, "tensorboard")
+
+
+class TensorBoardHook(Hook):
+    """Writes scalars to an event file under ``log_dir`` (default ``<output_dir>/tensorboard``)
+    on rank 0. Add it on every rank (as all hooks): the train loss and samples/s are reduced over
+    ranks with one small all-reduce every ``every`` steps (default ``args.log_steps``).
+
+    Tags (x axis: global step unless said otherwise):
+
+    - ``train/loss`` (mean over ranks and steps of the interval), ``perf/samples_per_s`` (global),
+      ``lr/dense``, ``lr/sparse``;
+    - ``time/data_wait_s``, ``time/forward_backward_s``, ``time/optimizer_s``: rank 0's mean
+      seconds per step over the interval (``Trainer.timings``);
+    - ``checkpoint/save_s``: from ``before_save_checkpoint`` to ``after_save_checkpoint`` (for
+      async saves that includes the background write, up to commit);
+    - from ``MetricReportHook``: ``train/<metric>`` (interval), ``eval/<metric>``, and per data
+      window ``train_window/<metric>``, ``eval_window/<metric>`` with the window's ordinal as x;
+    - ``eval/<key>`` for any other key of ``after_evaluate``'s metrics (``eval/loss``...).
+    """
+
+    def __init__(self, log_dir: str | None = None, every: int | None = None) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
+        self._log_dir = log_dir
+        self._every = every
+        self._writer: Any = None
+        self._stats = IntervalStats()
+        self._save_t0: dict[str, float] = {}
+        self._eval_written: set[str] = set()
+
+    @property
+    def log_dir(self) -> str | None:
+        return self._log_dir
+
+    def _w(self, trainer: Trainer) -> Any:
+        if not trainer.is_rank_zero:
+            return None
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            if self._log_dir is None:
+                self._log_dir = default_tensorboard_dir(trainer)
+            self._writer = SummaryWriter(log_dir=self._log_dir)
+        return self._writer
+
+    def _scalar(self, trainer: Trainer, tag: str, value: float, step: int) -> None:
+        w = self._w(trainer)
+        if w is not None and value is not None and not (isinstance(value, float) and math.isnan(value)):
+            w.add_scalar(tag, value, step)
+
+    def before_train(self, trainer: Trainer) -> None:
+        self._stats.start()
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        self._stats.add(trainer, output)
+        if trainer.state.global_step % (self._every or trainer.args.log_steps) == 0:
+            self._write_interval(trainer)
+
+    def after_train(self, trainer: Trainer) -> None:
+        if len(self._stats):  # same step count on every rank: the all-reduce stays matched
+            self._write_interval(trainer)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _write_interval(self, trainer: Trainer) -> None:
+        vals = self._stats.flush(trainer, across_ranks=True)
+        step = trainer.state.global_step
+        self._scalar(trainer, "train/loss", vals["loss"], step)
+        self._scalar(trainer, "perf/samples_per_s", vals["samples_per_s"], step)
+        self._scalar(trainer, "lr/dense", trainer.dense_lr(), step)
+        sparse_lr = trainer.sparse_lr()
+        if sparse_lr is not None:
+            self._scalar(trainer, "lr/sparse", sparse_lr, step)
+        for k in ("data_wait_s", "forward_backward_s", "optimizer_s"):
+            self._scalar(trainer, f"time/{k}", vals[k], step)
+
+    def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
+        if report.scope == "window":
+            group, x = f"{report.mode}_window", report.window_index or 0
+        else:
+            group, x = report.mode, report.step
+        for k, v in report.values.items():
+            self._scalar(trainer, f"{group}/{k}", v, x)
+            if report.scope == "eval":
+                self._eval_written.add(k)
+
+    def before_evaluate(self, trainer: Trainer) -> None:
+        self._eval_written = set()
+
+    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            if k not in self._eval_written:
+                self._scalar(trainer, f"eval/{k}", float(v), trainer.state.global_step)
+        if self._writer is not None:
+            self._writer.flush()
+
+    def before_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        self._save_t0[path] = time.perf_counter()
+
+    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        t0 = self._save_t0.pop(path, None)
+        if t0 is not None:
+            self._scalar(trainer, "checkpoint/save_s", time.perf_counter() - t0, trainer.state.global_step)
+
+    def end(self, trainer: Trainer) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
