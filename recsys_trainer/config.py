@@ -1,0 +1,635 @@
+"""Run configuration for the ``recsys-train`` CLI: a YAML file, dotted overrides, dataclasses.
+
+A config file has these top-level sections (all optional except ``model`` and ``data``)::
+
+    run: train_and_evaluate     # train | evaluate | train_and_evaluate
+    args: {...}                 # TrainingArguments fields
+    model: {...}                # DLRMClassifier arguments (ModelConfig)
+    data: {kind: synthetic, ...}  or  {kind: parquet, ...}   (SyntheticDataConfig / ParquetDataConfig)
+    dense_optimizer: {name: adam, lr: 0.001, kwargs: {}}
+    sparse_optimizer: {name: rowwise_adagrad, lr: 0.05, kwargs: {}}
+    hooks: [metrics, {name: jsonl, every: 10}]
+
+YAML only *fills* these dataclasses; validation lives in them (``TrainingArguments`` validates
+``args``). Every error is a ``ConfigError`` naming the dotted key, the bad value and what is
+allowed. ``apply_overrides`` applies ``--section.key value`` pairs with YAML scalar typing
+(``100`` is an int, ``1e-3`` a float, ``null`` None, ``[a, b]`` a list).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from recsys_trainer.args import TrainingArguments
+
+RunMode = Literal["train", "evaluate", "train_and_evaluate"]
+RUN_MODES = ("train", "evaluate", "train_and_evaluate")
+SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "sparse_optimizer", "hooks")
+
+# Dense optimizers by config name -> torch.optim class name.
+DENSE_OPTIMIZERS = {
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "sgd": "SGD",
+    "adagrad": "Adagrad",
+    "rmsprop": "RMSprop",
+}
+
+# Built-in hooks by config name -> class name in ``recsys_trainer.hooks`` (resolved lazily, so a
+# hook module that fails to import only breaks configs that use it).
+BUILTIN_HOOKS = {
+    "logger": "LoggerHook",
+    "metrics": "MetricReportHook",
+    "jsonl": "JsonlMetricsHook",
+    "tensorboard": "TensorBoardHook",
+    "progress": "ProgressHook",
+    "profiler": "ProfilerHook",
+    "early_stopping": "EarlyStoppingHook",
+    "non_finite_loss": "NonFiniteLossHook",
+}
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the dotted key, the value and what is allowed."""
+
+
+T = TypeVar("T")
+
+
+def _allowed(cls: type[Any]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _build(cls: type[T], section: str, raw: Any) -> T:
+    """``cls(**raw)`` with config-style errors for unknown keys, missing keys and bad values."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"`{section}` must be a mapping of keys to values, but is {raw!r}.")
+    allowed = _allowed(cls)
+    unknown = sorted(str(k) for k in raw if k not in allowed)
+    if unknown:
+        raise ConfigError(
+            f"unknown key{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(f'`{section}.{k}`' for k in unknown)}; allowed keys in `{section}`: "
+            f"{', '.join(allowed)}."
+        )
+    required = [f.name for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                if f.init and f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise ConfigError(
+            f"missing required key{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(f'`{section}.{k}`' for k in missing)}."
+        )
+    try:
+        return cls(**dict(raw))
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"`{section}`: {exc}") from exc
+
+
+def _check_type(key: str, value: Any, types: tuple[type, ...], what: str) -> None:
+    if isinstance(value, bool) and bool not in types:
+        raise ConfigError(f"`{key}` must be {what}, but is {value!r}.")
+    if not isinstance(value, types):
+        raise ConfigError(f"`{key}` must be {what}, but is {value!r}.")
+
+
+def _positive_int(key: str, value: Any) -> None:
+    _check_type(key, value, (int,), "an int >= 1")
+    if value < 1:
+        raise ConfigError(f"`{key}` must be an int >= 1, but is {value!r}.")
+
+
+# ---------------------------------------------------------------------------- model
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The bundled ``DLRMClassifier`` (``recsys_trainer.models``)."""
+
+    kind: Literal["dlrm"] = "dlrm"
+    """The model family. Only "dlrm" is bundled."""
+    sparse_features: list[str] | int | None = None
+    """Sparse feature names, or a count ``n`` meaning ``cat_0 .. cat_{n-1}``. With parquet data
+    it defaults to the feature spec's sparse names (and must match them if given)."""
+    num_dense: int | None = None
+    """Dense inputs. With parquet data it defaults to the feature spec's dense column count."""
+    num_embeddings: int | list[int] | None = None
+    """Rows per table (one int for all, or one per feature). With parquet data it defaults to
+    the feature spec's ``num_embeddings``."""
+    embedding_dim: int = 16
+    """Embedding width (the bottom MLP's last layer is set to it)."""
+    dense_arch: list[int] = field(default_factory=lambda: [64])
+    """Bottom (dense) MLP layer sizes."""
+    over_arch: list[int] = field(default_factory=lambda: [64, 1])
+    """Top MLP layer sizes (the last must be 1: one logit)."""
+
+    def __post_init__(self) -> None:
+        if self.kind != "dlrm":
+            raise ConfigError(f"`model.kind` must be one of dlrm, but is {self.kind!r}.")
+        if self.sparse_features is not None:
+            if isinstance(self.sparse_features, int) and not isinstance(self.sparse_features, bool):
+                _positive_int("model.sparse_features", self.sparse_features)
+                self.sparse_features = [f"cat_{i}" for i in range(self.sparse_features)]
+            elif not (isinstance(self.sparse_features, list) and self.sparse_features
+                      and all(isinstance(s, str) for s in self.sparse_features)):
+                raise ConfigError(
+                    "`model.sparse_features` must be a non-empty list of names or an int >= 1, "
+                    f"but is {self.sparse_features!r}."
+                )
+        if self.num_dense is not None:
+            _check_type("model.num_dense", self.num_dense, (int,), "an int >= 0")
+            if self.num_dense < 0:
+                raise ConfigError(f"`model.num_dense` must be an int >= 0, but is {self.num_dense!r}.")
+        if isinstance(self.num_embeddings, list):
+            for n in self.num_embeddings:
+                _positive_int("model.num_embeddings[]", n)
+        elif self.num_embeddings is not None:
+            _positive_int("model.num_embeddings", self.num_embeddings)
+        _positive_int("model.embedding_dim", self.embedding_dim)
+        for key in ("dense_arch", "over_arch"):
+            sizes = getattr(self, key)
+            if not (isinstance(sizes, list) and sizes):
+                raise ConfigError(f"`model.{key}` must be a non-empty list of ints >= 1, but is {sizes!r}.")
+            for s in sizes:
+                _positive_int(f"model.{key}[]", s)
+        if self.over_arch[-1] != 1:
+            raise ConfigError(
+                f"`model.over_arch` must end with 1 (one logit per row), but is {self.over_arch!r}."
+            )
+
+    def build(self) -> Any:
+        """The unsharded model (tables on the meta device). Needs the schema fields resolved."""
+        from recsys_trainer.models import DLRMClassifier
+
+        assert isinstance(self.sparse_features, list) and self.num_dense is not None
+        assert self.num_embeddings is not None
+        return DLRMClassifier(
+            sparse_features=self.sparse_features,
+            num_dense=self.num_dense,
+            num_embeddings=self.num_embeddings,
+            embedding_dim=self.embedding_dim,
+            dense_arch=tuple(self.dense_arch),
+            over_arch=tuple(self.over_arch),
+        )
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass(kw_only=True)
+class SyntheticDataConfig:
+    """In-memory synthetic clicks with a planted signal (``recsys_trainer.data.synthetic``); the
+    schema (features, table sizes) comes from ``model``. Each rank generates its own rows."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    batch_size: int = 512
+    """Rows per batch, per rank."""
+    train_batches: int = 100
+    """Train batches per rank per epoch."""
+    eval_batches: int = 0
+    """Held-out batches per rank (0: no eval data)."""
+    seed: int = 0
+    """Rank r draws train rows with seed ``seed + r`` and eval rows with ``seed + 10000 + r``."""
+    signal_strength: float = 0.35
+    """Spread of the planted id scores (0: labels are noise)."""
+    signal_seed: int = 1234
+    """Seed of the planted signal (the same on every rank)."""
+
+    def __post_init__(self) -> None:
+        _positive_int("data.batch_size", self.batch_size)
+        _positive_int("data.train_batches", self.train_batches)
+        _check_type("data.eval_batches", self.eval_batches, (int,), "an int >= 0")
+        if self.eval_batches < 0:
+            raise ConfigError(f"`data.eval_batches` must be an int >= 0, but is {self.eval_batches!r}.")
+        _check_type("data.seed", self.seed, (int,), "an int")
+        _check_type("data.signal_seed", self.signal_seed, (int,), "an int")
+        _check_type("data.signal_strength", self.signal_strength, (int, float), "a number >= 0")
+        if self.signal_strength < 0:
+            raise ConfigError(
+                f"`data.signal_strength` must be a number >= 0, but is {self.signal_strength!r}."
+            )
+
+
+@dataclass(kw_only=True)
+class ParquetDataConfig:
+    """Windowed parquet/CSV files (``recsys_trainer.data.parquet.ParquetWindowDataset``)."""
+
+    kind: Literal["parquet"] = "parquet"
+    train: str | list[str] | None = None
+    """A partitioned root directory (``root/dt=.../hour=.../*.parquet``: one window per leaf) or
+    a list of globs (one window each)."""
+    eval: str | list[str] | None = None
+    """The same for evaluation (windowed eval: eval window i follows train window i)."""
+    features: dict[str, Any] = field(default_factory=dict)
+    """The ``FeatureSpec``: ``labels`` (list), ``dense`` (column names or mappings of
+    ``DenseFeature`` fields), ``sparse`` (mappings of ``SparseFeature`` fields: ``name``,
+    ``num_embeddings``, ``column``, ``hash``, ...), ``weight_column``, ``on_nan_label``."""
+    batch_size: int = 512
+    """Rows per batch, per rank."""
+    sharding: Literal["rows", "row_groups"] = "rows"
+    shuffle: bool = False
+    seed: int = 0
+    prefetch_batches: int = 4
+    on_corrupt: Literal["error", "skip"] = "error"
+    file_format: Literal["auto", "parquet", "csv"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.train is None and self.eval is None:
+            raise ConfigError("`data.train` or `data.eval` must name parquet data (a directory or a list of globs).")
+        for key in ("train", "eval"):
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, str) or (
+                    isinstance(v, list) and v and all(isinstance(s, str) for s in v))):
+                raise ConfigError(
+                    f"`data.{key}` must be a directory path or a non-empty list of globs, but is {v!r}."
+                )
+        _positive_int("data.batch_size", self.batch_size)
+        _check_type("data.shuffle", self.shuffle, (bool,), "true or false")
+        self.feature_spec()  # validate now, not after the process group is up
+
+    def feature_spec(self) -> Any:
+        """The ``FeatureSpec`` described by ``features``."""
+        from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
+
+        raw = dict(self.features)
+        if "dense" in raw:
+            raw["dense"] = [
+                d if isinstance(d, str) else _build(DenseFeature, f"data.features.dense[{i}]", d)
+                for i, d in enumerate(raw["dense"] or [])
+            ]
+        if "sparse" in raw:
+            raw["sparse"] = [
+                _build(SparseFeature, f"data.features.sparse[{i}]", s)
+                for i, s in enumerate(raw["sparse"] or [])
+            ]
+        return _build(FeatureSpec, "data.features", raw)
+
+    def build(self, which: Literal["train", "eval"]) -> Any:
+        """The ``ParquetWindowDataset`` for ``train`` or ``eval`` (None if not configured)."""
+        from recsys_trainer.data.parquet import ParquetWindowDataset
+
+        source = getattr(self, which)
+        if source is None:
+            return None
+        if isinstance(source, str) and not os.path.isdir(source):
+            raise ConfigError(f"`data.{which}` is {source!r}, which is not a directory.")
+        return ParquetWindowDataset(
+            source, self.feature_spec(), self.batch_size, sharding=self.sharding,
+            shuffle=self.shuffle if which == "train" else False, seed=self.seed,
+            prefetch_batches=self.prefetch_batches, on_corrupt=self.on_corrupt,
+            file_format=self.file_format,
+        )
+
+
+DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}
+DataConfig = SyntheticDataConfig | ParquetDataConfig
+
+
+# ---------------------------------------------------------------------------- optimizers, hooks
+
+
+@dataclass(kw_only=True)
+class DenseOptimizerConfig:
+    """The dense optimizer (over exactly the parameters without a fused optimizer)."""
+
+    name: str = "adam"
+    """One of adam, adamw, sgd, adagrad, rmsprop (``torch.optim``)."""
+    lr: float = 1e-3
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments of the torch optimizer (``weight_decay``, ``betas``, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in DENSE_OPTIMIZERS:
+            raise ConfigError(
+                f"`dense_optimizer.name` must be one of {', '.join(DENSE_OPTIMIZERS)}, but is {self.name!r}."
+            )
+        _check_type("dense_optimizer.lr", self.lr, (int, float), "a number > 0")
+        if self.lr <= 0:
+            raise ConfigError(f"`dense_optimizer.lr` must be a number > 0, but is {self.lr!r}.")
+        if not isinstance(self.kwargs, dict):
+            raise ConfigError(f"`dense_optimizer.kwargs` must be a mapping, but is {self.kwargs!r}.")
+        cls = self.optimizer_class()
+        accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params", "lr")]
+        unknown = sorted(set(self.kwargs) - set(accepted))
+        if unknown:
+            raise ConfigError(
+                f"unknown key(s) {', '.join(f'`dense_optimizer.kwargs.{k}`' for k in unknown)} for "
+                f"torch.optim.{cls.__name__}; allowed: {', '.join(accepted)}."
+            )
+
+    def optimizer_class(self) -> type[Any]:
+        import torch
+
+        cls: type[Any] = getattr(torch.optim, DENSE_OPTIMIZERS[self.name])
+        return cls
+
+    def factory(self) -> Any:
+        """``params -> Optimizer`` as ``Trainer(dense_optimizers=(factory, None))`` wants."""
+        cls, lr, kwargs = self.optimizer_class(), self.lr, dict(self.kwargs)
+        return lambda params: cls(params, lr=lr, **kwargs)
+
+
+@dataclass(kw_only=True)
+class SparseOptimizerConfig:
+    """The fused sparse optimizer (``recsys_trainer.SparseOptimizer``)."""
+
+    name: str = "rowwise_adagrad"
+    lr: float = 0.01
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.build()  # SparseOptimizer validates name and lr
+
+    def build(self) -> Any:
+        from recsys_trainer.sharding import SparseOptimizer
+
+        try:
+            return SparseOptimizer(name=self.name, lr=self.lr, kwargs=dict(self.kwargs))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """One entry of ``hooks``: a built-in hook's config name and its constructor arguments."""
+
+    name: str
+    kwargs: dict[str, Any]
+
+    def build(self, index: int) -> Any:
+        key = f"hooks[{index}]"
+        module = importlib.import_module("recsys_trainer.hooks")
+        cls = getattr(module, BUILTIN_HOOKS[self.name], None)
+        if cls is None:
+            raise ConfigError(
+                f"`{key}`: hook {self.name!r} ({BUILTIN_HOOKS[self.name]}) is not available in this "
+                "installation of recsys_trainer."
+            )
+        accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        unknown = sorted(set(self.kwargs) - set(accepted))
+        if unknown:
+            raise ConfigError(
+                f"unknown key(s) {', '.join(f'`{key}.{k}`' for k in unknown)} for hook "
+                f"{self.name!r}; allowed: {', '.join(['name', *accepted])}."
+            )
+        try:
+            return cls(**self.kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"`{key}` ({self.name}): {exc}") from exc
+
+
+def _parse_hooks(raw: Any) -> list[HookConfig]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ConfigError(f"`hooks` must be a list of hook names or mappings with `name`, but is {raw!r}.")
+    out = []
+    for i, entry in enumerate(raw):
+        if isinstance(entry, str):
+            name, kwargs = entry, {}
+        elif isinstance(entry, Mapping) and "name" in entry:
+            kwargs = {str(k): v for k, v in entry.items() if k != "name"}
+            name = entry["name"]
+        else:
+            raise ConfigError(
+                f"`hooks[{i}]` must be a hook name or a mapping with `name` and the hook's "
+                f"arguments, but is {entry!r}."
+            )
+        if name not in BUILTIN_HOOKS:
+            raise ConfigError(
+                f"`hooks[{i}]` names hook {name!r}; allowed: {', '.join(BUILTIN_HOOKS)}."
+            )
+        out.append(HookConfig(name, kwargs))
+    return out
+
+
+# ---------------------------------------------------------------------------- the whole config
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything the CLI needs to build and run a ``Trainer``."""
+
+    run: RunMode = "train_and_evaluate"
+    args: TrainingArguments
+    model: ModelConfig
+    data: DataConfig
+    dense_optimizer: DenseOptimizerConfig
+    sparse_optimizer: SparseOptimizerConfig
+    hooks: list[HookConfig]
+
+    @staticmethod
+    def from_dict(raw: Any) -> RunConfig:
+        """Validate a parsed YAML document (see the module docstring for its sections)."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"a config must be a mapping with sections {', '.join(SECTIONS)}; got {raw!r}.")
+        unknown = sorted(str(k) for k in raw if k not in SECTIONS)
+        if unknown:
+            raise ConfigError(
+                f"unknown top-level key{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(f'`{k}`' for k in unknown)}; allowed: {', '.join(SECTIONS)}."
+            )
+        run = raw.get("run", "train_and_evaluate")
+        if run not in RUN_MODES:
+            raise ConfigError(f"`run` must be one of {', '.join(RUN_MODES)}, but is {run!r}.")
+        args = _build(TrainingArguments, "args", raw.get("args"))
+        model = _build(ModelConfig, "model", raw.get("model"))
+        data_raw = raw.get("data")
+        if not isinstance(data_raw, Mapping):
+            raise ConfigError(
+                f"`data` must be a mapping with `kind` ({', '.join(DATA_KINDS)}), but is {data_raw!r}."
+            )
+        kind = data_raw.get("kind", "synthetic")
+        if kind not in DATA_KINDS:
+            raise ConfigError(f"`data.kind` must be one of {', '.join(DATA_KINDS)}, but is {kind!r}.")
+        data = _build(DATA_KINDS[kind], "data", data_raw)
+        cfg = RunConfig(
+            run=run,
+            args=args,
+            model=model,
+            data=data,
+            dense_optimizer=_build(DenseOptimizerConfig, "dense_optimizer", raw.get("dense_optimizer")),
+            sparse_optimizer=_build(SparseOptimizerConfig, "sparse_optimizer", raw.get("sparse_optimizer")),
+            hooks=_parse_hooks(raw.get("hooks")),
+        )
+        cfg._resolve_schema()
+        return cfg
+
+    def _resolve_schema(self) -> None:
+        """Fill the model's features from the data (parquet) or require them (synthetic)."""
+        m, d = self.model, self.data
+        if isinstance(d, SyntheticDataConfig):
+            missing = [k for k in ("sparse_features", "num_dense", "num_embeddings") if getattr(m, k) is None]
+            if missing:
+                raise ConfigError(
+                    f"with `data.kind: synthetic` the model defines the schema: set "
+                    f"{', '.join(f'`model.{k}`' for k in missing)}."
+                )
+            if isinstance(m.num_embeddings, list):
+                raise ConfigError(
+                    "with `data.kind: synthetic`, `model.num_embeddings` must be one int (all "
+                    f"tables the same size), but is {m.num_embeddings!r}."
+                )
+        else:
+            spec = d.feature_spec()
+            derived: dict[str, Any] = {
+                "sparse_features": spec.sparse_names,
+                "num_dense": spec.num_dense,
+                "num_embeddings": [s.num_embeddings for s in spec.sparse],
+            }
+            for key, value in derived.items():
+                given = getattr(m, key)
+                if given is None:
+                    setattr(m, key, value)
+                elif key == "num_embeddings" and isinstance(given, int):
+                    if any(n != given for n in value):
+                        raise ConfigError(
+                            f"`model.num_embeddings` is {given}, but `data.features.sparse` sizes "
+                            f"are {value}; leave `model.num_embeddings` unset to take them from the data."
+                        )
+                    m.num_embeddings = value
+                elif given != value:
+                    raise ConfigError(
+                        f"`model.{key}` is {given!r}, but the data's feature spec gives {value!r}; "
+                        f"leave `model.{key}` unset to take it from the data."
+                    )
+        if isinstance(m.num_embeddings, list) and isinstance(m.sparse_features, list) and len(
+                m.num_embeddings) != len(m.sparse_features):
+            raise ConfigError(
+                f"`model.num_embeddings` has {len(m.num_embeddings)} sizes for "
+                f"{len(m.sparse_features)} sparse features."
+            )
+
+
+# ---------------------------------------------------------------------------- YAML + overrides
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file (an empty file is an empty config)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path!r}: {exc.strerror}.") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"the config file {path!r} is not valid YAML: {exc}") from exc
+    if doc is None:
+        return {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"the config file {path!r} must hold a mapping of sections, but holds {doc!r}.")
+    return doc
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+def coerce_value(text: str) -> Any:
+    """A command-line value with YAML typing: ``100`` -> 100, ``0.5`` and ``1e-3`` -> float
+    (YAML 1.1 alone reads ``1e-3`` as a string), ``null``/``None`` -> None, ``true`` -> True,
+    ``[a, b]`` -> list, ``{k: v}`` -> dict; anything else stays a string."""
+    if text.strip() == "None":
+        return None
+    if _FLOAT.match(text.strip()):
+        return float(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Set ``section.key[.subkey|.index]`` to a YAML-typed value in a copy of ``raw``.
+
+    Mappings on the path are created as needed; list items are addressed by index
+    (``hooks.0.every``). Unknown keys are left for validation to report.
+    """
+    import copy
+
+    out = copy.deepcopy(raw)
+    for dotted, text in overrides:
+        parts = [p for p in dotted.split(".")]
+        if not parts or any(not p for p in parts):
+            raise ConfigError(f"bad override key `{dotted}`; write e.g. `--args.train_steps 100`.")
+        if parts[0] not in SECTIONS:
+            raise ConfigError(
+                f"override `--{dotted}` names unknown section `{parts[0]}`; allowed: {', '.join(SECTIONS)}."
+            )
+        node: Any = out
+        for i, part in enumerate(parts[:-1]):
+            where = ".".join(parts[: i + 1])
+            if isinstance(node, list):
+                node = node[_index(node, part, where)]
+                continue
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict | list):
+                raise ConfigError(f"override `--{dotted}`: `{where}` is {nxt!r}, not a mapping.")
+            node = nxt
+        last = parts[-1]
+        value = coerce_value(text)
+        if isinstance(node, list):
+            node[_index(node, last, dotted)] = value
+        else:
+            node[last] = value
+    return out
+
+
+def _index(items: list[Any], part: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"`{where}`: index {part!r} is not in a list of {len(items)} items.")
+    return int(part)
+
+
+def load_config(path: str | None, overrides: Sequence[tuple[str, str]] = ()) -> RunConfig:
+    """Read ``path`` (None: an empty config), apply ``overrides``, validate."""
+    raw = load_yaml(path) if path is not None else {}
+    return RunConfig.from_dict(apply_overrides(raw, overrides))
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain data (what ``recsys-train --print-config`` shows)."""
+    args = {f.name: getattr(cfg.args, f.name) for f in dataclasses.fields(cfg.args)
+            if f.name != "save_filter_fn"}
+    return {
+        "run": cfg.run,
+        "args": args,
+        "model": dataclasses.asdict(cfg.model),
+        "data": dataclasses.asdict(cfg.data),
+        "dense_optimizer": dataclasses.asdict(cfg.dense_optimizer),
+        "sparse_optimizer": dataclasses.asdict(cfg.sparse_optimizer),
+        "hooks": [{"name": h.name, **h.kwargs} for h in cfg.hooks],
+    }
+
+
+__all__ = [
+    "BUILTIN_HOOKS",
+    "DENSE_OPTIMIZERS",
+    "ConfigError",
+    "DenseOptimizerConfig",
+    "HookConfig",
+    "ModelConfig",
+    "ParquetDataConfig",
+    "RunConfig",
+    "SparseOptimizerConfig",
+    "SyntheticDataConfig",
+    "apply_overrides",
+    "coerce_value",
+    "config_to_dict",
+    "load_config",
+    "load_yaml",
+]

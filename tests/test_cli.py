@@ -1,0 +1,224 @@
+"""The ``recsys-train`` CLI: config validation, overrides, and real runs (1 process, 2 nodes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recsys_trainer.config import (
+    ConfigError,
+    ParquetDataConfig,
+    RunConfig,
+    apply_overrides,
+    coerce_value,
+    load_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+TINY = {
+    "run": "train",
+    "args": {"output_dir": "OUT", "train_steps": 6, "log_steps": 3, "resume_from": None},
+    "model": {"sparse_features": 4, "num_dense": 4, "num_embeddings": 200, "embedding_dim": 8,
+              "dense_arch": [16], "over_arch": [16, 1]},
+    "data": {"kind": "synthetic", "batch_size": 32, "train_batches": 10, "eval_batches": 2},
+    "dense_optimizer": {"name": "adam", "lr": 0.01},
+    "sparse_optimizer": {"name": "rowwise_adagrad", "lr": 0.05},
+}
+
+
+def tiny(**changes: Any) -> dict[str, Any]:
+    """A deep copy of TINY with ``{"section.key": value}`` style changes."""
+    return apply_overrides(TINY, [(k, str(v)) for k, v in changes.items()])
+
+
+def write_config(tmp_path: Path, raw: dict[str, Any]) -> Path:
+    import yaml
+
+    raw = apply_overrides(raw, [("args.output_dir", str(tmp_path / "out"))])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+# ------------------------------------------------------------------ config (no process group)
+
+
+def test_the_example_config_loads_and_overrides_apply_with_yaml_typing() -> None:
+    cfg = load_config(str(REPO / "examples/configs/dlrm_synthetic.yaml"),
+                      [("args.train_steps", "100"), ("dense_optimizer.lr", "1e-3"),
+                       ("args.max_grad_norm", "null"), ("hooks", "[metrics, {name: jsonl, every: 5}]")])
+    assert cfg.args.train_steps == 100
+    assert cfg.dense_optimizer.lr == pytest.approx(1e-3)
+    assert cfg.args.max_grad_norm is None
+    assert [h.name for h in cfg.hooks] == ["metrics", "jsonl"]
+    assert cfg.hooks[1].kwargs == {"every": 5}
+    assert cfg.model.sparse_features == [f"cat_{i}" for i in range(26)]
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("100", 100), ("0.5", 0.5), ("1e-3", 1e-3), ("-2E4", -2e4), ("true", True), ("null", None),
+    ("None", None), ("[1, 2]", [1, 2]), ("{a: 1}", {"a": 1}), ("bf16", "bf16"), ("'no'", "no"),
+    ("out/dir", "out/dir"),
+])
+def test_override_values_are_typed_like_yaml(text: str, value: Any) -> None:
+    assert coerce_value(text) == value
+
+
+def test_an_unknown_top_level_key_is_named_with_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError, match=r"unknown top-level key `trainer`; allowed: run, args, model"):
+        RunConfig.from_dict({**TINY, "trainer": {}})
+
+
+def test_an_unknown_args_key_is_named_with_the_allowed_keys() -> None:
+    with pytest.raises(ConfigError) as e:
+        RunConfig.from_dict(tiny(**{"args.train_stpes": 5}))
+    msg = str(e.value)
+    assert "`args.train_stpes`" in msg and "allowed keys in `args`:" in msg and "train_steps" in msg
+
+
+def test_a_bad_args_value_raises_the_training_arguments_error() -> None:
+    with pytest.raises(ConfigError, match=r"`train_steps` must be an int >= 1 or None, but is 0"):
+        RunConfig.from_dict(tiny(**{"args.train_steps": 0}))
+
+
+@pytest.mark.parametrize(("change", "pattern"), [
+    ({"run": "fit"}, r"`run` must be one of train, evaluate, train_and_evaluate, but is 'fit'"),
+    ({"data.kind": "csv"}, r"`data.kind` must be one of synthetic, parquet, but is 'csv'"),
+    ({"data.batch_sz": 3}, r"unknown key `data.batch_sz`; allowed keys in `data`: kind, batch_size"),
+    ({"data.batch_size": 0}, r"`data.batch_size` must be an int >= 1, but is 0"),
+    ({"model.over_arch": "[16, 2]"}, r"`model.over_arch` must end with 1"),
+    ({"model.kind": "dcn"}, r"`model.kind` must be one of dlrm, but is 'dcn'"),
+    ({"dense_optimizer.name": "lion"}, r"`dense_optimizer.name` must be one of adam, adamw, sgd"),
+    ({"dense_optimizer.kwargs": "{momentum: 0.9}"},
+     r"`dense_optimizer.kwargs.momentum` for torch.optim.Adam; allowed: betas, eps"),
+    ({"sparse_optimizer.name": "adamw"}, r"`sparse_optimizer.name` must be one of sgd, adagrad, rowwise_adagrad"),
+    ({"hooks": "[auc]"}, r"`hooks\[0\]` names hook 'auc'; allowed: logger, metrics, jsonl"),
+    ({"hooks": "[{name: early_stopping, patients: 2}]"},
+     r"unknown key\(s\) `hooks\[0\].patients` for hook 'early_stopping'; allowed: name, metric, mode, patience"),
+    ({"hooks": "[{name: early_stopping, patience: 0}]"}, r"`hooks\[0\]` \(early_stopping\): `patience` must be"),
+    ({"model.num_dense": "null"}, r"with `data.kind: synthetic` the model defines the schema: set `model.num_dense`"),
+])
+def test_config_errors_name_the_key_and_the_allowed_values(change: dict[str, Any], pattern: str) -> None:
+    raw = tiny(**change)
+    with pytest.raises(ConfigError, match=pattern):
+        cfg = RunConfig.from_dict(raw)
+        for i, h in enumerate(cfg.hooks):  # hook arguments are checked when hooks are built
+            h.build(i)
+
+
+def test_an_override_of_an_unknown_section_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"override `--trainer.steps` names unknown section `trainer`"):
+        apply_overrides(TINY, [("trainer.steps", "3")])
+
+
+def test_parquet_data_takes_the_model_schema_from_its_feature_spec(tmp_path: Path) -> None:
+    raw = tiny()
+    raw["model"] = {"embedding_dim": 8}
+    raw["data"] = {
+        "kind": "parquet", "train": str(tmp_path), "batch_size": 16,
+        "features": {"labels": ["click"], "dense": ["d0", {"column": "d1", "fill_value": 1.0}],
+                     "sparse": [{"name": "item", "num_embeddings": 50},
+                                {"name": "user", "num_embeddings": 70, "hash": True}]},
+    }
+    cfg = RunConfig.from_dict(raw)
+    assert isinstance(cfg.data, ParquetDataConfig)
+    assert cfg.model.sparse_features == ["item", "user"]
+    assert cfg.model.num_dense == 2 and cfg.model.num_embeddings == [50, 70]
+    raw["model"]["num_dense"] = 3
+    with pytest.raises(ConfigError, match=r"`model.num_dense` is 3, but the data's feature spec gives 2"):
+        RunConfig.from_dict(raw)
+    raw["model"] = {}
+    raw["data"]["features"]["sparse"][0]["num_embedings"] = 5
+    with pytest.raises(ConfigError, match=r"unknown key `data.features.sparse\[0\].num_embedings`"):
+        RunConfig.from_dict(raw)
+
+
+# ------------------------------------------------------------------ real runs
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_the_cli_reports_a_config_error_with_exit_status_2(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, TINY)
+    p = subprocess.run([PY, "-m", "recsys_trainer", str(cfg), "--args.log_stpes", "3"],
+                       capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)
+    assert p.returncode == 2, p.stderr
+    assert "config error: unknown key `args.log_stpes`" in p.stderr and "log_steps" in p.stderr
+
+
+def test_the_cli_trains_a_yaml_config_in_one_process(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, TINY)
+    p = subprocess.run(
+        [PY, "-m", "recsys_trainer", str(cfg), "--args.train_steps", "4", "--run=train_and_evaluate",
+         "--hooks", "[{name: jsonl, every: 2}]"],
+        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "rank 0/1 done: global_step=4" in p.stdout
+    assert "eval @ step 4" in p.stderr  # train_and_evaluate evaluated after training
+    records = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert any('"type": "train"' in r and '"step": 4' in r for r in records)
+
+
+def _kill(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            # Each agent leads its own process group: take its workers down with it.
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def test_two_torchrun_nodes_on_localhost_train_the_same_steps(tmp_path: Path) -> None:
+    """Two torchrun agents (``--nnodes=2 --nproc_per_node=1``, c10d rendezvous) run the CLI."""
+    from recsys_trainer.distributed import free_port
+
+    cfg = write_config(tmp_path, tiny(**{"args.train_steps": 5}))
+    port = free_port()
+    procs: list[subprocess.Popen[str]] = []
+    outs: list[str] = []
+    try:
+        for node_rank in range(2):
+            cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                   f"--rdzv_id=cli-test-{port}", f"--node_rank={node_rank}",
+                   "--max_restarts=0", "-m", "recsys_trainer", str(cfg)]
+            procs.append(subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                cwd=REPO, start_new_session=True,
+            ))
+        deadline = time.monotonic() + 180
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append(out)
+    except subprocess.TimeoutExpired:
+        _kill(procs)
+        pytest.fail("the 2-node run did not finish in 180 s")
+    finally:
+        _kill(procs)
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    done = sorted(m for out in outs for m in re.findall(r"rank (\d)/2 done: global_step=(\d+)", out))
+    assert done == [("0", "5"), ("1", "5")], "\n\n".join(o[-2000:] for o in outs)
+
+
+def test_the_console_script_is_callable_as_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from recsys_trainer.cli import main
+
+    cfg = write_config(tmp_path, TINY)
+    assert main([str(cfg), "--print-config", "--args.train_steps", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "train_steps: 9" in out and "kind: synthetic" in out
+    assert main([str(cfg), "--model.embedding_dim", "0"]) == 2
+    assert "`model.embedding_dim` must be an int >= 1, but is 0" in capsys.readouterr().err
