@@ -44,6 +44,9 @@ from recsys_trainer.data.windows import Window, WindowSource, describe_source, r
 
 logger = logging.getLogger("recsys_trainer.data")
 
+_CHUNK_ROWS = 16384
+"""Rows decoded at once (rounded to whole batches)."""
+
 
 @dataclass(frozen=True)
 class _Unit:
@@ -310,8 +313,13 @@ class ParquetWindowDataset(WindowedDataset):
         return table.slice(piece.start, piece.length), rows
 
     def _batches(self, pieces: list[_Piece]) -> Iterator[tuple[Batch, int]]:
-        """(batch, source rows it consumed) for the pieces, cut every ``batch_size`` rows."""
+        """(batch, source rows it consumed) for the pieces, cut every ``batch_size`` rows.
+
+        Rows are decoded in chunks of whole batches (about ``_CHUNK_ROWS`` rows): one decode per
+        chunk amortises the per-feature overhead; the chunk is then cut into batches.
+        """
         bs = self.batch_size
+        chunk = bs * max(1, _CHUNK_ROWS // bs)
         parts: list[pa.Table] = []
         prov: list[tuple[_Unit, np.ndarray]] = []
         n = 0
@@ -322,23 +330,23 @@ class ParquetWindowDataset(WindowedDataset):
             table, rows = got
             off = 0
             while off < table.num_rows:
-                take = min(bs - n, table.num_rows - off)
+                take = min(chunk - n, table.num_rows - off)
                 parts.append(table.slice(off, take))
                 prov.append((piece.unit, rows[off:off + take]))
                 n += take
                 off += take
-                if n == bs:
-                    yield from self._flush(parts, prov, n, final=False)
+                if n == chunk:
+                    yield from self._decode(parts, prov, n)
                     parts, prov, n = [], [], 0
-        yield from self._flush(parts, prov, n, final=True)
+        yield from self._decode(parts, prov, n)
 
-    def _flush(self, parts: list[pa.Table], prov: list[tuple[_Unit, np.ndarray]], n: int,
-               final: bool) -> Iterator[tuple[Batch, int]]:
+    def _decode(self, parts: list[pa.Table], prov: list[tuple[_Unit, np.ndarray]],
+                n: int) -> Iterator[tuple[Batch, int]]:
         if n == 0:
             return
         table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         try:
-            batch = self.features.decode(table)
+            decoded = self.features.decode_chunk(table)
         except _RowError as exc:
             row = exc.row or 0
             for unit, rows in prov:
@@ -347,8 +355,15 @@ class ParquetWindowDataset(WindowedDataset):
                                     row=int(rows[row]), column=exc.column) from None
                 row -= len(rows)
             raise
-        if batch.batch_size > 0:
-            yield batch, n
+        carried = 0  # rows of all-dropped batches (on_nan_label="drop") still count as consumed
+        for lo in range(0, n, self.batch_size):
+            hi = min(n, lo + self.batch_size)
+            batch = decoded.batch(lo, hi)
+            if batch.batch_size > 0:
+                yield batch, hi - lo + carried
+                carried = 0
+            else:
+                carried += hi - lo
 
 
 def _skip(pieces: list[_Piece], rows: int) -> tuple[list[_Piece], int]:
