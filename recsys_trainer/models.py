@@ -56,8 +56,12 @@ class DLRMClassifier(nn.Module):
         dense_arch: tuple[int, ...] = (64,),
         over_arch: tuple[int, ...] = (64, 1),
         table_device: str = "meta",
+        dense_log1p: bool = False,
     ) -> None:
         super().__init__()
+        # Count-valued dense inputs (Criteo's I1..I13) span orders of magnitude; log1p is the
+        # usual normalisation and keeps the bottom MLP well conditioned.
+        self.dense_log1p = dense_log1p
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
         ebc = EmbeddingBagCollection(
@@ -72,5 +76,6 @@ class DLRMClassifier(nn.Module):
         )
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.dlrm(batch.dense, batch.sparse).squeeze(-1)
+        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
+        logits = self.dlrm(dense, batch.sparse).squeeze(-1)
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
