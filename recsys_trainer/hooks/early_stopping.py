@@ -48,11 +48,11 @@ class EarlyStoppingHook(Hook):
     def before_train(self, trainer: Trainer) -> None:
         if self.metric in ("loss", "num_samples"):
             return
-        from recsys_trainer.hooks.metrics import MetricReportHook
+        from recsys_trainer.hooks.base import overridden_events
 
         hooks = list(trainer.hooks)
         mine = next(i for i, h in enumerate(hooks) if h is self)
-        if not any(isinstance(h, MetricReportHook) for h in hooks[:mine]):
+        if not any("after_evaluate" in overridden_events(h) for h in hooks[:mine]):
             raise ValueError(
                 f"EarlyStoppingHook monitors {self.metric!r}, which only a hook listed before it "
                 "can add to the evaluation metrics: put a MetricReportHook before it in `hooks`."
