@@ -45,11 +45,14 @@ class RowWindows(WindowedDataset):
     def __init__(self, num_windows: int = 2, batches_per_window: int = 8, batch_size: int = 16,
                  seed: int = 0) -> None:
         self.num_windows, self.bpw, self.bs, self.seed = num_windows, batches_per_window, batch_size, seed
-        self.rank, self.world_size = 0, 1
+        self.rank, self.world_size, self.epoch = 0, 1, 0
         self.signal = PlantedSignal.make(len(FEATS), NUM_DENSE, ROWS, seed=7, strength=1.5)
 
     def setup(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch  # row ids are unique per epoch: (epoch, row) -> epoch * 10000 + row
 
     def window_ids(self) -> Iterator[str]:
         yield from (f"w{i}" for i in range(self.num_windows))
@@ -59,7 +62,7 @@ class RowWindows(WindowedDataset):
         out = synthetic_batches(self.bpw, self.bs, FEATS, NUM_DENSE, ROWS,
                                 seed=self.seed * 1000 + w, signal=self.signal)
         for i, b in enumerate(out):
-            first = (w * self.bpw + i) * self.bs
+            first = self.epoch * 10000 + (w * self.bpw + i) * self.bs
             b.dense[:, 0] = torch.arange(first, first + self.bs, dtype=torch.float32) * 1e-3
         return out
 

@@ -1,0 +1,159 @@
+"""Real 2-rank gloo checkpoint tests (each through run_distributed, with a hard timeout): bitwise
+resume, SIGKILL of a rank mid-save, and resharding between world sizes 2 and 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_checkpoint_trainer import (
+    RowRecorder,
+    RowWindows,
+    assert_bitwise_equal,
+    build,
+    committed_steps,
+    snapshot,
+)
+
+from recsys_trainer.checkpoint import CheckpointError, layout
+from recsys_trainer.checkpoint.export import read_full, saved_keys
+
+TIMEOUT = 180
+pytestmark = pytest.mark.timeout(600)
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+# ---------------------------------------------------------------------------- bitwise resume
+
+def _bitwise(root: str) -> dict[str, Any]:
+    # 2 ranks: 4 batches per rank per window, 8 steps per epoch; stop at 6 (mid-window), end at 11.
+    full_rec = RowRecorder()
+    full = build(os.path.join(root, "full"), RowWindows(), hooks=[full_rec], train_steps=11, train_epoch=2)
+    full.train()
+    cut = os.path.join(root, "cut")
+    first = RowRecorder()
+    build(cut, RowWindows(), hooks=[first], train_steps=6, save_steps=3, train_epoch=2).train()
+    second = RowRecorder()
+    resumed = build(cut, RowWindows(), hooks=[second], train_steps=11, train_epoch=2)
+    resumed.train()
+    try:
+        assert_bitwise_equal(snapshot(resumed), snapshot(full))
+        equal = "yes"
+    except AssertionError as e:
+        equal = str(e)
+    return {"equal": equal, "full_rows": full_rec.rows, "rows": first.rows + second.rows,
+            "loaded": second.events, "step": resumed.state.global_step}
+
+
+def test_two_rank_resume_is_bitwise_identical_and_reads_every_row_exactly_once(tmp_path: Any) -> None:
+    results = run_distributed(_bitwise, world_size=2, timeout_s=TIMEOUT, args=(str(tmp_path),))
+    for r in results:
+        assert r["equal"] == "yes", r["equal"]
+        assert r["step"] == 11 and ("loaded", "step_00000006") in r["loaded"]
+        assert sorted(r["rows"]) == sorted(r["full_rows"])
+    all_rows = results[0]["rows"] + results[1]["rows"]
+    assert len(all_rows) == len(set(all_rows)) == 11 * 2 * 16
+
+
+# ---------------------------------------------------------------------------- SIGKILL mid-save
+
+def _killed_mid_save(out: str) -> None:
+    if _rank() == 1:
+        real = layout.file_digest
+
+        def die_at_step_4(path: str) -> tuple[int, int]:
+            # DCP has written every shard and even .metadata: only the commit is missing.
+            if "step_00000004" in path:
+                open(os.path.join(out, "killed_rank1"), "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(path)
+
+        layout.file_digest = die_at_step_4  # type: ignore[assignment]
+    build(out, RowWindows(), train_steps=6, save_steps=2).train()
+
+
+def _resume_after_crash(out: str) -> dict[str, Any]:
+    rec = RowRecorder()
+    t = build(out, RowWindows(), hooks=[rec], train_steps=6, save_steps=2)
+    t.train()
+    return {"events": rec.events, "step": t.state.global_step, "rows": rec.rows}
+
+
+def test_sigkill_of_a_rank_mid_save_keeps_the_previous_checkpoint_and_the_next_run_resumes_from_it(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    with pytest.raises((RuntimeError, AssertionError)) as e:
+        run_distributed(_killed_mid_save, world_size=2, timeout_s=TIMEOUT, args=(out,))
+    assert "exited with code" in str(e.value) or "failed" in str(e.value)
+    assert os.path.exists(os.path.join(out, "killed_rank1")), "rank 1 was not killed mid-save"
+    os.remove(os.path.join(out, "killed_rank1"))
+    half = os.path.join(out, "step_00000004")
+    assert os.path.exists(os.path.join(half, ".metadata")), "the kill came before DCP finished"
+    assert not layout.is_committed(half)
+    assert committed_steps(out) == [2]
+    results = run_distributed(_resume_after_crash, world_size=2, timeout_s=TIMEOUT, args=(out,))
+    for r in results:
+        assert r["events"][0] == ("loaded", "step_00000002") and r["step"] == 6
+        assert len(r["rows"]) == 4 * 16  # steps 3..6 only: nothing re-read, nothing skipped
+    assert committed_steps(out) == [2, 4, 6]
+
+
+# ---------------------------------------------------------------------------- resharding
+
+def _train_two_ranks(out: str) -> None:
+    # Saves at 3 (mid-window), 4 (window boundary), 6 (8 ends training, not a window).
+    build(out, RowWindows(), train_steps=8, save_steps=3, save_every_n_windows=1,
+          max_to_keep=10).train()
+
+
+def _load_and_resave(src: str, dst: str) -> dict[str, Any]:
+    t = build(os.path.join(dst, "run"), RowWindows(), resume_from=src, train_steps=100)
+    t.checkpointer.maybe_resume(t)  # type: ignore[union-attr]
+    t.save_checkpoint(dst + "/resaved")
+    return t.state.state_dict()
+
+
+def _all_tensors(ckpt: str) -> dict[str, torch.Tensor]:
+    full = read_full(ckpt, set(saved_keys(ckpt)))
+    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor)}
+
+
+def test_resharding_2_to_1_and_1_to_2_restores_model_and_both_optimizers(tmp_path: Any) -> None:
+    two = str(tmp_path / "two")
+    run_distributed(_train_two_ranks, world_size=2, timeout_s=TIMEOUT, args=(two,))
+    assert committed_steps(two) == [3, 4, 6]
+    boundary = os.path.join(two, "step_00000004")
+
+    # 2 -> 1 (this process, world size 1): load, re-save, compare every tensor whole.
+    one = str(tmp_path / "one")
+    state = _load_and_resave(boundary, one)
+    assert (state["global_step"], state["window_index"], state["batches_in_window"]) == (4, 1, 0)
+    a, b = _all_tensors(boundary), _all_tensors(one + "/resaved")
+    assert a.keys() == b.keys() and any(k.startswith("optim.state.sparse.") for k in a)
+    assert any(k.startswith("optim.state.dense.") for k in a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+    # A mid-window position cannot be mapped to another world size: a clear error...
+    with pytest.raises(CheckpointError, match="restart_window") as e:
+        _load_and_resave(os.path.join(two, "step_00000003"), str(tmp_path / "bad"))
+    assert e.value.kind == "reshard"
+    # ... unless asked to restart that window.
+    t = build(str(tmp_path / "rw"), RowWindows(), resume_from=os.path.join(two, "step_00000003"),
+              reshard_data_position="restart_window", train_steps=100)
+    t.checkpointer.maybe_resume(t)  # type: ignore[union-attr]
+    assert (t.state.global_step, t.state.window_index, t.state.batches_in_window) == (3, 0, 0)
+
+    # 1 -> 2: both ranks load the world-size-1 checkpoint and re-save it.
+    back = str(tmp_path / "back")
+    states = run_distributed(_load_and_resave, world_size=2, timeout_s=TIMEOUT,
+                             args=(one + "/resaved", back))
+    assert all(s["window_index"] == 1 and s["global_step"] == 4 for s in states)
+    c = _all_tensors(back + "/resaved")
+    assert c.keys() == a.keys() and [k for k in a if not torch.equal(a[k], c[k])] == []
