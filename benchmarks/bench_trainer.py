@@ -1,0 +1,260 @@
+"""Trainer overhead: samples/s of the Trainer vs a hand-written TorchRec loop vs plain PyTorch.
+
+    python benchmarks/bench_trainer.py [--quick] [--ranks 1 2] [--num-embeddings 100000]
+
+Same model (DLRM: 13 dense, 26 tables, bottom MLP 512-256-D, top MLP 512-256-1), same data
+(per-rank batch 2048, Zipf ids), same optimizers (sparse Adagrad on the tables, Adam on the
+dense part), flush-denormal on, threads = cores // ranks. Variants, each built once per world
+size and measured *interleaved* (round r runs every variant for --steps steps, after --warmup
+steps each), so machine drift hits all of them alike:
+
+- ``plain_pytorch``: ``nn.EmbeddingBag(sparse=True)`` tables + ``torch.optim.Adagrad`` (sparse
+  grads) + Adam, the whole model in DDP (tables replicated, sparse gradients all-reduced).
+- ``torchrec_loop``: ``DistributedModelParallel`` (same plan as the Trainer), fused Adagrad in
+  backward, Adam on the dense parameters, a plain Python loop. **The baseline.**
+- ``torchrec_pipeline``: the same with TorchRec's ``TrainPipelineSparseDist``.
+- ``trainer``: ``recsys_trainer.Trainer`` (pipeline="none"), no hooks.
+- ``trainer_pipeline``: ``Trainer`` with ``pipeline="sparse_dist"``.
+
+Each measured segment is one "window" of --steps batches for every variant (pipelines are
+refilled per segment in both the hand-written and the Trainer variant). The table prints
+global samples/s and ratios to ``torchrec_loop`` and ``plain_pytorch`` of the same world size.
+Goal: trainer >= 0.95x torchrec_loop; trainer_pipeline > torchrec_loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    PlainDLRM,
+    dlrm,
+    make_batches,
+    markdown_table,
+    peak_rss_mib,
+    plain_inputs,
+    quiet_torchrec,
+    torchrun,
+)
+
+VARIANTS = ("plain_pytorch", "torchrec_loop", "torchrec_pipeline", "trainer", "trainer_pipeline")
+
+
+class Variant:
+    """Something that trains ``n`` steps on the benchmark data when called."""
+
+    def __init__(self, name: str, run: Callable[[int], None]) -> None:
+        self.name, self.run = name, run
+        self.seconds = 0.0
+        self.steps = 0
+
+
+def _dense_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str]) -> list[Variant]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer.sharding import dense_parameters, shard_model
+
+    device = torch.device("cpu")
+    sparse = SparseOptimizer(a.sparse_optimizer, lr=0.05)
+    out: list[Variant] = []
+    cycle = itertools.cycle(batches)
+
+    if "plain_pytorch" in names:
+        torch.manual_seed(0)
+        plain = PlainDLRM(a.num_tables, a.num_embeddings, a.embedding_dim)
+        ddp = torch.nn.parallel.DistributedDataParallel(plain)
+        emb = [p for n, p in ddp.named_parameters() if ".tables." in n]
+        dense = [p for n, p in ddp.named_parameters() if ".tables." not in n]
+        opt_sparse = torch.optim.Adagrad(emb, lr=0.05)
+        opt_dense = _dense_adam(dense)
+        plain_data = itertools.cycle([plain_inputs(b) for b in batches])
+
+        def run_plain(n: int) -> None:
+            for _ in range(n):
+                loss = ddp(*next(plain_data))
+                loss.backward()
+                opt_sparse.step()
+                opt_dense.step()
+                opt_sparse.zero_grad(set_to_none=True)
+                opt_dense.zero_grad(set_to_none=True)
+
+        out.append(Variant("plain_pytorch", run_plain))
+
+    def torchrec_dmp() -> tuple[Any, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        dmp = shard_model(dlrm(a.num_tables, a.num_embeddings, a.embedding_dim), sparse, device,
+                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return dmp, _dense_adam([p for _, p in dense_parameters(dmp)])
+
+    if "torchrec_loop" in names:
+        dmp, opt = torchrec_dmp()
+
+        def run_loop(n: int) -> None:
+            for _ in range(n):
+                loss, _ = dmp(next(cycle))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        out.append(Variant("torchrec_loop", run_loop))
+
+    if "torchrec_pipeline" in names:
+        dmp_p, opt_p = torchrec_dmp()
+        pipe = TrainPipelineSparseDist(dmp_p, opt_p, device, execute_all_batches=True)
+
+        def run_pipe(n: int) -> None:
+            pipe.reset()
+            it = iter([next(cycle) for _ in range(n)])
+            for _ in range(n):
+                pipe.progress(it)
+
+        out.append(Variant("torchrec_pipeline", run_pipe))
+
+    has_pipeline = any(f.name == "pipeline" for f in dataclasses.fields(TrainingArguments))
+    for name, pipeline in (("trainer", "none"), ("trainer_pipeline", "sparse_dist")):
+        if name not in names or (pipeline != "none" and not has_pipeline):
+            continue
+        torch.manual_seed(0)
+        extra = {"pipeline": pipeline} if has_pipeline else {}
+        trainer = Trainer(
+            model=dlrm(a.num_tables, a.num_embeddings, a.embedding_dim),
+            args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_trainer_"),
+                                   train_epoch=10**9, train_steps=1, log_steps=10**9,
+                                   resume_from=None, **extra),
+            train_dataset=batches,
+            dense_optimizers=(_dense_adam, None),
+            sparse_optimizer=sparse,
+            add_logger_hook=False,
+        )
+
+        def run_trainer(n: int, trainer: Any = trainer) -> None:
+            trainer.args.train_steps = trainer.state.global_step + n
+            trainer.train()
+            assert trainer.state.global_step == trainer.args.train_steps
+
+        out.append(Variant(name, run_trainer))
+    return out
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    from recsys_trainer.distributed import configure_cpu_threads, init_distributed
+
+    quiet_torchrec()
+    info = init_distributed("cpu")
+    configure_cpu_threads(info.local_world_size)  # flush denormals; cores // local ranks threads
+    torch.set_flush_denormal(True)
+    batches = make_batches(a.distinct_batches, a.batch_size, a.num_tables, a.num_embeddings,
+                           seed=info.rank)
+    variants = build_variants(a, batches, a.variants)
+    for v in variants:  # warm up every variant (allocations, caches, denormals settle)
+        v.run(a.warmup)
+    for r in range(a.rounds):
+        order = variants if r % 2 == 0 else variants[::-1]  # alternate to cancel drift
+        for v in order:
+            dist.barrier()
+            t0 = time.perf_counter()
+            v.run(a.steps)
+            dist.barrier()
+            v.seconds += time.perf_counter() - t0
+            v.steps += a.steps
+    result = {
+        "world_size": info.world_size,
+        "batch_size": a.batch_size,
+        "peak_rss_mib": peak_rss_mib(),
+        "variants": {v.name: {"steps": v.steps, "seconds": v.seconds,
+                              "samples_per_s": v.steps * a.batch_size * info.world_size / v.seconds}
+                     for v in variants},
+    }
+    if info.rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+    from recsys_trainer.distributed import shutdown
+
+    shutdown()
+
+
+def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    rows = []
+    for res in results:
+        v = res["variants"]
+        base = v.get("torchrec_loop", {}).get("samples_per_s")
+        plain = v.get("plain_pytorch", {}).get("samples_per_s")
+        for name in VARIANTS:
+            if name not in v:
+                continue
+            sps = v[name]["samples_per_s"]
+            rows.append([
+                res["world_size"], name, f"{sps:,.0f}",
+                f"{sps / base:.3f}" if base else "-",
+                f"{sps / plain:.3f}" if plain else "-",
+            ])
+    setting = (f"{a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}, batch {a.batch_size}"
+               f"/rank, sparse {a.sparse_optimizer} + dense Adam, {a.rounds} interleaved rounds x "
+               f"{a.steps} steps after {a.warmup} warmup, {os.cpu_count()} cores")
+    return "\n".join([
+        "## Trainer overhead",
+        "",
+        setting,
+        "",
+        markdown_table(["ranks", "variant", "samples/s", "x torchrec_loop", "x plain_pytorch"], rows),
+        "",
+        "Goal: `trainer` >= 0.95x `torchrec_loop`; `trainer_pipeline` above it.",
+    ])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="small tables and batches, fewer steps (a smoke run, ~1-2 min)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--num-tables", type=int, default=26)
+    p.add_argument("--num-embeddings", type=int, default=100_000)
+    p.add_argument("--embedding-dim", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=2048, help="per rank")
+    p.add_argument("--sparse-optimizer", default="adagrad",
+                   help="fused optimizer of the TorchRec variants (plain PyTorch uses Adagrad)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20, help="steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--distinct-batches", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.num_embeddings, a.batch_size = min(a.num_embeddings, 10_000), min(a.batch_size, 512)
+        a.warmup, a.steps, a.rounds = min(a.warmup, 5), min(a.steps, 10), min(a.rounds, 2)
+    if a.worker:
+        worker(a)
+        return
+    forwarded = [f"--num-tables={a.num_tables}", f"--num-embeddings={a.num_embeddings}",
+                 f"--embedding-dim={a.embedding_dim}", f"--batch-size={a.batch_size}",
+                 f"--sparse-optimizer={a.sparse_optimizer}", f"--warmup={a.warmup}",
+                 f"--steps={a.steps}", f"--rounds={a.rounds}",
+                 f"--distinct-batches={a.distinct_batches}", "--variants", *a.variants]
+    results = [torchrun(os.path.abspath(__file__), n, forwarded, a.timeout) for n in a.ranks]
+    print(report(results, a))
+
+
+if __name__ == "__main__":
+    main()
