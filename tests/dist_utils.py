@@ -35,6 +35,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: d
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
+        # Flush the queue's feeder thread before the hard exit, or the traceback is lost.
+        results.close()
+        results.join_thread()
         os._exit(1)
     try:
         import recsys_trainer.distributed as rd
