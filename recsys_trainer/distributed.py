@@ -101,8 +101,10 @@ class ProcessGroupGang(Gang):
 class FakeGang(Gang):
     """A single-process stand-in that plays rank ``rank`` of ``world_size``.
 
-    ``peer_flags`` lets a test say what the other ranks report on each call of ``agree`` (a list
-    consumed in order); without it the other ranks report nothing set.
+    ``peer_max`` scripts what the other ranks contribute to ``all_reduce_max``: a list of
+    vectors consumed in order, each by the next call with a vector of the same length (so a
+    script of 4-element fetch flags is not consumed by other agreements); calls with nothing
+    scripted see the other ranks agree with this one (the result is this rank's own values).
     """
 
     def __init__(
@@ -123,7 +125,11 @@ class FakeGang(Gang):
 
     def all_reduce_max(self, values: Sequence[int]) -> list[int]:
         self.num_collectives += 1
-        peer = self._peer_max.pop(0) if self._peer_max else [0] * len(values)
+        peer = list(values)
+        for i, scripted in enumerate(self._peer_max):
+            if len(scripted) == len(values):
+                peer = self._peer_max.pop(i)
+                break
         return [max(a, b) for a, b in zip(values, peer, strict=True)]
 
     def all_reduce_sum_float(self, values: Sequence[float]) -> list[float]:

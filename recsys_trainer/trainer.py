@@ -42,6 +42,7 @@ On an exception: on_exception(exc), then end, then the exception propagates.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import random
@@ -348,18 +349,24 @@ class Trainer:
         while not done and st.epoch < args.train_epoch:
             self.hooks.fire("before_epoch", self, st.epoch)
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
-            windows = self._window_list(train_ds, args.window_iter)
+            # Windows are walked lazily: a streaming source yields each window when it appears,
+            # and training on it starts then (not once the whole stream has ended).
+            windows = itertools.islice(train_ds.window_ids(), args.window_iter)
+            eval_ds = self.eval_dataset
             eval_windows = (
-                self._window_list(self.eval_dataset, None)
-                if with_eval and self._is_windowed(self.eval_dataset)
+                iter(eval_ds.window_ids())
+                if with_eval and eval_ds is not None and self._is_windowed(eval_ds)
                 else None
             )
-            for index in range(st.window_index, len(windows)):
+            for index, window_id in enumerate(windows):
+                eval_id = next(eval_windows, None) if eval_windows is not None else None
+                if index < st.window_index:
+                    continue  # trained before the checkpoint this run resumed from
                 st.window_index = index
-                done = self._train_window(train_ds, windows[index])
-                if eval_windows is not None and index < len(eval_windows):
-                    assert self.eval_dataset is not None
-                    self._evaluate(self.eval_dataset, [eval_windows[index]])
+                done = self._train_window(train_ds, window_id)
+                if eval_id is not None:
+                    assert eval_ds is not None
+                    self._evaluate(eval_ds, [eval_id])
                 if not done:
                     # The window is finished: the resume position moves to the next one.
                     st.window_index, st.batches_in_window = index + 1, 0
@@ -592,7 +599,7 @@ class Trainer:
         self.model.eval()
         self.hooks.fire("before_evaluate", self)
         loss_sum, rows, steps = 0.0, 0, 0
-        for window_id in windows if windows is not None else self._window_list(ds, None):
+        for window_id in windows if windows is not None else ds.window_ids():
             st.window_id = window_id
             self.hooks.fire("before_window", self, window_id)
             it = SyncedIterator(
@@ -668,16 +675,6 @@ class Trainer:
         from recsys_trainer.data.base import IterableAsWindow
 
         return ds is not None and not isinstance(ds, IterableAsWindow)
-
-    @staticmethod
-    def _window_list(ds: WindowedDataset | None, limit: int | None) -> list[str]:
-        assert ds is not None
-        out: list[str] = []
-        for w in ds.window_ids():
-            if limit is not None and len(out) >= limit:
-                break
-            out.append(w)
-        return out
 
     @staticmethod
     def _require(ds: WindowedDataset | None, name: str) -> WindowedDataset:

@@ -16,6 +16,7 @@ from recsys_trainer import (
     TrainingArguments,
     supported_sparse_optimizers,
 )
+from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.hooks.base import HookList
 
@@ -273,3 +274,28 @@ def test_fake_gang_plays_another_rank_running_out_of_data() -> None:
     assert trainer.state.global_step == 2
     assert "out_of_data(all,48)" in rec.events  # the fetched batch + the 2 left = 3 x 16 rows
     assert trainer.state.rows_unread == 48
+
+
+class _LoggedWindows(WindowedDataset):
+    """Windows of in-memory batches that log when each window id is produced and read."""
+
+    def __init__(self, n: int, log: list[str]) -> None:
+        self._n, self._log = n, log
+        self._data = {f"w{i}": batches(2, seed=i) for i in range(n)}
+
+    def window_ids(self):  # noqa: ANN201
+        for i in range(self._n):
+            self._log.append(f"appeared w{i}")
+            yield f"w{i}"
+
+    def iter_window(self, window_id: str, skip_batches: int = 0):  # noqa: ANN201
+        self._log.append(f"read {window_id}")
+        return iter(self._data[window_id][skip_batches:])
+
+
+def test_windows_are_walked_lazily_so_a_stream_trains_each_window_when_it_appears() -> None:
+    log: list[str] = []
+    trainer = make_trainer(train=_LoggedWindows(3, log), window_iter=2)
+    trainer.train()
+    assert log == ["appeared w0", "read w0", "appeared w1", "read w1"]
+    assert trainer.state.global_step == 4
