@@ -216,6 +216,15 @@ class CheckpointManager:
         dist.all_gather_object(out, obj, group=self._pg)
         return out
 
+    def _all_reduce_max(self, value: int) -> int:
+        # On the checkpoint group, not the Trainer's gang: the gang's collectives are the
+        # loop's (tests script them with FakeGang).
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
+        return int(t.item())
+
     def _broadcast_from_zero(self, obj: Any) -> Any:
         if self.world_size == 1:
             return obj
@@ -241,7 +250,7 @@ class CheckpointManager:
         source = self._resolve_resume_source()
         # Every rank must load the same checkpoint: agree (one tiny collective).
         local = source.step if source is not None else -1
-        agreed = trainer.gang.all_reduce_max([local])[0]
+        agreed = self._all_reduce_max(local)
         if agreed != local:
             raise CheckpointError(
                 f"ranks disagree on the checkpoint to resume from (this rank sees step {local}, "
