@@ -59,6 +59,7 @@ class Variant:
         self.name, self.run = name, run
         self.seconds = 0.0
         self.steps = 0
+        self.round_seconds: list[float] = []
 
 
 def _dense_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -174,14 +175,17 @@ def worker(a: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             v.run(a.steps)
             dist.barrier()
-            v.seconds += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            v.seconds += took
             v.steps += a.steps
+            v.round_seconds.append(took)
     result = {
         "world_size": info.world_size,
         "batch_size": a.batch_size,
         "peak_rss_mib": peak_rss_mib(),
         "variants": {v.name: {"steps": v.steps, "seconds": v.seconds,
-                              "samples_per_s": v.steps * a.batch_size * info.world_size / v.seconds}
+                              "samples_per_s": v.steps * a.batch_size * info.world_size / v.seconds,
+                              "round_seconds": v.round_seconds}
                      for v in variants},
     }
     if info.rank == 0:
@@ -202,10 +206,13 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
             if name not in v:
                 continue
             sps = v[name]["samples_per_s"]
+            rounds = v[name]["round_seconds"]
+            spread = max(rounds) / min(rounds) if rounds and min(rounds) > 0 else float("nan")
             rows.append([
                 res["world_size"], name, f"{sps:,.0f}",
                 f"{sps / base:.3f}" if base else "-",
                 f"{sps / plain:.3f}" if plain else "-",
+                f"{spread:.2f}",
             ])
     setting = (f"{a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}, batch {a.batch_size}"
                f"/rank, sparse {a.sparse_optimizer} + dense Adam, {a.rounds} interleaved rounds x "
@@ -215,9 +222,11 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
         "",
         setting,
         "",
-        markdown_table(["ranks", "variant", "samples/s", "x torchrec_loop", "x plain_pytorch"], rows),
+        markdown_table(["ranks", "variant", "samples/s", "x torchrec_loop", "x plain_pytorch",
+                        "round spread"], rows),
         "",
-        "Goal: `trainer` >= 0.95x `torchrec_loop`; `trainer_pipeline` above it.",
+        "Goal: `trainer` >= 0.95x `torchrec_loop`; `trainer_pipeline` above it. Round spread: "
+        "slowest / fastest round of the variant (> 1.1 means the host was noisy; rerun).",
     ])
 
 
