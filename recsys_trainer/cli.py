@@ -15,6 +15,7 @@ message naming the key and what is allowed. See docs/cli.md.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -121,6 +122,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if cfg.run == "train":
         trainer.train()
     elif cfg.run == "evaluate":
+        # Evaluate a trained model: the checkpoint `args.resume_from` names ("auto": the newest
+        # committed one in output_dir), loaded on every rank as a resumed training would.
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.maybe_resume(trainer)
+        if trainer.state.global_step == 0 and trainer.is_rank_zero:
+            logging.getLogger("recsys_trainer").warning(
+                "run: evaluate found no checkpoint to load (args.resume_from=%r, output_dir=%r): "
+                "evaluating an untrained model.", cfg.args.resume_from, cfg.args.output_dir)
         metrics = trainer.evaluate()
     else:
         trainer.train_and_evaluate()

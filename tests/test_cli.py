@@ -172,6 +172,21 @@ def test_the_cli_trains_a_yaml_config_in_one_process(tmp_path: Path) -> None:
     assert any('"type": "train"' in r and '"step": 4' in r for r in records)
 
 
+def test_run_evaluate_loads_the_newest_checkpoint_of_a_cli_training_run(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path, tiny(**{"args.train_steps": 3, "args.save_end": "true"}))
+    train = subprocess.run([PY, "-m", "recsys_trainer", str(cfg)], capture_output=True, text=True,
+                           timeout=150, env=_env(), cwd=REPO)
+    assert train.returncode == 0, train.stdout + train.stderr
+    ev = subprocess.run([PY, "-m", "recsys_trainer", str(cfg), "--run", "evaluate",
+                         "--args.resume_from", "auto"],
+                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    # The restored step counter shows the checkpoint was loaded before evaluating.
+    m = re.search(r"rank 0/1 done: global_step=3 .*eval=\{'loss': ([0-9.]+), 'num_samples': 64", ev.stdout)
+    assert m, ev.stdout + ev.stderr[-3000:]
+    assert "untrained model" not in ev.stderr
+
+
 def _kill(procs: list[subprocess.Popen[str]]) -> None:
     for p in procs:
         if p.poll() is None:
