@@ -66,16 +66,19 @@ def test_two_rank_resume_is_bitwise_identical_and_reads_every_row_exactly_once(t
 
 def _killed_mid_save(out: str) -> None:
     if _rank() == 1:
-        real = layout.file_digest
+        import torch.distributed.checkpoint as dcp
 
-        def die_at_step_4(path: str) -> tuple[int, int]:
+        real = dcp.save
+
+        def die_after_dcp_at_step_4(state: Any, **kw: Any) -> Any:
+            result = real(state, **kw)
             # DCP has written every shard and even .metadata: only the commit is missing.
-            if "step_00000004" in path:
+            if "step_00000004" in str(kw["storage_writer"].path):
                 open(os.path.join(out, "killed_rank1"), "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real(path)
+            return result
 
-        layout.file_digest = die_at_step_4  # type: ignore[assignment]
+        dcp.save = die_after_dcp_at_step_4  # type: ignore[assignment]
     build(out, RowWindows(), train_steps=6, save_steps=2).train()
 
 

@@ -82,15 +82,18 @@ def file_digest(path: str) -> tuple[int, int]:
     return size, crc
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+def atomic_write_text(path: str, text: str, durable: bool = True) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half.
+    ``durable``: fsync the file and its directory (not needed for informational files)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
 
 
 def fsync_dir(path: str) -> None:
@@ -228,7 +231,9 @@ def write_index(output_dir: str, infos: Sequence[CheckpointInfo]) -> None:
             for i in infos
         ],
     }
-    atomic_write_text(os.path.join(output_dir, INDEX), json.dumps(doc, indent=2) + "\n")
+    # Informational (readers trust the markers): atomic, but not worth two fsyncs per save.
+    atomic_write_text(os.path.join(output_dir, INDEX), json.dumps(doc, indent=2) + "\n",
+                      durable=False)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -38,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-from recsys_trainer.checkpoint import layout
+from recsys_trainer.checkpoint import fastio, layout
 from recsys_trainer.checkpoint import state as cstate
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.hooks.base import Hook
@@ -163,7 +164,8 @@ class CheckpointManager:
         self._executor: cf.ThreadPoolExecutor | None = None
         self._pending: _Pending | None = None
         self._trainer: Trainer | None = None
-        self._staging_cache: dict[str, Any] | None = None
+        self._staging = fastio.StagingBuffers()
+        self._staging_cache: dict[str, Any] | None = None  # fallback (unsupported tensor types)
         self._resumed_step: int | None = None
         self._resume_done = False
         self.windows_done = 0
@@ -264,6 +266,19 @@ class CheckpointManager:
             from recsys_trainer.checkpoint.model_bank import warm_start
 
             warm_start(trainer, self.model_bank, process_group=self._pg)
+        self._prepare_staging(trainer)
+
+    def _prepare_staging(self, trainer: Trainer) -> None:
+        """Async saves copy into staging buffers; allocating (and page-faulting) them takes
+        seconds for big tables, so do it now, on a helper thread, while the loop trains, instead
+        of inside the first save. Only when this run will save asynchronously."""
+        triggers = (self.save_steps, self.save_every_n_windows, self.save_every_n_epochs)
+        if not self.async_save or not (self.save_end or any(t is not None for t in triggers)):
+            return
+        try:
+            self._staging.prepare(cstate.tensor_state(trainer, self.key_filter), background=True)
+        except Exception as e:  # noqa: BLE001 - an optimisation: the first save allocates
+            logger.warning("could not pre-allocate checkpoint staging buffers: %s", e)
 
     def on_step_end(self, trainer: Trainer) -> None:
         self._poll()
@@ -292,6 +307,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._staging.wait_prepared()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
@@ -373,7 +389,10 @@ class CheckpointManager:
         if blocking:
             pending = _Pending(step, path, cf.Future(), stats, started=t0)
             try:
-                pending.future.set_result(self._write(path, tensors, extra, base, trainer.rank))
+                # The loop is blocked: DCP may write straight from the live tensors (exact views
+                # spare it a clone of every table that is a view of a fused buffer).
+                pending.future.set_result(self._write(path, fastio.exact_views(tensors), extra,
+                                                      base, trainer.rank))
             except BaseException as e:
                 pending.future.set_exception(e)
             stats.blocked_s = time.perf_counter() - t0
@@ -389,8 +408,13 @@ class CheckpointManager:
         self._pending = _Pending(step, path, future, stats, started=t0)
 
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Copy every tensor into CPU buffers allocated once and reused by later saves (the
-        copy is a memcpy; fresh allocations would add page faults to the blocked time)."""
+        """Copy every tensor into CPU buffers allocated once (ideally before the first save, see
+        ``_prepare_staging``) and reused by later saves: a memcpy into memory already faulted
+        in."""
+        try:
+            return self._staging.stage(tensors)
+        except TypeError:  # e.g. DTensor: torch's generic staging below
+            pass
         if self._staging_cache is not None:
             try:
                 return _copy_state_dict(tensors, self._staging_cache)
@@ -415,18 +439,25 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(path, extra_name))
-        writer = dcp.FileSystemWriter(path, thread_count=self.save_concurrency_per_rank,
-                                      sync_files=True)
-        dcp.save(tensors, storage_writer=writer, process_group=self._pg)
+        threads = max(1, self.save_concurrency_per_rank)
+        # CRC32s are computed while DCP writes (helper threads overlap them with the write
+        # syscalls), so there is no read-back pass; each DCP thread fsyncs its own file once.
+        with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-crc") as crc:
+            writer = fastio.HashingFileSystemWriter(path, thread_count=threads, pool=crc,
+                                                    sync_files=True)
+            dcp.save(tensors, storage_writer=writer, process_group=self._pg)
         # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
-        # rank's shards were written and fsynced. Each rank hashes its own files, in parallel.
+        # rank's shards were written and fsynced.
         mine = [extra_name] + sorted(n for n in os.listdir(path)
                                      if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
         if rank == 0:
             mine.append(".metadata")
-        with cf.ThreadPoolExecutor(max_workers=max(1, self.save_concurrency_per_rank)) as ex:
-            digests = list(ex.map(lambda n: layout.file_digest(os.path.join(path, n)), mine))
-        files = {n: {"size": s, "crc32": c} for n, (s, c) in zip(mine, digests, strict=True)}
+        digests = writer.digests
+        digests[extra_name] = (len(extra), zlib.crc32(extra))
+        for n in mine:  # anything written other than through the writer: hash it from disk
+            if n not in digests:
+                digests[n] = layout.file_digest(os.path.join(path, n))
+        files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
         gathered = self._all_gather(files)
         manifest: dict[str, Any] = {}
         error: str | None = None
