@@ -47,6 +47,9 @@ logger = logging.getLogger("recsys_trainer.data")
 _CHUNK_ROWS = 16384
 """Rows decoded at once (rounded to whole batches)."""
 
+_READ_AHEAD_PIECES = 1
+"""Pieces (row groups) read ahead of the one being decoded when prefetching is on."""
+
 
 @dataclass(frozen=True)
 class _Unit:
@@ -73,6 +76,27 @@ class _Piece:
     @property
     def rows(self) -> int:
         return self.length - self.skip
+
+
+class _OpenFiles:
+    """The last opened parquet file, kept open while consecutive pieces read from it (a fresh
+    ``ParquetFile`` per row group re-reads and re-parses the footer)."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._file: pq.ParquetFile | None = None
+
+    def get(self, path: str) -> pq.ParquetFile:
+        if self._file is None or self._path != path:
+            self.close()
+            self._file = pq.ParquetFile(path)
+            self._path = path
+        return self._file
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._file = self._path = None
 
 
 @dataclass
@@ -289,14 +313,14 @@ class ParquetWindowDataset(WindowedDataset):
 
     # ------------------------------------------------------------------ reading
 
-    def _read_piece(self, piece: _Piece) -> tuple[pa.Table, np.ndarray] | None:
+    def _read_piece(self, piece: _Piece, files: _OpenFiles) -> tuple[pa.Table, np.ndarray] | None:
         """The piece's rows (projected on the spec's columns) and their row numbers in the unit."""
         u = piece.unit
         try:
             if u.table is not None:
                 table = u.table.select(self._columns)
             else:
-                table = pq.ParquetFile(u.file).read_row_group(u.row_group, columns=self._columns)
+                table = files.get(u.file).read_row_group(u.row_group, columns=self._columns)
         except (OSError, pa.ArrowException) as exc:
             if self.on_corrupt == "skip":
                 self.stats.corrupt_rows_skipped += piece.rows
@@ -312,33 +336,54 @@ class ParquetWindowDataset(WindowedDataset):
             return table.take(pa.array(rows)), rows
         return table.slice(piece.start, piece.length), rows
 
+    def _read_pieces(self, pieces: list[_Piece]) -> Iterator[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]:
+        """Each piece with its rows (``_read_piece``), reusing the open file between pieces."""
+        files = _OpenFiles()
+        try:
+            for piece in pieces:
+                yield piece, self._read_piece(piece, files)
+        finally:
+            files.close()
+
     def _batches(self, pieces: list[_Piece]) -> Iterator[tuple[Batch, int]]:
         """(batch, source rows it consumed) for the pieces, cut every ``batch_size`` rows.
 
         Rows are decoded in chunks of whole batches (about ``_CHUNK_ROWS`` rows): one decode per
-        chunk amortises the per-feature overhead; the chunk is then cut into batches.
+        chunk amortises the per-feature overhead; the chunk is then cut into batches. With
+        prefetching on, the next piece is read on another thread while this one is decoded
+        (parquet decoding and numpy both release the GIL, so the two overlap on two cores).
         """
         bs = self.batch_size
         chunk = bs * max(1, _CHUNK_ROWS // bs)
         parts: list[pa.Table] = []
         prov: list[tuple[_Unit, np.ndarray]] = []
         n = 0
-        for piece in pieces:
-            got = self._read_piece(piece)
-            if got is None:
-                continue
-            table, rows = got
-            off = 0
-            while off < table.num_rows:
-                take = min(chunk - n, table.num_rows - off)
-                parts.append(table.slice(off, take))
-                prov.append((piece.unit, rows[off:off + take]))
-                n += take
-                off += take
-                if n == chunk:
-                    yield from self._decode(parts, prov, n)
-                    parts, prov, n = [], [], 0
-        yield from self._decode(parts, prov, n)
+        reader: Prefetcher[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]] | None = None
+        read: Iterator[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]
+        if self.prefetch_batches > 0 and len(pieces) > 1:
+            read = reader = Prefetcher(lambda: self._read_pieces(pieces), _READ_AHEAD_PIECES,
+                                       name="read-ahead")
+        else:
+            read = self._read_pieces(pieces)
+        try:
+            for piece, got in read:
+                if got is None:
+                    continue
+                table, rows = got
+                off = 0
+                while off < table.num_rows:
+                    take = min(chunk - n, table.num_rows - off)
+                    parts.append(table.slice(off, take))
+                    prov.append((piece.unit, rows[off:off + take]))
+                    n += take
+                    off += take
+                    if n == chunk:
+                        yield from self._decode(parts, prov, n)
+                        parts, prov, n = [], [], 0
+            yield from self._decode(parts, prov, n)
+        finally:
+            if reader is not None:
+                reader.close()
 
     def _decode(self, parts: list[pa.Table], prov: list[tuple[_Unit, np.ndarray]],
                 n: int) -> Iterator[tuple[Batch, int]]:
