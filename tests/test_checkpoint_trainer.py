@@ -24,6 +24,7 @@ from recsys_trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     export_model_state_dict,
+    fastio,
     layout,
 )
 from recsys_trainer.checkpoint.export import read_full, saved_keys
@@ -379,6 +380,52 @@ def test_a_truncated_or_corrupt_shard_raises_a_checkpoint_error_naming_the_file(
     with pytest.raises(CheckpointError, match="CRC32") as e:
         t.load_checkpoint(ckpt)
     assert e.value.path == shard
+
+
+def test_manifest_crc32s_computed_while_writing_match_the_files_on_disk(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=4, save_steps=2, save_concurrency_per_rank=2).train()
+    for step in (2, 4):
+        ckpt = os.path.join(out, f"step_{step:08d}")
+        files = layout.read_manifest(ckpt)["files"]  # type: ignore[index]
+        on_disk = {n for n in os.listdir(ckpt) if n not in ("COMMITTED", "args.json")}
+        assert set(files) == on_disk
+        for name, meta in files.items():
+            assert layout.file_digest(os.path.join(ckpt, name)) == (meta["size"], meta["crc32"]), name
+
+
+def test_async_staging_buffers_are_allocated_at_train_start_and_reused_by_every_save(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    ptrs: list[set[int]] = []
+    real = fastio.StagingBuffers.stage
+
+    def stage(self: fastio.StagingBuffers, state: dict[str, Any]) -> dict[str, Any]:
+        staged = real(self, state)
+        ptrs.append({t.data_ptr() for _, t in fastio.iter_leaves(staged) if t.numel()})
+        return staged
+
+    monkeypatch.setattr(fastio.StagingBuffers, "stage", stage)
+    out = str(tmp_path)
+    t = build(out, RowWindows(), train_steps=6, save_steps=2, max_to_keep=10)
+    t.train()
+    staging = manager(t)._staging
+    assert staging.prepared_s is not None, "the buffers were not pre-allocated at train start"
+    assert len(ptrs) == 3 and ptrs[0] == ptrs[1] == ptrs[2]
+    # A run that never saves asynchronously allocates nothing.
+    t2 = build(str(tmp_path / "sync"), RowWindows(), train_steps=2, save_steps=2, async_save=False)
+    t2.train()
+    assert manager(t2)._staging.prepared_s is None and manager(t2)._staging.nbytes == 0
+
+
+def test_exact_views_alias_the_live_memory_so_dcp_does_not_clone() -> None:
+    fused = torch.arange(60, dtype=torch.float32)
+    table = fused[20:40].view(5, 4)  # a table inside a fused buffer (as FBGEMM's TBE keeps them)
+    state = {"model": {"t": table, "whole": fused, "n": 3}}
+    exact = fastio.exact_views(state)
+    t = exact["model"]["t"]
+    assert t.data_ptr() == table.data_ptr() and t.untyped_storage().nbytes() == t.nbytes
+    assert torch.equal(t, table) and exact["model"]["n"] == 3
+    assert exact["model"]["whole"].data_ptr() == fused.data_ptr()  # already exact: as is
 
 
 # ---------------------------------------------------------------------------- content & filters
