@@ -119,8 +119,9 @@ class ParquetWindowDataset(WindowedDataset):
         sharding: ``"rows"`` or ``"row_groups"``.
         shuffle: permute rows within the window (per rank; seeded, reproducible).
         seed: the shuffle seed (combined with the epoch and the window id).
-        prefetch_batches: decoded batches read ahead on a background thread (0: read on the
-            caller's thread).
+        prefetch_batches: decoded batches read ahead on a background thread, which also reads
+            the next row group on a second thread while decoding one (0: read and decode on the
+            caller's thread, no threads).
         on_corrupt: an unreadable file or row group: ``"error"`` (raise ``DataError``), or
             ``"skip"`` it (counted in ``stats`` and logged).
         file_format: ``"auto"`` (by extension), ``"parquet"`` or ``"csv"``.
