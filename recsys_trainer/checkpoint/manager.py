@@ -5,12 +5,13 @@ A save, step by step (the only guarantee a reader relies on is the last line)::
 
     main thread:   drain the previous save (at most one in flight)
                    before_save_checkpoint hooks
-                   snapshot: copy every tensor into a CPU staging buffer (reused across saves),
+                   snapshot: copy every tensor into a CPU staging buffer (reused across saves,
+                             pre-allocated on a helper thread at train start),
                              serialise this rank's extra state          <- the loop is blocked
     writer thread: rank 0 removes a stale uncommitted dir of the same step; barrier
                    each rank writes its extra file, then DCP writes its shards with
-                   ``save_concurrency_per_rank`` threads (fsynced); rank 0 writes .metadata
-                   each rank hashes its own files; all-gather of the file lists
+                   ``save_concurrency_per_rank`` threads (one fsync per file), CRC32s computed
+                   while writing; rank 0 writes .metadata; all-gather of the file lists
                    rank 0 writes args.json, then COMMITTED (atomic rename), the index;
                    broadcast "committed"; rank 0 rotates old checkpoints
     main thread:   (at the next step, the next save, the end, or an exception)
@@ -18,7 +19,8 @@ A save, step by step (the only guarantee a reader relies on is the last line)::
 
 All collectives of a save run on a dedicated gloo group, so the writer thread never interleaves
 with the training loop's collectives. A synchronous save (``async_save=False``) runs the same
-writer code on the main thread without the staging copy.
+writer code on the main thread without the staging copy (DCP writes from zero-copy views of
+the live tensors).
 """
 
 from __future__ import annotations
