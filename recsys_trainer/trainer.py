@@ -245,7 +245,6 @@ class Trainer:
         self.last_step_skipped = False
         """True when the last step had a micro-batch skipped for a non-finite loss."""
         self._depth = 0
-        self._in_train = False
 
     # ------------------------------------------------------------------ public API
 
@@ -339,7 +338,7 @@ class Trainer:
     def _train(self, with_eval: bool) -> None:
         train_ds = self._require(self.train_dataset, "train_dataset")
         args, st = self.args, self.state
-        self._stop_local = False
+        self._stop_local = self._non_finite_local = False
         st.stop_reason = None
         if self.checkpointer is not None:
             self.checkpointer.maybe_resume(self)

@@ -396,7 +396,7 @@ class MetricReportHook(Hook):
         self.reports.append(report)
         if self._log and trainer.is_rank_zero:
             shown = " | ".join(f"{k} {v:.5g}" for k, v in kept.items())
-            where = f" window {window_id}" if window_id is not None else ""
-            logger.info("%s %s%s @ step %d | %s", mode, scope, where, report.step, shown)
+            where = f" {window_id}" if window_id is not None else ""
+            logger.info("%s metrics [%s%s] @ step %d | %s", mode, scope, where, report.step, shown)
         trainer.hooks.fire("on_metrics", trainer, report)
         return report
