@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from recsys_trainer.hooks.base import StepOutput
+from recsys_trainer.hooks.base import Hook, StepOutput
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -61,3 +61,30 @@ class IntervalStats:
             out[k] = v / steps if steps else 0.0
         self.start()
         return out
+
+
+class IntervalReporter(Hook):
+    """A hook that reports interval means every ``every`` steps (default ``args.log_steps``)
+    and once at the end of training for a partial interval. Subclasses implement
+    ``_report_interval``; it runs on every rank (the flush is a small all-reduce)."""
+
+    def __init__(self, every: int | None = None) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
+        self._every = every
+        self._stats = IntervalStats()
+
+    def before_train(self, trainer: Trainer) -> None:
+        self._stats.start()
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        self._stats.add(trainer, output)
+        if trainer.state.global_step % (self._every or trainer.args.log_steps) == 0:
+            self._report_interval(trainer, self._stats.flush(trainer, across_ranks=True))
+
+    def after_train(self, trainer: Trainer) -> None:
+        if len(self._stats):  # same step count on every rank: the all-reduce stays matched
+            self._report_interval(trainer, self._stats.flush(trainer, across_ranks=True))
+
+    def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
+        raise NotImplementedError

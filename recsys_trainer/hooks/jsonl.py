@@ -8,8 +8,8 @@ import os
 import time
 from typing import IO, TYPE_CHECKING, Any
 
-from recsys_trainer.hooks._interval import IntervalStats
-from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
+from recsys_trainer.hooks._interval import IntervalReporter
+from recsys_trainer.hooks.base import MetricReport
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -22,7 +22,7 @@ def _clean(v: Any) -> Any:
     return v
 
 
-class JsonlMetricsHook(Hook):
+class JsonlMetricsHook(IntervalReporter):
     """Appends records to ``path`` (default ``<output_dir>/metrics.jsonl``) on rank 0; add it on
     every rank (the train loss is averaged over ranks with one small all-reduce per report).
 
@@ -40,12 +40,9 @@ class JsonlMetricsHook(Hook):
     """
 
     def __init__(self, path: str | None = None, every: int | None = None) -> None:
-        if every is not None and every < 1:
-            raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
+        super().__init__(every)
         self._path = path
-        self._every = every
         self._file: IO[str] | None = None
-        self._stats = IntervalStats()
 
     @property
     def path(self) -> str | None:
@@ -63,20 +60,7 @@ class JsonlMetricsHook(Hook):
         self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._file.flush()
 
-    def before_train(self, trainer: Trainer) -> None:
-        self._stats.start()
-
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
-        self._stats.add(trainer, output)
-        if trainer.state.global_step % (self._every or trainer.args.log_steps) == 0:
-            self._write_train(trainer)
-
-    def after_train(self, trainer: Trainer) -> None:
-        if len(self._stats):  # same step count on every rank: the all-reduce stays matched
-            self._write_train(trainer)
-
-    def _write_train(self, trainer: Trainer) -> None:
-        vals = self._stats.flush(trainer, across_ranks=True)
+    def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
         self._write(trainer, {"type": "train", "epoch": trainer.state.epoch, **vals,
                               "dense_lr": trainer.dense_lr(), "sparse_lr": trainer.sparse_lr()})
 

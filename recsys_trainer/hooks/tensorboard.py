@@ -7,8 +7,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from recsys_trainer.hooks._interval import IntervalStats
-from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
+from recsys_trainer.hooks._interval import IntervalReporter
+from recsys_trainer.hooks.base import MetricReport
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -19,7 +19,7 @@ def default_tensorboard_dir(trainer: Trainer) -> str:
     return os.path.join(trainer.args.output_dir, "tensorboard")
 
 
-class TensorBoardHook(Hook):
+class TensorBoardHook(IntervalReporter):
     """Writes scalars to an event file under ``log_dir`` (default ``<output_dir>/tensorboard``)
     on rank 0. Add it on every rank (as all hooks): the train loss and samples/s are reduced over
     ranks with one small all-reduce every ``every`` steps (default ``args.log_steps``).
@@ -38,12 +38,9 @@ class TensorBoardHook(Hook):
     """
 
     def __init__(self, log_dir: str | None = None, every: int | None = None) -> None:
-        if every is not None and every < 1:
-            raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
+        super().__init__(every)
         self._log_dir = log_dir
-        self._every = every
         self._writer: Any = None
-        self._stats = IntervalStats()
         self._save_t0: dict[str, float] = {}
         self._eval_written: set[str] = set()
 
@@ -67,22 +64,12 @@ class TensorBoardHook(Hook):
         if w is not None and value is not None and not (isinstance(value, float) and math.isnan(value)):
             w.add_scalar(tag, value, step)
 
-    def before_train(self, trainer: Trainer) -> None:
-        self._stats.start()
-
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
-        self._stats.add(trainer, output)
-        if trainer.state.global_step % (self._every or trainer.args.log_steps) == 0:
-            self._write_interval(trainer)
-
     def after_train(self, trainer: Trainer) -> None:
-        if len(self._stats):  # same step count on every rank: the all-reduce stays matched
-            self._write_interval(trainer)
+        super().after_train(trainer)
         if self._writer is not None:
             self._writer.flush()
 
-    def _write_interval(self, trainer: Trainer) -> None:
-        vals = self._stats.flush(trainer, across_ranks=True)
+    def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
         step = trainer.state.global_step
         self._scalar(trainer, "train/loss", vals["loss"], step)
         self._scalar(trainer, "perf/samples_per_s", vals["samples_per_s"], step)
