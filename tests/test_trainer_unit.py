@@ -299,3 +299,13 @@ def test_windows_are_walked_lazily_so_a_stream_trains_each_window_when_it_appear
     trainer.train()
     assert log == ["appeared w0", "read w0", "appeared w1", "read w1"]
     assert trainer.state.global_step == 4
+
+
+def test_prior_ctr_starts_the_output_at_the_base_rate_and_is_validated() -> None:
+    from recsys_trainer.models import DLRMClassifier
+
+    m = DLRMClassifier(["a"], 2, 10, embedding_dim=4, dense_arch=(4,), over_arch=(4, 1), prior_ctr=0.01)
+    last = [x for x in m.dlrm.over_arch.modules() if isinstance(x, torch.nn.Linear)][-1]
+    assert torch.sigmoid(last.bias).item() == pytest.approx(0.01)
+    with pytest.raises(ValueError, match=r"`prior_ctr` must be in \(0, 1\), but is 1.5"):
+        DLRMClassifier(["a"], 2, 10, embedding_dim=4, dense_arch=(4,), over_arch=(4, 1), prior_ctr=1.5)
