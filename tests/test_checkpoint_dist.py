@@ -160,3 +160,56 @@ def test_resharding_2_to_1_and_1_to_2_restores_model_and_both_optimizers(tmp_pat
     assert all(s["window_index"] == 1 and s["global_step"] == 4 for s in states)
     c = _all_tensors(back + "/resaved")
     assert c.keys() == a.keys() and [k for k in a if not torch.equal(a[k], c[k])] == []
+
+
+# ---------------------------------------------------------------------------- a rank fails mid-save
+
+def _one_rank_fails_a_save(out: str) -> dict[str, Any]:
+    import shutil
+
+    from recsys_trainer.checkpoint import state as cstate
+
+    t = build(out, RowWindows(), train_steps=2)
+    t.train()
+    errors: list[str] = []
+    # Rank 0 cannot clear a stale directory of this step (before the first collective).
+    stale = os.path.join(out, "step_00000002")
+    if _rank() == 0:
+        os.makedirs(stale)
+    real_rmtree, real_name = shutil.rmtree, cstate.extra_file_name
+
+    def no_rmtree(path: Any, *a: Any, **kw: Any) -> None:
+        raise PermissionError(f"denied: {path}")
+
+    if _rank() == 0:
+        shutil.rmtree = no_rmtree  # type: ignore[assignment]
+    try:
+        t.save_checkpoint()
+    except CheckpointError as e:
+        errors.append(str(e))
+    finally:
+        shutil.rmtree = real_rmtree
+    # Rank 1 cannot write its extra-state file (after DCP's collectives).
+    if _rank() == 1:
+        cstate.extra_file_name = lambda r: os.path.join("no_such_dir", real_name(r))  # type: ignore[assignment]
+    try:
+        t.save_checkpoint()
+    except CheckpointError as e:
+        errors.append(str(e))
+    finally:
+        cstate.extra_file_name = real_name  # type: ignore[assignment]
+    committed_after_failures = layout.is_committed(stale)
+    # The group's collectives are still in step: the next save commits.
+    t.save_checkpoint()
+    return {"errors": errors, "committed_after_failures": committed_after_failures,
+            "committed": committed_steps(out)}
+
+
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_never_hangs(tmp_path: Any) -> None:
+    results = run_distributed(_one_rank_fails_a_save, world_size=2, timeout_s=120,
+                              args=(str(tmp_path),))
+    for r in results:
+        assert len(r["errors"]) == 2, r["errors"]
+        assert "rank 0: PermissionError" in r["errors"][0]
+        assert "rank 1: FileNotFoundError" in r["errors"][1]
+        assert not r["committed_after_failures"] and r["committed"] == [2]

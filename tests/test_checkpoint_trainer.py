@@ -321,6 +321,18 @@ def test_rotation_keeps_the_newest_from_disk_across_restarts_and_the_resumed_one
     assert [c["step"] for c in index["checkpoints"]] == [6, 8, 9]
 
 
+def test_rotation_never_deletes_the_checkpoint_just_committed_when_newer_steps_exist(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=6, save_steps=3, max_to_keep=5).train()
+    assert committed_steps(out) == [3, 6]
+    # Roll back to step 3 in the same output dir (e.g. after a divergence) and save at step 4:
+    # step 6 is newer on disk, but the step just saved is this run's latest state.
+    t = build(out, RowWindows(), train_steps=4, save_steps=4, max_to_keep=1,
+              resume_from=os.path.join(out, "step_00000003"))
+    t.train()
+    assert 4 in committed_steps(out)
+
 def test_rotation_policy_orders_numerically_and_protects_newest_keep_best_and_periodic() -> None:
     def info(step: int, t: float = 0.0, keep: bool = False, loss: float | None = None) -> layout.CheckpointInfo:
         return layout.CheckpointInfo(step, f"/x/step_{step}", t, 1, keep=keep,

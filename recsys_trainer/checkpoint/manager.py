@@ -427,20 +427,23 @@ class CheckpointManager:
 
     def _write(self, path: str, tensors: dict[str, Any], extra: bytes, base: dict[str, Any],
                global_rank: int) -> dict[str, Any]:
-        """Write and commit one checkpoint (all ranks; collectives on the checkpoint group)."""
+        """Write and commit one checkpoint (all ranks; collectives on the checkpoint group).
+
+        Every rank runs the same collectives on every path, failures included: a rank that fails
+        locally reports it at the next collective instead of raising past it (the other ranks
+        would wait there until the group's timeout, and the group's later collectives would be
+        out of step). DCP itself makes every rank raise when one rank fails inside it."""
         rank, step = self.rank, base["step"]
+        local_error: str | None = None
         if rank == 0:
-            if os.path.isdir(path) and not layout.is_committed(path):
-                shutil.rmtree(path)  # a crashed earlier attempt at this step
-            os.makedirs(path, exist_ok=True)
-        self._barrier()
-        extra_name = cstate.extra_file_name(global_rank)
-        tmp = os.path.join(path, extra_name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(extra)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(path, extra_name))
+            try:
+                if os.path.isdir(path) and not layout.is_committed(path):
+                    shutil.rmtree(path)  # a crashed earlier attempt at this step
+                os.makedirs(path, exist_ok=True)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                local_error = f"{type(e).__name__}: {e}"
+        # Instead of a barrier: the directory exists (or every rank learns it does not).
+        self._raise_if_any(self._all_gather(local_error), step, path)
         threads = max(1, self.save_concurrency_per_rank)
         # CRC32s are computed while DCP writes (helper threads overlap them with the write
         # syscalls), so there is no read-back pass; each DCP thread fsyncs its own file once.
@@ -450,22 +453,34 @@ class CheckpointManager:
             dcp.save(tensors, storage_writer=writer, process_group=self._pg)
         # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
         # rank's shards were written and fsynced.
-        mine = [extra_name] + sorted(n for n in os.listdir(path)
-                                     if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
-        if rank == 0:
-            mine.append(".metadata")
-        digests = writer.digests
-        digests[extra_name] = (len(extra), zlib.crc32(extra))
-        for n in mine:  # anything written other than through the writer: hash it from disk
-            if n not in digests:
-                digests[n] = layout.file_digest(os.path.join(path, n))
-        files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
-        gathered = self._all_gather(files)
+        files: dict[str, Any] = {}
+        try:
+            extra_name = cstate.extra_file_name(global_rank)
+            tmp = os.path.join(path, extra_name + ".tmp")
+            with open(tmp, "wb") as f:
+                f.write(extra)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(path, extra_name))
+            mine = [extra_name] + sorted(n for n in os.listdir(path)
+                                         if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
+            if rank == 0:
+                mine.append(".metadata")
+            digests = writer.digests
+            digests[extra_name] = (len(extra), zlib.crc32(extra))
+            for n in mine:  # anything written other than through the writer: hash it from disk
+                if n not in digests:
+                    digests[n] = layout.file_digest(os.path.join(path, n))
+            files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            local_error = f"{type(e).__name__}: {e}"
+        gathered = self._all_gather((files, local_error))
         manifest: dict[str, Any] = {}
-        error: str | None = None
-        if rank == 0:
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
+        error: str | None = "; ".join(errors) if errors else None
+        if rank == 0 and error is None:
             try:
-                manifest = self._commit(path, base, gathered)
+                manifest = self._commit(path, base, [part for part, _ in gathered])
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error = f"{type(e).__name__}: {e}"
         # Every rank learns whether the commit happened (no rank hangs if rank 0 failed).
@@ -474,8 +489,15 @@ class CheckpointManager:
             raise CheckpointError(f"committing checkpoint step {step} at {path!r} failed: {error}",
                                   step=step, path=path, kind="save_failed")
         if rank == 0 and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.output_dir):
-            self._rotate()
+            self._rotate(just_committed=step)
         return manifest
+
+    @staticmethod
+    def _raise_if_any(errors: list[str | None], step: int, path: str) -> None:
+        bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        if bad:
+            raise CheckpointError(f"saving checkpoint step {step} at {path!r} failed: "
+                                  + "; ".join(bad), step=step, path=path, kind="save_failed")
 
     def _commit(self, path: str, base: dict[str, Any], gathered: list[dict[str, Any]]) -> dict[str, Any]:
         files: dict[str, Any] = {}
@@ -498,11 +520,19 @@ class CheckpointManager:
             logger.warning("could not update %s: %s", os.path.join(parent, layout.INDEX), e)
         return manifest
 
-    def _rotate(self) -> None:
-        infos = layout.list_committed(self.output_dir)
-        protected = {s for s in (self._resumed_step,) if s is not None}
+    def _rotate(self, just_committed: int) -> None:
+        """Delete what the retention policy lets go. Never the checkpoint just committed, even
+        when ``output_dir`` holds newer steps (e.g. from an earlier run this one did not resume
+        from): it is this run's latest state. A failure is logged; the commit stands."""
+        try:
+            infos = layout.list_committed(self.output_dir)
+            protected = {s for s in (self._resumed_step, just_committed) if s is not None}
+            doomed = layout.select_to_delete(infos, self.policy, protected)
+        except Exception as e:  # noqa: BLE001 - rotation tries again after the next commit
+            logger.warning("checkpoint rotation failed: %s", e)
+            return
         deleted = False
-        for info in layout.select_to_delete(infos, self.policy, protected):
+        for info in doomed:
             logger.info("rotating out checkpoint %s", info.path)
             deleted |= layout.remove_checkpoint(info.path)
         if deleted:
