@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from data_utils import row_id_spec, row_ids, write_windows
@@ -121,3 +122,36 @@ def test_open_bandit_hourly_windows_train_and_evaluate_end_to_end_on_two_ranks(t
     hours = partitioned_windows(root)[1:n + 1]
     rows_per_eval_window = [sum(pq.ParquetFile(f).metadata.num_rows for f in w.files) for w in hours]
     assert r0["eval_rows"] == r1["eval_rows"] == rows_per_eval_window
+
+
+def _bad_data_worker(root: str) -> dict[str, Any]:
+    from recsys_trainer.data.sync import SyncedIterator
+    from recsys_trainer.distributed import ProcessGroupGang, init_distributed
+
+    init_distributed("cpu", timeout_s=600)  # a hang would outlive the test's own timeout
+    import torch.distributed as dist
+
+    ds = ParquetWindowDataset(root, row_id_spec(), batch_size=4)
+    ds.setup(dist.get_rank(), dist.get_world_size())
+    it = SyncedIterator(ds.iter_window("hour=00"), ProcessGroupGang(), pad=False)
+    fetched = 0
+    try:
+        for _ in it:
+            fetched += 1
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return {"fetched": fetched, "error": type(exc).__name__, "message": str(exc)}
+    return {"fetched": fetched, "error": None, "message": ""}
+
+
+def test_a_rank_whose_data_raises_makes_every_rank_raise_instead_of_hanging(tmp_path) -> None:
+    write_windows(str(tmp_path), [[40]], row_group_size=40)
+    f = str(tmp_path / "hour=00" / "part-0.parquet")
+    t = pq.read_table(f)
+    y = t["y"].to_pylist()
+    y[9] = float("nan")  # rank 0's third batch (rows 8-11); rank 1 holds rows 20-39
+    pq.write_table(t.set_column(t.schema.get_field_index("y"), "y", pa.array(y, pa.float32())), f)
+    r0, r1 = run_distributed(_bad_data_worker, 2, timeout_s=90, args=(str(tmp_path),))
+    assert r0["error"] == "DataError" and "row 9, column 'y'" in r0["message"]
+    assert r1["error"] == "RuntimeError" and "another rank failed" in r1["message"]
+    # The chunk holding row 9 is decoded before rank 0's first batch is handed out.
+    assert r0["fetched"] == r1["fetched"] == 0

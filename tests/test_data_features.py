@@ -12,6 +12,7 @@ from recsys_trainer.data.features import (
     DenseFeature,
     FeatureSpec,
     SparseFeature,
+    stable_hash_ints,
     stable_hash_strings,
 )
 
@@ -134,3 +135,42 @@ def test_decoding_is_vectorized_fast_enough_for_a_criteo_sized_batch() -> None:
     per_batch = (time.perf_counter() - t0) / 5
     # A per-row Python loop takes ~20 ms for this shape; vectorized is a few ms even on a busy host.
     assert per_batch < 0.015, per_batch
+
+
+def test_a_bad_value_after_dropped_nan_label_rows_names_its_own_row() -> None:
+    spec = FeatureSpec(labels=["y"], dense=[DenseFeature(column="d", on_non_finite="error")],
+                       sparse=[SparseFeature(name="a", num_embeddings=10)], on_nan_label="drop")
+    y = [0.0, float("nan"), float("nan"), 1.0, 0.0, 1.0]
+    with pytest.raises(DataError, match=r"row 4, column 'd'"):
+        spec.decode(pa.table({"y": y, "d": [0.0, 1, 2, 3, float("inf"), 5], "a": [0, 1, 2, 3, 4, 5]}))
+    with pytest.raises(DataError, match=r"row 5, column 'a': id 10 is outside"):
+        spec.decode(pa.table({"y": y, "d": [0.0] * 6, "a": [0, 1, 2, 3, 4, 10]}))
+    with pytest.raises(DataError, match=r"row 5, column 'a': id 10 is outside"):
+        spec.decode(pa.table({"y": y, "d": [0.0] * 6, "a": [[0], [], None, [3], [4, 1], [10]]}))
+
+
+def test_integer_dense_columns_with_nulls_convert_like_those_without() -> None:
+    spec = FeatureSpec(labels=["y"], dense=[DenseFeature(column="d", fill_value=-1.0)])
+    big = 2**40 + 1
+    with_null = spec.decode(pa.table({"y": [0.0, 1.0], "d": pa.array([big, None], pa.int64())}))
+    without = spec.decode(pa.table({"y": [0.0, 1.0], "d": pa.array([big, 7], pa.int64())}))
+    assert with_null.dense[0, 0].item() == without.dense[0, 0].item() == float(np.float32(big))
+    assert with_null.dense[1, 0].item() == -1.0
+
+
+def test_fast_path_hashing_matches_a_plain_reference_on_edge_and_random_ids() -> None:
+    rng = np.random.default_rng(0)
+    edge = [0, 1, -1, 2**63 - 1, -2**63, -2**63 + 1, 2**62, -2**62, 2**32, -2**32]
+    ids = np.concatenate([np.array(edge, np.int64), rng.integers(-2**63, 2**63 - 1, 5000, dtype=np.int64)])
+    for n in (1, 2, 3, 1000, 2**31 - 1, 2**40 + 7, 2**63 - 1):
+        ref = [int(h) % n for h in stable_hash_ints(ids)]
+        spec = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="a", num_embeddings=n, hash=True),
+                                                 SparseFeature(name="b", num_embeddings=n, hash=True)])
+        for col in (pa.array(ids), pa.array(ids.view(np.uint64)), pa.array(ids).slice(0)):
+            kjt = spec.decode(pa.table({"y": np.zeros(len(ids)), "a": col, "b": col})).sparse
+            assert kjt.values().dtype == torch.int64 and kjt.lengths().dtype == torch.int32
+            assert kjt.values().tolist() == ref + ref, n
+        # The general path (list column) gives the same ids.
+        spec1 = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="a", num_embeddings=n, hash=True)])
+        lists = pa.array([[int(v)] for v in ids[:200]])
+        assert spec1.decode(pa.table({"y": np.zeros(200), "a": lists})).sparse.values().tolist() == ref[:200]

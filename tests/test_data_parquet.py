@@ -212,3 +212,49 @@ def test_padding_batch_has_the_shape_of_real_batches(tmp_path) -> None:
 
 def test_feature_spec_without_sparse_features_is_allowed() -> None:
     assert FeatureSpec(labels=["y"]).columns() == ["y"]
+
+
+def _set_labels(path: str, nan_rows: set[int], row_group_size: int) -> None:
+    t = pq.read_table(path)
+    y = [float("nan") if i in nan_rows else v for i, v in enumerate(t["y"].to_pylist())]
+    pq.write_table(t.set_column(t.schema.get_field_index("y"), "y", pa.array(y, pa.float32())),
+                   path, row_group_size=row_group_size)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_skip_batches_is_exact_when_whole_batches_of_nan_labels_were_dropped(tmp_path, shuffle, prefetch) -> None:
+    # Batches 0 and 2 (of 4 rows) hold only NaN labels: they are dropped, never trained, so the
+    # Trainer's count of trained batches is smaller than the batches of rows consumed.
+    write_windows(str(tmp_path), [[30]], row_group_size=30)
+    f = str(tmp_path / "hour=00" / "part-0.parquet")
+    spec = row_id_spec()
+    spec = FeatureSpec(labels=spec.labels, dense=spec.dense, sparse=spec.sparse, on_nan_label="drop")
+    ds = ParquetWindowDataset(str(tmp_path), spec, batch_size=4, shuffle=shuffle, seed=5,
+                              prefetch_batches=prefetch)
+    order = [i for b in ds.iter_window("hour=00") for i in row_ids(b)]  # the rank's row order
+    _set_labels(f, {*order[0:4], *order[8:12], order[13]}, 30)
+    full = [row_ids(b) for b in ds.iter_window("hour=00")]
+    assert len(full) == 6 and len(full[1]) == 3  # batches of rows 4-8, 12-16 (one dropped), ...
+    for k in range(len(full) + 2):
+        it = ds.iter_window("hour=00", skip_batches=k)
+        assert [row_ids(b) for b in it] == full[k:], k
+        assert it.rows_remaining() == 0
+
+
+def test_skip_batches_is_exact_after_an_unreadable_row_group_was_skipped(tmp_path, monkeypatch) -> None:
+    write_windows(str(tmp_path), [[10, 12]], row_group_size=10)
+    bad = str(tmp_path / "hour=00" / "part-0.parquet")
+    real = pq.ParquetFile.read_row_group
+
+    def read_row_group(self, i, *args, **kw):  # type: ignore[no-untyped-def]
+        if self.metadata.num_rows == 10 and i == 0:
+            raise OSError(f"corrupt page in {bad}")
+        return real(self, i, *args, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", read_row_group)
+    ds = _ds(str(tmp_path), on_corrupt="skip", batch_size=4)
+    full = [row_ids(b) for b in ds.iter_window("hour=00")]
+    assert full == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
+    for k in range(len(full) + 1):
+        assert [row_ids(b) for b in ds.iter_window("hour=00", skip_batches=k)] == full[k:], k

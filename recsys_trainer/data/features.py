@@ -226,8 +226,20 @@ class FeatureSpec:
             kept_cum = np.concatenate([[0], np.cumsum(~bad)])
             table = table.take(pa.array(keep))
             labels = labels[keep]
-            n = table.num_rows
+            try:
+                return self._decode_kept(table, src_rows, labels, kept_cum)
+            except _RowError as exc:
+                if exc.row is None:
+                    raise
+                # A row of the kept rows: name it by its row in ``table`` (the source).
+                raise _RowError(exc.detail, column=exc.column, row=int(keep[exc.row])) from None
+        return self._decode_kept(table, src_rows, labels, kept_cum)
 
+    def _decode_kept(self, table: pa.Table, src_rows: int, labels: np.ndarray,
+                     kept_cum: np.ndarray | None) -> DecodedChunk:
+        """``decode_chunk`` after NaN-label rows were dropped (``_RowError.row`` counts the
+        rows of ``table``)."""
+        n = table.num_rows
         dense = np.empty((n, self.num_dense), dtype=np.float32)
         for j, d in enumerate(self.dense_features):
             # Written straight into the matrix (zero-copy source where arrow allows); the
@@ -614,7 +626,8 @@ def _float_view(col: pa.ChunkedArray | pa.Array, fill: float) -> np.ndarray:
     replaced by ``fill``; the caller casts while copying it into its own array."""
     arr = _combine(col)
     if arr.null_count:
-        arr = arr.cast(pa.float32()).fill_null(pa.scalar(fill, pa.float32()))
+        # Unchecked like the numpy cast of null-free columns (a safe cast rejects ints > 2**24).
+        arr = arr.cast(pa.float32(), safe=False).fill_null(pa.scalar(fill, pa.float32()))
     return arr.to_numpy(zero_copy_only=False)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -188,11 +188,18 @@ class ParquetWindowDataset(WindowedDataset):
     def iter_window(self, window_id: str, skip_batches: int = 0) -> WindowIterator:
         window = self._window(window_id)
         pieces, total = self._plan(window)
-        pieces, rows = _skip(pieces, skip_batches * self.batch_size)
+        replay = 0
+        if skip_batches and (self.features.on_nan_label == "drop" or self.on_corrupt == "skip"):
+            # Dropped rows (NaN labels) and skipped unreadable row groups can empty whole
+            # batches, which are never yielded nor trained: batch k then starts after more than
+            # k * batch_size rows, and only reading tells where. Re-read and discard k batches.
+            replay, rows = skip_batches, total
+        else:
+            pieces, rows = _skip(pieces, skip_batches * self.batch_size)
         if total == 0:
             self.stats.empty_windows += 1
             logger.warning("window %s has no rows (files: %d); skipping it", window_id, len(window.files))
-        return WindowIterator(self, pieces, rows, window_id)
+        return WindowIterator(self, pieces, rows, window_id, discard=replay)
 
     def padding_batch(self) -> Batch | None:
         """An all-null row decoded through the spec: shapes a padding batch for a rank that has
@@ -359,6 +366,7 @@ class ParquetWindowDataset(WindowedDataset):
         parts: list[pa.Table] = []
         prov: list[tuple[_Unit, np.ndarray]] = []
         n = 0
+        carried = 0  # source rows consumed without a batch (dropped or unreadable rows)
         reader: Prefetcher[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]] | None = None
         read: Iterator[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]
         if self.prefetch_batches > 0 and len(pieces) > 1:
@@ -369,6 +377,7 @@ class ParquetWindowDataset(WindowedDataset):
         try:
             for piece, got in read:
                 if got is None:
+                    carried += piece.rows
                     continue
                 table, rows = got
                 off = 0
@@ -379,17 +388,19 @@ class ParquetWindowDataset(WindowedDataset):
                     n += take
                     off += take
                     if n == chunk:
-                        yield from self._decode(parts, prov, n)
+                        carried = yield from self._decode(parts, prov, n, carried)
                         parts, prov, n = [], [], 0
-            yield from self._decode(parts, prov, n)
+            yield from self._decode(parts, prov, n, carried)
         finally:
             if reader is not None:
                 reader.close()
 
     def _decode(self, parts: list[pa.Table], prov: list[tuple[_Unit, np.ndarray]],
-                n: int) -> Iterator[tuple[Batch, int]]:
+                n: int, carried: int = 0) -> Generator[tuple[Batch, int], None, int]:
+        """Yield the chunk's batches; return the rows consumed since the last batch yielded
+        (``carried`` in, plus this chunk's all-dropped batches at its end)."""
         if n == 0:
-            return
+            return carried
         table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         try:
             decoded = self.features.decode_chunk(table)
@@ -401,7 +412,7 @@ class ParquetWindowDataset(WindowedDataset):
                                     row=int(rows[row]), column=exc.column) from None
                 row -= len(rows)
             raise
-        carried = 0  # rows of all-dropped batches (on_nan_label="drop") still count as consumed
+        # Rows of all-dropped batches (on_nan_label="drop") still count as consumed.
         for lo in range(0, n, self.batch_size):
             hi = min(n, lo + self.batch_size)
             batch = decoded.batch(lo, hi)
@@ -410,6 +421,23 @@ class ParquetWindowDataset(WindowedDataset):
                 carried = 0
             else:
                 carried += hi - lo
+        return carried
+
+
+def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Batch, int]]:
+    """``batches`` without the first ``k`` (their rows are added to the next one's count)."""
+    skipped = 0
+    try:
+        for i, (batch, rows) in enumerate(batches):
+            if i < k:
+                skipped += rows
+                continue
+            yield batch, rows + skipped
+            skipped = 0
+    finally:
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
 
 
 def _skip(pieces: list[_Piece], rows: int) -> tuple[list[_Piece], int]:
@@ -436,10 +464,11 @@ class WindowIterator(Iterator[Batch]):
     background thread; so does dropping the iterator.
     """
 
-    def __init__(self, ds: ParquetWindowDataset, pieces: list[_Piece], rows: int, window_id: str) -> None:
+    def __init__(self, ds: ParquetWindowDataset, pieces: list[_Piece], rows: int, window_id: str,
+                 discard: int = 0) -> None:
         self.window_id = window_id
         self._rows_left = rows
-        make = lambda: ds._batches(pieces)  # noqa: E731
+        make = lambda: _discard(ds._batches(pieces), discard) if discard else ds._batches(pieces)  # noqa: E731
         self._source: Iterator[tuple[Batch, int]]
         self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
         if ds.prefetch_batches > 0 and rows > 0:
@@ -452,7 +481,11 @@ class WindowIterator(Iterator[Batch]):
         return self
 
     def __next__(self) -> Batch:
-        batch, rows = next(self._source)
+        try:
+            batch, rows = next(self._source)
+        except StopIteration:
+            self._rows_left = 0  # rows dropped after the last batch, or discarded ones
+            raise
         self._rows_left -= rows
         return batch
 
@@ -463,6 +496,10 @@ class WindowIterator(Iterator[Batch]):
     def close(self) -> None:
         if self._prefetcher is not None:
             self._prefetcher.close()
+        else:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()  # a generator: its ``finally`` closes the open parquet file
 
     def __del__(self) -> None:
         if getattr(self, "_prefetcher", None) is not None:

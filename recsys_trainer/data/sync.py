@@ -2,7 +2,8 @@
 
 Ranks often hold uneven data (a window's rows do not split evenly). Every rank fetches its next
 local batch, then one ``all_reduce(MAX)`` of ``[out_of_data, has_data, stop, non_finite]`` tells
-all ranks the same thing at the same fetch. Because TorchRec pipelines pull batches ahead, this
+all ranks the same thing at the same fetch. A rank whose fetch raised (bad data) still takes part
+(``out_of_data = 2``), then re-raises; the other ranks raise too instead of waiting for it. Because TorchRec pipelines pull batches ahead, this
 must live inside the iterator's ``__next__``, never in the training loop.
 """
 
@@ -64,13 +65,28 @@ class SyncedIterator(Iterator[Batch]):
         if self._done:
             raise StopIteration
         local: Batch | None = None
+        failure: Exception | None = None
         if not self._exhausted:
-            local = next(self._source, None)
+            try:
+                local = next(self._source, None)
+            except Exception as exc:  # noqa: BLE001 - re-raised after the agreement below
+                failure = exc  # e.g. a DataError: the other ranks must not wait for this rank
             self._exhausted = local is None
         stop, non_finite = self._local_flags()
+        # The first flag is 2 on a rank whose fetch failed (MAX keeps the vector at 4 ints).
         out_of_data, has_data, stop_any, nf_any = self._gang.all_reduce_max(
-            [int(local is None), int(local is not None), int(stop), int(non_finite)]
+            [2 if failure is not None else int(local is None), int(local is not None), int(stop),
+             int(non_finite)]
         )
+        if out_of_data == 2:
+            self._done = True
+            self.close()
+            if failure is not None:
+                raise failure
+            raise RuntimeError(
+                f"rank {self._gang.rank}: another rank failed to read its next batch; its log "
+                "has the error (stopping here too instead of waiting for it)."
+            )
         st = self.state
         st.stop_requested, st.non_finite_loss = bool(stop_any), bool(nf_any)
         finished = (not has_data) if self._pad else bool(out_of_data)
