@@ -406,18 +406,23 @@ class Trainer:
             local_flags=lambda: (self._stop_local, self._non_finite_local),
         )
         finished = False
-        if args.pipeline == "sparse_dist":
-            finished = self._train_pipelined(it)
-        batch = None if args.pipeline == "sparse_dist" else self._fetch(it)
-        while batch is not None:
-            self._train_step(batch, it)
-            if self.checkpointer is not None:
-                self.checkpointer.on_step_end(self)
-            if args.train_steps is not None and st.global_step >= args.train_steps:
-                st.stop_reason = st.stop_reason or f"train_steps={args.train_steps} reached"
-                finished = True
-                break
-            batch = self._fetch(it)
+        try:
+            if args.pipeline == "sparse_dist":
+                finished = self._train_pipelined(it)
+            batch = None if args.pipeline == "sparse_dist" else self._fetch(it)
+            while batch is not None:
+                self._train_step(batch, it)
+                if self.checkpointer is not None:
+                    self.checkpointer.on_step_end(self)
+                if args.train_steps is not None and st.global_step >= args.train_steps:
+                    st.stop_reason = st.stop_reason or f"train_steps={args.train_steps} reached"
+                    finished = True
+                    break
+                batch = self._fetch(it)
+        finally:
+            # A window cut short (train_steps, an exception) must still release the dataset's
+            # read-ahead thread and open files; the pipeline keeps a reference to `it`.
+            it.close()
         if it.state.stop_requested or it.state.non_finite_loss:
             finished = True
             if it.state.non_finite_loss:
@@ -604,23 +609,26 @@ class Trainer:
             it = SyncedIterator(
                 ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch
             )
-            while args.eval_steps is None or steps < args.eval_steps:
-                raw = next(it, None)
-                if raw is None:
-                    break
-                batch = raw.to(self.device, non_blocking=True)
-                is_pad = it.last_was_padding
-                self.hooks.fire("after_data", self, batch)
-                self.hooks.fire("before_eval_step", self)
-                with self.accelerator.autocast():
-                    loss, outputs = _split_output(self.model(batch))
-                steps += 1
-                if not is_pad:
-                    n = batch.num_real_rows()
-                    loss_sum += float(loss.float().item()) * n
-                    rows += n
-                out = StepOutput(steps, loss.detach(), [MicroBatchOutput(batch, loss.detach(), outputs)], is_pad)
-                self.hooks.fire("after_eval_step", self, out)
+            try:
+                while args.eval_steps is None or steps < args.eval_steps:
+                    raw = next(it, None)
+                    if raw is None:
+                        break
+                    batch = raw.to(self.device, non_blocking=True)
+                    is_pad = it.last_was_padding
+                    self.hooks.fire("after_data", self, batch)
+                    self.hooks.fire("before_eval_step", self)
+                    with self.accelerator.autocast():
+                        loss, outputs = _split_output(self.model(batch))
+                    steps += 1
+                    if not is_pad:
+                        n = batch.num_real_rows()
+                        loss_sum += float(loss.float().item()) * n
+                        rows += n
+                    out = StepOutput(steps, loss.detach(), [MicroBatchOutput(batch, loss.detach(), outputs)], is_pad)
+                    self.hooks.fire("after_eval_step", self, out)
+            finally:
+                it.close()  # eval_steps may cut the window short: stop its read-ahead
             if it.state.out_of_data:
                 self.hooks.fire("out_of_data", self, window_id, 0)
             self.hooks.fire("after_window", self, window_id)

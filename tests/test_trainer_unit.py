@@ -19,6 +19,7 @@ from recsys_trainer import (
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.hooks.base import HookList
+from recsys_trainer.models import DLRMClassifier
 
 
 @pytest.mark.parametrize(
@@ -309,3 +310,31 @@ def test_prior_ctr_starts_the_output_at_the_base_rate_and_is_validated() -> None
     assert torch.sigmoid(last.bias).item() == pytest.approx(0.01)
     with pytest.raises(ValueError, match=r"`prior_ctr` must be in \(0, 1\), but is 1.5"):
         DLRMClassifier(["a"], 2, 10, embedding_dim=4, dense_arch=(4,), over_arch=(4, 1), prior_ctr=1.5)
+
+
+@pytest.mark.parametrize("pipeline", ["none", "sparse_dist"])
+@pytest.mark.parametrize("cut", ["train_steps", "eval_steps"])
+def test_a_window_cut_short_releases_the_readers_background_thread(tmp_path, pipeline, cut) -> None:
+    import threading
+
+    from data_utils import row_id_spec, write_windows
+
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+
+    write_windows(str(tmp_path), [[400]])
+
+    def ds() -> ParquetWindowDataset:
+        return ParquetWindowDataset(str(tmp_path), row_id_spec(), batch_size=4, prefetch_batches=2)
+
+    before = set(threading.enumerate())
+    trainer = Trainer(
+        model=DLRMClassifier(["item", "tag"], 1, [100, 50], embedding_dim=4, dense_arch=(4,), over_arch=(4, 1)),
+        args=TrainingArguments(output_dir=str(tmp_path / "out"), train_steps=3, eval_steps=2,
+                               pipeline=pipeline, log_steps=1000),
+        train_dataset=ds(), eval_dataset=ds(), add_logger_hook=False,
+    )
+    trainer.train() if cut == "train_steps" else trainer.evaluate()
+    leaked = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    for t in leaked:
+        t.join(timeout=5)
+    assert not [t.name for t in leaked if t.is_alive()]
