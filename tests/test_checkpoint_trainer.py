@@ -326,12 +326,30 @@ def test_rotation_never_deletes_the_checkpoint_just_committed_when_newer_steps_e
     out = str(tmp_path)
     build(out, RowWindows(), train_steps=6, save_steps=3, max_to_keep=5).train()
     assert committed_steps(out) == [3, 6]
-    # Roll back to step 3 in the same output dir (e.g. after a divergence) and save at step 4:
-    # step 6 is newer on disk, but the step just saved is this run's latest state.
-    t = build(out, RowWindows(), train_steps=4, save_steps=4, max_to_keep=1,
-              resume_from=os.path.join(out, "step_00000003"))
+    # Roll back to step 3 by hand, train one step, save: step 6 is newer on disk, but the step
+    # just saved is this run's latest state.
+    t = build(out, RowWindows(), train_steps=4, max_to_keep=1, resume_from=None)
+    t.load_checkpoint(os.path.join(out, "step_00000003"))
     t.train()
-    assert 4 in committed_steps(out)
+    assert t.save_checkpoint() == os.path.join(out, "step_00000004")
+    assert committed_steps(out) == [4, 6]
+
+
+def test_saving_next_to_newer_checkpoints_of_another_run_is_refused_at_the_start(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=6, save_steps=3, max_to_keep=5).train()
+    # A roll-back (or a fresh start) that saves into the same dir: its step-6 save would be
+    # skipped as "already committed", and a crash after it would resume the other run's step 6.
+    for resume in (os.path.join(out, "step_00000003"), None):
+        with pytest.raises(CheckpointError, match=r"steps \[6\]|steps \[3, 6\]") as e:
+            build(out, RowWindows(), train_steps=9, save_steps=3, resume_from=resume).train()
+        assert e.value.kind == "mismatch"
+    assert committed_steps(out) == [3, 6]
+    # "auto" resumes from the newest: nothing foreign.
+    t = build(out, RowWindows(), train_steps=9, save_steps=3)
+    t.train()
+    assert committed_steps(out) == [3, 6, 9]
 
 def test_rotation_policy_orders_numerically_and_protects_newest_keep_best_and_periodic() -> None:
     def info(step: int, t: float = 0.0, keep: bool = False, loss: float | None = None) -> layout.CheckpointInfo:
@@ -486,6 +504,17 @@ def test_params_not_save_and_save_filter_fn_leave_parameters_and_their_state_out
     with pytest.raises(CheckpointError, match="lacks"):
         build(str(tmp_path / "c"), RowWindows()).load_checkpoint(ckpt)
 
+
+
+def test_loading_a_checkpoint_with_entries_the_trainer_lacks_is_an_error_naming_them(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=2, save_steps=2).train()
+    # The model dropped feature f3: its table (and its optimizer state) would be ignored.
+    t = build(str(tmp_path / "fewer"), RowWindows(), feats=FEATS[:3])
+    with pytest.raises(CheckpointError, match="does not have") as e:
+        t.load_checkpoint(os.path.join(out, "step_00000002"))
+    assert "t_f3" in str(e.value) and e.value.kind == "mismatch"
 
 def test_model_bank_warm_starts_selected_parts_with_name_map_and_resized_tables(
         tmp_path: Any, caplog: Any) -> None:

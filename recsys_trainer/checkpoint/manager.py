@@ -8,10 +8,12 @@ A save, step by step (the only guarantee a reader relies on is the last line)::
                    snapshot: copy every tensor into a CPU staging buffer (reused across saves,
                              pre-allocated on a helper thread at train start),
                              serialise this rank's extra state          <- the loop is blocked
-    writer thread: rank 0 removes a stale uncommitted dir of the same step; barrier
-                   each rank writes its extra file, then DCP writes its shards with
-                   ``save_concurrency_per_rank`` threads (one fsync per file), CRC32s computed
-                   while writing; rank 0 writes .metadata; all-gather of the file lists
+    writer thread: rank 0 removes a stale uncommitted dir of the same step; all-gather of
+                   errors (instead of a barrier: a failure on any rank fails every rank)
+                   DCP writes each rank's shards with ``save_concurrency_per_rank`` threads
+                   (one fsync per file), CRC32s computed while writing; rank 0 writes
+                   .metadata; each rank writes its extra file; all-gather of the file lists
+                   (or of each rank's error)
                    rank 0 writes args.json, then COMMITTED (atomic rename), the index;
                    broadcast "committed"; rank 0 rotates old checkpoints
     main thread:   (at the next step, the next save, the end, or an exception)
@@ -268,14 +270,41 @@ class CheckpointManager:
             from recsys_trainer.checkpoint.model_bank import warm_start
 
             warm_start(trainer, self.model_bank, process_group=self._pg)
+        self._check_no_foreign_checkpoints(trainer, source)
         self._prepare_staging(trainer)
+
+    def _will_save(self) -> bool:
+        triggers = (self.save_steps, self.save_every_n_windows, self.save_every_n_epochs)
+        return self.save_end or any(t is not None for t in triggers)
+
+    def _check_no_foreign_checkpoints(self, trainer: Trainer,
+                                      source: layout.CheckpointInfo | None) -> None:
+        """Refuse to save into an ``output_dir`` that holds committed checkpoints of another
+        trajectory at or after this run's start step (a fresh start or a roll-back next to
+        newer checkpoints): this run's save of such a step would be skipped as already done,
+        and a restart with ``resume_from="auto"`` would load the other run's state. (With
+        ``"auto"`` the source is the newest, so this never fires.) Same answer on every rank:
+        the ranks agreed on ``source`` and read the same directory."""
+        if not self._will_save():
+            return
+        start = trainer.state.global_step
+        mine = os.path.abspath(source.path) if source is not None else None
+        foreign = [i.step for i in layout.list_committed(self.output_dir)
+                   if i.step >= start and os.path.abspath(i.path) != mine]
+        if foreign:
+            raise CheckpointError(
+                f"`output_dir` {self.output_dir!r} holds committed checkpoints at steps "
+                f"{foreign}, at or after step {start} where this run starts (resume_from="
+                f"{self.resume_from!r}); this run's saves of those steps would be skipped, and a "
+                f"restart would resume from them instead of from this run. Move them out of "
+                f"`output_dir`, or use another `output_dir`.",
+                step=start, path=self.output_dir, kind="mismatch")
 
     def _prepare_staging(self, trainer: Trainer) -> None:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes
         seconds for big tables, so do it now, on a helper thread, while the loop trains, instead
         of inside the first save. Only when this run will save asynchronously."""
-        triggers = (self.save_steps, self.save_every_n_windows, self.save_every_n_epochs)
-        if not self.async_save or not (self.save_end or any(t is not None for t in triggers)):
+        if not self.async_save or not self._will_save():
             return
         try:
             self._staging.prepare(cstate.tensor_state(trainer, self.key_filter), background=True)
@@ -623,7 +652,7 @@ class CheckpointManager:
 
     def _check_keys(self, target: dict[str, Any], path: str, step: int, strict: bool) -> None:
         """Strict loading: every state the trainer has must be in the checkpoint, unless this
-        run's filters leave it out of checkpoints."""
+        run's filters leave it out of checkpoints, and the checkpoint holds nothing else."""
         saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         missing = [f"model.{k}" for k in target["model"]
                    if f"model.{k}" not in saved and self.key_filter(k)]
@@ -637,6 +666,16 @@ class CheckpointManager:
                 f"checkpoint step {step} at {path!r} lacks {len(missing)} entries this trainer "
                 f"has, e.g. {missing[:5]}; is it from another model? (Use the model bank to "
                 f"initialise from a different model.)", step=step, path=path, kind="mismatch")
+        # Model keys only: every rank's model state dict names every table (sharded tensors),
+        # but a rank's fused optimizer state holds only its own shards' entries.
+        have = {f"model.{k}" for k in target["model"]}
+        unexpected = sorted(k for k in saved if k.startswith("model.") and k not in have)
+        if unexpected and strict:
+            raise CheckpointError(
+                f"checkpoint step {step} at {path!r} holds {len(unexpected)} entries this "
+                f"trainer does not have, e.g. {unexpected[:5]}; is it from another model? (Use "
+                f"the model bank to initialise from a different model.)", step=step, path=path,
+                kind="mismatch")
 
     @staticmethod
     def _restrict_to_checkpoint(target: dict[str, Any], path: str) -> dict[str, Any]:
