@@ -543,6 +543,9 @@ class CheckpointManager:
         layout.atomic_write_text(os.path.join(path, layout.MARKER),
                                  json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         parent = os.path.dirname(os.path.abspath(path))
+        # The step directory's own entry in output_dir must be durable before rotation may
+        # delete older checkpoints: otherwise a power loss could leave neither.
+        layout.fsync_dir(parent)
         try:
             layout.write_index(parent, layout.list_committed(parent))
         except OSError as e:  # the index is informational; the marker is what counts
