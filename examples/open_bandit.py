@@ -56,6 +56,7 @@ def main() -> None:
     spec = open_bandit_features(num_embeddings=1000)
     train = ParquetWindowDataset(windows[: a.hours], spec, batch_size=a.batch_size, shuffle=True)
     evals = ParquetWindowDataset(windows[1 : a.hours + 1], spec, batch_size=4 * a.batch_size)
+    torch.manual_seed(0)  # the dense towers are initialised here, before the Trainer exists
     model = DLRMClassifier(spec.sparse_names, spec.num_dense, [s.num_embeddings for s in spec.sparse],
                            embedding_dim=16, dense_arch=(64,), over_arch=(64, 1),
                            prior_ctr=0.005)  # the log's base rate (README of the sample)

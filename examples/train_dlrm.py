@@ -64,6 +64,7 @@ def main() -> None:
     meta = ensure_data(Path(a.data), a.hours, a.rows_per_hour)
     windows = partitioned_windows(a.data)
     spec = criteo_features(a.num_embeddings)
+    torch.manual_seed(0)  # the dense towers are initialised here, before the Trainer exists
     model = DLRMClassifier(SPARSE_COLUMNS, 13, a.num_embeddings, a.embedding_dim,
                            dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1), dense_log1p=True)
     metrics = MetricReportHook(metrics=["auc", "logloss", "ne", "calibration", "ctr"], per_window=False)

@@ -65,7 +65,10 @@ class TrainingArguments:
     gradient_accumulation_steps=1 and no fp16 / skip-non-finite guard."""
 
     seed: int = 0
-    """Seeds torch, numpy and python RNGs on every rank (dense init must match across ranks)."""
+    """Seeds torch, numpy and python RNGs on every rank when the Trainer is built (before the
+    tables are materialised). Dense layers built before that are seeded by you: call
+    ``torch.manual_seed`` before constructing the model for run-to-run reproducibility (DDP
+    makes ranks agree either way, broadcasting rank 0's dense parameters)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto": CUDA when available, else CPU."""
