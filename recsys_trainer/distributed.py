@@ -22,18 +22,6 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Flags:
-    """The per-step flags agreed across ranks (logical OR over ranks)."""
-
-    out_of_data: bool = False
-    stop_requested: bool = False
-    non_finite_loss: bool = False
-
-    def any(self) -> bool:
-        return self.out_of_data or self.stop_requested or self.non_finite_loss
-
-
 class Gang(ABC):
     """The collectives the Trainer's control flow uses."""
 
@@ -55,13 +43,6 @@ class Gang(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
-
-    def agree(self, flags: Flags) -> Flags:
-        """OR the flags over ranks with one all-reduce; every rank gets the same answer."""
-        out = self.all_reduce_max(
-            [int(flags.out_of_data), int(flags.stop_requested), int(flags.non_finite_loss)]
-        )
-        return Flags(out_of_data=bool(out[0]), stop_requested=bool(out[1]), non_finite_loss=bool(out[2]))
 
 
 class ProcessGroupGang(Gang):

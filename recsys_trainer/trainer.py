@@ -58,7 +58,7 @@ from torch import nn
 
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.base import WindowedDataset, as_windowed
+from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import (
     Gang,
@@ -412,10 +412,7 @@ class Trainer:
             batch = None if args.pipeline == "sparse_dist" else self._fetch(it)
             while batch is not None:
                 self._train_step(batch, it)
-                if self.checkpointer is not None:
-                    self.checkpointer.on_step_end(self)
-                if args.train_steps is not None and st.global_step >= args.train_steps:
-                    st.stop_reason = st.stop_reason or f"train_steps={args.train_steps} reached"
+                if self._end_of_step():
                     finished = True
                     break
                 batch = self._fetch(it)
@@ -444,7 +441,7 @@ class Trainer:
         counts *trained* batches, so batches fetched ahead and not trained are read again on
         resume. Events per step are the same as without the pipeline.
         """
-        args, st = self.args, self.state
+        st = self.state
         if self.skip_non_finite_loss:
             raise ValueError(
                 "skipping non-finite losses needs a decision before backward, which "
@@ -452,25 +449,32 @@ class Trainer:
             )
         pipe = self._get_pipeline()
         pipe.reset()
-        while True:
-            try:
-                pipe.progress(it)
-            except StopIteration:
-                break
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            st.batches_in_window += 1
-            st.global_step += 1
-            micro = self._pipeline_last
-            self.hooks.fire("after_step", self, StepOutput(st.global_step, micro.loss.float(), [micro]))
-            self.timings.reset()
-            if self.checkpointer is not None:
-                self.checkpointer.on_step_end(self)
-            if args.train_steps is not None and st.global_step >= args.train_steps:
-                st.stop_reason = st.stop_reason or f"train_steps={args.train_steps} reached"
-                pipe.detach()
-                return True
-        pipe.detach()  # restore the sharded modules' own forward (evaluation uses it)
+        try:
+            while True:
+                try:
+                    pipe.progress(it)
+                except StopIteration:
+                    return False
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step()
+                st.batches_in_window += 1
+                st.global_step += 1
+                micro = self._pipeline_last
+                self.hooks.fire("after_step", self, StepOutput(st.global_step, micro.loss.float(), [micro]))
+                self.timings.reset()
+                if self._end_of_step():
+                    return True
+        finally:
+            pipe.detach()  # restore the sharded modules' own forward (evaluation uses it)
+
+    def _end_of_step(self) -> bool:
+        """Checkpoint triggers, then the ``train_steps`` limit; True when training must end."""
+        if self.checkpointer is not None:
+            self.checkpointer.on_step_end(self)
+        limit = self.args.train_steps
+        if limit is not None and self.state.global_step >= limit:
+            self.state.stop_reason = self.state.stop_reason or f"train_steps={limit} reached"
+            return True
         return False
 
     def _get_pipeline(self) -> Any:
@@ -679,8 +683,6 @@ class Trainer:
 
     @staticmethod
     def _is_windowed(ds: WindowedDataset | None) -> bool:
-        from recsys_trainer.data.base import IterableAsWindow
-
         return ds is not None and not isinstance(ds, IterableAsWindow)
 
     @staticmethod
