@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
-import torch
-
+from recsys_trainer.hooks._interval import IntervalStats
 from recsys_trainer.hooks.base import Hook, StepOutput
 
 if TYPE_CHECKING:
@@ -28,25 +26,20 @@ class LoggerHook(Hook):
         if every is not None and every < 1:
             raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
         self._every = every
-        self._losses: list[torch.Tensor] = []
-        self._samples = 0
-        self._t0 = 0.0
+        self._stats = IntervalStats()
         self.records: list[dict[str, float]] = []
 
     def before_train(self, trainer: Trainer) -> None:
-        self._losses.clear()
-        self._samples = 0
-        self._t0 = time.perf_counter()
+        self._stats.start()
 
     def after_step(self, trainer: Trainer, output: StepOutput) -> None:
-        self._losses.append(output.loss)
-        self._samples += output.num_samples
+        self._stats.add(trainer, output)
         every = self._every or trainer.args.log_steps
         if trainer.state.global_step % every != 0:
             return
-        now = time.perf_counter()
-        loss = float(torch.stack(self._losses).float().mean().item())
-        sps = self._samples * trainer.world_size / max(now - self._t0, 1e-9)
+        # This rank's losses only: the default hook must not add a collective to the loop.
+        vals = self._stats.flush(trainer, across_ranks=False)
+        loss, sps = vals["loss"], vals["samples_per_s"]
         rec = {
             "step": float(trainer.state.global_step),
             "loss": loss,
@@ -67,9 +60,6 @@ class LoggerHook(Hook):
                 rec["dense_lr"],
                 f"{sparse_lr:.3g}" if sparse_lr is not None else "-",
             )
-        self._losses.clear()
-        self._samples = 0
-        self._t0 = now
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if trainer.is_rank_zero:
