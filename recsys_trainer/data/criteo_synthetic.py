@@ -25,8 +25,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
+from recsys_trainer.hooks.metrics import weighted_auc
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -84,15 +86,6 @@ def generate_hour(signal: CriteoSignal, rows: int, rng: np.random.Generator,
     return pa.table(table), p
 
 
-def _auc(p: np.ndarray, y: np.ndarray) -> float:
-    order = np.argsort(p, kind="mergesort")
-    ranks = np.empty(len(p))
-    ranks[order] = np.arange(1, len(p) + 1)
-    pos = y.sum()
-    neg = len(y) - pos
-    return float((ranks[y == 1].sum() - pos * (pos + 1) / 2) / max(pos * neg, 1))
-
-
 def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: int = 50_000,
                   seed: int = 0, signal_seed: int = 2024, row_group_size: int = 8192,
                   start: dt.datetime = dt.datetime(2026, 11, 20)) -> dict[str, float]:
@@ -115,7 +108,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: i
         labels.append(table.column("label").to_numpy())
     p_all, y_all = np.concatenate(probs), np.concatenate(labels)
     meta = {"hours": hours, "rows_per_hour": rows_per_hour, "ctr": float(y_all.mean()),
-            "oracle_auc": _auc(p_all, y_all), "seed": seed, "signal_seed": signal_seed}
+            "oracle_auc": weighted_auc(torch.from_numpy(p_all), torch.from_numpy(y_all), torch.ones(len(y_all))), "seed": seed, "signal_seed": signal_seed}
     (root / "_signal.json").write_text(json.dumps(meta, indent=1))
     return meta
 
