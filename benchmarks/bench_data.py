@@ -8,18 +8,23 @@ Prints three rates measured in the same run (compare them as ratios; this host i
   same columns the reader projects on, into Arrow tables;
 * reader: ``ParquetWindowDataset`` reading the same files and decoding every row into ``Batch``
   (dense tensor + KJT + labels), with its default background prefetch;
-* the Trainer's consumption on the benchmark model (DLRM, 26 tables, world size 1).
+* the Trainer's consumption on the benchmark model (DLRM, 26 tables, world size 1), on the CPU
+  or, with ``--device cuda``, on the GPU (``--embedding-dim``/``--num-embeddings`` set its size);
+* with ``--reader-procs N`` (N > 1), also N reader processes, each reading its row-range share of
+  the same windows (as N ranks' readers would), started together: their summed rows/s is what
+  the reader could deliver to one GPU if its batches came from N processes.
 
 After one warm-up pass of each (page cache, imports), raw and reader runs alternate ``--reps``
 times (the order flips every round so load drift hits both alike); the reader/raw ratio is
 taken per round and its median reported, with the median and best rates.
-Goal: reader >= 0.5x raw and >= 3x trainer.
+Goal: reader >= 0.5x raw and >= 3x trainer (on a GPU: >= 1.5x the GPU's consumption).
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import multiprocessing as mp
 import os
 import tempfile
 import time
@@ -77,7 +82,36 @@ def bench_reader(root: str, fs: FeatureSpec, batch_size: int) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-def bench_trainer(root: str, fs: FeatureSpec, batch_size: int, steps: int) -> float:
+def _reader_proc(root: str, fs: FeatureSpec, batch_size: int, rank: int, procs: int,
+                 start: object, results: object) -> None:
+    ds = ParquetWindowDataset(root, fs, batch_size=batch_size, prefetch_batches=4)
+    ds.setup(rank, procs)
+    start.wait()  # type: ignore[attr-defined]  # every process's imports are done: start together
+    t0 = time.perf_counter()
+    rows = 0
+    for w in ds.window_ids():
+        for b in ds.iter_window(w):
+            rows += b.batch_size
+    results.put((rows, t0, time.perf_counter()))  # type: ignore[attr-defined]
+
+
+def bench_reader_procs(root: str, fs: FeatureSpec, batch_size: int, procs: int) -> float:
+    """Summed rows/s of ``procs`` reader processes, each reading its share (rank i of procs)."""
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Barrier(procs), ctx.Queue()
+    ps = [ctx.Process(target=_reader_proc, args=(root, fs, batch_size, r, procs, start, results))
+          for r in range(procs)]
+    for p in ps:
+        p.start()
+    out = [results.get(timeout=600) for _ in ps]
+    for p in ps:
+        p.join()
+    rows = sum(o[0] for o in out)
+    return rows / (max(o[2] for o in out) - min(o[1] for o in out))
+
+
+def bench_trainer(root: str, fs: FeatureSpec, batch_size: int, steps: int, device: str = "cpu",
+                  embedding_dim: int = 64) -> float:
     from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
     from recsys_trainer.models import DLRMClassifier
 
@@ -85,21 +119,32 @@ def bench_trainer(root: str, fs: FeatureSpec, batch_size: int, steps: int) -> fl
     w = next(ds.window_ids())
     batches = []
     for b in ds.iter_window(w):
-        batches.append(b)
+        batches.append(b.pin_memory() if device == "cuda" else b)
         if len(batches) >= steps + 5:
             break
     model = DLRMClassifier(fs.sparse_names, NUM_DENSE, [s.num_embeddings for s in fs.sparse],
-                           embedding_dim=64, dense_arch=(512, 256), over_arch=(512, 256, 1))
-    times: list[float] = []
+                           embedding_dim=embedding_dim, dense_arch=(512, 256),
+                           over_arch=(512, 256, 1))
+    warm = 5  # skip warm-up steps (allocation, first-touch of tables)
+    t0: list[float] = []
     from recsys_trainer.hooks.lambda_hook import LambdaHook
 
-    hook = LambdaHook(after_step=lambda t, out: times.append(time.perf_counter()))
-    trainer = Trainer(model, TrainingArguments(output_dir=tempfile.mkdtemp(), log_steps=10_000),
-                      train_dataset=batches, hooks=[hook], add_logger_hook=False,
+    def after_step(t: object, out: object) -> None:
+        if len(t0) == 0 and out.step == warm:  # type: ignore[attr-defined]
+            if device == "cuda":
+                torch.cuda.synchronize()  # the clock starts when the warm-up steps have run
+            t0.append(time.perf_counter())
+
+    trainer = Trainer(model, TrainingArguments(output_dir=tempfile.mkdtemp(), log_steps=10_000,
+                                               device=device),
+                      train_dataset=batches, hooks=[LambdaHook(after_step=after_step)],
+                      add_logger_hook=False,
                       sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05))
     trainer.train()
-    warm = 5  # skip warm-up steps (allocation, first-touch of tables)
-    return (len(times) - 1 - warm) * batch_size / (times[-1] - times[warm])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    steps_done = trainer.state.global_step
+    return (steps_done - warm) * batch_size / (time.perf_counter() - t0[0])
 
 
 def main() -> None:
@@ -110,6 +155,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5, help="interleaved raw/reader rounds")
     p.add_argument("--train-steps", type=int, default=30, help="0 skips the trainer measurement")
     p.add_argument("--num-embeddings", type=int, default=100_000)
+    p.add_argument("--embedding-dim", type=int, default=64, help="of the trainer's model")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the trainer runs")
+    p.add_argument("--reader-procs", type=int, nargs="*", default=[],
+                   help="also measure this many reader processes together (e.g. 2 4 8)")
     a = p.parse_args()
     torch.set_flush_denormal(True)
     with tempfile.TemporaryDirectory() as root:
@@ -126,7 +175,9 @@ def main() -> None:
                     raws.append(bench_raw(files, fs.columns()))
                 else:
                     readers.append(bench_reader(root, fs, a.batch_size))
-        train = bench_trainer(root, fs, a.batch_size, a.train_steps) if a.train_steps > 0 else None
+        multi = {n: bench_reader_procs(root, fs, a.batch_size, n) for n in a.reader_procs if n > 1}
+        train = (bench_trainer(root, fs, a.batch_size, a.train_steps, a.device, a.embedding_dim)
+                 if a.train_steps > 0 else None)
     ratios = [r / w for r, w in zip(readers, raws, strict=True)]
     raw_rate, reader_rate, ratio = median(raws), median(readers), median(ratios)
     kind = "string (hashed)" if a.string_ids else "int64 (hashed)"
@@ -136,8 +187,15 @@ def main() -> None:
     print(f"ParquetWindowDataset   : {reader_rate:12,.0f} rows/s  [{max(readers):12,.0f}]  "
           f"({ratio:.2f}x raw, median of per-round ratios {', '.join(f'{x:.2f}' for x in ratios)}; "
           "goal >= 0.5x)")
+    for n, rate in multi.items():
+        vs = f", {rate / train:.2f}x the trainer" if train else ""
+        print(f"{n} reader processes    : {rate:12,.0f} rows/s  ({rate / reader_rate:.2f}x one reader{vs})")
     if train is not None:
-        print(f"trainer consumption    : {train:12,.0f} rows/s  (reader is {reader_rate / train:.1f}x, goal >= 3x)")
+        where = (f"{torch.cuda.get_device_name()}, dim {a.embedding_dim}" if a.device == "cuda"
+                 else f"CPU, dim {a.embedding_dim}")
+        goal = "1.5x" if a.device == "cuda" else "3x"
+        print(f"trainer consumption    : {train:12,.0f} rows/s on {where}  (one reader is "
+              f"{reader_rate / train:.2f}x, goal >= {goal})")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Trainer overhead: samples/s of the Trainer vs a hand-written TorchRec loop vs plain PyTorch.
 
     python benchmarks/bench_trainer.py [--quick] [--ranks 1 2] [--num-embeddings 100000]
+    python benchmarks/bench_trainer.py --device cuda --ranks 1 --num-embeddings 1000000 \
+        --embedding-dim 128 --batch-size 8192 --sparse-optimizer rowwise_adagrad
 
 Same model (DLRM: 13 dense, 26 tables, bottom MLP 512-256-D, top MLP 512-256-1), same data
 (per-rank batch 2048, Zipf ids), same optimizers (sparse Adagrad on the tables, Adam on the
@@ -17,7 +19,13 @@ steps each), so machine drift hits all of them alike:
 - ``trainer_pipeline``: ``Trainer`` with ``pipeline="sparse_dist"``.
 
 Each measured segment is one "window" of --steps batches for every variant (pipelines are
-refilled per segment in both the hand-written and the Trainer variant). The table prints
+refilled per segment in both the hand-written and the Trainer variant).
+
+With ``--device cuda`` every variant takes the same pinned CPU batches and copies each to the
+GPU (the pipelines on their own copy stream, the loops with ``non_blocking``), as a reader's
+batches would arrive; each segment ends with a device synchronisation before the clock stops.
+Every variant holds its own tables: at 26 x 1M x 128 that is 13 GB each, so on an 80 GB GPU run
+the variants in two groups that share the baseline (``--variants``). The table prints
 global samples/s and ratios to ``torchrec_loop`` and ``plain_pytorch`` of the same world size.
 Goal: trainer >= 0.95x torchrec_loop; trainer_pipeline > torchrec_loop.
 """
@@ -40,12 +48,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     PlainDLRM,
+    device_name,
     dlrm,
     make_batches,
     markdown_table,
     peak_rss_mib,
     plain_inputs,
     quiet_torchrec,
+    synchronize,
     torchrun,
 )
 
@@ -66,30 +76,44 @@ def _dense_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str]) -> list[Variant]:
+def _pinned(inputs: Any, pin: bool) -> Any:
+    dense, sparse_in, labels = inputs
+    if not pin:
+        return inputs
+    return dense.pin_memory(), [(i.pin_memory(), o.pin_memory()) for i, o in sparse_in], labels.pin_memory()
+
+
+def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
+                   device: torch.device) -> list[Variant]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
     from recsys_trainer.sharding import dense_parameters, shard_model
 
-    device = torch.device("cpu")
     sparse = SparseOptimizer(a.sparse_optimizer, lr=0.05)
     out: list[Variant] = []
     cycle = itertools.cycle(batches)
 
     if "plain_pytorch" in names:
         torch.manual_seed(0)
-        plain = PlainDLRM(a.num_tables, a.num_embeddings, a.embedding_dim)
+        plain = PlainDLRM(a.num_tables, a.num_embeddings, a.embedding_dim, device=device)
         ddp = torch.nn.parallel.DistributedDataParallel(plain)
         emb = [p for n, p in ddp.named_parameters() if ".tables." in n]
         dense = [p for n, p in ddp.named_parameters() if ".tables." not in n]
         opt_sparse = torch.optim.Adagrad(emb, lr=0.05)
         opt_dense = _dense_adam(dense)
-        plain_data = itertools.cycle([plain_inputs(b) for b in batches])
+        # Split per table on the CPU, as a plain-PyTorch loader would (on the GPU, the KJT's
+        # per-key split reads lengths back to the host: a sync that is not the model's cost).
+        pin = device.type == "cuda"
+        plain_data = itertools.cycle([_pinned(plain_inputs(b), pin) for b in batches])
 
         def run_plain(n: int) -> None:
             for _ in range(n):
-                loss = ddp(*next(plain_data))
+                dense, sparse_in, labels = next(plain_data)
+                loss = ddp(dense.to(device, non_blocking=True),
+                           [(i.to(device, non_blocking=True), o.to(device, non_blocking=True))
+                            for i, o in sparse_in],
+                           labels.to(device, non_blocking=True))
                 loss.backward()
                 opt_sparse.step()
                 opt_dense.step()
@@ -109,7 +133,7 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str]) 
 
         def run_loop(n: int) -> None:
             for _ in range(n):
-                loss, _ = dmp(next(cycle))
+                loss, _ = dmp(next(cycle).to(device, non_blocking=True))
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -138,7 +162,7 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str]) 
             model=dlrm(a.num_tables, a.num_embeddings, a.embedding_dim),
             args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_trainer_"),
                                    train_epoch=10**9, train_steps=1, log_steps=10**9,
-                                   resume_from=None, **extra),
+                                   resume_from=None, device=device.type, **extra),
             train_dataset=batches,
             dense_optimizers=(_dense_adam, None),
             sparse_optimizer=sparse,
@@ -160,12 +184,14 @@ def worker(a: argparse.Namespace) -> None:
     from recsys_trainer.distributed import configure_cpu_threads, init_distributed
 
     quiet_torchrec()
-    info = init_distributed("cpu")
+    info = init_distributed(a.device)
     configure_cpu_threads(info.local_world_size)  # flush denormals; cores // local ranks threads
     torch.set_flush_denormal(True)
     batches = make_batches(a.distinct_batches, a.batch_size, a.num_tables, a.num_embeddings,
                            seed=info.rank)
-    variants = build_variants(a, batches, a.variants)
+    if info.device.type == "cuda":
+        batches = [b.pin_memory() for b in batches]  # what lets non_blocking copies overlap
+    variants = build_variants(a, batches, a.variants, info.device)
     for v in variants:  # warm up every variant (allocations, caches, denormals settle)
         v.run(a.warmup)
     for r in range(a.rounds):
@@ -174,6 +200,7 @@ def worker(a: argparse.Namespace) -> None:
             dist.barrier()
             t0 = time.perf_counter()
             v.run(a.steps)
+            synchronize(info.device)
             dist.barrier()
             took = time.perf_counter() - t0
             v.seconds += took
@@ -183,6 +210,9 @@ def worker(a: argparse.Namespace) -> None:
         "world_size": info.world_size,
         "batch_size": a.batch_size,
         "peak_rss_mib": peak_rss_mib(),
+        "device": device_name(info.device),
+        "peak_gpu_mib": (torch.cuda.max_memory_allocated() / 2**20
+                         if info.device.type == "cuda" else None),
         "variants": {v.name: {"steps": v.steps, "seconds": v.seconds,
                               "samples_per_s": v.steps * a.batch_size * info.world_size / v.seconds,
                               "round_seconds": v.round_seconds}
@@ -216,7 +246,7 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
             ])
     setting = (f"{a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}, batch {a.batch_size}"
                f"/rank, sparse {a.sparse_optimizer} + dense Adam, {a.rounds} interleaved rounds x "
-               f"{a.steps} steps after {a.warmup} warmup, {os.cpu_count()} cores")
+               f"{a.steps} steps after {a.warmup} warmup, on {results[0].get('device', a.device)}")
     return "\n".join([
         "## Trainer overhead",
         "",
@@ -247,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--distinct-batches", type=int, default=8)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: one GPU per rank (cuda:LOCAL_RANK, nccl)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -260,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
                  f"--embedding-dim={a.embedding_dim}", f"--batch-size={a.batch_size}",
                  f"--sparse-optimizer={a.sparse_optimizer}", f"--warmup={a.warmup}",
                  f"--steps={a.steps}", f"--rounds={a.rounds}",
-                 f"--distinct-batches={a.distinct_batches}", "--variants", *a.variants]
+                 f"--distinct-batches={a.distinct_batches}", f"--device={a.device}",
+                 "--variants", *a.variants]
     results = [torchrun(os.path.abspath(__file__), n, forwarded, a.timeout) for n in a.ranks]
     print(report(results, a))
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
-SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise",
+                  "data_parallel")
 
 
 class NotSupportedYetError(NotImplementedError):

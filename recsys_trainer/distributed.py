@@ -139,6 +139,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def check_one_gpu_per_rank(local_rank: int, local_world_size: int, num_gpus: int) -> None:
+    """Each rank on a host needs its own GPU (``cuda:LOCAL_RANK``): nccl refuses two ranks on one
+    device, and a rank without a device would fail later with "invalid device ordinal"."""
+    if local_world_size > num_gpus or local_rank >= num_gpus:
+        raise ValueError(
+            f"this host runs {local_world_size} ranks (this is local rank {local_rank}) but has "
+            f"{num_gpus} visible CUDA device(s); each rank needs its own GPU. Start at most "
+            f"{num_gpus} ranks per host (torchrun --nproc_per_node={num_gpus}), or train on the "
+            "CPU with device='cpu'."
+        )
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
     """Make sure a default process group exists and pick this rank's device.
 
@@ -151,6 +163,8 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
         raise ValueError("device='cuda' was requested, but CUDA is not available on this machine.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if use_cuda:
+        check_one_gpu_per_rank(local_rank, local_world_size, torch.cuda.device_count())
     initialized_by_us = False
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"

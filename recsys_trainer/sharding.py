@@ -46,6 +46,14 @@ _SPARSE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]
 }
 
 CPU_SHARDING_TYPES = ("table_wise", "column_wise", "data_parallel")
+# What the planner may pick for a table nobody pinned. ``data_parallel`` is left out on every
+# device: such a table gets a plain dense gradient, all-reduced whole every step, and would be
+# trained by the dense optimizer instead of its fused sparse one (the planner picks it for small
+# tables on CUDA). Ask for it per table with ``sharding_types`` if that is what you want.
+DEFAULT_SHARDING_TYPES = {
+    "cpu": ["table_wise", "column_wise"],
+    "cuda": ["table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"],
+}
 
 
 def supported_sparse_optimizers(device_type: str) -> list[str]:
@@ -143,9 +151,10 @@ def plan_sharding(
 ) -> ShardingPlan:
     """Plan table placement for this world size and device.
 
-    On CPU only table_wise/column_wise/data_parallel exist, and ``data_parallel`` is excluded
-    unless asked for per table: its grads are all-reduced densely and land in the dense
-    optimizer. On CUDA the planner chooses; ``sharding_types`` overrides per table.
+    On CPU only table_wise/column_wise/data_parallel exist. On CUDA the planner chooses among
+    table-, column-, row-, table-row- and table-column-wise. ``data_parallel`` is excluded on
+    both unless asked for per table (its grads are all-reduced densely and land in the dense
+    optimizer). ``sharding_types`` overrides per table.
     """
     overrides = dict(sharding_types or {})
     names = set(table_names(model))
@@ -164,8 +173,9 @@ def plan_sharding(
                     f"{', '.join(CPU_SHARDING_TYPES)}."
                 )
             constraints[name] = ParameterConstraints(sharding_types=[st])
-        elif device.type == "cpu":
-            constraints[name] = ParameterConstraints(sharding_types=["table_wise", "column_wise"])
+        else:
+            default = DEFAULT_SHARDING_TYPES.get(device.type, DEFAULT_SHARDING_TYPES["cpu"])
+            constraints[name] = ParameterConstraints(sharding_types=list(default))
     topology = TopologyFactory.create_topology(
         TrainerConfig(world_size=env.world_size, local_world_size=local_world_size),
         kernel_config=KernelConfig(compute_device=device.type),

@@ -338,3 +338,13 @@ def test_a_window_cut_short_releases_the_readers_background_thread(tmp_path, pip
     for t in leaked:
         t.join(timeout=5)
     assert not [t.name for t in leaked if t.is_alive()]
+
+
+def test_more_ranks_than_gpus_on_a_host_is_refused_naming_both_counts() -> None:
+    from recsys_trainer.distributed import check_one_gpu_per_rank
+
+    check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=2)
+    with pytest.raises(ValueError, match=r"runs 2 ranks \(this is local rank 1\) but has 1 visible CUDA device"):
+        check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=1)
+    with pytest.raises(ValueError, match="nproc_per_node=1"):
+        check_one_gpu_per_rank(local_rank=0, local_world_size=2, num_gpus=1)
