@@ -96,7 +96,7 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
 
     if "plain_pytorch" in names:
         torch.manual_seed(0)
-        plain = PlainDLRM(a.num_tables, a.num_embeddings, a.embedding_dim, device=device)
+        plain = PlainDLRM(a.num_tables, a.num_embeddings, a.embedding_dim, device=device).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(plain)
         emb = [p for n, p in ddp.named_parameters() if ".tables." in n]
         dense = [p for n, p in ddp.named_parameters() if ".tables." not in n]
@@ -158,12 +158,14 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
             continue
         torch.manual_seed(0)
         extra = {"pipeline": pipeline} if has_pipeline else {}
+        # One endless window (the batches cycled), so the Trainer's window bookkeeping and
+        # pipeline refill happen once per measured segment, as for the hand-written variants.
         trainer = Trainer(
             model=dlrm(a.num_tables, a.num_embeddings, a.embedding_dim),
             args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_trainer_"),
                                    train_epoch=10**9, train_steps=1, log_steps=10**9,
                                    resume_from=None, device=device.type, **extra),
-            train_dataset=batches,
+            train_dataset=lambda: itertools.cycle(batches),
             dense_optimizers=(_dense_adam, None),
             sparse_optimizer=sparse,
             add_logger_hook=False,

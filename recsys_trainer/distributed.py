@@ -66,11 +66,17 @@ class ProcessGroupGang(Gang):
         return self._group
 
     def all_reduce_max(self, values: Sequence[int]) -> list[int]:
+        if self._world_size == 1:
+            # One rank agrees with itself: skip the per-fetch collective (~0.1 ms a step, about
+            # 1% of a GPU step).
+            return [int(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.int32)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._group)
         return [int(v) for v in t.tolist()]
 
     def all_reduce_sum_float(self, values: Sequence[float]) -> list[float]:
+        if self._world_size == 1:
+            return [float(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
         return [float(v) for v in t.tolist()]

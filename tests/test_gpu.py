@@ -187,69 +187,97 @@ def _checkpoint_leg(device: str, out_dir: str, load_from: str | None, train_step
 
 
 def _stream_syncs(out_dir: str) -> dict[str, Any]:
-    """Count host-device synchronisations per step: the Trainer's loop (with its per-fetch
-    exit-flag all-reduce on the gloo group) against a hand-written loop on the same model, and
-    the exit-flag agreement alone while the GPU is busy."""
+    """Host-device synchronisations per step: the Trainer's loop (with its per-fetch exit-flag
+    all-reduce on the gloo group) against a hand-written loop on the same model. Per step means
+    the difference between a 30-step and a 10-step run, so fixed costs of ``train()`` (and the
+    profiler's own start) cancel. Then the exit-flag agreement alone while the GPU is busy."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
     from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 
     train, _ = _data()
     sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
-    n = 30
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     trainer = Trainer(
         model=_model(),
         args=TrainingArguments(output_dir=out_dir, device="cuda", train_steps=5, resume_from=None,
                                log_steps=10**6),
-        train_dataset=train[:5 + n],
+        train_dataset=train[:5 + 10 + 30],
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=3e-3), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
         add_logger_hook=False,
     )
-    trainer.train()  # warm-up (allocations, kernels loaded); stops after 5 of the 35 batches
+    trainer.train()  # warm-up (allocations, kernels loaded); the next train() goes on from here
 
     def count(prof: Any) -> int:
         return sum(e.count for e in prof.key_averages() if e.key in sync_names)
 
-    trainer.args.train_steps = 5 + n  # the next train() goes on with batch 5 of the window
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_trainer:
-        trainer.train()
+    def trainer_syncs(n: int) -> int:
+        trainer.args.train_steps = trainer.state.global_step + n
         torch.cuda.synchronize()
-    trainer_steps = trainer.state.global_step - 5
+        with profile(activities=acts) as prof:
+            trainer.train()
+            torch.cuda.synchronize()
+        return count(prof)
 
-    model, opt = trainer.model, trainer.optimizer.dense
-    device = trainer.device
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_loop:
-        for b in train[5:5 + n]:
-            loss, _ = model(b.to(device, non_blocking=True))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    model, opt, device = trainer.model, trainer.optimizer.dense, trainer.device
+
+    def loop_syncs(n: int) -> int:
         torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            for b in train[:n]:
+                loss, _ = model(b.to(device, non_blocking=True))
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        return count(prof)
+
+    t10, t30 = trainer_syncs(10), trainer_syncs(30)
+    l10, l30 = loop_syncs(10), loop_syncs(30)
 
     # The agreement alone, issued while the GPU still runs queued work: a gloo all-reduce of a
-    # CPU tensor must return without waiting for the device.
-    big = torch.randn(8192, 8192, device=device)
-    for _ in range(20):
-        big = big @ big / 8192.0  # queue ~20 large matmuls
-    import time
+    # CPU tensor must return without waiting for the device. At world size 1 the gang skips the
+    # collective, so issue exactly what it sends at world size > 1, on its gloo group.
+    group = trainer.gang.group  # type: ignore[attr-defined]
 
+    def agree() -> None:
+        t = torch.tensor([0, 0, 0, 0], dtype=torch.int32)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+
+    def queue_gpu_work() -> None:
+        big = torch.randn(8192, 8192, device=device)
+        for _ in range(20):
+            big = big @ big / 8192.0  # ~20 ms each in fp32 on an H100
+
+    torch.cuda.synchronize()
+    queue_gpu_work()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_gang:
-        for _ in range(100):
-            trainer.gang.all_reduce_max([0, 0, 0, 0])
+    for _ in range(100):
+        agree()
     gang_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     torch.cuda.synchronize()
     queued_s = time.perf_counter() - t1
+    def profiled_syncs(calls: int) -> int:
+        # The same block with and without the agreement: what the profiler itself adds cancels.
+        with profile(activities=acts) as prof:
+            torch.cuda.synchronize()
+            queue_gpu_work()
+            for _ in range(calls):
+                agree()
+        torch.cuda.synchronize()
+        return count(prof)
+
+    gang_syncs = profiled_syncs(100) - profiled_syncs(0)
     return {
-        "trainer_syncs": count(prof_trainer), "trainer_steps": trainer_steps,
-        "loop_syncs": count(prof_loop), "loop_steps": n,
-        "gang_syncs": count(prof_gang), "gang_100_calls_s": gang_s,
-        "gpu_work_left_after_gang_s": queued_s,
-        "control_backend": str(torch.distributed.get_backend(getattr(trainer.gang, "group", None))),
+        "trainer_per_step": (t30 - t10) / 20, "loop_per_step": (l30 - l10) / 20,
+        "trainer_10_30": (t10, t30), "loop_10_30": (l10, l30),
+        "gang_syncs": gang_syncs,
+        "gang_100_calls_s": gang_s, "gpu_work_left_after_gang_s": queued_s,
+        "control_backend": str(torch.distributed.get_backend(group)),
         "model_backend": str(torch.distributed.get_backend()),
     }
 
@@ -336,9 +364,10 @@ def test_cuda_only_fused_optimizers_train_the_tables_and_keep_their_state(tmp_pa
     assert r["tables_finite"] and r["update_norm"] > 0
     assert sum(r["losses"][-20:]) < sum(r["losses"][:20])
     assert r["auc"] > 0.6
-    # Adam/LAMB keep first and second moments per table: a checkpoint needs both.
-    assert any("momentum1" in k for k in r["fused_state_keys"]), r["fused_state_keys"]
-    assert any("momentum2" in k for k in r["fused_state_keys"]), r["fused_state_keys"]
+    # Adam/LAMB keep first and second moments per table (FBGEMM names them momentum1 and
+    # exp_avg_sq): a checkpoint needs both.
+    assert any(k.endswith(".momentum1") for k in r["fused_state_keys"]), r["fused_state_keys"]
+    assert any(k.endswith(".exp_avg_sq") for k in r["fused_state_keys"]), r["fused_state_keys"]
 
 
 def test_fp16_matches_fp32_auc_with_no_non_finite_step_and_a_live_scaler(precision_runs: dict[str, Any]) -> None:
@@ -411,17 +440,16 @@ def test_a_checkpoint_saved_on_the_gpu_resumes_on_the_cpu_and_back_bitwise(tmp_p
 
 def test_the_exit_flag_agreement_never_synchronises_the_cuda_stream(tmp_path: Any) -> None:
     r = run_distributed(_stream_syncs, 1, TIMEOUT, args=(str(tmp_path),))[0]
-    print(f"[gpu] syncs: trainer {r['trainer_syncs']} in {r['trainer_steps']} steps, hand-written "
-          f"loop {r['loop_syncs']} in {r['loop_steps']} steps, 100 exit-flag all-reduces "
-          f"{r['gang_syncs']} ({r['gang_100_calls_s'] * 1e3:.1f} ms, GPU work still queued after "
-          f"them: {r['gpu_work_left_after_gang_s'] * 1e3:.1f} ms); control group "
-          f"{r['control_backend']}, model group {r['model_backend']}")
+    print(f"[gpu] syncs per step: trainer {r['trainer_per_step']:.2f} (10/30 steps: "
+          f"{r['trainer_10_30']}), hand-written loop {r['loop_per_step']:.2f} ({r['loop_10_30']}); "
+          f"100 exit-flag all-reduces: {r['gang_syncs']} syncs, {r['gang_100_calls_s'] * 1e3:.1f} ms, "
+          f"GPU work still queued after them: {r['gpu_work_left_after_gang_s'] * 1e3:.1f} ms; "
+          f"control group {r['control_backend']}, model group {r['model_backend']}")
     assert r["control_backend"] == "gloo" and r["model_backend"] == "nccl"
     assert r["gang_syncs"] == 0
     # The agreement returned while the GPU was still busy: it did not wait for the stream.
-    assert r["gpu_work_left_after_gang_s"] > r["gang_100_calls_s"] / 100
-    assert r["trainer_steps"] == r["loop_steps"]
-    assert r["trainer_syncs"] <= r["loop_syncs"]
+    assert r["gpu_work_left_after_gang_s"] > 2 * r["gang_100_calls_s"]
+    assert r["trainer_per_step"] <= r["loop_per_step"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 ranks need 2 GPUs (nccl refuses 2 ranks on 1 GPU)")
