@@ -97,7 +97,14 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
     if "plain_pytorch" in names:
         torch.manual_seed(0)
         plain = PlainDLRM(a.num_tables, a.num_embeddings, a.embedding_dim, device=device).to(device)
-        ddp = torch.nn.parallel.DistributedDataParallel(plain)
+        ddp: torch.nn.Module = plain
+        if device.type == "cpu":
+            ddp = torch.nn.parallel.DistributedDataParallel(plain)
+        elif torch.distributed.get_world_size() > 1:
+            # NCCL has no all-reduce for sparse gradients ("NCCL does not support all_reduce
+            # with sparse tensors", seen on an H100): plain DDP cannot train these tables.
+            raise SystemExit("plain_pytorch on CUDA runs at 1 rank only (NCCL cannot all-reduce "
+                             "sparse gradients); drop it from --variants for more ranks.")
         emb = [p for n, p in ddp.named_parameters() if ".tables." in n]
         dense = [p for n, p in ddp.named_parameters() if ".tables." not in n]
         opt_sparse = torch.optim.Adagrad(emb, lr=0.05)
