@@ -19,7 +19,7 @@ from hooks_fixtures import (
 from torchmetrics.classification import BinaryAUROC
 
 from recsys_trainer import LambdaHook, MetricReportHook
-from recsys_trainer.hooks.metrics import ClickMetrics, click_metrics, grouped_auc, weighted_auc
+from recsys_trainer.metrics import ClickMetrics, click_metrics, grouped_auc, weighted_auc
 
 
 def _weighted_pair_auc(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
