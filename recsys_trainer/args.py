@@ -1,4 +1,5 @@
-"""``TrainingArguments``: the run's configuration, validated at construction.
+"""``TrainingArguments``: the run's configuration, validated at construction, and
+``ModelBankSource``, one warm-start entry of its ``model_bank``.
 
 Field names follow Alibaba RecIS's ``TrainingArguments`` where the concept is the same, so RecIS
 users feel at home. Every invalid value raises ``ValueError`` naming the field, the value and
@@ -8,12 +9,89 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import fnmatch
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
+ReshardDataPosition = Literal["error", "restart_window", "next_window"]
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+MODEL_BANK_COMPONENTS = ("tables", "dense", "optimizer", "counters", "data")
+"""Parts of a checkpoint that model-bank sources select from (see ``ModelBankSource``)."""
+
+
+def name_matches(name: str, patterns: Sequence[str]) -> bool:
+    """True when ``name`` matches any pattern: a glob (``*``, ``?``, ``[``) matches the whole
+    name; a pattern without wildcards matches as a substring (``"t_user"``). The meaning of
+    ``params_not_save`` and of model-bank patterns."""
+    for p in patterns:
+        if any(c in p for c in "*?["):
+            if fnmatch.fnmatchcase(name, p):
+                return True
+        elif p in name:
+            return True
+    return False
+
+
+@dataclass(kw_only=True)
+class ModelBankSource:
+    """One warm-start source: a checkpoint and, per component, which of *this* model's names to
+    initialise from it (see ``recsys_trainer.checkpoint.model_bank``)."""
+
+    path: str
+    """A committed checkpoint directory, or an output directory (its newest checkpoint)."""
+    include: dict[str, list[str]] = field(
+        default_factory=lambda: {"tables": ["*"], "dense": ["*"]})
+    """Component -> patterns of this model's names to load; a component not listed is not
+    loaded. Patterns: globs, or substrings when they have no wildcard."""
+    exclude: dict[str, list[str]] = field(default_factory=dict)
+    """Component -> patterns left out (applied after ``include``)."""
+    name_map: dict[str, str] = field(default_factory=dict)
+    """Source-name fragment -> this model's fragment (renamed tables or modules)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"`model_bank[].path` must be a non-empty path, but is {self.path!r}.")
+        for what, comps in (("include", self.include), ("exclude", self.exclude)):
+            unknown = sorted(set(comps) - set(MODEL_BANK_COMPONENTS))
+            if unknown:
+                raise ValueError(f"`model_bank[].{what}` has unknown components {unknown}; "
+                                 f"known: {', '.join(MODEL_BANK_COMPONENTS)}.")
+            for c, pats in comps.items():
+                if isinstance(pats, str) or not all(isinstance(p, str) for p in pats):
+                    raise ValueError(f"`model_bank[].{what}[{c!r}]` must be a list of patterns, "
+                                     f"but is {pats!r}.")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelBankSource:
+        """From ``TrainingArguments.model_bank`` entries (same keys as the fields)."""
+        unknown = sorted(set(d) - {"path", "include", "exclude", "name_map"})
+        if unknown:
+            raise ValueError(f"`model_bank` entry has unknown keys {unknown}; "
+                             "known: path, include, exclude, name_map.")
+        return cls(**d)
+
+    def selects(self, component: str, name: str) -> bool:
+        pats = self.include.get(component)
+        if not pats or not name_matches(name, pats):
+            return False
+        return not name_matches(name, self.exclude.get(component, []))
+
+    def source_name(self, name: str) -> str:
+        """This model's name -> the name in the source checkpoint."""
+        for src, dst in self.name_map.items():
+            if dst in name:
+                name = name.replace(dst, src)
+        return name
+
+
+def model_bank_sources(entries: Sequence[ModelBankSource | dict[str, Any]] | None
+                       ) -> list[ModelBankSource]:
+    """``model_bank`` entries (sources or dicts of their fields) as ``ModelBankSource``s."""
+    return [e if isinstance(e, ModelBankSource) else ModelBankSource.from_dict(e)
+            for e in (entries or [])]
 
 
 class NotSupportedYetError(NotImplementedError):
@@ -90,8 +168,9 @@ class TrainingArguments:
     """Keep this many newest committed checkpoints on disk."""
     save_concurrency_per_rank: int = 4
     """Writer threads per rank for checkpoint files."""
-    model_bank: list[dict[str, Any]] | None = None
-    """Warm-start sources (other checkpoints) applied before training."""
+    model_bank: list[dict[str, Any] | ModelBankSource] | None = None
+    """Warm-start sources (other checkpoints) applied before training: ``ModelBankSource``s or
+    dicts of their fields."""
     params_not_save: list[str] | None = None
     """Parameter-name patterns left out of checkpoints."""
     save_filter_fn: Callable[[str], bool] | None = None
@@ -108,7 +187,7 @@ class TrainingArguments:
     """Also keep the checkpoint with the best value of this evaluation metric (e.g. "loss")."""
     keep_best_mode: Literal["min", "max"] = "min"
     """Whether lower ("min") or higher ("max") ``keep_best_metric`` is better."""
-    reshard_data_position: Literal["error", "restart_window", "next_window"] = "error"
+    reshard_data_position: ReshardDataPosition = "error"
     """Resuming with another world size from a checkpoint taken mid-window: "error" (default,
     says what to do), "restart_window" (re-read that window) or "next_window" (skip its rest).
     Checkpoints at window boundaries resume exactly at any world size."""
@@ -166,13 +245,10 @@ class TrainingArguments:
                 f"but is {self.reshard_data_position!r}."
             )
         if self.model_bank is not None:
-            from recsys_trainer.checkpoint.model_bank import ModelBankSource
-
             for entry in self.model_bank:
                 if not isinstance(entry, dict | ModelBankSource):
                     raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
-                if isinstance(entry, dict):
-                    ModelBankSource.from_dict(entry)  # validates keys and components
+            model_bank_sources(self.model_bank)  # validates keys and components
         if self.params_not_save is not None and (
             isinstance(self.params_not_save, str)
             or not all(isinstance(p, str) for p in self.params_not_save)
@@ -183,6 +259,19 @@ class TrainingArguments:
         if self.save_filter_fn is not None and not callable(self.save_filter_fn):
             raise ValueError(f"`save_filter_fn` must be a callable name -> bool, but is {self.save_filter_fn!r}.")
         self._check_not_supported_yet()
+
+    def to_jsonable(self) -> dict[str, Any]:
+        """The fields as JSON-friendly values (callables and other objects by their repr), as
+        checkpoints record them."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            try:
+                json.dumps(v)
+                out[f.name] = v
+            except (TypeError, ValueError):
+                out[f.name] = repr(v)
+        return out
 
     def _check_not_supported_yet(self) -> None:
         """Fields whose feature is not implemented yet fail loudly instead of being ignored."""

@@ -45,20 +45,20 @@ import contextlib
 import itertools
 import logging
 import math
-import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import (
@@ -80,21 +80,11 @@ from recsys_trainer.optimizers import (
 )
 from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.precision import Precision
+from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import dense_no_sync, shard_model
 from recsys_trainer.step import DenseStep, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
-
-
-class CheckpointerProtocol(Protocol):
-    """What the Trainer calls on its checkpointer (see ``recsys_trainer.checkpoint``)."""
-
-    def maybe_resume(self, trainer: Trainer) -> None: ...
-    def on_step_end(self, trainer: Trainer) -> None: ...
-    def on_window_end(self, trainer: Trainer) -> None: ...
-    def on_epoch_end(self, trainer: Trainer) -> None: ...
-    def on_train_end(self, trainer: Trainer) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -146,6 +136,9 @@ class Trainer:
             optimizer->scheduler or None)``. The factory form is preferred: the Trainer hands it
             exactly the parameters without an in-backward optimizer.
         sparse_optimizer: the fused optimizer for all embedding tables.
+        checkpointer: saves, rotates and restores checkpoints; by default
+            ``CheckpointManager.from_args(args)``. It gets ``state_components()``.
+        gang: the control collectives (tests pass a ``FakeGang``); by default a gloo group.
 
     The constructor initialises the process group (via accelerate under torchrun; a world-size-1
     gloo group in a plain process), shards the model, and builds both optimizers.
@@ -163,6 +156,7 @@ class Trainer:
         *,
         add_logger_hook: bool = True,
         gang: Gang | None = None,
+        checkpointer: CheckpointManager | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         if not isinstance(self.args, TrainingArguments):
@@ -176,7 +170,7 @@ class Trainer:
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
         configure_cpu_threads(info.local_world_size)
-        self._seed(self.args.seed)
+        seed_everything(self.args.seed)
         self.gang: Gang = gang if gang is not None else ProcessGroupGang(new_control_group())
         self.process_group: dist.ProcessGroup | None = dist.group.WORLD
         """The group the model's tensor collectives run on (sharding, DDP, metric sync); control
@@ -223,11 +217,12 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, timings=self.timings,
         )
         self._pipeline: SparseDistPipeline | None = None
-        from recsys_trainer.checkpoint import CheckpointManager
-
-        # Built on every rank (it creates its own gloo group: a collective). It resumes, saves
-        # on the configured triggers, and serves save_checkpoint/load_checkpoint.
-        self.checkpointer: CheckpointerProtocol | None = CheckpointManager.from_args(self.args)
+        # Attached on every rank (the default creates its own gloo group: a collective). It
+        # resumes, saves on the configured triggers, and serves save/load_checkpoint.
+        self.checkpointer = checkpointer if checkpointer is not None else \
+            CheckpointManager.from_args(self.args)
+        self.checkpointer.attach(self.state_components(), run_args=self.args.to_jsonable(),
+                                 listener=lambda event, path: self.hooks.fire(event, self, path))
         self._stop_local = False
         self._non_finite_local = False
         self.skip_non_finite_loss = False
@@ -275,23 +270,38 @@ class Trainer:
     def sparse_lr(self) -> float | None:
         return self.optimizer.sparse_lr()
 
+    def state_components(self) -> dict[str, Stateful]:
+        """Everything a checkpoint holds, as named ``Stateful`` components (what each is:
+        ``recsys_trainer.checkpoint.contents``). The objects are the live ones."""
+        comps: dict[str, Stateful] = {
+            "model": self.model,
+            "dense_optimizer": self.optimizer.dense_state,
+            "sparse_optimizer": self.optimizer.sparse_state,
+            "trainer_state": self.state,
+            "rng": RNGState(),
+            "hooks": self.hooks,
+        }
+        optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
+                    "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
+        comps.update({k: v for k, v in optional.items() if v is not None})
+        return comps
+
+    def resume(self) -> None:
+        """Restore the state ``args.resume_from`` names ("auto": the newest committed checkpoint
+        in ``output_dir``), or else warm-start from ``args.model_bank``; all ranks call this.
+        ``train()`` does it itself at its start; call it to evaluate a trained model. Only the
+        first call (from either) does anything."""
+        self.checkpointer.resume()
+
     def save_checkpoint(self, path: str | None = None) -> str:
         """Save a checkpoint now and wait for it to commit (all ranks must call this); returns
         its directory (default ``output_dir/step_<global_step>``)."""
-        from recsys_trainer.checkpoint import CheckpointManager
-
-        if not isinstance(self.checkpointer, CheckpointManager):
-            raise RuntimeError("this Trainer's checkpointer does not support save_checkpoint().")
-        return self.checkpointer.save(self, path, blocking=True)
+        return self.checkpointer.save(path, blocking=True)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore the full training state from the committed checkpoint at ``path`` (all ranks
         must call this)."""
-        from recsys_trainer.checkpoint import CheckpointManager
-
-        if not isinstance(self.checkpointer, CheckpointManager):
-            raise RuntimeError("this Trainer's checkpointer does not support load_checkpoint().")
-        self.checkpointer.load(self, path)
+        self.checkpointer.load(path)
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
@@ -318,12 +328,11 @@ class Trainer:
         try:
             yield
         except BaseException as exc:
-            if self.checkpointer is not None:
-                # Never leave a save half-written behind an exception: let it commit first.
-                try:
-                    self.checkpointer.close()
-                except Exception:  # noqa: BLE001 - the original exception matters more
-                    logger.exception("finishing the in-flight checkpoint save failed")
+            # Never leave a save half-written behind an exception: let it commit first.
+            try:
+                self.checkpointer.close()
+            except Exception:  # noqa: BLE001 - the original exception matters more
+                logger.exception("finishing the in-flight checkpoint save failed")
             self.hooks.fire("on_exception", self, exc)
             raise
         finally:
@@ -337,8 +346,7 @@ class Trainer:
         args, st = self.args, self.state
         self._stop_local = self._non_finite_local = False
         st.stop_reason = None
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_resume(self)
+        self.resume()
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
@@ -366,8 +374,7 @@ class Trainer:
                 if not done:
                     # The window is finished: the resume position moves to the next one.
                     st.window_index, st.batches_in_window = index + 1, 0
-                    if self.checkpointer is not None:
-                        self.checkpointer.on_window_end(self)
+                    self.checkpointer.on_window_end()
                 if done:
                     break
             self.hooks.fire("after_epoch", self, st.epoch)
@@ -377,8 +384,7 @@ class Trainer:
             if not done:
                 st.epoch += 1
                 st.window_index = 0
-                if self.checkpointer is not None:
-                    self.checkpointer.on_epoch_end(self)
+                self.checkpointer.on_epoch_end()
         if args.train_steps is not None and st.global_step < args.train_steps and st.stop_reason is None:
             logger.warning(
                 "training ended after %d of train_steps=%d steps: the data ran out after "
@@ -386,8 +392,7 @@ class Trainer:
             )
         if st.rows_unread and self.is_rank_zero:
             logger.info("rank 0 left %d train rows unread at window ends (uneven data)", st.rows_unread)
-        if self.checkpointer is not None:
-            self.checkpointer.on_train_end(self)
+        self.checkpointer.on_train_end()
         self.hooks.fire("after_train", self)
 
     def _train_window(self, ds: WindowedDataset, window_id: str) -> bool:
@@ -463,8 +468,7 @@ class Trainer:
 
     def _end_of_step(self) -> bool:
         """Checkpoint triggers, then the ``train_steps`` limit; True when training must end."""
-        if self.checkpointer is not None:
-            self.checkpointer.on_step_end(self)
+        self.checkpointer.on_step_end()
         limit = self.args.train_steps
         if limit is not None and self.state.global_step >= limit:
             self.state.stop_reason = self.state.stop_reason or f"train_steps={limit} reached"
@@ -573,18 +577,13 @@ class Trainer:
             "num_samples": total_rows,
         }
         self.hooks.fire("after_evaluate", self, metrics)
+        self.checkpointer.record_metrics(metrics)  # with what hooks added: keep-best may use it
         st.mode = prev_mode
         if prev_mode == "train":
             self.model.train()
         return metrics
 
     # ------------------------------------------------------------------ helpers
-
-    @staticmethod
-    def _seed(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % (2**32))
-        torch.manual_seed(seed)
 
     @staticmethod
     def _is_windowed(ds: WindowedDataset | None) -> bool:

@@ -17,8 +17,8 @@ from recsys_trainer.hooks.nonfinite import NonFiniteLossHook
 from recsys_trainer.hooks.profiler import ProfilerHook
 from recsys_trainer.hooks.progress import ProgressHook
 from recsys_trainer.hooks.tensorboard import TensorBoardHook
-from recsys_trainer.step import StepTimings
 from recsys_trainer.metrics import METRIC_NAMES, ClickMetrics
+from recsys_trainer.step import StepTimings
 
 __all__ = [
     "EVENTS",
