@@ -53,11 +53,12 @@ class Gang(ABC):
 
     @abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), indexed by rank."""
+        """Every rank's ``obj``, indexed by rank (pickled: small control data only)."""
 
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """Rank ``src``'s ``obj`` on every rank (the others' arguments are ignored)."""
+        """Rank ``src``'s ``obj`` on every rank (pickled: small control data only; the other
+        ranks' arguments are ignored)."""
 
     @abstractmethod
     def barrier(self) -> None: ...
@@ -122,10 +123,11 @@ class FakeGang(Gang):
     script of 4-element fetch flags is not consumed by other agreements); calls with nothing
     scripted see the other ranks agree with this one (the result is this rank's own values).
 
-    ``peer_objects`` scripts ``all_gather_object``: each call consumes the next list of the
-    other ranks' objects (in rank order, this rank left out); unscripted calls see every rank
-    send this rank's object. ``broadcast_object`` returns this rank's object (a world of one, or
-    peers that agree). With the defaults it is the gang of a single process.
+    ``broadcasts`` scripts what ``broadcast_object`` receives from another rank, in order
+    (unscripted: this rank's own object). ``peer_objects`` scripts ``all_gather_object``: each
+    call consumes the next list of the other ranks' objects (in rank order, this rank left out);
+    unscripted calls see every rank send this rank's object. With the defaults it is the gang
+    of a single process.
     """
 
     def __init__(
@@ -133,11 +135,13 @@ class FakeGang(Gang):
         rank: int = 0,
         world_size: int = 1,
         peer_max: list[list[int]] | None = None,
+        broadcasts: list[Any] | None = None,
         peer_objects: list[list[Any]] | None = None,
     ) -> None:
         self._rank = rank
         self._world_size = world_size
         self._peer_max = list(peer_max or [])
+        self._broadcasts = list(broadcasts or [])
         self._peer_objects = list(peer_objects or [])
         self.num_collectives = 0
 
@@ -172,6 +176,8 @@ class FakeGang(Gang):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         self.num_collectives += 1
+        if src != self._rank and self._broadcasts:
+            return self._broadcasts.pop(0)
         return obj
 
     def barrier(self) -> None:

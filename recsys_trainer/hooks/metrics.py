@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from recsys_trainer.hooks.base import Hook, MetricReport, MicroBatchOutput, StepOutput
-from recsys_trainer.metrics import METRIC_NAMES, ClickMetrics
+
+# The metric math moved to recsys_trainer.metrics; these names stay importable from here too.
+from recsys_trainer.metrics import (
+    METRIC_NAMES,
+    ClickMetrics,
+    click_metrics,
+    grouped_auc,
+    weighted_auc,
+)
 
 if TYPE_CHECKING:
     from recsys_trainer.batch import Batch
@@ -192,3 +200,15 @@ class MetricReportHook(Hook):
             logger.info("%s metrics [%s%s] @ step %d | %s", mode, scope, where, report.step, shown)
         trainer.hooks.fire("on_metrics", trainer, report)
         return report
+
+
+__all__ = [
+    "METRIC_NAMES",
+    "ClickMetrics",
+    "MetricReportHook",
+    "click_metrics",
+    "grouped_auc",
+    "sigmoid_of_outputs",
+    "single_task_labels",
+    "weighted_auc",
+]
