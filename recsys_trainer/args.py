@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
+NonFiniteLoss = Literal["ignore", "stop", "skip"]
 ReshardDataPosition = Literal["error", "restart_window", "next_window"]
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 MODEL_BANK_COMPONENTS = ("tables", "dense", "optimizer", "counters", "data")
@@ -134,13 +135,23 @@ class TrainingArguments:
     mixed_precision: MixedPrecision = "no"
     """Autocast for the forward pass: "no", "bf16", or "fp16" (CUDA only; with loss scaling)."""
 
+    non_finite_loss: NonFiniteLoss = "ignore"
+    """What a NaN/inf training loss on any rank does, on every rank alike: "ignore"; "stop"
+    after that step (checked after each step: a device sync on CUDA; the step has been applied,
+    fused sparse updates included); or "skip" that micro-batch's backward and the step's dense
+    update (one extra 1-int all-reduce per micro-batch plus a device sync on CUDA; the step
+    still counts in ``global_step``; needs pipeline="none")."""
+
+    max_non_finite_skips: int | None = None
+    """With ``non_finite_loss="skip"``: stop every rank after this many skipped steps."""
+
     window_iter: int | None = None
     """Train on at most this many windows per epoch (None: all)."""
 
     pipeline: Literal["none", "sparse_dist"] = "none"
     """"sparse_dist": train with TorchRec's ``TrainPipelineSparseDist`` (overlaps the next
     batches' device copy and sparse all-to-all with this step). Needs
-    gradient_accumulation_steps=1 and no fp16 / skip-non-finite guard."""
+    gradient_accumulation_steps=1, no fp16, and non_finite_loss other than "skip"."""
 
     seed: int = 0
     """Seeds torch, numpy and python RNGs on every rank when the Trainer is built (before the
@@ -219,6 +230,22 @@ class TrainingArguments:
             raise ValueError(
                 "`pipeline` 'sparse_dist' runs backward itself without loss scaling; it cannot be "
                 "combined with `mixed_precision` 'fp16'. Use 'bf16' or pipeline='none'."
+            )
+        if self.non_finite_loss not in ("ignore", "stop", "skip"):
+            raise ValueError(
+                "`non_finite_loss` must be one of 'ignore', 'stop', 'skip', but is "
+                f"{self.non_finite_loss!r}."
+            )
+        _positive("max_non_finite_skips", self.max_non_finite_skips)
+        if self.max_non_finite_skips is not None and self.non_finite_loss != "skip":
+            raise ValueError(
+                "`max_non_finite_skips` needs `non_finite_loss` = 'skip', but that is "
+                f"{self.non_finite_loss!r}."
+            )
+        if self.pipeline == "sparse_dist" and self.non_finite_loss == "skip":
+            raise ValueError(
+                "`non_finite_loss` 'skip' decides before backward, which `pipeline` 'sparse_dist' "
+                "runs itself; use pipeline='none' to skip non-finite losses."
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"`device` must be one of 'auto', 'cpu', 'cuda', but is {self.device!r}.")

@@ -5,11 +5,13 @@
   clip, optimizer step through the precision module, lr scheduler, ``zero_grad``). The plain
   loop calls it after its micro-batches; ``TrainPipelineSparseDist`` calls it as its optimizer.
   The sparse half already ran inside backward (fused optimizers).
+* ``NonFiniteGuard``: the non-finite-loss policy (``TrainingArguments.non_finite_loss``).
 * ``StepTimings``: where the last step's wall time went, as the Trainer measured it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +19,11 @@ from typing import Any
 
 import torch
 
+from recsys_trainer.args import NonFiniteLoss
+from recsys_trainer.distributed import Gang
 from recsys_trainer.precision import Precision
+
+logger = logging.getLogger("recsys_trainer")
 
 
 def split_output(out: Any) -> tuple[torch.Tensor, Any]:
@@ -124,3 +130,65 @@ class DenseStep:
             self.lr_scheduler.step()
         self.zero_grad()
         self.timings.optimizer_s += time.perf_counter() - t0
+
+
+class NonFiniteGuard:
+    """What a non-finite training loss does (``TrainingArguments.non_finite_loss``); the same
+    decision on every rank.
+
+    "stop": ``after_step`` checks the step's loss (a device sync on CUDA) and says to report it;
+    the Trainer folds that into its per-fetch all-reduce, so every rank stops after that step.
+    "skip": ``skip_backward`` checks each micro-batch's loss before backward and the ranks agree
+    (one 1-int all-reduce); the fused sparse update runs inside backward, so skipping it on every
+    rank is the only way to keep a NaN out of the tables and the collectives matched. The guard
+    counts skipped steps (a ``Stateful``: the count survives a resume) and asks for a stop after
+    ``max_skips`` of them.
+    """
+
+    def __init__(self, action: NonFiniteLoss = "ignore", max_skips: int | None = None) -> None:
+        self.action: NonFiniteLoss = action
+        self.max_skips = max_skips
+        self.num_skipped = 0
+        """Steps skipped in this run (restored on resume)."""
+        self.skipped_steps: list[int] = []
+        """The global steps skipped by this process."""
+
+    def configure(self, action: NonFiniteLoss, max_skips: int | None = None) -> None:
+        """Switch the policy (``NonFiniteLossHook`` does, at ``before_train``)."""
+        self.action, self.max_skips = action, max_skips
+
+    def skip_backward(self, loss: torch.Tensor, gang: Gang) -> bool:
+        """Under "skip": whether any rank's micro-batch loss is non-finite (one all-reduce on
+        every rank, a device sync on CUDA); False without a collective otherwise."""
+        if self.action != "skip":
+            return False
+        bad = not bool(torch.isfinite(loss.detach()).all())
+        return bool(gang.all_reduce_max([int(bad)])[0])
+
+    def after_step(self, loss: torch.Tensor, step: int, skipped: bool, *,
+                   rank: int) -> tuple[bool, str | None]:
+        """After a counted step: ``(report, stop_reason)``. ``report``: under "stop", this
+        rank's loss is non-finite. ``stop_reason``: under "skip", ``max_skips`` is reached."""
+        if self.action == "stop":
+            if bool(torch.isfinite(loss).all()):
+                return False, None
+            # Logged by the rank that saw it (the others only learn it at the next fetch).
+            logger.warning("rank %d: non-finite loss at step %d; stopping all ranks", rank, step)
+            return True, None
+        if not skipped:
+            return False, None
+        self.num_skipped += 1
+        self.skipped_steps.append(step)
+        if rank == 0:
+            logger.warning("non-finite loss on some rank: step %d skipped (%d so far)", step,
+                           self.num_skipped)
+        if self.max_skips is not None and self.num_skipped >= self.max_skips:
+            return False, (f"{self.num_skipped} steps skipped for a non-finite loss "
+                           f"(max_skips={self.max_skips})")
+        return False, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_skipped": self.num_skipped}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.num_skipped = int(state_dict["num_skipped"])

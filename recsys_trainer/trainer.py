@@ -82,7 +82,7 @@ from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.precision import Precision
 from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import dense_no_sync, shard_model
-from recsys_trainer.step import DenseStep, StepTimings, split_output
+from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -217,21 +217,19 @@ class Trainer:
             lr_scheduler=self.lr_scheduler, timings=self.timings,
         )
         self._pipeline: SparseDistPipeline | None = None
+        self.non_finite = NonFiniteGuard(a.non_finite_loss, a.max_non_finite_skips)
+        """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
+        self.last_step_skipped = False
+        """True when the last step had a micro-batch skipped for a non-finite loss."""
+        self._stop_local = False
+        self._non_finite_local = False
+        self._depth = 0
         # Attached on every rank (the default creates its own gloo group: a collective). It
         # resumes, saves on the configured triggers, and serves save/load_checkpoint.
         self.checkpointer = checkpointer if checkpointer is not None else \
             CheckpointManager.from_args(self.args)
         self.checkpointer.attach(self.state_components(), run_args=self.args.to_jsonable(),
                                  listener=lambda event, path: self.hooks.fire(event, self, path))
-        self._stop_local = False
-        self._non_finite_local = False
-        self.skip_non_finite_loss = False
-        """When True (``NonFiniteLossHook(action="skip")`` sets it), each micro-batch's loss is
-        checked *before* backward and the ranks agree (one extra all-reduce per micro-batch, and
-        a device sync on CUDA) whether to skip it; see ``_train_step``."""
-        self.last_step_skipped = False
-        """True when the last step had a micro-batch skipped for a non-finite loss."""
-        self._depth = 0
 
     # ------------------------------------------------------------------ public API
 
@@ -280,6 +278,7 @@ class Trainer:
             "trainer_state": self.state,
             "rng": RNGState(),
             "hooks": self.hooks,
+            "non_finite": self.non_finite,
         }
         optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
@@ -440,7 +439,7 @@ class Trainer:
     def _train_pipelined(self, it: SyncedIterator) -> bool:
         """Train the window through ``SparseDistPipeline`` (one batch per step, the same events
         and dense update as the plain loop); True when training must end."""
-        if self.skip_non_finite_loss:
+        if self.non_finite.action == "skip":
             raise ValueError(
                 "skipping non-finite losses needs a decision before backward, which "
                 "TrainPipelineSparseDist runs itself; use pipeline='none' with that guard."
@@ -504,7 +503,7 @@ class Trainer:
                 loss, outputs = self._forward(current)
                 # The precision module divides by k: dense grads become the mean over the
                 # micro-batches; fused sparse updates see loss/k on every micro-batch.
-                if self.skip_non_finite_loss and self._agree_non_finite(loss):
+                if self.non_finite.skip_backward(loss, self.gang):
                     # No backward at all, on every rank: the fused sparse update runs inside
                     # backward, so this is the only way to keep a NaN out of the tables, and
                     # skipping on all ranks together keeps DDP's and the shards' collectives
@@ -525,13 +524,14 @@ class Trainer:
         self.last_step_skipped = skipped
         st.global_step += 1
         loss_mean = torch.stack([m.loss.float() for m in micro]).mean()
+        report, stop = self.non_finite.after_step(loss_mean, st.global_step, skipped,
+                                                  rank=self.rank)
+        if report:
+            self.report_non_finite_loss()
+        if stop is not None:
+            self.request_stop(stop)
         self.hooks.fire("after_step", self, StepOutput(st.global_step, loss_mean, micro))
         self.timings.reset()
-
-    def _agree_non_finite(self, loss: torch.Tensor) -> bool:
-        """Whether any rank's micro-batch loss is non-finite (one all-reduce; a device sync)."""
-        bad = not bool(torch.isfinite(loss.detach()).all())
-        return bool(self.gang.all_reduce_max([int(bad)])[0])
 
     @torch.no_grad()
     def _evaluate(self, ds: WindowedDataset, windows: list[str] | None) -> dict[str, float]:

@@ -286,7 +286,7 @@ def test_the_trainer_hands_its_state_to_the_checkpointer_as_named_stateful_compo
 
     comps = build(str(tmp_path), RowWindows()).state_components()
     assert set(comps) == {"model", "dense_optimizer", "sparse_optimizer", "trainer_state", "rng",
-                          "hooks", "lr_scheduler", "train_dataset"}
+                          "hooks", "non_finite", "lr_scheduler", "train_dataset"}
     assert all(isinstance(c, Stateful) for c in comps.values())
 
 
@@ -539,6 +539,7 @@ def test_checkpoint_restores_counters_lr_schedule_rng_and_hook_state(tmp_path: A
     rec = RowRecorder()
     t = build(out, RowWindows(), hooks=[rec], train_steps=7)
     t.train()
+    t.non_finite.num_skipped = 2  # the non-finite guard's count is part of the state too
     t.save_checkpoint()
     expected_rand = torch.rand(3)  # the RNG state right after the save
     other_rec = RowRecorder()
@@ -551,6 +552,7 @@ def test_checkpoint_restores_counters_lr_schedule_rng_and_hook_state(tmp_path: A
     assert t2.lr_scheduler.state_dict() == t.lr_scheduler.state_dict()
     assert other_rec.counter == rec.counter == 7
     assert other_rec.events == [("loaded", "step_00000007")]
+    assert t2.non_finite.num_skipped == 2
 
 
 def test_params_not_save_and_save_filter_fn_leave_parameters_and_their_state_out(tmp_path: Any) -> None:
