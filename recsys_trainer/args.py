@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from recsys_trainer.validation import check_choice, check_int, check_number, check_type, fail
+
 MixedPrecision = Literal["no", "bf16", "fp16"]
 NonFiniteLoss = Literal["ignore", "stop", "skip"]
 ReshardDataPosition = Literal["error", "restart_window", "next_window"]
@@ -93,17 +95,6 @@ def model_bank_sources(entries: Sequence[ModelBankSource | dict[str, Any]] | Non
     """``model_bank`` entries (sources or dicts of their fields) as ``ModelBankSource``s."""
     return [e if isinstance(e, ModelBankSource) else ModelBankSource.from_dict(e)
             for e in (entries or [])]
-
-
-class NotSupportedYetError(NotImplementedError):
-    """A configured feature exists in the API but is not implemented in this version."""
-
-
-def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1{' or None' if allow_none else ''}, but is {value!r}.")
 
 
 @dataclass(kw_only=True)
@@ -205,21 +196,40 @@ class TrainingArguments:
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "eval_steps", "window_iter", "save_steps",
-                     "save_every_n_windows", "save_every_n_epochs"):
-            _positive(name, getattr(self, name))
+                     "save_every_n_windows", "save_every_n_epochs", "max_non_finite_skips"):
+            check_int(name, getattr(self, name), allow_none=True)
         for name in ("train_epoch", "log_steps", "gradient_accumulation_steps", "max_to_keep",
                      "save_concurrency_per_rank"):
-            _positive(name, getattr(self, name), allow_none=False)
-        if self.max_grad_norm is not None and not (
-            isinstance(self.max_grad_norm, int | float) and self.max_grad_norm > 0
+            check_int(name, getattr(self, name))
+        check_number("max_grad_norm", self.max_grad_norm, above=0, allow_none=True)
+        check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
+        check_choice("mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        check_choice("pipeline", self.pipeline, ("none", "sparse_dist"))
+        check_choice("non_finite_loss", self.non_finite_loss, ("ignore", "stop", "skip"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
+        check_choice("reshard_data_position", self.reshard_data_position,
+                     ("error", "restart_window", "next_window"))
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            fail("output_dir", "a non-empty path string", self.output_dir)
+        check_type("seed", self.seed, (int,), "an int")
+        for table, st in self.sharding_types.items():
+            check_choice(f"sharding_types[{table!r}]", st, SHARDING_TYPES, quote=False)
+        if self.params_not_save is not None and (
+            isinstance(self.params_not_save, str)
+            or not all(isinstance(p, str) for p in self.params_not_save)
         ):
-            raise ValueError(f"`max_grad_norm` must be a number > 0 or None, but is {self.max_grad_norm!r}.")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(
-                f"`mixed_precision` must be one of 'no', 'bf16', 'fp16', but is {self.mixed_precision!r}."
-            )
-        if self.pipeline not in ("none", "sparse_dist"):
-            raise ValueError(f"`pipeline` must be one of 'none', 'sparse_dist', but is {self.pipeline!r}.")
+            fail("params_not_save", "a list of name patterns", self.params_not_save)
+        if self.save_filter_fn is not None and not callable(self.save_filter_fn):
+            fail("save_filter_fn", "a callable name -> bool", self.save_filter_fn)
+        if self.model_bank is not None:
+            for entry in self.model_bank:
+                if not isinstance(entry, dict | ModelBankSource):
+                    raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
+            model_bank_sources(self.model_bank)  # validates keys and components
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
         if self.pipeline == "sparse_dist" and self.gradient_accumulation_steps != 1:
             raise ValueError(
                 "`pipeline` is 'sparse_dist', which steps the optimizer on every batch; it needs "
@@ -231,61 +241,16 @@ class TrainingArguments:
                 "`pipeline` 'sparse_dist' runs backward itself without loss scaling; it cannot be "
                 "combined with `mixed_precision` 'fp16'. Use 'bf16' or pipeline='none'."
             )
-        if self.non_finite_loss not in ("ignore", "stop", "skip"):
-            raise ValueError(
-                "`non_finite_loss` must be one of 'ignore', 'stop', 'skip', but is "
-                f"{self.non_finite_loss!r}."
-            )
-        _positive("max_non_finite_skips", self.max_non_finite_skips)
-        if self.max_non_finite_skips is not None and self.non_finite_loss != "skip":
-            raise ValueError(
-                "`max_non_finite_skips` needs `non_finite_loss` = 'skip', but that is "
-                f"{self.non_finite_loss!r}."
-            )
         if self.pipeline == "sparse_dist" and self.non_finite_loss == "skip":
             raise ValueError(
                 "`non_finite_loss` 'skip' decides before backward, which `pipeline` 'sparse_dist' "
                 "runs itself; use pipeline='none' to skip non-finite losses."
             )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"`device` must be one of 'auto', 'cpu', 'cuda', but is {self.device!r}.")
-        if not isinstance(self.output_dir, str) or not self.output_dir:
-            raise ValueError(f"`output_dir` must be a non-empty path string, but is {self.output_dir!r}.")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"`seed` must be an int, but is {self.seed!r}.")
-        for table, st in self.sharding_types.items():
-            if st not in SHARDING_TYPES:
-                raise ValueError(
-                    f"`sharding_types[{table!r}]` must be one of {', '.join(SHARDING_TYPES)}, but is {st!r}."
-                )
-        if self.keep_every_n_hours is not None and not (
-            isinstance(self.keep_every_n_hours, int | float) and self.keep_every_n_hours > 0
-        ):
+        if self.max_non_finite_skips is not None and self.non_finite_loss != "skip":
             raise ValueError(
-                f"`keep_every_n_hours` must be a number > 0 or None, but is {self.keep_every_n_hours!r}."
+                "`max_non_finite_skips` needs `non_finite_loss` = 'skip', but that is "
+                f"{self.non_finite_loss!r}."
             )
-        if self.keep_best_mode not in ("min", "max"):
-            raise ValueError(f"`keep_best_mode` must be 'min' or 'max', but is {self.keep_best_mode!r}.")
-        if self.reshard_data_position not in ("error", "restart_window", "next_window"):
-            raise ValueError(
-                "`reshard_data_position` must be one of 'error', 'restart_window', 'next_window', "
-                f"but is {self.reshard_data_position!r}."
-            )
-        if self.model_bank is not None:
-            for entry in self.model_bank:
-                if not isinstance(entry, dict | ModelBankSource):
-                    raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
-            model_bank_sources(self.model_bank)  # validates keys and components
-        if self.params_not_save is not None and (
-            isinstance(self.params_not_save, str)
-            or not all(isinstance(p, str) for p in self.params_not_save)
-        ):
-            raise ValueError(
-                f"`params_not_save` must be a list of name patterns, but is {self.params_not_save!r}."
-            )
-        if self.save_filter_fn is not None and not callable(self.save_filter_fn):
-            raise ValueError(f"`save_filter_fn` must be a callable name -> bool, but is {self.save_filter_fn!r}.")
-        self._check_not_supported_yet()
 
     def to_jsonable(self) -> dict[str, Any]:
         """The fields as JSON-friendly values (callables and other objects by their repr), as
@@ -299,25 +264,3 @@ class TrainingArguments:
             except (TypeError, ValueError):
                 out[f.name] = repr(v)
         return out
-
-    def _check_not_supported_yet(self) -> None:
-        """Fields whose feature is not implemented yet fail loudly instead of being ignored."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)
-                    if f.default is not dataclasses.MISSING}
-        for name in ("save_steps", "save_every_n_windows", "save_every_n_epochs", "save_end",
-                     "model_bank", "params_not_save", "save_filter_fn", "resume_from"):
-            if name in _SUPPORTED:
-                continue
-            if getattr(self, name) != defaults[name]:
-                raise NotSupportedYetError(
-                    f"`{name}` is not supported yet in this version of recsys_trainer "
-                    f"(checkpointing lands with the checkpoint subsystem); leave it at "
-                    f"{defaults[name]!r}."
-                )
-
-
-# Names of deferred fields whose feature is implemented; the checkpoint subsystem adds itself.
-_SUPPORTED: set[str] = {
-    "save_steps", "save_every_n_windows", "save_every_n_epochs", "save_end", "model_bank",
-    "params_not_save", "save_filter_fn", "resume_from",
-}

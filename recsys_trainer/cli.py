@@ -116,7 +116,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         eval_dataset=held_out,
         hooks=[h.build(i) for i, h in enumerate(cfg.hooks)],
         dense_optimizers=(cfg.dense_optimizer.factory(), None),
-        sparse_optimizer=cfg.sparse_optimizer.build(),
+        sparse_optimizer=cfg.sparse_optimizer,
     )
     metrics: dict[str, float] | None = None
     if cfg.run == "train":

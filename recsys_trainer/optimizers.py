@@ -21,6 +21,8 @@ from torchrec.optim import optimizers as trec_optim
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from recsys_trainer.validation import check_choice, check_number, check_type
+
 # name -> (optimizer class understood by torchrec/FBGEMM, devices that run it)
 _SPARSE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
     "sgd": (torch.optim.SGD, ("cpu", "cuda")),
@@ -59,14 +61,9 @@ class SparseOptimizer:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.name not in _SPARSE_OPTIMIZERS:
-            raise ValueError(
-                f"`sparse_optimizer.name` must be one of {', '.join(_SPARSE_OPTIMIZERS)}, but is {self.name!r}."
-            )
-        if not (isinstance(self.lr, int | float) and self.lr > 0):
-            raise ValueError(f"`sparse_optimizer.lr` must be a number > 0, but is {self.lr!r}.")
-        if not isinstance(self.kwargs, dict):
-            raise ValueError(f"`sparse_optimizer.kwargs` must be a mapping, but is {self.kwargs!r}.")
+        check_choice("sparse_optimizer.name", self.name, list(_SPARSE_OPTIMIZERS), quote=False)
+        check_number("sparse_optimizer.lr", self.lr, above=0)
+        check_type("sparse_optimizer.kwargs", self.kwargs, (dict,), "a mapping")
 
     def check_device(self, device_type: str) -> None:
         ok = supported_sparse_optimizers(device_type)
