@@ -23,7 +23,7 @@ from recsys_trainer.checkpoint import CheckpointError, layout
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 
 TIMEOUT = 180
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _rank() -> int:

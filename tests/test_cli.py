@@ -212,6 +212,7 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
             p.wait(10)
 
 
+@pytest.mark.distributed
 def test_two_torchrun_nodes_on_localhost_train_the_same_steps(tmp_path: Path) -> None:
     """Two torchrun agents (``--nnodes=2 --nproc_per_node=1``, c10d rendezvous) run the CLI."""
     from recsys_trainer.distributed import free_port

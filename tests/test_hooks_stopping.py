@@ -66,6 +66,7 @@ def _scenarios(tmp: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.distributed
 def test_early_stopping_and_non_finite_guard_act_identically_on_both_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dist_utils import run_distributed
 

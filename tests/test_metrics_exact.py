@@ -151,6 +151,7 @@ def _reference(rows: list[dict[str, Any]]) -> tuple[dict[str, float], float]:
     return click_metrics(t(p), t(y), torch.ones(len(p), dtype=torch.float64), t(g)), rank_auc(p, y)
 
 
+@pytest.mark.distributed
 def test_two_rank_metrics_equal_single_process_metrics_over_all_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dist_utils import run_distributed
 
