@@ -41,11 +41,15 @@ class Precision:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState, GradientState
 
-        # accelerate keeps process-wide singletons, and the public API has no way to build a
-        # second Accelerator with another precision in one process (it raises "AcceleratorState
-        # has already been initialized and cannot be changed"). A second Trainer in the same
-        # process (tests, notebooks) must still get its own settings, so start both singletons
-        # afresh; the process group itself is kept (reset_partial_state=False).
+        # accelerate keeps process-wide singletons, and its public API has no way to build a
+        # second Accelerator with other settings in one process. A second Trainer in the same
+        # process (tests, notebooks) must still get its own, so start them afresh:
+        # - AcceleratorState._reset_state: a new Accelerator with another mixed_precision raises
+        #   "AcceleratorState has already been initialized and cannot be changed" otherwise.
+        #   reset_partial_state=False keeps the process group (PartialState) we run on.
+        # - GradientState._reset_state: it would keep the previous Accelerator's sync_gradients
+        #   flag and dataloader references; the constructor only updates its plugin settings.
+        # (_shared_state is how accelerate itself tells whether the singleton exists.)
         if AcceleratorState._shared_state:
             AcceleratorState._reset_state(reset_partial_state=False)
             GradientState._reset_state()

@@ -270,7 +270,8 @@ class Trainer:
 
     def state_components(self) -> dict[str, Stateful]:
         """Everything a checkpoint holds, as named ``Stateful`` components (what each is:
-        ``recsys_trainer.checkpoint.contents``). The objects are the live ones."""
+        ``recsys_trainer.checkpoint.contents``). The objects are the live ones; the checkpointer
+        gets this mapping once, when the Trainer is built."""
         comps: dict[str, Stateful] = {
             "model": self.model,
             "dense_optimizer": self.optimizer.dense_state,
