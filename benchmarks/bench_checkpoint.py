@@ -46,7 +46,7 @@ from common import markdown_table, quiet_torchrec, torchrun  # noqa: E402
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments  # noqa: E402
 from recsys_trainer.checkpoint import CheckpointManager  # noqa: E402
-from recsys_trainer.checkpoint.fastio import StagingBuffers  # noqa: E402
+from recsys_trainer.checkpoint.writer import StagingBuffers  # noqa: E402
 from recsys_trainer.data.synthetic import synthetic_batches  # noqa: E402
 from recsys_trainer.models import DLRMClassifier  # noqa: E402
 
@@ -96,8 +96,7 @@ def bench(rows: int, dim: int, root: str, threads: list[int], repeats: int,
     )
     t0 = time.perf_counter()
     trainer.train()  # the first async save happens in the loop, at step first_save_step
-    mgr = trainer.checkpointer
-    assert isinstance(mgr, CheckpointManager)
+    mgr: CheckpointManager = trainer.checkpointer
     first = mgr.history[0]
     train_s = time.perf_counter() - t0 - first.total_s
     step = first_save_step
@@ -109,7 +108,7 @@ def bench(rows: int, dim: int, root: str, threads: list[int], repeats: int,
         mgr.save_concurrency_per_rank = n_threads
         if dist.is_initialized():
             dist.barrier()
-        mgr.save(trainer, blocking=blocking)
+        mgr.save(blocking=blocking)
         mgr.wait()
         s = mgr.history[-1]
         return s.blocked_s, s.total_s, s.num_bytes
@@ -148,7 +147,7 @@ def bench(rows: int, dim: int, root: str, threads: list[int], repeats: int,
     mgr._staging = StagingBuffers()  # cold: the first save allocates its buffers itself
     cold, _, _ = save(False, threads[0])
     t1 = time.perf_counter()
-    mgr.load(trainer, os.path.join(out, f"step_{step:08d}"))
+    mgr.load(os.path.join(out, f"step_{step:08d}"))
     restore = time.perf_counter() - t1
     mgr.close()
     if dist.is_initialized():

@@ -21,7 +21,7 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import shutdown
 from recsys_trainer.hooks.lambda_hook import LambdaHook
-from recsys_trainer.hooks.metrics import ClickMetrics
+from recsys_trainer.metrics import ClickMetrics
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.trainer import setup_logging
 
@@ -40,7 +40,7 @@ class ProgressiveValidation(Hook):
             self._rows.update(torch.sigmoid(mb.outputs), mb.batch.labels, mb.batch.weights)
 
     def after_train(self, trainer: Trainer) -> None:
-        self.result = self._rows.result()  # a collective: every rank calls it here
+        self.result = self._rows.result(trainer.process_group)  # a collective: every rank calls it here
 
 
 def main() -> None:

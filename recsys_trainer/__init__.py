@@ -1,6 +1,6 @@
 """recsys_trainer: a hook-list trainer for recommendation models with a sparse/dense split."""
 
-from recsys_trainer.args import NotSupportedYetError, TrainingArguments
+from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.distributed import shutdown
@@ -33,7 +33,6 @@ __all__ = [
     "MetricReportHook",
     "MicroBatchOutput",
     "NonFiniteLossHook",
-    "NotSupportedYetError",
     "ProfilerHook",
     "ProgressHook",
     "SparseOptimizer",

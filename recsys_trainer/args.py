@@ -1,4 +1,5 @@
-"""``TrainingArguments``: the run's configuration, validated at construction.
+"""``TrainingArguments``: the run's configuration, validated at construction, and
+``ModelBankSource``, one warm-start entry of its ``model_bank``.
 
 Field names follow Alibaba RecIS's ``TrainingArguments`` where the concept is the same, so RecIS
 users feel at home. Every invalid value raises ``ValueError`` naming the field, the value and
@@ -8,24 +9,93 @@ what is allowed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import fnmatch
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from recsys_trainer.validation import check_choice, check_int, check_number, check_type, fail
+
 MixedPrecision = Literal["no", "bf16", "fp16"]
+NonFiniteLoss = Literal["ignore", "stop", "skip"]
+ReshardDataPosition = Literal["error", "restart_window", "next_window"]
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise",
                   "data_parallel")
+MODEL_BANK_COMPONENTS = ("tables", "dense", "optimizer", "counters", "data")
+"""Parts of a checkpoint that model-bank sources select from (see ``ModelBankSource``)."""
 
 
-class NotSupportedYetError(NotImplementedError):
-    """A configured feature exists in the API but is not implemented in this version."""
+def name_matches(name: str, patterns: Sequence[str]) -> bool:
+    """True when ``name`` matches any pattern: a glob (``*``, ``?``, ``[``) matches the whole
+    name; a pattern without wildcards matches as a substring (``"t_user"``). The meaning of
+    ``params_not_save`` and of model-bank patterns."""
+    for p in patterns:
+        if any(c in p for c in "*?["):
+            if fnmatch.fnmatchcase(name, p):
+                return True
+        elif p in name:
+            return True
+    return False
 
 
-def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be an int >= 1{' or None' if allow_none else ''}, but is {value!r}.")
+@dataclass(kw_only=True)
+class ModelBankSource:
+    """One warm-start source: a checkpoint and, per component, which of *this* model's names to
+    initialise from it (see ``recsys_trainer.checkpoint.model_bank``)."""
+
+    path: str
+    """A committed checkpoint directory, or an output directory (its newest checkpoint)."""
+    include: dict[str, list[str]] = field(
+        default_factory=lambda: {"tables": ["*"], "dense": ["*"]})
+    """Component -> patterns of this model's names to load; a component not listed is not
+    loaded. Patterns: globs, or substrings when they have no wildcard."""
+    exclude: dict[str, list[str]] = field(default_factory=dict)
+    """Component -> patterns left out (applied after ``include``)."""
+    name_map: dict[str, str] = field(default_factory=dict)
+    """Source-name fragment -> this model's fragment (renamed tables or modules)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"`model_bank[].path` must be a non-empty path, but is {self.path!r}.")
+        for what, comps in (("include", self.include), ("exclude", self.exclude)):
+            unknown = sorted(set(comps) - set(MODEL_BANK_COMPONENTS))
+            if unknown:
+                raise ValueError(f"`model_bank[].{what}` has unknown components {unknown}; "
+                                 f"known: {', '.join(MODEL_BANK_COMPONENTS)}.")
+            for c, pats in comps.items():
+                if isinstance(pats, str) or not all(isinstance(p, str) for p in pats):
+                    raise ValueError(f"`model_bank[].{what}[{c!r}]` must be a list of patterns, "
+                                     f"but is {pats!r}.")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelBankSource:
+        """From ``TrainingArguments.model_bank`` entries (same keys as the fields)."""
+        unknown = sorted(set(d) - {"path", "include", "exclude", "name_map"})
+        if unknown:
+            raise ValueError(f"`model_bank` entry has unknown keys {unknown}; "
+                             "known: path, include, exclude, name_map.")
+        return cls(**d)
+
+    def selects(self, component: str, name: str) -> bool:
+        pats = self.include.get(component)
+        if not pats or not name_matches(name, pats):
+            return False
+        return not name_matches(name, self.exclude.get(component, []))
+
+    def source_name(self, name: str) -> str:
+        """This model's name -> the name in the source checkpoint."""
+        for src, dst in self.name_map.items():
+            if dst in name:
+                name = name.replace(dst, src)
+        return name
+
+
+def model_bank_sources(entries: Sequence[ModelBankSource | dict[str, Any]] | None
+                       ) -> list[ModelBankSource]:
+    """``model_bank`` entries (sources or dicts of their fields) as ``ModelBankSource``s."""
+    return [e if isinstance(e, ModelBankSource) else ModelBankSource.from_dict(e)
+            for e in (entries or [])]
 
 
 @dataclass(kw_only=True)
@@ -57,13 +127,23 @@ class TrainingArguments:
     mixed_precision: MixedPrecision = "no"
     """Autocast for the forward pass: "no", "bf16", or "fp16" (CUDA only; with loss scaling)."""
 
+    non_finite_loss: NonFiniteLoss = "ignore"
+    """What a NaN/inf training loss on any rank does, on every rank alike: "ignore"; "stop"
+    after that step (checked after each step: a device sync on CUDA; the step has been applied,
+    fused sparse updates included); or "skip" that micro-batch's backward and the step's dense
+    update (one extra 1-int all-reduce per micro-batch plus a device sync on CUDA; the step
+    still counts in ``global_step``; needs pipeline="none")."""
+
+    max_non_finite_skips: int | None = None
+    """With ``non_finite_loss="skip"``: stop every rank after this many skipped steps."""
+
     window_iter: int | None = None
     """Train on at most this many windows per epoch (None: all)."""
 
     pipeline: Literal["none", "sparse_dist"] = "none"
     """"sparse_dist": train with TorchRec's ``TrainPipelineSparseDist`` (overlaps the next
     batches' device copy and sparse all-to-all with this step). Needs
-    gradient_accumulation_steps=1 and no fp16 / skip-non-finite guard."""
+    gradient_accumulation_steps=1, no fp16, and non_finite_loss other than "skip"."""
 
     seed: int = 0
     """Seeds torch, numpy and python RNGs on every rank when the Trainer is built (before the
@@ -91,8 +171,9 @@ class TrainingArguments:
     """Keep this many newest committed checkpoints on disk."""
     save_concurrency_per_rank: int = 4
     """Writer threads per rank for checkpoint files."""
-    model_bank: list[dict[str, Any]] | None = None
-    """Warm-start sources (other checkpoints) applied before training."""
+    model_bank: list[dict[str, Any] | ModelBankSource] | None = None
+    """Warm-start sources (other checkpoints) applied before training: ``ModelBankSource``s or
+    dicts of their fields."""
     params_not_save: list[str] | None = None
     """Parameter-name patterns left out of checkpoints."""
     save_filter_fn: Callable[[str], bool] | None = None
@@ -109,28 +190,47 @@ class TrainingArguments:
     """Also keep the checkpoint with the best value of this evaluation metric (e.g. "loss")."""
     keep_best_mode: Literal["min", "max"] = "min"
     """Whether lower ("min") or higher ("max") ``keep_best_metric`` is better."""
-    reshard_data_position: Literal["error", "restart_window", "next_window"] = "error"
+    reshard_data_position: ReshardDataPosition = "error"
     """Resuming with another world size from a checkpoint taken mid-window: "error" (default,
     says what to do), "restart_window" (re-read that window) or "next_window" (skip its rest).
     Checkpoints at window boundaries resume exactly at any world size."""
 
     def __post_init__(self) -> None:
         for name in ("train_steps", "eval_steps", "window_iter", "save_steps",
-                     "save_every_n_windows", "save_every_n_epochs"):
-            _positive(name, getattr(self, name))
+                     "save_every_n_windows", "save_every_n_epochs", "max_non_finite_skips"):
+            check_int(name, getattr(self, name), allow_none=True)
         for name in ("train_epoch", "log_steps", "gradient_accumulation_steps", "max_to_keep",
                      "save_concurrency_per_rank"):
-            _positive(name, getattr(self, name), allow_none=False)
-        if self.max_grad_norm is not None and not (
-            isinstance(self.max_grad_norm, int | float) and self.max_grad_norm > 0
+            check_int(name, getattr(self, name))
+        check_number("max_grad_norm", self.max_grad_norm, above=0, allow_none=True)
+        check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
+        check_choice("mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
+        check_choice("pipeline", self.pipeline, ("none", "sparse_dist"))
+        check_choice("non_finite_loss", self.non_finite_loss, ("ignore", "stop", "skip"))
+        check_choice("device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
+        check_choice("reshard_data_position", self.reshard_data_position,
+                     ("error", "restart_window", "next_window"))
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            fail("output_dir", "a non-empty path string", self.output_dir)
+        check_type("seed", self.seed, (int,), "an int")
+        for table, st in self.sharding_types.items():
+            check_choice(f"sharding_types[{table!r}]", st, SHARDING_TYPES, quote=False)
+        if self.params_not_save is not None and (
+            isinstance(self.params_not_save, str)
+            or not all(isinstance(p, str) for p in self.params_not_save)
         ):
-            raise ValueError(f"`max_grad_norm` must be a number > 0 or None, but is {self.max_grad_norm!r}.")
-        if self.mixed_precision not in ("no", "bf16", "fp16"):
-            raise ValueError(
-                f"`mixed_precision` must be one of 'no', 'bf16', 'fp16', but is {self.mixed_precision!r}."
-            )
-        if self.pipeline not in ("none", "sparse_dist"):
-            raise ValueError(f"`pipeline` must be one of 'none', 'sparse_dist', but is {self.pipeline!r}.")
+            fail("params_not_save", "a list of name patterns", self.params_not_save)
+        if self.save_filter_fn is not None and not callable(self.save_filter_fn):
+            fail("save_filter_fn", "a callable name -> bool", self.save_filter_fn)
+        if self.model_bank is not None:
+            for entry in self.model_bank:
+                if not isinstance(entry, dict | ModelBankSource):
+                    raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
+            model_bank_sources(self.model_bank)  # validates keys and components
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
         if self.pipeline == "sparse_dist" and self.gradient_accumulation_steps != 1:
             raise ValueError(
                 "`pipeline` is 'sparse_dist', which steps the optimizer on every batch; it needs "
@@ -142,67 +242,26 @@ class TrainingArguments:
                 "`pipeline` 'sparse_dist' runs backward itself without loss scaling; it cannot be "
                 "combined with `mixed_precision` 'fp16'. Use 'bf16' or pipeline='none'."
             )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"`device` must be one of 'auto', 'cpu', 'cuda', but is {self.device!r}.")
-        if not isinstance(self.output_dir, str) or not self.output_dir:
-            raise ValueError(f"`output_dir` must be a non-empty path string, but is {self.output_dir!r}.")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"`seed` must be an int, but is {self.seed!r}.")
-        for table, st in self.sharding_types.items():
-            if st not in SHARDING_TYPES:
-                raise ValueError(
-                    f"`sharding_types[{table!r}]` must be one of {', '.join(SHARDING_TYPES)}, but is {st!r}."
-                )
-        if self.keep_every_n_hours is not None and not (
-            isinstance(self.keep_every_n_hours, int | float) and self.keep_every_n_hours > 0
-        ):
+        if self.pipeline == "sparse_dist" and self.non_finite_loss == "skip":
             raise ValueError(
-                f"`keep_every_n_hours` must be a number > 0 or None, but is {self.keep_every_n_hours!r}."
+                "`non_finite_loss` 'skip' decides before backward, which `pipeline` 'sparse_dist' "
+                "runs itself; use pipeline='none' to skip non-finite losses."
             )
-        if self.keep_best_mode not in ("min", "max"):
-            raise ValueError(f"`keep_best_mode` must be 'min' or 'max', but is {self.keep_best_mode!r}.")
-        if self.reshard_data_position not in ("error", "restart_window", "next_window"):
+        if self.max_non_finite_skips is not None and self.non_finite_loss != "skip":
             raise ValueError(
-                "`reshard_data_position` must be one of 'error', 'restart_window', 'next_window', "
-                f"but is {self.reshard_data_position!r}."
+                "`max_non_finite_skips` needs `non_finite_loss` = 'skip', but that is "
+                f"{self.non_finite_loss!r}."
             )
-        if self.model_bank is not None:
-            from recsys_trainer.checkpoint.model_bank import ModelBankSource
 
-            for entry in self.model_bank:
-                if not isinstance(entry, dict | ModelBankSource):
-                    raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
-                if isinstance(entry, dict):
-                    ModelBankSource.from_dict(entry)  # validates keys and components
-        if self.params_not_save is not None and (
-            isinstance(self.params_not_save, str)
-            or not all(isinstance(p, str) for p in self.params_not_save)
-        ):
-            raise ValueError(
-                f"`params_not_save` must be a list of name patterns, but is {self.params_not_save!r}."
-            )
-        if self.save_filter_fn is not None and not callable(self.save_filter_fn):
-            raise ValueError(f"`save_filter_fn` must be a callable name -> bool, but is {self.save_filter_fn!r}.")
-        self._check_not_supported_yet()
-
-    def _check_not_supported_yet(self) -> None:
-        """Fields whose feature is not implemented yet fail loudly instead of being ignored."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)
-                    if f.default is not dataclasses.MISSING}
-        for name in ("save_steps", "save_every_n_windows", "save_every_n_epochs", "save_end",
-                     "model_bank", "params_not_save", "save_filter_fn", "resume_from"):
-            if name in _SUPPORTED:
-                continue
-            if getattr(self, name) != defaults[name]:
-                raise NotSupportedYetError(
-                    f"`{name}` is not supported yet in this version of recsys_trainer "
-                    f"(checkpointing lands with the checkpoint subsystem); leave it at "
-                    f"{defaults[name]!r}."
-                )
-
-
-# Names of deferred fields whose feature is implemented; the checkpoint subsystem adds itself.
-_SUPPORTED: set[str] = {
-    "save_steps", "save_every_n_windows", "save_every_n_epochs", "save_end", "model_bank",
-    "params_not_save", "save_filter_fn", "resume_from",
-}
+    def to_jsonable(self) -> dict[str, Any]:
+        """The fields as JSON-friendly values (callables and other objects by their repr), as
+        checkpoints record them."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            try:
+                json.dumps(v)
+                out[f.name] = v
+            except (TypeError, ValueError):
+                out[f.name] = repr(v)
+        return out

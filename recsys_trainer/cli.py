@@ -116,7 +116,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         eval_dataset=held_out,
         hooks=[h.build(i) for i, h in enumerate(cfg.hooks)],
         dense_optimizers=(cfg.dense_optimizer.factory(), None),
-        sparse_optimizer=cfg.sparse_optimizer.build(),
+        sparse_optimizer=cfg.sparse_optimizer,
     )
     metrics: dict[str, float] | None = None
     if cfg.run == "train":
@@ -124,8 +124,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     elif cfg.run == "evaluate":
         # Evaluate a trained model: the checkpoint `args.resume_from` names ("auto": the newest
         # committed one in output_dir), loaded on every rank as a resumed training would.
-        if trainer.checkpointer is not None:
-            trainer.checkpointer.maybe_resume(trainer)
+        trainer.resume()
         if trainer.state.global_step == 0 and trainer.is_rank_zero:
             logging.getLogger("recsys_trainer").warning(
                 "run: evaluate found no checkpoint to load (args.resume_from=%r, output_dir=%r): "

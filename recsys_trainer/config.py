@@ -10,16 +10,19 @@ A config file has these top-level sections (all optional except ``model`` and ``
     sparse_optimizer: {name: rowwise_adagrad, lr: 0.05, kwargs: {}}
     hooks: [metrics, {name: jsonl, every: 10}]
 
-YAML only *fills* these dataclasses; validation lives in them (``TrainingArguments`` validates
-``args``). Every error is a ``ConfigError`` naming the dotted key, the bad value and what is
-allowed. ``apply_overrides`` applies ``--section.key value`` pairs with YAML scalar typing
+YAML only *fills* dataclasses, and where the runtime has one it is the schema: ``args`` fills
+``TrainingArguments``, ``sparse_optimizer`` fills ``SparseOptimizer``, and the options of
+``data: kind: parquet`` are ``ParquetReadOptions`` (``ParquetWindowDataset``'s). The sections
+with no runtime dataclass (the bundled model, synthetic data, the dense optimizer factory, the
+hooks list) are defined here. Validation lives in the dataclasses, all through
+``recsys_trainer.validation``; every error becomes a ``ConfigError`` naming the dotted key, the
+bad value and what is allowed. ``apply_overrides`` applies ``--section.key value`` pairs with YAML scalar typing
 (``100`` is an int, ``1e-3`` a float, ``null`` None, ``[a, b]`` a list).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import os
 import re
@@ -30,6 +33,20 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from recsys_trainer.args import TrainingArguments
+from recsys_trainer.data.parquet import ParquetReadOptions
+from recsys_trainer.hooks import (
+    EarlyStoppingHook,
+    Hook,
+    JsonlMetricsHook,
+    LoggerHook,
+    MetricReportHook,
+    NonFiniteLossHook,
+    ProfilerHook,
+    ProgressHook,
+    TensorBoardHook,
+)
+from recsys_trainer.optimizers import SparseOptimizer
+from recsys_trainer.validation import check_choice, check_int, check_number, check_type
 
 RunMode = Literal["train", "evaluate", "train_and_evaluate"]
 RUN_MODES = ("train", "evaluate", "train_and_evaluate")
@@ -44,17 +61,16 @@ DENSE_OPTIMIZERS = {
     "rmsprop": "RMSprop",
 }
 
-# Built-in hooks by config name -> class name in ``recsys_trainer.hooks`` (resolved lazily, so a
-# hook module that fails to import only breaks configs that use it).
-BUILTIN_HOOKS = {
-    "logger": "LoggerHook",
-    "metrics": "MetricReportHook",
-    "jsonl": "JsonlMetricsHook",
-    "tensorboard": "TensorBoardHook",
-    "progress": "ProgressHook",
-    "profiler": "ProfilerHook",
-    "early_stopping": "EarlyStoppingHook",
-    "non_finite_loss": "NonFiniteLossHook",
+# Built-in hooks by config name.
+BUILTIN_HOOKS: dict[str, type[Hook]] = {
+    "logger": LoggerHook,
+    "metrics": MetricReportHook,
+    "jsonl": JsonlMetricsHook,
+    "tensorboard": TensorBoardHook,
+    "progress": ProgressHook,
+    "profiler": ProfilerHook,
+    "early_stopping": EarlyStoppingHook,
+    "non_finite_loss": NonFiniteLossHook,
 }
 
 
@@ -97,20 +113,10 @@ def _build(cls: type[T], section: str, raw: Any) -> T:
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"`{section}`: {exc}") from exc
-
-
-def _check_type(key: str, value: Any, types: tuple[type, ...], what: str) -> None:
-    if isinstance(value, bool) and bool not in types:
-        raise ConfigError(f"`{key}` must be {what}, but is {value!r}.")
-    if not isinstance(value, types):
-        raise ConfigError(f"`{key}` must be {what}, but is {value!r}.")
-
-
-def _positive_int(key: str, value: Any) -> None:
-    _check_type(key, value, (int,), "an int >= 1")
-    if value < 1:
-        raise ConfigError(f"`{key}` must be an int >= 1, but is {value!r}.")
+        # The config's own dataclasses name their keys in full (`model.embedding_dim`); the
+        # runtime ones name just the field (`train_steps`): say which section it is in.
+        msg = str(exc)
+        raise ConfigError(msg if f"`{section}." in msg else f"`{section}`: {msg}") from exc
 
 
 # ---------------------------------------------------------------------------- model
@@ -138,36 +144,33 @@ class ModelConfig:
     """Top MLP layer sizes (the last must be 1: one logit)."""
 
     def __post_init__(self) -> None:
-        if self.kind != "dlrm":
-            raise ConfigError(f"`model.kind` must be one of dlrm, but is {self.kind!r}.")
+        check_choice("model.kind", self.kind, ("dlrm",), quote=False)
         if self.sparse_features is not None:
             if isinstance(self.sparse_features, int) and not isinstance(self.sparse_features, bool):
-                _positive_int("model.sparse_features", self.sparse_features)
+                check_int("model.sparse_features", self.sparse_features)
                 self.sparse_features = [f"cat_{i}" for i in range(self.sparse_features)]
             elif not (isinstance(self.sparse_features, list) and self.sparse_features
                       and all(isinstance(s, str) for s in self.sparse_features)):
-                raise ConfigError(
+                raise ValueError(
                     "`model.sparse_features` must be a non-empty list of names or an int >= 1, "
                     f"but is {self.sparse_features!r}."
                 )
         if self.num_dense is not None:
-            _check_type("model.num_dense", self.num_dense, (int,), "an int >= 0")
-            if self.num_dense < 0:
-                raise ConfigError(f"`model.num_dense` must be an int >= 0, but is {self.num_dense!r}.")
+            check_int("model.num_dense", self.num_dense, minimum=0)
         if isinstance(self.num_embeddings, list):
             for n in self.num_embeddings:
-                _positive_int("model.num_embeddings[]", n)
+                check_int("model.num_embeddings[]", n)
         elif self.num_embeddings is not None:
-            _positive_int("model.num_embeddings", self.num_embeddings)
-        _positive_int("model.embedding_dim", self.embedding_dim)
+            check_int("model.num_embeddings", self.num_embeddings)
+        check_int("model.embedding_dim", self.embedding_dim)
         for key in ("dense_arch", "over_arch"):
             sizes = getattr(self, key)
             if not (isinstance(sizes, list) and sizes):
-                raise ConfigError(f"`model.{key}` must be a non-empty list of ints >= 1, but is {sizes!r}.")
+                raise ValueError(f"`model.{key}` must be a non-empty list of ints >= 1, but is {sizes!r}.")
             for s in sizes:
-                _positive_int(f"model.{key}[]", s)
+                check_int(f"model.{key}[]", s)
         if self.over_arch[-1] != 1:
-            raise ConfigError(
+            raise ValueError(
                 f"`model.over_arch` must end with 1 (one logit per row), but is {self.over_arch!r}."
             )
 
@@ -210,23 +213,20 @@ class SyntheticDataConfig:
     """Seed of the planted signal (the same on every rank)."""
 
     def __post_init__(self) -> None:
-        _positive_int("data.batch_size", self.batch_size)
-        _positive_int("data.train_batches", self.train_batches)
-        _check_type("data.eval_batches", self.eval_batches, (int,), "an int >= 0")
-        if self.eval_batches < 0:
-            raise ConfigError(f"`data.eval_batches` must be an int >= 0, but is {self.eval_batches!r}.")
-        _check_type("data.seed", self.seed, (int,), "an int")
-        _check_type("data.signal_seed", self.signal_seed, (int,), "an int")
-        _check_type("data.signal_strength", self.signal_strength, (int, float), "a number >= 0")
-        if self.signal_strength < 0:
-            raise ConfigError(
-                f"`data.signal_strength` must be a number >= 0, but is {self.signal_strength!r}."
-            )
+        check_int("data.batch_size", self.batch_size)
+        check_int("data.train_batches", self.train_batches)
+        check_int("data.eval_batches", self.eval_batches, minimum=0)
+        check_type("data.seed", self.seed, (int,), "an int")
+        check_type("data.signal_seed", self.signal_seed, (int,), "an int")
+        check_number("data.signal_strength", self.signal_strength, at_least=0)
 
 
 @dataclass(kw_only=True)
-class ParquetDataConfig:
-    """Windowed parquet/CSV files (``recsys_trainer.data.parquet.ParquetWindowDataset``)."""
+class ParquetDataConfig(ParquetReadOptions):
+    """Windowed parquet/CSV files (``recsys_trainer.data.parquet.ParquetWindowDataset``): the
+    sources and the feature spec, plus the dataset's own ``ParquetReadOptions`` fields
+    (``batch_size``, ``sharding``, ``shuffle``, ``seed``, ``prefetch_batches``, ``on_corrupt``,
+    ``file_format``)."""
 
     kind: Literal["parquet"] = "parquet"
     train: str | list[str] | None = None
@@ -238,16 +238,9 @@ class ParquetDataConfig:
     """The ``FeatureSpec``: ``labels`` (list), ``dense`` (column names or mappings of
     ``DenseFeature`` fields), ``sparse`` (mappings of ``SparseFeature`` fields: ``name``,
     ``num_embeddings``, ``column``, ``hash``, ...), ``weight_column``, ``on_nan_label``."""
-    batch_size: int = 512
-    """Rows per batch, per rank."""
-    sharding: Literal["rows", "row_groups"] = "rows"
-    shuffle: bool = False
-    seed: int = 0
-    prefetch_batches: int = 4
-    on_corrupt: Literal["error", "skip"] = "error"
-    file_format: Literal["auto", "parquet", "csv"] = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.train is None and self.eval is None:
             raise ConfigError("`data.train` or `data.eval` must name parquet data (a directory or a list of globs).")
         for key in ("train", "eval"):
@@ -257,8 +250,6 @@ class ParquetDataConfig:
                 raise ConfigError(
                     f"`data.{key}` must be a directory path or a non-empty list of globs, but is {v!r}."
                 )
-        _positive_int("data.batch_size", self.batch_size)
-        _check_type("data.shuffle", self.shuffle, (bool,), "true or false")
         self.feature_spec()  # validate now, not after the process group is up
 
     def feature_spec(self) -> Any:
@@ -287,12 +278,10 @@ class ParquetDataConfig:
             return None
         if isinstance(source, str) and not os.path.isdir(source):
             raise ConfigError(f"`data.{which}` is {source!r}, which is not a directory.")
-        return ParquetWindowDataset(
-            source, self.feature_spec(), self.batch_size, sharding=self.sharding,
-            shuffle=self.shuffle if which == "train" else False, seed=self.seed,
-            prefetch_batches=self.prefetch_batches, on_corrupt=self.on_corrupt,
-            file_format=self.file_format,
-        )
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParquetReadOptions)}
+        if which == "eval":
+            options["shuffle"] = False
+        return ParquetWindowDataset(source, self.feature_spec(), **options)
 
 
 DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}
@@ -317,11 +306,8 @@ class DenseOptimizerConfig:
             raise ConfigError(
                 f"`dense_optimizer.name` must be one of {', '.join(DENSE_OPTIMIZERS)}, but is {self.name!r}."
             )
-        _check_type("dense_optimizer.lr", self.lr, (int, float), "a number > 0")
-        if self.lr <= 0:
-            raise ConfigError(f"`dense_optimizer.lr` must be a number > 0, but is {self.lr!r}.")
-        if not isinstance(self.kwargs, dict):
-            raise ConfigError(f"`dense_optimizer.kwargs` must be a mapping, but is {self.kwargs!r}.")
+        check_number("dense_optimizer.lr", self.lr, above=0)
+        check_type("dense_optimizer.kwargs", self.kwargs, (dict,), "a mapping")
         cls = self.optimizer_class()
         accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params", "lr")]
         unknown = sorted(set(self.kwargs) - set(accepted))
@@ -343,26 +329,6 @@ class DenseOptimizerConfig:
         return lambda params: cls(params, lr=lr, **kwargs)
 
 
-@dataclass(kw_only=True)
-class SparseOptimizerConfig:
-    """The fused sparse optimizer (``recsys_trainer.SparseOptimizer``)."""
-
-    name: str = "rowwise_adagrad"
-    lr: float = 0.01
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.build()  # SparseOptimizer validates name and lr
-
-    def build(self) -> Any:
-        from recsys_trainer.sharding import SparseOptimizer
-
-        try:
-            return SparseOptimizer(name=self.name, lr=self.lr, kwargs=dict(self.kwargs))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
-
-
 @dataclass(frozen=True)
 class HookConfig:
     """One entry of ``hooks``: a built-in hook's config name and its constructor arguments."""
@@ -370,15 +336,9 @@ class HookConfig:
     name: str
     kwargs: dict[str, Any]
 
-    def build(self, index: int) -> Any:
+    def build(self, index: int) -> Hook:
         key = f"hooks[{index}]"
-        module = importlib.import_module("recsys_trainer.hooks")
-        cls = getattr(module, BUILTIN_HOOKS[self.name], None)
-        if cls is None:
-            raise ConfigError(
-                f"`{key}`: hook {self.name!r} ({BUILTIN_HOOKS[self.name]}) is not available in this "
-                "installation of recsys_trainer."
-            )
+        cls = BUILTIN_HOOKS[self.name]
         accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         unknown = sorted(set(self.kwargs) - set(accepted))
         if unknown:
@@ -429,7 +389,7 @@ class RunConfig:
     model: ModelConfig
     data: DataConfig
     dense_optimizer: DenseOptimizerConfig
-    sparse_optimizer: SparseOptimizerConfig
+    sparse_optimizer: SparseOptimizer
     hooks: list[HookConfig]
 
     @staticmethod
@@ -463,7 +423,7 @@ class RunConfig:
             model=model,
             data=data,
             dense_optimizer=_build(DenseOptimizerConfig, "dense_optimizer", raw.get("dense_optimizer")),
-            sparse_optimizer=_build(SparseOptimizerConfig, "sparse_optimizer", raw.get("sparse_optimizer")),
+            sparse_optimizer=_build(SparseOptimizer, "sparse_optimizer", raw.get("sparse_optimizer")),
             hooks=_parse_hooks(raw.get("hooks")),
         )
         cfg._resolve_schema()
@@ -609,7 +569,7 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         "run": cfg.run,
         "args": args,
         "model": dataclasses.asdict(cfg.model),
-        "data": dataclasses.asdict(cfg.data),
+        "data": {"kind": cfg.data.kind, **dataclasses.asdict(cfg.data)},
         "dense_optimizer": dataclasses.asdict(cfg.dense_optimizer),
         "sparse_optimizer": dataclasses.asdict(cfg.sparse_optimizer),
         "hooks": [{"name": h.name, **h.kwargs} for h in cfg.hooks],
@@ -625,7 +585,6 @@ __all__ = [
     "ModelConfig",
     "ParquetDataConfig",
     "RunConfig",
-    "SparseOptimizerConfig",
     "SyntheticDataConfig",
     "apply_overrides",
     "coerce_value",

@@ -1,9 +1,12 @@
-"""Everything the Trainer needs from ``torch.distributed`` for control flow, in one place.
+"""Everything the Trainer and the checkpoint manager need from ``torch.distributed`` for control
+flow, in one place.
 
 Decisions that depend on what each rank sees (out of data, stop requested, non-finite loss) are
 agreed by *one* small all-reduce at the same point on every rank. It runs on a dedicated gloo
-group so that, on GPU, it never synchronises a CUDA stream. ``FakeGang`` lets single-process
-tests play rank k of n.
+group so that, on GPU, it never synchronises a CUDA stream. The checkpoint manager's barriers,
+error gathering and commit broadcast go through a ``Gang`` too (its own group, so its writer
+thread never interleaves with the loop's collectives). ``FakeGang`` lets single-process tests
+play rank k of n, and is the gang of a process without ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class Gang(ABC):
-    """The collectives the Trainer's control flow uses."""
+    """The collectives of control flow: small, CPU-side, the same call on every rank."""
 
     @property
     @abstractmethod
@@ -33,6 +37,12 @@ class Gang(ABC):
     @abstractmethod
     def world_size(self) -> int: ...
 
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group behind this gang, for libraries that take one (DCP); None means
+        torch's default group."""
+        return None
+
     @abstractmethod
     def all_reduce_max(self, values: Sequence[int]) -> list[int]:
         """Element-wise max of small integer vectors across ranks."""
@@ -40,6 +50,15 @@ class Gang(ABC):
     @abstractmethod
     def all_reduce_sum_float(self, values: Sequence[float]) -> list[float]:
         """Element-wise sum of small float vectors across ranks (float64 on the wire)."""
+
+    @abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, indexed by rank (pickled: small control data only)."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (pickled: small control data only; the other
+        ranks' arguments are ignored)."""
 
     @abstractmethod
     def barrier(self) -> None: ...
@@ -81,8 +100,25 @@ class ProcessGroupGang(Gang):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
         return [float(v) for v in t.tolist()]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if self._world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self._world_size
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self._world_size == 1:
+            return obj
+        box = [obj]
+        # broadcast_object_list names the source by its global rank, even within a subgroup.
+        global_src = dist.get_global_rank(self._group, src) if self._group is not None else src
+        dist.broadcast_object_list(box, src=global_src, group=self._group)
+        return box[0]
+
     def barrier(self) -> None:
-        dist.barrier(group=self._group)
+        if self._world_size > 1:
+            dist.barrier(group=self._group)
 
 
 class FakeGang(Gang):
@@ -92,14 +128,27 @@ class FakeGang(Gang):
     vectors consumed in order, each by the next call with a vector of the same length (so a
     script of 4-element fetch flags is not consumed by other agreements); calls with nothing
     scripted see the other ranks agree with this one (the result is this rank's own values).
+
+    ``broadcasts`` scripts what ``broadcast_object`` receives from another rank, in order
+    (unscripted: this rank's own object). ``peer_objects`` scripts ``all_gather_object``: each
+    call consumes the next list of the other ranks' objects (in rank order, this rank left out);
+    unscripted calls see every rank send this rank's object. With the defaults it is the gang
+    of a single process.
     """
 
     def __init__(
-        self, rank: int = 0, world_size: int = 1, peer_max: list[list[int]] | None = None
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        peer_max: list[list[int]] | None = None,
+        broadcasts: list[Any] | None = None,
+        peer_objects: list[list[Any]] | None = None,
     ) -> None:
         self._rank = rank
         self._world_size = world_size
         self._peer_max = list(peer_max or [])
+        self._broadcasts = list(broadcasts or [])
+        self._peer_objects = list(peer_objects or [])
         self.num_collectives = 0
 
     @property
@@ -122,6 +171,20 @@ class FakeGang(Gang):
     def all_reduce_sum_float(self, values: Sequence[float]) -> list[float]:
         self.num_collectives += 1
         return [float(v) for v in values]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        self.num_collectives += 1
+        peers = self._peer_objects.pop(0) if self._peer_objects else [obj] * (self._world_size - 1)
+        if len(peers) != self._world_size - 1:
+            raise ValueError(f"a scripted all_gather_object needs {self._world_size - 1} peer "
+                             f"objects, but has {len(peers)}.")
+        return [*peers[: self._rank], obj, *peers[self._rank:]]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        self.num_collectives += 1
+        if src != self._rank and self._broadcasts:
+            return self._broadcasts.pop(0)
+        return obj
 
     def barrier(self) -> None:
         self.num_collectives += 1

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from recsys_trainer.hooks.jsonl import read_jsonl
-from recsys_trainer.hooks.metrics import METRIC_NAMES
+from recsys_trainer.metrics import METRIC_NAMES
 
 
 def _series(records: list[dict[str, Any]], key: str, x: str = "step") -> tuple[list[float], list[float]]:

@@ -45,19 +45,20 @@ import contextlib
 import itertools
 import logging
 import math
-import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import (
@@ -69,29 +70,21 @@ from recsys_trainer.distributed import (
 )
 from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.logger import LoggerHook
-from recsys_trainer.hooks.timing import StepTimings
-from recsys_trainer.sharding import (
+from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
     SparseDenseOptimizer,
     SparseOptimizer,
     build_dense_optimizer,
-    install_sparse_grad_unscaling,
-    shard_model,
+    build_lr_scheduler,
 )
+from recsys_trainer.pipeline import SparseDistPipeline
+from recsys_trainer.precision import Precision
+from recsys_trainer.rng import RNGState, seed_everything
+from recsys_trainer.sharding import dense_no_sync, shard_model
+from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
-
-
-class CheckpointerProtocol(Protocol):
-    """What the Trainer calls on its checkpointer (see ``recsys_trainer.checkpoint``)."""
-
-    def maybe_resume(self, trainer: Trainer) -> None: ...
-    def on_step_end(self, trainer: Trainer) -> None: ...
-    def on_window_end(self, trainer: Trainer) -> None: ...
-    def on_epoch_end(self, trainer: Trainer) -> None: ...
-    def on_train_end(self, trainer: Trainer) -> None: ...
-    def close(self) -> None: ...
 
 
 @dataclass
@@ -126,17 +119,6 @@ class TrainerState:
             setattr(self, k, v)
 
 
-def _split_output(out: Any) -> tuple[torch.Tensor, Any]:
-    if isinstance(out, torch.Tensor):
-        return out, None
-    if isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[0], torch.Tensor):
-        return out[0], out[1]
-    raise TypeError(
-        "the model's forward(batch) must return the loss tensor or a (loss, outputs) pair; "
-        f"got {type(out).__name__}."
-    )
-
-
 class Trainer:
     """Trains a model whose embedding tables are sharded by TorchRec and whose dense part is DDP.
 
@@ -154,6 +136,9 @@ class Trainer:
             optimizer->scheduler or None)``. The factory form is preferred: the Trainer hands it
             exactly the parameters without an in-backward optimizer.
         sparse_optimizer: the fused optimizer for all embedding tables.
+        checkpointer: saves, rotates and restores checkpoints; by default
+            ``CheckpointManager.from_args(args)``. It gets ``state_components()``.
+        gang: the control collectives (tests pass a ``FakeGang``); by default a gloo group.
 
     The constructor initialises the process group (via accelerate under torchrun; a world-size-1
     gloo group in a plain process), shards the model, and builds both optimizers.
@@ -171,23 +156,32 @@ class Trainer:
         *,
         add_logger_hook: bool = True,
         gang: Gang | None = None,
+        checkpointer: CheckpointManager | None = None,
     ) -> None:
         self.args = args if args is not None else TrainingArguments()
         if not isinstance(self.args, TrainingArguments):
             raise TypeError(f"`args` must be a TrainingArguments, got {type(self.args).__name__}.")
-        self.accelerator = self._make_accelerator()
+        a = self.args
+        cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
+        # Before init_distributed: under torchrun, accelerate initialises the process group.
+        self.precision = Precision(a.mixed_precision, cuda=cuda,
+                                   gradient_accumulation_steps=a.gradient_accumulation_steps)
         info = init_distributed(self.args.device)
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
         configure_cpu_threads(info.local_world_size)
-        self._seed(self.args.seed)
+        seed_everything(self.args.seed)
         self.gang: Gang = gang if gang is not None else ProcessGroupGang(new_control_group())
+        self.process_group: dist.ProcessGroup | None = dist.group.WORLD
+        """The group the model's tensor collectives run on (sharding, DDP, metric sync); control
+        decisions run on ``gang``."""
 
         self.sparse_optimizer_spec = sparse_optimizer or SparseOptimizer()
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,
             self.device,
+            process_group=self.process_group,
             sharding_types=self.args.sharding_types,
             local_world_size=info.local_world_size,
             static_graph=self.args.gradient_accumulation_steps == 1,
@@ -198,20 +192,8 @@ class Trainer:
         dense_opt, dense_named = build_dense_optimizer(self.model, dense_arg)
         self.dense_params = [p for _, p in dense_named]
         self.optimizer = SparseDenseOptimizer(dense_opt, dense_named, self.model.fused_optimizer)
-        if sched_arg is None or isinstance(sched_arg, torch.optim.lr_scheduler.LRScheduler):
-            self.lr_scheduler = sched_arg
-        else:
-            self.lr_scheduler = sched_arg(dense_opt)
-        if self.lr_scheduler is not None and self.lr_scheduler.optimizer is not dense_opt:
-            raise ValueError(
-                "the lr scheduler is bound to another optimizer than the dense optimizer; pass a "
-                "factory `lambda opt: Scheduler(opt, ...)` as dense_optimizers[1]."
-            )
-        if self.accelerator.scaler is not None:
-            # fp16: fused sparse updates run inside backward, before any unscale_ could: unscale
-            # on the way into the tables instead (see sharding._ScaleGrad).
-            scaler = self.accelerator.scaler
-            install_sparse_grad_unscaling(self.model, lambda: scaler.get_scale())
+        self.lr_scheduler = build_lr_scheduler(sched_arg, dense_opt)
+        self.precision.prepare_model(self.model)
 
         self.train_dataset: WindowedDataset | None = as_windowed(train_dataset)
         self.eval_dataset: WindowedDataset | None = as_windowed(eval_dataset)
@@ -227,30 +209,38 @@ class Trainer:
             self.hooks.add(h)
 
         self.state = TrainerState()
-        self._pipeline: Any = None
-        self._pipeline_last: MicroBatchOutput
-        from recsys_trainer.checkpoint import CheckpointManager
-
-        # Built on every rank (it creates its own gloo group: a collective). It resumes, saves
-        # on the configured triggers, and serves save_checkpoint/load_checkpoint.
-        self.checkpointer: CheckpointerProtocol | None = CheckpointManager.from_args(self.args)
-        self._stop_local = False
-        self._non_finite_local = False
         self.timings = StepTimings()
         """Wall-time breakdown of the last training step (read it in ``after_step``)."""
-        self.skip_non_finite_loss = False
-        """When True (``NonFiniteLossHook(action="skip")`` sets it), each micro-batch's loss is
-        checked *before* backward and the ranks agree (one extra all-reduce per micro-batch, and
-        a device sync on CUDA) whether to skip it; see ``_train_step``."""
+        self._dense_step = DenseStep(
+            dense_opt, self.dense_params, self.precision,
+            accumulation_steps=a.gradient_accumulation_steps, max_grad_norm=a.max_grad_norm,
+            lr_scheduler=self.lr_scheduler, timings=self.timings,
+        )
+        self._pipeline: SparseDistPipeline | None = None
+        self.non_finite = NonFiniteGuard(a.non_finite_loss, a.max_non_finite_skips)
+        """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
         self.last_step_skipped = False
         """True when the last step had a micro-batch skipped for a non-finite loss."""
+        self._stop_local = False
+        self._non_finite_local = False
         self._depth = 0
+        # Attached on every rank (the default creates its own gloo group: a collective). It
+        # resumes, saves on the configured triggers, and serves save/load_checkpoint.
+        self.checkpointer = checkpointer if checkpointer is not None else \
+            CheckpointManager.from_args(self.args)
+        self.checkpointer.attach(self.state_components(), run_args=self.args.to_jsonable(),
+                                 listener=lambda event, path: self.hooks.fire(event, self, path))
 
     # ------------------------------------------------------------------ public API
 
     @property
     def is_rank_zero(self) -> bool:
         return self.rank == 0
+
+    @property
+    def accelerator(self) -> Any:
+        """The ``accelerate.Accelerator`` behind ``precision`` (autocast, scaler)."""
+        return self.precision.accelerator
 
     def add_hook(self, hook: Hook) -> None:
         """Append a hook (runs after those already added)."""
@@ -278,23 +268,40 @@ class Trainer:
     def sparse_lr(self) -> float | None:
         return self.optimizer.sparse_lr()
 
+    def state_components(self) -> dict[str, Stateful]:
+        """Everything a checkpoint holds, as named ``Stateful`` components (what each is:
+        ``recsys_trainer.checkpoint.contents``). The objects are the live ones; the checkpointer
+        gets this mapping once, when the Trainer is built."""
+        comps: dict[str, Stateful] = {
+            "model": self.model,
+            "dense_optimizer": self.optimizer.dense_state,
+            "sparse_optimizer": self.optimizer.sparse_state,
+            "trainer_state": self.state,
+            "rng": RNGState(),
+            "hooks": self.hooks,
+            "non_finite": self.non_finite,
+        }
+        optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
+                    "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
+        comps.update({k: v for k, v in optional.items() if v is not None})
+        return comps
+
+    def resume(self) -> None:
+        """Restore the state ``args.resume_from`` names ("auto": the newest committed checkpoint
+        in ``output_dir``), or else warm-start from ``args.model_bank``; all ranks call this.
+        ``train()`` does it itself at its start; call it to evaluate a trained model. Only the
+        first call (from either) does anything."""
+        self.checkpointer.resume()
+
     def save_checkpoint(self, path: str | None = None) -> str:
         """Save a checkpoint now and wait for it to commit (all ranks must call this); returns
         its directory (default ``output_dir/step_<global_step>``)."""
-        from recsys_trainer.checkpoint import CheckpointManager
-
-        if not isinstance(self.checkpointer, CheckpointManager):
-            raise RuntimeError("this Trainer's checkpointer does not support save_checkpoint().")
-        return self.checkpointer.save(self, path, blocking=True)
+        return self.checkpointer.save(path, blocking=True)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore the full training state from the committed checkpoint at ``path`` (all ranks
         must call this)."""
-        from recsys_trainer.checkpoint import CheckpointManager
-
-        if not isinstance(self.checkpointer, CheckpointManager):
-            raise RuntimeError("this Trainer's checkpointer does not support load_checkpoint().")
-        self.checkpointer.load(self, path)
+        self.checkpointer.load(path)
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
@@ -321,12 +328,11 @@ class Trainer:
         try:
             yield
         except BaseException as exc:
-            if self.checkpointer is not None:
-                # Never leave a save half-written behind an exception: let it commit first.
-                try:
-                    self.checkpointer.close()
-                except Exception:  # noqa: BLE001 - the original exception matters more
-                    logger.exception("finishing the in-flight checkpoint save failed")
+            # Never leave a save half-written behind an exception: let it commit first.
+            try:
+                self.checkpointer.close()
+            except Exception:  # noqa: BLE001 - the original exception matters more
+                logger.exception("finishing the in-flight checkpoint save failed")
             self.hooks.fire("on_exception", self, exc)
             raise
         finally:
@@ -340,8 +346,7 @@ class Trainer:
         args, st = self.args, self.state
         self._stop_local = self._non_finite_local = False
         st.stop_reason = None
-        if self.checkpointer is not None:
-            self.checkpointer.maybe_resume(self)
+        self.resume()
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
@@ -369,8 +374,7 @@ class Trainer:
                 if not done:
                     # The window is finished: the resume position moves to the next one.
                     st.window_index, st.batches_in_window = index + 1, 0
-                    if self.checkpointer is not None:
-                        self.checkpointer.on_window_end(self)
+                    self.checkpointer.on_window_end()
                 if done:
                     break
             self.hooks.fire("after_epoch", self, st.epoch)
@@ -380,8 +384,7 @@ class Trainer:
             if not done:
                 st.epoch += 1
                 st.window_index = 0
-                if self.checkpointer is not None:
-                    self.checkpointer.on_epoch_end(self)
+                self.checkpointer.on_epoch_end()
         if args.train_steps is not None and st.global_step < args.train_steps and st.stop_reason is None:
             logger.warning(
                 "training ended after %d of train_steps=%d steps: the data ran out after "
@@ -389,8 +392,7 @@ class Trainer:
             )
         if st.rows_unread and self.is_rank_zero:
             logger.info("rank 0 left %d train rows unread at window ends (uneven data)", st.rows_unread)
-        if self.checkpointer is not None:
-            self.checkpointer.on_train_end(self)
+        self.checkpointer.on_train_end()
         self.hooks.fire("after_train", self)
 
     def _train_window(self, ds: WindowedDataset, window_id: str) -> bool:
@@ -405,17 +407,11 @@ class Trainer:
             pad=False,
             local_flags=lambda: (self._stop_local, self._non_finite_local),
         )
-        finished = False
         try:
             if args.pipeline == "sparse_dist":
                 finished = self._train_pipelined(it)
-            batch = None if args.pipeline == "sparse_dist" else self._fetch(it)
-            while batch is not None:
-                self._train_step(batch, it)
-                if self._end_of_step():
-                    finished = True
-                    break
-                batch = self._fetch(it)
+            else:
+                finished = self._train_plain(it)
         finally:
             # A window cut short (train_steps, an exception) must still release the dataset's
             # read-ahead thread and open files; the pipeline keeps a reference to `it`.
@@ -431,84 +427,53 @@ class Trainer:
         self.hooks.fire("after_window", self, window_id)
         return finished
 
-    def _train_pipelined(self, it: SyncedIterator) -> bool:
-        """Train the window with TorchRec's ``TrainPipelineSparseDist``; True when a limit hit.
+    def _train_plain(self, it: SyncedIterator) -> bool:
+        """Train the window one step at a time; True when training must end."""
+        batch = self._fetch(it)
+        while batch is not None:
+            self._train_step(batch, it)
+            if self._end_of_step():
+                return True
+            batch = self._fetch(it)
+        return False
 
-        The pipeline copies batch i+2 to the device and starts batch i+1's sparse input
-        all-to-all while batch i runs forward/backward. It pulls batches ahead from ``it``, which
-        is why the cross-rank exit flag lives inside ``SyncedIterator.__next__``: all ranks still
-        stop at the same fetch, and each trains the same number of batches. The data position
-        counts *trained* batches, so batches fetched ahead and not trained are read again on
-        resume. Events per step are the same as without the pipeline.
-        """
-        st = self.state
-        if self.skip_non_finite_loss:
+    def _train_pipelined(self, it: SyncedIterator) -> bool:
+        """Train the window through ``SparseDistPipeline`` (one batch per step, the same events
+        and dense update as the plain loop); True when training must end."""
+        if self.non_finite.action == "skip":
             raise ValueError(
                 "skipping non-finite losses needs a decision before backward, which "
                 "TrainPipelineSparseDist runs itself; use pipeline='none' with that guard."
             )
-        pipe = self._get_pipeline()
-        pipe.reset()
-        try:
-            while True:
-                try:
-                    pipe.progress(it)
-                except StopIteration:
-                    return False
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step()
-                st.batches_in_window += 1
-                st.global_step += 1
-                micro = self._pipeline_last
-                self.hooks.fire("after_step", self, StepOutput(st.global_step, micro.loss.float(), [micro]))
-                self.timings.reset()
-                if self._end_of_step():
-                    return True
-        finally:
-            pipe.detach()  # restore the sharded modules' own forward (evaluation uses it)
+        if self._pipeline is None:
+            self._pipeline = SparseDistPipeline(self.model, self._dense_step, self.device,
+                                                self._pipelined_forward)
+
+        def after_batch(micro: MicroBatchOutput) -> bool:
+            self.state.batches_in_window += 1
+            self._finish_step([micro], skipped=False)
+            return self._end_of_step()
+
+        return self._pipeline.train_window(it, after_batch)
+
+    def _pipelined_forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        # The pipeline calls this once per progress(), with the batch being trained.
+        self.hooks.fire("before_step", self)
+        self.hooks.fire("after_data", self, batch)
+        return self._forward(batch)
+
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        with self.precision.autocast():
+            return split_output(self.model(batch))
 
     def _end_of_step(self) -> bool:
         """Checkpoint triggers, then the ``train_steps`` limit; True when training must end."""
-        if self.checkpointer is not None:
-            self.checkpointer.on_step_end(self)
+        self.checkpointer.on_step_end()
         limit = self.args.train_steps
         if limit is not None and self.state.global_step >= limit:
             self.state.stop_reason = self.state.stop_reason or f"train_steps={limit} reached"
             return True
         return False
-
-    def _get_pipeline(self) -> Any:
-        if self._pipeline is None:
-            from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-            trainer = self
-
-            def forward(batch: Batch) -> tuple[torch.Tensor, Any]:
-                # Called once per progress() with the batch being trained.
-                trainer.hooks.fire("before_step", trainer)
-                trainer.hooks.fire("after_data", trainer, batch)
-                with trainer.accelerator.autocast():
-                    loss, outputs = _split_output(trainer.model(batch))
-                trainer._pipeline_last = MicroBatchOutput(batch, loss.detach(), outputs)
-                return loss, outputs
-
-            class _DenseStep:
-                """What the pipeline steps: zero_grad and (clipped) step of the dense optimizer;
-                the sparse optimizer already ran inside backward."""
-
-                def zero_grad(self) -> None:
-                    trainer.optimizer.dense.zero_grad(set_to_none=True)
-
-                def step(self) -> None:
-                    if trainer.args.max_grad_norm is not None:
-                        torch.nn.utils.clip_grad_norm_(trainer.dense_params, trainer.args.max_grad_norm)
-                    trainer.optimizer.dense.step()
-
-            self._pipeline = TrainPipelineSparseDist(
-                self.model, _DenseStep(), self.device, execute_all_batches=True,  # type: ignore[arg-type]
-                custom_model_fwd=forward,  # type: ignore[arg-type]
-            )
-        return self._pipeline
 
     def _fetch(self, it: SyncedIterator) -> Batch | None:
         t0 = time.perf_counter()
@@ -524,80 +489,50 @@ class Trainer:
         current one is the last of the step: only the last runs with DDP's gradient all-reduce
         (the others under ``no_sync``, saving k-1 all-reduces of every dense gradient).
         """
-        st, k = self.state, self.args.gradient_accumulation_steps
+        k, tm = self.args.gradient_accumulation_steps, self.timings
         self.hooks.fire("before_step", self)
         micro: list[MicroBatchOutput] = []
         current: Batch | None = batch
         skipped = False
-        t_fb, wait_before = time.perf_counter(), self.timings.data_wait_s
+        t_fb, wait_before = time.perf_counter(), tm.data_wait_s
         while current is not None:
             nxt = self._fetch(it) if len(micro) < k - 1 else None
             is_last = nxt is None
-            self.accelerator.gradient_state._set_sync_gradients(is_last)
+            self.precision.set_sync_gradients(is_last)
             self.hooks.fire("after_data", self, current)
-            with self._no_sync(not is_last):
-                with self.accelerator.autocast():
-                    loss, outputs = _split_output(self.model(current))
-                # accelerate divides by gradient_accumulation_steps: dense grads become the mean
-                # over micro-batches; fused sparse updates see loss/k on every micro-batch.
-                if self.skip_non_finite_loss and self._agree_non_finite(loss):
+            with dense_no_sync(self.model, not is_last):
+                loss, outputs = self._forward(current)
+                # The precision module divides by k: dense grads become the mean over the
+                # micro-batches; fused sparse updates see loss/k on every micro-batch.
+                if self.non_finite.skip_backward(loss, self.gang):
                     # No backward at all, on every rank: the fused sparse update runs inside
                     # backward, so this is the only way to keep a NaN out of the tables, and
                     # skipping on all ranks together keeps DDP's and the shards' collectives
                     # matched.
                     skipped = True
                 else:
-                    self.accelerator.backward(loss)
+                    self.precision.backward(loss)
             micro.append(MicroBatchOutput(current, loss.detach(), outputs))
-            st.batches_in_window += 1
+            self.state.batches_in_window += 1
             current = nxt
-        tm = self.timings
         tm.forward_backward_s += time.perf_counter() - t_fb - (tm.data_wait_s - wait_before)
-        t_opt = time.perf_counter()
-        if skipped:
-            # The accumulated dense grads are partial, and unsynchronised if the skipped
-            # micro-batch was the one that would all-reduce: drop the whole dense update.
-            self.optimizer.dense.zero_grad(set_to_none=True)
-        elif len(micro) < k:
-            # A window ended mid-accumulation: make the dense grads the mean over the j
-            # micro-batches that ran (sparse updates already used loss/k).
-            for p in self.dense_params:
-                if p.grad is not None:
-                    p.grad.mul_(k / len(micro))
-        if not skipped:
-            if self.args.max_grad_norm is not None:
-                # DDP already averaged the grads, so every rank computes the same global norm.
-                self.accelerator.unscale_gradients()
-                torch.nn.utils.clip_grad_norm_(self.dense_params, self.args.max_grad_norm)
-            self._optimizer_step()
-        tm.optimizer_s += time.perf_counter() - t_opt
+        self._dense_step.step(len(micro), skipped=skipped)
+        self._finish_step(micro, skipped)
+
+    def _finish_step(self, micro: list[MicroBatchOutput], skipped: bool) -> None:
+        """Count the step and fire ``after_step`` (both loops)."""
+        st = self.state
         self.last_step_skipped = skipped
         st.global_step += 1
         loss_mean = torch.stack([m.loss.float() for m in micro]).mean()
+        report, stop = self.non_finite.after_step(loss_mean, st.global_step, skipped,
+                                                  rank=self.rank)
+        if report:
+            self.report_non_finite_loss()
+        if stop is not None:
+            self.request_stop(stop)
         self.hooks.fire("after_step", self, StepOutput(st.global_step, loss_mean, micro))
-        tm.reset()
-
-    def _agree_non_finite(self, loss: torch.Tensor) -> bool:
-        """Whether any rank's micro-batch loss is non-finite (one all-reduce; a device sync)."""
-        bad = not bool(torch.isfinite(loss.detach()).all())
-        return bool(self.gang.all_reduce_max([int(bad)])[0])
-
-    def _optimizer_step(self) -> None:
-        scaler = self.accelerator.scaler
-        if scaler is not None:
-            scaler.step(self.optimizer.dense)
-            scaler.update()
-        else:
-            self.optimizer.dense.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.optimizer.dense.zero_grad(set_to_none=True)
-
-    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager[Any]:
-        inner = getattr(self.model, "_dmp_wrapped_module", None)
-        if skip and isinstance(inner, torch.nn.parallel.DistributedDataParallel):
-            return inner.no_sync()
-        return contextlib.nullcontext()
+        self.timings.reset()
 
     @torch.no_grad()
     def _evaluate(self, ds: WindowedDataset, windows: list[str] | None) -> dict[str, float]:
@@ -622,8 +557,7 @@ class Trainer:
                     is_pad = it.last_was_padding
                     self.hooks.fire("after_data", self, batch)
                     self.hooks.fire("before_eval_step", self)
-                    with self.accelerator.autocast():
-                        loss, outputs = _split_output(self.model(batch))
+                    loss, outputs = self._forward(batch)
                     steps += 1
                     if not is_pad:
                         n = batch.num_real_rows()
@@ -644,42 +578,13 @@ class Trainer:
             "num_samples": total_rows,
         }
         self.hooks.fire("after_evaluate", self, metrics)
+        self.checkpointer.record_metrics(metrics)  # with what hooks added: keep-best may use it
         st.mode = prev_mode
         if prev_mode == "train":
             self.model.train()
         return metrics
 
     # ------------------------------------------------------------------ helpers
-
-    def _make_accelerator(self) -> Any:
-        from accelerate import Accelerator
-
-        a = self.args
-        cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-        if a.mixed_precision == "fp16" and not cuda:
-            raise ValueError(
-                "`mixed_precision` is 'fp16', which needs CUDA (CPU autocast has no fp16 loss "
-                "scaling); on CPU use 'bf16' or 'no'."
-            )
-        from accelerate.state import AcceleratorState, GradientState
-
-        # accelerate keeps process-wide singletons; a second Trainer in the same process (tests,
-        # notebooks) with another precision would be refused, so start them afresh. The process
-        # group itself is kept.
-        if AcceleratorState._shared_state:
-            AcceleratorState._reset_state(reset_partial_state=False)
-            GradientState._reset_state()
-        return Accelerator(
-            cpu=not cuda,
-            mixed_precision=a.mixed_precision,
-            gradient_accumulation_steps=a.gradient_accumulation_steps,
-        )
-
-    @staticmethod
-    def _seed(seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed % (2**32))
-        torch.manual_seed(seed)
 
     @staticmethod
     def _is_windowed(ds: WindowedDataset | None) -> bool:

@@ -4,7 +4,9 @@
 processes, each with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set as torchrun would, calls
 ``fn(*args)`` in each, and returns the per-rank return values (must be picklable). A rank that
 raises fails the test with its traceback; a hang past ``timeout_s`` kills every rank and fails.
-``fn`` must be defined at module level (spawn pickles it by reference).
+``fn`` must be defined at module level (spawn pickles it by reference). Under pytest only a test
+marked ``@pytest.mark.distributed`` may call it (``conftest.py`` says which test runs), so the
+fast tier (``-m "not distributed"``) never starts a process group.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from recsys_trainer.distributed import free_port
+
+current_test_is_distributed = True
+"""Set by ``conftest.py`` for every test: whether it carries the ``distributed`` marker."""
 
 
 def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: dict[str, str],
@@ -49,6 +54,9 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, env: d
 
 def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout_s: float = 120,
                     args: tuple[Any, ...] = (), env: dict[str, str] | None = None) -> list[Any]:
+    if not current_test_is_distributed:
+        raise RuntimeError("run_distributed starts real processes: mark the test "
+                           "@pytest.mark.distributed (the fast tier deselects those).")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()

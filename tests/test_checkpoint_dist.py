@@ -23,7 +23,7 @@ from recsys_trainer.checkpoint import CheckpointError, layout
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 
 TIMEOUT = 180
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 
 def _rank() -> int:
@@ -118,7 +118,7 @@ def _train_two_ranks(out: str) -> None:
 
 def _load_and_resave(src: str, dst: str) -> dict[str, Any]:
     t = build(os.path.join(dst, "run"), RowWindows(), resume_from=src, train_steps=100)
-    t.checkpointer.maybe_resume(t)  # type: ignore[union-attr]
+    t.resume()
     t.save_checkpoint(dst + "/resaved")
     return t.state.state_dict()
 
@@ -150,7 +150,7 @@ def test_resharding_2_to_1_and_1_to_2_restores_model_and_both_optimizers(tmp_pat
     # ... unless asked to restart that window.
     t = build(str(tmp_path / "rw"), RowWindows(), resume_from=os.path.join(two, "step_00000003"),
               reshard_data_position="restart_window", train_steps=100)
-    t.checkpointer.maybe_resume(t)  # type: ignore[union-attr]
+    t.resume()
     assert (t.state.global_step, t.state.window_index, t.state.batches_in_window) == (3, 0, 0)
 
     # 1 -> 2: both ranks load the world-size-1 checkpoint and re-save it.
@@ -167,7 +167,7 @@ def test_resharding_2_to_1_and_1_to_2_restores_model_and_both_optimizers(tmp_pat
 def _one_rank_fails_a_save(out: str) -> dict[str, Any]:
     import shutil
 
-    from recsys_trainer.checkpoint import state as cstate
+    from recsys_trainer.checkpoint import contents
 
     t = build(out, RowWindows(), train_steps=2)
     t.train()
@@ -176,7 +176,7 @@ def _one_rank_fails_a_save(out: str) -> dict[str, Any]:
     stale = os.path.join(out, "step_00000002")
     if _rank() == 0:
         os.makedirs(stale)
-    real_rmtree, real_name = shutil.rmtree, cstate.extra_file_name
+    real_rmtree, real_name = shutil.rmtree, contents.extra_file_name
 
     def no_rmtree(path: Any, *a: Any, **kw: Any) -> None:
         raise PermissionError(f"denied: {path}")
@@ -191,13 +191,13 @@ def _one_rank_fails_a_save(out: str) -> dict[str, Any]:
         shutil.rmtree = real_rmtree
     # Rank 1 cannot write its extra-state file (after DCP's collectives).
     if _rank() == 1:
-        cstate.extra_file_name = lambda r: os.path.join("no_such_dir", real_name(r))  # type: ignore[assignment]
+        contents.extra_file_name = lambda r: os.path.join("no_such_dir", real_name(r))  # type: ignore[assignment]
     try:
         t.save_checkpoint()
     except CheckpointError as e:
         errors.append(str(e))
     finally:
-        cstate.extra_file_name = real_name  # type: ignore[assignment]
+        contents.extra_file_name = real_name  # type: ignore[assignment]
     committed_after_failures = layout.is_committed(stale)
     # The group's collectives are still in step: the next save commits.
     t.save_checkpoint()

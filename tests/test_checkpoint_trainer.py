@@ -24,12 +24,13 @@ from recsys_trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     export_model_state_dict,
-    fastio,
     layout,
+    writer,
 )
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.distributed import FakeGang
 from recsys_trainer.models import DLRMClassifier
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,7 +104,8 @@ class RowRecorder(Hook):
 
 
 def build(output_dir: str, ds: Any = None, hooks: list[Hook] | None = None,
-          feats: list[str] | None = None, rows: list[int] | None = None, **args: Any) -> Trainer:
+          feats: list[str] | None = None, rows: list[int] | None = None,
+          checkpointer: CheckpointManager | None = None, **args: Any) -> Trainer:
     """A tiny DLRM trainer with dense Adam + StepLR and fused row-wise Adagrad tables."""
     feats = feats or FEATS
     torch.manual_seed(0)
@@ -120,6 +122,7 @@ def build(output_dir: str, ds: Any = None, hooks: list[Hook] | None = None,
                           lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
         add_logger_hook=False,
+        checkpointer=checkpointer,
     )
 
 
@@ -152,7 +155,6 @@ def committed_steps(output_dir: str) -> list[int]:
 
 
 def manager(trainer: Trainer) -> CheckpointManager:
-    assert isinstance(trainer.checkpointer, CheckpointManager)
     return trainer.checkpointer
 
 
@@ -274,6 +276,78 @@ def test_saving_the_same_step_twice_is_idempotent(tmp_path: Any) -> None:
     p2 = t.save_checkpoint()
     assert p1 == p2 and open(os.path.join(p1, layout.MARKER)).read() == before
     assert committed_steps(out) == [3]
+
+
+# ---------------------------------------------------------------------------- components
+
+def test_the_trainer_hands_its_state_to_the_checkpointer_as_named_stateful_components(
+        tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    comps = build(str(tmp_path), RowWindows()).state_components()
+    assert set(comps) == {"model", "dense_optimizer", "sparse_optimizer", "trainer_state", "rng",
+                          "hooks", "non_finite", "lr_scheduler", "train_dataset"}
+    assert all(isinstance(c, Stateful) for c in comps.values())
+
+
+def test_optimizer_state_initialises_lazily_made_state_and_loads_by_parameter_name(
+        tmp_path: Any) -> None:
+    trained = build(str(tmp_path / "a"), RowWindows(), train_steps=3)
+    trained.train()
+    fresh = build(str(tmp_path / "b"), RowWindows())
+    dense = fresh.optimizer.dense_state
+    params_before = [p.detach().clone() for p in fresh.dense_params]
+    dense.init_state()  # Adam's moments exist now; the parameters did not move
+    assert fresh.optimizer.dense.state
+    assert all(torch.equal(p, b) for p, b in zip(fresh.dense_params, params_before, strict=True))
+    saved = trained.optimizer.dense_state.state_dict()
+    some = dict(list(saved["state"].items())[:2])
+    dense.load_state_dict({"state": some, "param_groups": saved["param_groups"]})
+    mine = dense.state_dict()
+    for name, entry in mine["state"].items():
+        same = all(torch.equal(entry[k], saved["state"][name][k]) for k in entry)
+        assert same == (name in some), name  # the others keep their own state
+    assert mine["param_groups"] == saved["param_groups"]
+    with pytest.raises(ValueError, match="parameters this optimizer does not have"):
+        dense.load_state_dict({"state": {"nope.weight": {}}})
+
+
+# ---------------------------------------------------------------------------- collectives (FakeGang)
+# The manager's control collectives go through its Gang: a FakeGang playing rank 0 of 2 scripts
+# what the other rank reports, so the cross-rank failure handling runs in one process.
+
+def _fake_rank0(out: str, **gang: Any) -> Trainer:
+    t = build(out, RowWindows(), train_steps=2,
+              checkpointer=CheckpointManager(out, gang=FakeGang(rank=0, world_size=2, **gang)))
+    t.train()
+    return t
+
+
+def test_a_peer_that_cannot_prepare_the_directory_fails_the_save_on_this_rank_too(
+        tmp_path: Any) -> None:
+    t = _fake_rank0(str(tmp_path), peer_objects=[["PermissionError: denied"]])
+    with pytest.raises(CheckpointError, match=r"rank 1: PermissionError: denied") as e:
+        t.save_checkpoint()
+    assert e.value.kind == "save_failed" and committed_steps(str(tmp_path)) == []
+
+
+def test_a_peer_that_fails_to_write_its_files_leaves_the_checkpoint_uncommitted(
+        tmp_path: Any) -> None:
+    # First gather: the directory is ready everywhere; second: rank 1 could not write.
+    t = _fake_rank0(str(tmp_path), peer_objects=[[None], [({}, "OSError: disk full")]])
+    with pytest.raises(CheckpointError, match=r"committing .* failed: rank 1: OSError: disk full"):
+        t.save_checkpoint()
+    assert not layout.is_committed(os.path.join(str(tmp_path), "step_00000002"))
+
+
+def test_ranks_that_see_different_checkpoints_refuse_to_resume(tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=2, save_steps=2).train()
+    # This rank sees step 2; the other rank (scripted) sees step 4.
+    t = build(out, RowWindows(), checkpointer=CheckpointManager(
+        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[4]])))
+    with pytest.raises(CheckpointError, match="ranks disagree on the checkpoint to resume from"):
+        t.resume()
 
 
 # ---------------------------------------------------------------------------- resume & rotation
@@ -427,14 +501,14 @@ def test_manifest_crc32s_computed_while_writing_match_the_files_on_disk(tmp_path
 def test_async_staging_buffers_are_allocated_at_train_start_and_reused_by_every_save(
         tmp_path: Any, monkeypatch: Any) -> None:
     ptrs: list[set[int]] = []
-    real = fastio.StagingBuffers.stage
+    real = writer.StagingBuffers.stage
 
-    def stage(self: fastio.StagingBuffers, state: dict[str, Any]) -> dict[str, Any]:
+    def stage(self: writer.StagingBuffers, state: dict[str, Any]) -> dict[str, Any]:
         staged = real(self, state)
-        ptrs.append({t.data_ptr() for _, t in fastio.iter_leaves(staged) if t.numel()})
+        ptrs.append({t.data_ptr() for _, t in writer.iter_leaves(staged) if t.numel()})
         return staged
 
-    monkeypatch.setattr(fastio.StagingBuffers, "stage", stage)
+    monkeypatch.setattr(writer.StagingBuffers, "stage", stage)
     out = str(tmp_path)
     t = build(out, RowWindows(), train_steps=6, save_steps=2, max_to_keep=10)
     t.train()
@@ -451,7 +525,7 @@ def test_exact_views_alias_the_live_memory_so_dcp_does_not_clone() -> None:
     fused = torch.arange(60, dtype=torch.float32)
     table = fused[20:40].view(5, 4)  # a table inside a fused buffer (as FBGEMM's TBE keeps them)
     state = {"model": {"t": table, "whole": fused, "n": 3}}
-    exact = fastio.exact_views(state)
+    exact = writer.exact_views(state)
     t = exact["model"]["t"]
     assert t.data_ptr() == table.data_ptr() and t.untyped_storage().nbytes() == t.nbytes
     assert torch.equal(t, table) and exact["model"]["n"] == 3
@@ -465,6 +539,7 @@ def test_checkpoint_restores_counters_lr_schedule_rng_and_hook_state(tmp_path: A
     rec = RowRecorder()
     t = build(out, RowWindows(), hooks=[rec], train_steps=7)
     t.train()
+    t.non_finite.num_skipped = 2  # the non-finite guard's count is part of the state too
     t.save_checkpoint()
     expected_rand = torch.rand(3)  # the RNG state right after the save
     other_rec = RowRecorder()
@@ -477,6 +552,7 @@ def test_checkpoint_restores_counters_lr_schedule_rng_and_hook_state(tmp_path: A
     assert t2.lr_scheduler.state_dict() == t.lr_scheduler.state_dict()
     assert other_rec.counter == rec.counter == 7
     assert other_rec.events == [("loaded", "step_00000007")]
+    assert t2.non_finite.num_skipped == 2
 
 
 def test_params_not_save_and_save_filter_fn_leave_parameters_and_their_state_out(tmp_path: Any) -> None:
@@ -533,7 +609,7 @@ def test_model_bank_warm_starts_selected_parts_with_name_map_and_resized_tables(
               model_bank=bank, train_steps=4)
     init = {k: v.clone() for k, v in
             ((k, local(v).view(v.size())) for k, v in t.model.state_dict().items())}
-    manager(t).maybe_resume(t)
+    t.resume()
     now = {k: local(v).view(v.size()) for k, v in t.model.state_dict().items()}
     p = "dlrm.sparse_arch.embedding_bag_collection.embedding_bags."
     assert torch.equal(now[p + "t_f0.weight"], src_model[p + "t_f0.weight"])
@@ -559,7 +635,7 @@ def test_model_bank_rejects_unknown_components_and_shape_mismatches(tmp_path: An
               model_bank=[{"path": src_dir, "include": {"dense": ["*"]},
                            "name_map": {"dense_arch.model._mlp.0": "over_arch.model.0._mlp.0"}}])
     with pytest.raises(CheckpointError, match="has shape"):
-        manager(t).maybe_resume(t)
+        t.resume()
 
 
 _EXPORT_CHECK = """

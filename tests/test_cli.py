@@ -116,6 +116,23 @@ def test_config_errors_name_the_key_and_the_allowed_values(change: dict[str, Any
             h.build(i)
 
 
+def test_parquet_options_are_the_datasets_own_fields_validated_by_it(tmp_path: Path) -> None:
+    import dataclasses
+
+    from recsys_trainer.data.parquet import ParquetReadOptions
+
+    own = {f.name for f in dataclasses.fields(ParquetDataConfig)} - {
+        f.name for f in dataclasses.fields(ParquetReadOptions)}
+    assert own == {"kind", "train", "eval", "features"}  # the rest is not a copy: it is inherited
+    raw = tiny()
+    raw["data"] = {"kind": "parquet", "train": str(tmp_path), "sharding": "diagonal",
+                   "features": {"labels": ["click"], "sparse": [{"name": "item", "num_embeddings": 5}]}}
+    with pytest.raises(ConfigError, match=r"`data`: `sharding` must be one of 'rows', 'row_groups'"):
+        RunConfig.from_dict(raw)
+    with pytest.raises(ValueError, match=r"`sharding` must be one of 'rows', 'row_groups'"):
+        ParquetReadOptions(sharding="diagonal")  # type: ignore[arg-type]
+
+
 def test_an_override_of_an_unknown_section_is_an_error() -> None:
     with pytest.raises(ConfigError, match=r"override `--trainer.steps` names unknown section `trainer`"):
         apply_overrides(TINY, [("trainer.steps", "3")])
@@ -195,6 +212,7 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
             p.wait(10)
 
 
+@pytest.mark.distributed
 def test_two_torchrun_nodes_on_localhost_train_the_same_steps(tmp_path: Path) -> None:
     """Two torchrun agents (``--nnodes=2 --nproc_per_node=1``, c10d rendezvous) run the CLI."""
     from recsys_trainer.distributed import free_port

@@ -7,6 +7,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from data_utils import row_id_spec, row_ids, write_windows
 from dist_utils import run_distributed
@@ -18,6 +19,8 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.models import DLRMClassifier
+
+pytestmark = pytest.mark.distributed
 
 
 def _trainer(spec: FeatureSpec, train: Any, eval_: Any = None, hooks: Any = (), **args: Any) -> Trainer:

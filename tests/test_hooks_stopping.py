@@ -9,7 +9,13 @@ import pytest
 import torch
 from hooks_fixtures import ListWindows, make_trainer, synthetic
 
-from recsys_trainer import EarlyStoppingHook, LambdaHook, MetricReportHook, NonFiniteLossHook
+from recsys_trainer import (
+    EarlyStoppingHook,
+    LambdaHook,
+    MetricReportHook,
+    NonFiniteLossHook,
+    TrainingArguments,
+)
 
 
 def _windows(num: int, nan_at: int | None = None) -> ListWindows:
@@ -60,6 +66,7 @@ def _scenarios(tmp: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.distributed
 def test_early_stopping_and_non_finite_guard_act_identically_on_both_ranks(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dist_utils import run_distributed
 
@@ -116,3 +123,33 @@ def test_invalid_guard_and_stopper_arguments_are_refused_with_the_field_named() 
         NonFiniteLossHook("stop", max_skips=3)
     with pytest.raises(ValueError, match="`patience` must be an int >= 1"):
         EarlyStoppingHook(patience=0)
+
+
+def test_the_non_finite_policy_is_a_training_argument_the_hook_only_selects(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # One process, window w0's 3rd batch NaN: the same decisions as the 2-rank test, from args.
+    t = make_trainer(_windows(1, nan_at=2), None, output_dir=f"{tmp_path}/stop",
+                     non_finite_loss="stop")
+    t.train()
+    assert (t.state.global_step, t.state.stop_reason) == (3, "non-finite loss")
+    t = make_trainer(_windows(1, nan_at=2), None, output_dir=f"{tmp_path}/skip",
+                     non_finite_loss="skip", max_non_finite_skips=1)
+    t.train()
+    assert t.non_finite.skipped_steps == [3] and _all_finite(t)
+    assert t.state.stop_reason == "1 steps skipped for a non-finite loss (max_skips=1)"
+    # "ignore" (the default) trains on; the hook switches the Trainer's policy at before_train.
+    t = make_trainer(_windows(1, nan_at=2), None, output_dir=f"{tmp_path}/ignore")
+    t.train()
+    assert t.state.global_step == 6 and t.state.stop_reason is None
+    guard = NonFiniteLossHook("skip")
+    t = make_trainer(_windows(1, nan_at=2), None, [guard], output_dir=f"{tmp_path}/hook")
+    t.train()
+    assert t.non_finite.action == "skip" and guard.skipped_steps == [3] and guard.num_skipped == 1
+
+
+def test_invalid_non_finite_policies_are_refused_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="`non_finite_loss` must be one of 'ignore', 'stop', 'skip'"):
+        TrainingArguments(non_finite_loss="retry")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`max_non_finite_skips` needs `non_finite_loss` = 'skip'"):
+        TrainingArguments(non_finite_loss="stop", max_non_finite_skips=2)
+    with pytest.raises(ValueError, match="`non_finite_loss` 'skip' decides before backward"):
+        TrainingArguments(non_finite_loss="skip", pipeline="sparse_dist")

@@ -19,7 +19,7 @@ from hooks_fixtures import (
 from torchmetrics.classification import BinaryAUROC
 
 from recsys_trainer import LambdaHook, MetricReportHook
-from recsys_trainer.hooks.metrics import ClickMetrics, click_metrics, grouped_auc, weighted_auc
+from recsys_trainer.metrics import ClickMetrics, click_metrics, grouped_auc, weighted_auc
 
 
 def _weighted_pair_auc(p: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
@@ -151,6 +151,7 @@ def _reference(rows: list[dict[str, Any]]) -> tuple[dict[str, float], float]:
     return click_metrics(t(p), t(y), torch.ones(len(p), dtype=torch.float64), t(g)), rank_auc(p, y)
 
 
+@pytest.mark.distributed
 def test_two_rank_metrics_equal_single_process_metrics_over_all_rows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from dist_utils import run_distributed
 

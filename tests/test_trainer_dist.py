@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
@@ -14,6 +15,7 @@ from recsys_trainer import LambdaHook, SparseOptimizer
 from recsys_trainer.batch import Batch
 
 TIMEOUT = 180
+pytestmark = pytest.mark.distributed
 
 
 def _rank() -> int:

@@ -10,7 +10,6 @@ from helpers import Recorder, batches, make_trainer, tiny_model
 
 from recsys_trainer import (
     LambdaHook,
-    NotSupportedYetError,
     SparseOptimizer,
     Trainer,
     TrainingArguments,
@@ -87,15 +86,6 @@ def test_row_wise_sharding_on_cpu_is_refused_with_the_cpu_choices() -> None:
 def test_sharding_override_for_an_unknown_table_names_the_known_tables() -> None:
     with pytest.raises(ValueError, match=r"names tables \['nope'\].*its tables: \['t_f0'"):
         make_trainer(train=batches(2), sharding_types={"nope": "table_wise"})
-
-
-def test_checkpoint_fields_not_implemented_yet_fail_loudly() -> None:
-    from recsys_trainer.args import _SUPPORTED
-
-    unsupported = [f for f in ("save_steps", "model_bank") if f not in _SUPPORTED]
-    for f in unsupported:
-        with pytest.raises(NotSupportedYetError, match=f"`{f}` is not supported yet"):
-            TrainingArguments(**{f: 5 if f == "save_steps" else [{"path": "x"}]})
 
 
 def test_dense_optimizer_holding_embedding_tables_is_refused() -> None:

@@ -1,8 +1,10 @@
 """Checkpoints: per-rank concurrent, async, atomically committed, rotated, resumable.
 
-See ``docs/checkpoint.md`` for the layout and the guarantees.
+See ``docs/checkpoint.md`` for the layout and the guarantees. ``ModelBankSource`` lives in
+``recsys_trainer.args`` (beside ``TrainingArguments``) and is re-exported here.
 """
 
+from recsys_trainer.args import ModelBankSource
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.export import export_model_state_dict
 from recsys_trainer.checkpoint.layout import (
@@ -13,7 +15,6 @@ from recsys_trainer.checkpoint.layout import (
     select_to_delete,
 )
 from recsys_trainer.checkpoint.manager import CheckpointManager, SaveStats
-from recsys_trainer.checkpoint.model_bank import ModelBankSource
 
 __all__ = [
     "CheckpointError",

@@ -1,6 +1,9 @@
 """``CheckpointManager``: when to save, how to save (per-rank concurrent, async, atomic commit),
 which checkpoints to keep, and how to resume.
 
+It works on a mapping of named ``Stateful`` components (``attach``; what each holds:
+``checkpoint.contents``) and a ``Gang`` for its control collectives; it never sees a Trainer.
+
 A save, step by step (the only guarantee a reader relies on is the last line)::
 
     main thread:   drain the previous save (at most one in flight)
@@ -19,8 +22,8 @@ A save, step by step (the only guarantee a reader relies on is the last line)::
     main thread:   (at the next step, the next save, the end, or an exception)
                    after_save_checkpoint hooks
 
-All collectives of a save run on a dedicated gloo group, so the writer thread never interleaves
-with the training loop's collectives. A synchronous save (``async_save=False``) runs the same
+All collectives of a save run on the manager's own gang (by default a dedicated gloo group), so
+the writer thread never interleaves with the training loop's collectives. A synchronous save (``async_save=False``) runs the same
 writer code on the main thread without the staging copy (DCP writes from zero-copy views of
 the live tensors).
 """
@@ -36,26 +39,29 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-from recsys_trainer.checkpoint import fastio, layout
-from recsys_trainer.checkpoint import state as cstate
+from recsys_trainer.args import (
+    ModelBankSource,
+    ReshardDataPosition,
+    TrainingArguments,
+    model_bank_sources,
+)
+from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError
-from recsys_trainer.hooks.base import Hook
-
-if TYPE_CHECKING:
-    from recsys_trainer.args import TrainingArguments
-    from recsys_trainer.checkpoint.model_bank import ModelBankSource
-    from recsys_trainer.trainer import Trainer
+from recsys_trainer.checkpoint.model_bank import warm_start
+from recsys_trainer.distributed import FakeGang, Gang, ProcessGroupGang
 
 logger = logging.getLogger(__name__)
 
-ReshardDataPosition = Literal["error", "restart_window", "next_window"]
+CheckpointListener = Callable[[str, str], None]
+"""``(event, path)`` for ``before_save_checkpoint``, ``after_save_checkpoint`` and
+``after_load_checkpoint`` (the Trainer forwards them to its hooks)."""
 
 
 @dataclass
@@ -81,20 +87,8 @@ class _Pending:
     started: float = field(default_factory=time.perf_counter)
 
 
-class _MetricTap(Hook):
-    """Remembers the latest evaluation metrics, so a checkpoint can record them (keep-best)."""
-
-    def __init__(self, manager: CheckpointManager) -> None:
-        self._manager = manager
-
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
-        self._manager.last_metrics = {
-            k: float(v) for k, v in metrics.items() if isinstance(v, int | float)
-        }
-
-
 class CheckpointManager:
-    """Saves, rotates and restores checkpoints of a ``Trainer``.
+    """Saves, rotates and restores checkpoints of named ``Stateful`` components.
 
     Args:
         output_dir: where ``step_<N>/`` directories and ``checkpoints.json`` live.
@@ -112,7 +106,10 @@ class CheckpointManager:
         verify_checksums: check every file's CRC32 before loading (sizes are always checked).
         reshard_data_position: what to do with a mid-window data position when the world size
             changed (``"error"``, ``"restart_window"``, ``"next_window"``).
+        gang: the control collectives of saves and loads; by default (at ``attach``) a new gloo
+            group over all ranks, or a ``FakeGang`` without ``torch.distributed``.
 
+    The Trainer builds one with ``from_args`` unless given one, and ``attach``es its components.
     Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods.
     """
 
@@ -136,15 +133,8 @@ class CheckpointManager:
         keep_best_mode: Literal["min", "max"] = "min",
         verify_checksums: bool = True,
         reshard_data_position: ReshardDataPosition = "error",
-        process_group: dist.ProcessGroup | None = None,
+        gang: Gang | None = None,
     ) -> None:
-        from recsys_trainer.checkpoint.model_bank import ModelBankSource
-
-        if reshard_data_position not in ("error", "restart_window", "next_window"):
-            raise ValueError(
-                "`reshard_data_position` must be one of 'error', 'restart_window', "
-                f"'next_window', but is {reshard_data_position!r}."
-            )
         self.output_dir = output_dir
         self.save_steps = save_steps
         self.save_every_n_windows = save_every_n_windows
@@ -153,22 +143,19 @@ class CheckpointManager:
         self.save_concurrency_per_rank = save_concurrency_per_rank
         self.async_save = async_save
         self.resume_from = resume_from
-        self.model_bank = [s if isinstance(s, ModelBankSource) else ModelBankSource.from_dict(s)
-                           for s in (model_bank or [])]
-        self.key_filter = cstate.KeyFilter(params_not_save, save_filter_fn)
+        self.model_bank = model_bank_sources(model_bank)
+        self.key_filter = contents.KeyFilter(params_not_save, save_filter_fn)
         self.policy = layout.RetentionPolicy(max_to_keep, keep_every_n_hours, keep_best_metric,
                                              keep_best_mode)
         self.verify_checksums = verify_checksums
         self.reshard_data_position = reshard_data_position
-        if process_group is None and dist.is_initialized():
-            # A dedicated gloo group: the writer thread's collectives must never interleave with
-            # the training loop's on the default group (new_group is collective: all ranks).
-            process_group = dist.new_group(backend="gloo")
-        self._pg = process_group
+        self._gang = gang
+        self._components: contents.Components = {}
+        self._listener: CheckpointListener = lambda _event, _path: None
+        self._run_args: dict[str, Any] = {}
         self._executor: cf.ThreadPoolExecutor | None = None
         self._pending: _Pending | None = None
-        self._trainer: Trainer | None = None
-        self._staging = fastio.StagingBuffers()
+        self._staging = writer.StagingBuffers()
         self._staging_cache: dict[str, Any] | None = None  # fallback (unsupported tensor types)
         self._resumed_step: int | None = None
         self._resume_done = False
@@ -180,7 +167,7 @@ class CheckpointManager:
         """Stats of every committed save of this manager."""
 
     @classmethod
-    def from_args(cls, args: TrainingArguments) -> CheckpointManager:
+    def from_args(cls, args: TrainingArguments, gang: Gang | None = None) -> CheckpointManager:
         """Build from ``TrainingArguments`` (fields of the same names)."""
         return cls(
             args.output_dir,
@@ -190,73 +177,65 @@ class CheckpointManager:
             save_end=args.save_end,
             max_to_keep=args.max_to_keep,
             save_concurrency_per_rank=args.save_concurrency_per_rank,
-            async_save=getattr(args, "async_save", True),
+            async_save=args.async_save,
             resume_from=args.resume_from,
             model_bank=args.model_bank,
             params_not_save=args.params_not_save,
             save_filter_fn=args.save_filter_fn,
-            keep_every_n_hours=getattr(args, "keep_every_n_hours", None),
-            keep_best_metric=getattr(args, "keep_best_metric", None),
-            keep_best_mode=getattr(args, "keep_best_mode", "min"),
-            reshard_data_position=getattr(args, "reshard_data_position", "error"),
+            keep_every_n_hours=args.keep_every_n_hours,
+            keep_best_metric=args.keep_best_metric,
+            keep_best_mode=args.keep_best_mode,
+            reshard_data_position=args.reshard_data_position,
+            gang=gang,
         )
 
-    # ------------------------------------------------------------------ distributed helpers
+    def attach(self, components: contents.Components, *,
+               run_args: dict[str, Any] | None = None,
+               listener: CheckpointListener | None = None) -> None:
+        """Save and restore ``components`` from now on (all ranks call this together: the
+        default gang's group is created here). ``run_args`` is recorded in every checkpoint
+        (``args.json``); ``listener`` hears the checkpoint events."""
+        if self._gang is None:
+            # A dedicated gloo group: the writer thread's collectives must never interleave with
+            # the training loop's on the default group (new_group is collective: all ranks).
+            self._gang = ProcessGroupGang(dist.new_group(backend="gloo")) \
+                if dist.is_initialized() else FakeGang()
+        self._components = components
+        self._run_args = dict(run_args or {})
+        if listener is not None:
+            self._listener = listener
 
     @property
-    def rank(self) -> int:
-        return dist.get_rank(self._pg) if dist.is_initialized() else 0
+    def gang(self) -> Gang:
+        if self._gang is None:
+            raise RuntimeError("the CheckpointManager is not attached to any state yet; call "
+                               "attach(components) first (the Trainer does).")
+        return self._gang
 
-    @property
-    def world_size(self) -> int:
-        return dist.get_world_size(self._pg) if dist.is_initialized() else 1
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        """Remember the latest evaluation metrics (the next checkpoint records them, for
+        ``keep_best_metric``)."""
+        self.last_metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
 
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self._pg)
+    # ------------------------------------------------------------------ triggers (the loop's)
 
-    def _all_gather(self, obj: Any) -> list[Any]:
-        if self.world_size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self._pg)
-        return out
-
-    def _all_reduce_max(self, value: int) -> int:
-        # On the checkpoint group, not the Trainer's gang: the gang's collectives are the
-        # loop's (tests script them with FakeGang).
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg)
-        return int(t.item())
-
-    def _broadcast_from_zero(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        src = dist.get_global_rank(self._pg, 0) if self._pg is not None else 0
-        dist.broadcast_object_list(box, src=src, group=self._pg)
-        return box[0]
-
-    # ------------------------------------------------------------------ Trainer protocol
-
-    def maybe_resume(self, trainer: Trainer) -> None:
-        """At the start of training: resume from ``resume_from`` (by default the newest
-        committed checkpoint in ``output_dir``), or else warm-start from the model bank. Runs
-        once per trainer (a second ``train()`` continues from memory)."""
-        self._attach(trainer)
+    def resume(self) -> layout.CheckpointInfo | None:
+        """Restore the state ``resume_from`` names (by default the newest committed checkpoint
+        in ``output_dir``), or else warm-start from the model bank; returns the checkpoint
+        resumed from. Runs once (later calls return None: a second ``train()`` continues from
+        memory). All ranks call it together."""
+        gang = self.gang
         if self._resume_done:
-            return
+            return None
         self._resume_done = True
-        if self.rank == 0 and self._pending is None:
+        if gang.rank == 0 and self._pending is None:
             for path in layout.list_incomplete(self.output_dir):
                 logger.warning("removing incomplete checkpoint %s (its save never committed)", path)
                 shutil.rmtree(path, ignore_errors=True)
         source = self._resolve_resume_source()
         # Every rank must load the same checkpoint: agree (one tiny collective).
         local = source.step if source is not None else -1
-        agreed = self._all_reduce_max(local)
+        agreed = gang.all_reduce_max([local])[0]
         if agreed != local:
             raise CheckpointError(
                 f"ranks disagree on the checkpoint to resume from (this rank sees step {local}, "
@@ -264,21 +243,19 @@ class CheckpointManager:
                 step=agreed, path=self.output_dir, kind="mismatch")
         if source is not None:
             logger.info("resuming from %s (step %d)", source.path, source.step)
-            self.load(trainer, source.path)
+            self.load(source.path)
             self._resumed_step = source.step
         elif self.model_bank:
-            from recsys_trainer.checkpoint.model_bank import warm_start
-
-            warm_start(trainer, self.model_bank, process_group=self._pg)
-        self._check_no_foreign_checkpoints(trainer, source)
-        self._prepare_staging(trainer)
+            warm_start(self._components, self.model_bank, gang)
+        self._check_no_foreign_checkpoints(source)
+        self._prepare_staging()
+        return source
 
     def _will_save(self) -> bool:
         triggers = (self.save_steps, self.save_every_n_windows, self.save_every_n_epochs)
         return self.save_end or any(t is not None for t in triggers)
 
-    def _check_no_foreign_checkpoints(self, trainer: Trainer,
-                                      source: layout.CheckpointInfo | None) -> None:
+    def _check_no_foreign_checkpoints(self, source: layout.CheckpointInfo | None) -> None:
         """Refuse to save into an ``output_dir`` that holds committed checkpoints of another
         trajectory at or after this run's start step (a fresh start or a roll-back next to
         newer checkpoints): this run's save of such a step would be skipped as already done,
@@ -287,7 +264,7 @@ class CheckpointManager:
         the ranks agreed on ``source`` and read the same directory."""
         if not self._will_save():
             return
-        start = trainer.state.global_step
+        start = contents.counters(self._components)["global_step"]
         mine = os.path.abspath(source.path) if source is not None else None
         foreign = [i.step for i in layout.list_committed(self.output_dir)
                    if i.step >= start and os.path.abspath(i.path) != mine]
@@ -300,36 +277,42 @@ class CheckpointManager:
                 f"`output_dir`, or use another `output_dir`.",
                 step=start, path=self.output_dir, kind="mismatch")
 
-    def _prepare_staging(self, trainer: Trainer) -> None:
+    def _prepare_staging(self) -> None:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes
         seconds for big tables, so do it now, on a helper thread, while the loop trains, instead
         of inside the first save. Only when this run will save asynchronously."""
         if not self.async_save or not self._will_save():
             return
         try:
-            self._staging.prepare(cstate.tensor_state(trainer, self.key_filter), background=True)
+            self._staging.prepare(contents.tensor_state(self._components, self.key_filter),
+                                  background=True)
         except Exception as e:  # noqa: BLE001 - an optimisation: the first save allocates
             logger.warning("could not pre-allocate checkpoint staging buffers: %s", e)
 
-    def on_step_end(self, trainer: Trainer) -> None:
+    def on_step_end(self) -> None:
+        """After each optimizer step: commit a finished async save; ``save_steps``."""
         self._poll()
-        if self.save_steps is not None and trainer.state.global_step % self.save_steps == 0:
-            self.save(trainer)
+        if self.save_steps is not None and \
+                contents.counters(self._components)["global_step"] % self.save_steps == 0:
+            self.save()
 
-    def on_window_end(self, trainer: Trainer) -> None:
+    def on_window_end(self) -> None:
+        """After a train window is finished (its resume position moved on)."""
         self.windows_done += 1
         n = self.save_every_n_windows
         if n is not None and self.windows_done % n == 0:
-            self.save(trainer)
+            self.save()
 
-    def on_epoch_end(self, trainer: Trainer) -> None:
+    def on_epoch_end(self) -> None:
+        """After an epoch is finished (the epoch counter moved on)."""
         n = self.save_every_n_epochs
-        if n is not None and trainer.state.epoch % n == 0:
-            self.save(trainer)
+        if n is not None and contents.counters(self._components)["epoch"] % n == 0:
+            self.save()
 
-    def on_train_end(self, trainer: Trainer) -> None:
+    def on_train_end(self) -> None:
+        """When training ends normally: ``save_end``, then wait for the save to commit."""
         if self.save_end:
-            self.save(trainer)
+            self.save()
         self.wait()
 
     def close(self) -> None:
@@ -345,14 +328,15 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ public API
 
-    def save(self, trainer: Trainer, path: str | None = None, *, blocking: bool | None = None) -> str:
-        """Save a checkpoint of ``trainer`` at its current step; returns its directory.
+    def save(self, path: str | None = None, *, blocking: bool | None = None) -> str:
+        """Save a checkpoint of the attached components at their current step; returns its
+        directory (all ranks call this together).
 
         ``path`` defaults to ``output_dir/step_<global_step>``. ``blocking`` defaults to
         ``not async_save``. Saving a step that is already committed (or in flight) is a no-op.
         """
-        self._attach(trainer)
-        step = trainer.state.global_step
+        self.gang  # noqa: B018 - raises when nothing is attached
+        step = int(contents.counters(self._components)["global_step"])
         path = path or os.path.join(self.output_dir, layout.step_dir_name(step))
         if self._pending is not None and self._pending.path == path:
             return path
@@ -361,7 +345,7 @@ class CheckpointManager:
             logger.info("checkpoint %s is already committed; not saving step %d again", path, step)
             return path
         blocking = (not self.async_save) if blocking is None else blocking
-        self._save(trainer, step, path, blocking)
+        self._save(step, path, blocking)
         return path
 
     def wait(self) -> None:
@@ -380,16 +364,15 @@ class CheckpointManager:
                                   kind="save_failed") from e
         self._committed(pending, manifest)
 
-    def load(self, trainer: Trainer, path: str, *, strict: bool = True) -> None:
-        """Restore everything a checkpoint holds into ``trainer``: tables and their fused
-        optimizer state, dense parameters, dense optimizer, lr scheduler, counters, data
+    def load(self, path: str, *, strict: bool = True) -> None:
+        """Restore everything a checkpoint holds into the attached components: tables and their
+        fused optimizer state, dense parameters, dense optimizer, lr scheduler, counters, data
         position, RNG, hook states. Works across world sizes and sharding plans (the data
-        position is remapped per ``reshard_data_position``)."""
-        self._attach(trainer)
+        position is remapped per ``reshard_data_position``). All ranks call this together."""
         self.wait()
         info = layout.info_of(path)
-        self._load(trainer, info, strict=strict)
-        trainer.hooks.fire("after_load_checkpoint", trainer, path)
+        self._load(info, strict=strict)
+        self._listener("after_load_checkpoint", path)
 
     @property
     def in_flight(self) -> bool:
@@ -398,23 +381,22 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ internals: save
 
-    def _attach(self, trainer: Trainer) -> None:
-        if self._trainer is not trainer:
-            self._trainer = trainer
-            trainer.hooks.add(_MetricTap(self))
-
-    def _save(self, trainer: Trainer, step: int, path: str, blocking: bool) -> None:
-        trainer.hooks.fire("before_save_checkpoint", trainer, path)
+    def _save(self, step: int, path: str, blocking: bool) -> None:
+        self._listener("before_save_checkpoint", path)
         t0 = time.perf_counter()
-        tensors = cstate.tensor_state(trainer, self.key_filter)
-        extra = cstate.serialize(cstate.extra_state(trainer, {"windows_done": self.windows_done}))
+        gang, comps = self.gang, self._components
+        tensors = contents.tensor_state(comps, self.key_filter)
+        extra = contents.serialize(contents.extra_state(
+            comps, rank=gang.rank, world_size=gang.world_size,
+            manager_state={"windows_done": self.windows_done}, args=self._run_args))
+        counters = contents.counters(comps)
         base = {
             "step": step,
-            "epoch": trainer.state.epoch,
-            "world_size": trainer.world_size,
-            "trainer_state": trainer.state.state_dict(),
+            "epoch": counters["epoch"],
+            "world_size": gang.world_size,
+            "trainer_state": counters,
             "metrics": dict(self.last_metrics),
-            "args": cstate.args_to_jsonable(trainer.args),
+            "args": dict(self._run_args),
         }
         stats = SaveStats(step=step, path=path, blocked_s=0.0)
         if blocking:
@@ -422,8 +404,8 @@ class CheckpointManager:
             try:
                 # The loop is blocked: DCP may write straight from the live tensors (exact views
                 # spare it a clone of every table that is a view of a fused buffer).
-                pending.future.set_result(self._write(path, fastio.exact_views(tensors), extra,
-                                                      base, trainer.rank))
+                pending.future.set_result(self._write(path, writer.exact_views(tensors), extra,
+                                                      base))
             except BaseException as e:
                 pending.future.set_exception(e)
             stats.blocked_s = time.perf_counter() - t0
@@ -434,7 +416,7 @@ class CheckpointManager:
         staged = self._stage(tensors)
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        future = self._executor.submit(self._write, path, staged, extra, base, trainer.rank)
+        future = self._executor.submit(self._write, path, staged, extra, base)
         stats.blocked_s = time.perf_counter() - t0
         self._pending = _Pending(step, path, future, stats, started=t0)
 
@@ -454,15 +436,16 @@ class CheckpointManager:
         self._staging_cache = _create_cpu_state_dict(tensors, pin_memory=torch.cuda.is_available())
         return _copy_state_dict(tensors, self._staging_cache)
 
-    def _write(self, path: str, tensors: dict[str, Any], extra: bytes, base: dict[str, Any],
-               global_rank: int) -> dict[str, Any]:
-        """Write and commit one checkpoint (all ranks; collectives on the checkpoint group).
+    def _write(self, path: str, tensors: dict[str, Any], extra: bytes,
+               base: dict[str, Any]) -> dict[str, Any]:
+        """Write and commit one checkpoint (all ranks; collectives on the manager's gang).
 
         Every rank runs the same collectives on every path, failures included: a rank that fails
         locally reports it at the next collective instead of raising past it (the other ranks
         would wait there until the group's timeout, and the group's later collectives would be
         out of step). DCP itself makes every rank raise when one rank fails inside it."""
-        rank, step = self.rank, base["step"]
+        gang = self.gang
+        rank, step = gang.rank, base["step"]
         local_error: str | None = None
         if rank == 0:
             try:
@@ -472,19 +455,19 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 local_error = f"{type(e).__name__}: {e}"
         # Instead of a barrier: the directory exists (or every rank learns it does not).
-        self._raise_if_any(self._all_gather(local_error), step, path)
+        self._raise_if_any(gang.all_gather_object(local_error), step, path)
         threads = max(1, self.save_concurrency_per_rank)
         # CRC32s are computed while DCP writes (helper threads overlap them with the write
         # syscalls), so there is no read-back pass; each DCP thread fsyncs its own file once.
         with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-crc") as crc:
-            writer = fastio.HashingFileSystemWriter(path, thread_count=threads, pool=crc,
-                                                    sync_files=True)
-            dcp.save(tensors, storage_writer=writer, process_group=self._pg)
+            storage = writer.HashingFileSystemWriter(path, thread_count=threads, pool=crc,
+                                                     sync_files=True)
+            dcp.save(tensors, storage_writer=storage, process_group=gang.group)
         # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
         # rank's shards were written and fsynced.
         files: dict[str, Any] = {}
         try:
-            extra_name = cstate.extra_file_name(global_rank)
+            extra_name = contents.extra_file_name(rank)
             tmp = os.path.join(path, extra_name + ".tmp")
             with open(tmp, "wb") as f:
                 f.write(extra)
@@ -495,7 +478,7 @@ class CheckpointManager:
                                          if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
             if rank == 0:
                 mine.append(".metadata")
-            digests = writer.digests
+            digests = storage.digests
             digests[extra_name] = (len(extra), zlib.crc32(extra))
             for n in mine:  # anything written other than through the writer: hash it from disk
                 if n not in digests:
@@ -503,7 +486,7 @@ class CheckpointManager:
             files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             local_error = f"{type(e).__name__}: {e}"
-        gathered = self._all_gather((files, local_error))
+        gathered = gang.all_gather_object((files, local_error))
         manifest: dict[str, Any] = {}
         errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
         error: str | None = "; ".join(errors) if errors else None
@@ -513,7 +496,7 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error = f"{type(e).__name__}: {e}"
         # Every rank learns whether the commit happened (no rank hangs if rank 0 failed).
-        error, manifest = self._broadcast_from_zero((error, manifest))
+        error, manifest = gang.broadcast_object((error, manifest))
         if error is not None:
             raise CheckpointError(f"committing checkpoint step {step} at {path!r} failed: {error}",
                                   step=step, path=path, kind="save_failed")
@@ -585,8 +568,7 @@ class CheckpointManager:
         self.history.append(stats)
         logger.info("checkpoint step %d committed at %s (%.1f MB, loop blocked %.3fs, total %.2fs)",
                     stats.step, stats.path, stats.num_bytes / 1e6, stats.blocked_s, stats.total_s)
-        if self._trainer is not None:
-            self._trainer.hooks.fire("after_save_checkpoint", self._trainer, pending.path)
+        self._listener("after_save_checkpoint", pending.path)
 
     # ------------------------------------------------------------------ internals: load
 
@@ -608,47 +590,37 @@ class CheckpointManager:
         raise CheckpointError(f"`resume_from` is {src!r}, which does not exist.", path=src,
                               kind="missing")
 
-    def _load(self, trainer: Trainer, info: layout.CheckpointInfo, strict: bool) -> None:
+    def _load(self, info: layout.CheckpointInfo, strict: bool) -> None:
         path, step = info.path, info.step
+        gang, comps = self.gang, self._components
         manifest = layout.read_manifest(path) or {}
         layout.verify_files(path, manifest, checksums=self.verify_checksums)
-        same_world = info.world_size == trainer.world_size
-        src_rank = trainer.rank if same_world else 0
-        extra = cstate.load_extra(os.path.join(path, cstate.extra_file_name(src_rank)), step)
+        same_world = info.world_size == gang.world_size
+        src_rank = gang.rank if same_world else 0
+        extra = contents.load_extra(os.path.join(path, contents.extra_file_name(src_rank)), step)
 
-        cstate.init_dense_optimizer_state(trainer)
-        target = cstate.tensor_state(trainer, lambda _k: True)
+        contents.init_optimizer_state(comps)
+        target = contents.tensor_state(comps, lambda _k: True)
         self._check_keys(target, path, step, strict)
         target = self._restrict_to_checkpoint(target, path)
         try:
-            dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=self._pg)
+            dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=gang.group)
         except Exception as e:
             raise CheckpointError(f"loading checkpoint step {step} from {path!r} failed: {e}",
                                   step=step, path=path, kind="load_failed") from e
         # DCP loaded in place into tensors that share storage with the model and optimizers;
         # load_state_dict makes that explicit for modules whose state_dict returns copies.
-        trainer.model.load_state_dict(target["model"], strict=False)
+        contents.load_model_state(comps, target["model"])
 
-        cstate.apply_dense_param_groups(trainer, extra["dense_param_groups"])
-        if trainer.lr_scheduler is not None and extra["lr_scheduler"] is not None:
-            trainer.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        if scaler is not None and extra.get("scaler"):
-            scaler.load_state_dict(extra["scaler"])
-        ts = dict(extra["trainer_state"])
+        ts = dict(extra[contents.COUNTERS])
         if not same_world:
-            ts = self._remap_position(ts, info, trainer)
+            ts = self._remap_position(ts, info)
             if extra["train_dataset"]:
                 logger.warning("world size changed (%d -> %d): the train dataset's own state is "
                                "not restored; the data position comes from the trainer counters",
-                               info.world_size, trainer.world_size)
-        elif trainer.train_dataset is not None:
-            trainer.train_dataset.load_state_dict(extra["train_dataset"])
-        if same_world and trainer.eval_dataset is not None:
-            trainer.eval_dataset.load_state_dict(extra["eval_dataset"])
-        trainer.state.load_state_dict(ts)
-        cstate.set_rng_state(extra["rng"])
-        cstate.apply_hook_states(trainer, extra["hooks"])
+                               info.world_size, gang.world_size)
+        contents.apply_extra(comps, extra, same_world=same_world)
+        comps[contents.COUNTERS].load_state_dict(ts)
         self.windows_done = int(extra["manager"].get("windows_done", 0))
         logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
                     info.world_size)
@@ -660,7 +632,7 @@ class CheckpointManager:
         missing = [f"model.{k}" for k in target["model"]
                    if f"model.{k}" not in saved and self.key_filter(k)]
         for pk, entry in target["optim"]["state"].items():
-            if not self.key_filter(cstate.optim_param_name(pk)):
+            if not self.key_filter(contents.optim_param_name(pk)):
                 continue
             missing.extend(f"optim.state.{pk}.{sk}" for sk in entry
                            if f"optim.state.{pk}.{sk}" not in saved)
@@ -691,8 +663,7 @@ class CheckpointManager:
                 optim_state[pk] = kept
         return {"model": model, "optim": {"state": optim_state}}
 
-    def _remap_position(self, ts: dict[str, Any], info: layout.CheckpointInfo,
-                        trainer: Trainer) -> dict[str, Any]:
+    def _remap_position(self, ts: dict[str, Any], info: layout.CheckpointInfo) -> dict[str, Any]:
         """Map the data position of a checkpoint saved with another world size.
 
         At a window boundary (no batch of the window trained) the position is the same for any
@@ -709,13 +680,13 @@ class CheckpointManager:
                 f"checkpoint step {info.step} was saved with world size {info.world_size} in the "
                 f"middle of train window {ts['window_index']} ({ts['window_id']!r}, after "
                 f"{ts['batches_in_window']} batches per rank); this run has world size "
-                f"{trainer.world_size}, so that position does not exist. Either resume with "
+                f"{self.gang.world_size}, so that position does not exist. Either resume with "
                 f"{info.world_size} ranks, resume from a checkpoint taken at a window boundary "
                 f"(save_every_n_windows), or set reshard_data_position='restart_window' (re-read "
                 f"the window: some rows twice) or 'next_window' (skip the rest of it).",
                 step=info.step, path=info.path, kind="reshard")
         logger.warning("world size changed %d -> %d mid-window: %s", info.world_size,
-                       trainer.world_size, policy)
+                       self.gang.world_size, policy)
         if policy == "next_window":
             ts["window_index"] += 1
         ts["batches_in_window"] = 0

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
-from recsys_trainer.hooks.metrics import weighted_auc
+from recsys_trainer.metrics import weighted_auc
 
 NUM_DENSE = 13
 NUM_SPARSE = 26

@@ -41,6 +41,7 @@ from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.features import DataError, FeatureSpec, _RowError
 from recsys_trainer.data.prefetch import Prefetcher
 from recsys_trainer.data.windows import Window, WindowSource, describe_source, resolve_windows
+from recsys_trainer.validation import check_choice, check_int, check_type
 
 logger = logging.getLogger("recsys_trainer.data")
 
@@ -108,6 +109,35 @@ class WindowStats:
     empty_windows: int = 0
 
 
+@dataclass(kw_only=True)
+class ParquetReadOptions:
+    """How ``ParquetWindowDataset`` reads and batches its windows (its keyword arguments; also
+    the fields of the CLI's ``data: kind: parquet`` section)."""
+
+    batch_size: int = 512
+    """Rows per batch (per rank)."""
+    sharding: Literal["rows", "row_groups"] = "rows"
+    """``"rows"`` (contiguous row ranges per rank) or ``"row_groups"`` (whole row groups)."""
+    shuffle: bool = False
+    """Permute rows within the window (per rank; seeded, reproducible)."""
+    seed: int = 0
+    """The shuffle seed (combined with the epoch and the window id)."""
+    prefetch_batches: int = 4
+    """Decoded batches read ahead on a background thread (0: no threads)."""
+    on_corrupt: Literal["error", "skip"] = "error"
+    """An unreadable file or row group: raise ``DataError``, or skip it (counted and logged)."""
+    file_format: Literal["auto", "parquet", "csv"] = "auto"
+    """``"auto"`` (by extension), ``"parquet"`` or ``"csv"``."""
+
+    def __post_init__(self) -> None:
+        check_int("batch_size", self.batch_size)
+        check_choice("sharding", self.sharding, ("rows", "row_groups"))
+        check_type("shuffle", self.shuffle, (bool,), "true or false")
+        check_int("prefetch_batches", self.prefetch_batches, minimum=0)
+        check_choice("on_corrupt", self.on_corrupt, ("error", "skip"))
+        check_choice("file_format", self.file_format, ("auto", "parquet", "csv"))
+
+
 class ParquetWindowDataset(WindowedDataset):
     """A windowed dataset over parquet or CSV files (see the module docstring).
 
@@ -115,16 +145,10 @@ class ParquetWindowDataset(WindowedDataset):
         windows: a partitioned root directory, a list of globs, a list of ``Window``, a callable
             returning windows, or ``StreamingWindows``.
         features: the ``FeatureSpec`` (label, dense and sparse columns).
-        batch_size: rows per batch (per rank).
-        sharding: ``"rows"`` or ``"row_groups"``.
-        shuffle: permute rows within the window (per rank; seeded, reproducible).
-        seed: the shuffle seed (combined with the epoch and the window id).
-        prefetch_batches: decoded batches read ahead on a background thread, which also reads
-            the next row group on a second thread while decoding one (0: read and decode on the
-            caller's thread, no threads).
-        on_corrupt: an unreadable file or row group: ``"error"`` (raise ``DataError``), or
-            ``"skip"`` it (counted in ``stats`` and logged).
-        file_format: ``"auto"`` (by extension), ``"parquet"`` or ``"csv"``.
+        batch_size, sharding, shuffle, seed, prefetch_batches, on_corrupt, file_format: see
+            ``ParquetReadOptions`` (validated there). ``prefetch_batches`` > 0 also reads the
+            next row group on a second thread while decoding one; skipped files are counted in
+            ``stats``.
         csv_convert_options: passed to ``pyarrow.csv.read_csv`` (e.g. column types).
     """
 
@@ -142,14 +166,9 @@ class ParquetWindowDataset(WindowedDataset):
         file_format: Literal["auto", "parquet", "csv"] = "auto",
         csv_convert_options: pacsv.ConvertOptions | None = None,
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"`batch_size` must be an int >= 1, but is {batch_size!r}.")
-        if sharding not in ("rows", "row_groups"):
-            raise ValueError(f"`sharding` must be 'rows' or 'row_groups', but is {sharding!r}.")
-        if on_corrupt not in ("error", "skip"):
-            raise ValueError(f"`on_corrupt` must be 'error' or 'skip', but is {on_corrupt!r}.")
-        if prefetch_batches < 0:
-            raise ValueError(f"`prefetch_batches` must be >= 0, but is {prefetch_batches}.")
+        ParquetReadOptions(batch_size=batch_size, sharding=sharding, shuffle=shuffle, seed=seed,
+                           prefetch_batches=prefetch_batches, on_corrupt=on_corrupt,
+                           file_format=file_format)  # validates them
         self.windows = windows
         self.features = features
         self.batch_size = batch_size

@@ -12,12 +12,13 @@ from recsys_trainer.hooks.early_stopping import EarlyStoppingHook
 from recsys_trainer.hooks.jsonl import JsonlMetricsHook, read_jsonl
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.logger import LoggerHook
-from recsys_trainer.hooks.metrics import METRIC_NAMES, ClickMetrics, MetricReportHook
+from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.hooks.nonfinite import NonFiniteLossHook
 from recsys_trainer.hooks.profiler import ProfilerHook
 from recsys_trainer.hooks.progress import ProgressHook
 from recsys_trainer.hooks.tensorboard import TensorBoardHook
-from recsys_trainer.hooks.timing import StepTimings
+from recsys_trainer.metrics import METRIC_NAMES, ClickMetrics
+from recsys_trainer.step import StepTimings
 
 __all__ = [
     "EVENTS",

@@ -7,6 +7,7 @@ The event order is written out in ``Trainer``'s docstring and the README.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from recsys_trainer.batch import Batch
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -193,7 +196,12 @@ def overridden_events(hook: Hook) -> set[str]:
 
 
 class HookList:
-    """Calls hooks in list order, each only for the events it overrides."""
+    """Calls hooks in list order, each only for the events it overrides.
+
+    Also the hooks' part of a checkpoint (a ``Stateful``): each hook with state is saved under
+    ``ClassName#k`` (the k-th hook of that class), a key that stays the same when stateless
+    hooks are added or removed.
+    """
 
     def __init__(self, hooks: Sequence[Hook] = ()) -> None:
         self._hooks: list[Hook] = []
@@ -220,3 +228,32 @@ class HookList:
     def fire(self, event: str, *args: Any) -> None:
         for h in self._by_event[event]:
             getattr(h, event)(*args)
+
+    def _keyed(self) -> list[tuple[str, Hook]]:
+        seen: dict[str, int] = {}
+        out = []
+        for h in self._hooks:
+            name = type(h).__qualname__
+            out.append((f"{name}#{seen.get(name, 0)}", h))
+            seen[name] = seen.get(name, 0) + 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"ClassName#k": state}`` of every hook whose ``state_dict()`` is not empty."""
+        out = {}
+        for key, h in self._keyed():
+            s = h.state_dict()
+            if s:
+                out[key] = s
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Give each hook its saved state; state of hooks this list lacks is logged, not an
+        error (a run may drop a hook)."""
+        remaining = dict(state_dict)
+        for key, h in self._keyed():
+            if key in remaining:
+                h.load_state_dict(remaining.pop(key))
+        if remaining:
+            logger.warning("checkpoint holds state for hooks this trainer does not have: %s",
+                           sorted(remaining))

@@ -1,0 +1,260 @@
+"""The two optimizers of the sparse/dense split, and their state as checkpoint components.
+
+* ``SparseOptimizer``: the fused (in-backward) FBGEMM optimizer of the embedding tables. It is
+  registered on the tables before sharding (``sharding.shard_model``) and steps inside backward.
+* the dense optimizer: any ``torch.optim`` optimizer over exactly the parameters that have no
+  in-backward optimizer (``build_dense_optimizer``), with an optional lr scheduler.
+* ``SparseDenseOptimizer``: one keyed optimizer over both, for lr logging and whole-state reads.
+* ``OptimizerState``: one optimizer's state keyed by parameter name, the ``Stateful`` the
+  Trainer hands to the checkpoint manager (once for each half).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.optim import optimizers as trec_optim
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from recsys_trainer.validation import check_choice, check_number, check_type
+
+# name -> (optimizer class understood by torchrec/FBGEMM, devices that run it)
+_SPARSE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
+    "sgd": (torch.optim.SGD, ("cpu", "cuda")),
+    "adagrad": (torch.optim.Adagrad, ("cpu", "cuda")),
+    "rowwise_adagrad": (RowWiseAdagrad, ("cpu", "cuda")),
+    # FBGEMM asserts "not supported in CPU mode" for these:
+    "adam": (trec_optim.Adam, ("cuda",)),
+    "partial_rowwise_adam": (trec_optim.PartialRowWiseAdam, ("cuda",)),
+    "lamb": (trec_optim.LAMB, ("cuda",)),
+    "partial_rowwise_lamb": (trec_optim.PartialRowWiseLAMB, ("cuda",)),
+    "lars_sgd": (trec_optim.LarsSGD, ("cuda",)),
+}
+
+
+def supported_sparse_optimizers(device_type: str) -> list[str]:
+    """Names of the fused sparse optimizers FBGEMM runs on ``device_type`` ("cpu"/"cuda")."""
+    return [n for n, (_, devs) in _SPARSE_OPTIMIZERS.items() if device_type in devs]
+
+
+@dataclass(frozen=True)
+class SparseOptimizer:
+    """A fused (in-backward) optimizer for the embedding tables.
+
+    Args:
+        name: one of ``sgd``, ``adagrad``, ``rowwise_adagrad`` (CPU and CUDA), ``adam``,
+            ``partial_rowwise_adam``, ``lamb``, ``partial_rowwise_lamb``, ``lars_sgd`` (CUDA only).
+        lr: learning rate.
+        kwargs: further optimizer arguments (``eps``, ``weight_decay``, ``betas``...).
+
+    The sparse lr is fixed for the run (FBGEMM owns it); the dense lr follows the scheduler.
+    It is also the ``sparse_optimizer`` section of a CLI config (same fields).
+    """
+
+    name: str = "rowwise_adagrad"
+    lr: float = 0.01
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_choice("sparse_optimizer.name", self.name, list(_SPARSE_OPTIMIZERS), quote=False)
+        check_number("sparse_optimizer.lr", self.lr, above=0)
+        check_type("sparse_optimizer.kwargs", self.kwargs, (dict,), "a mapping")
+
+    def check_device(self, device_type: str) -> None:
+        ok = supported_sparse_optimizers(device_type)
+        if self.name not in ok:
+            raise ValueError(
+                f"sparse optimizer {self.name!r} is not supported by FBGEMM on {device_type}; "
+                f"supported there: {', '.join(ok)}."
+            )
+
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return _SPARSE_OPTIMIZERS[self.name][0]
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return {"lr": self.lr, **self.kwargs}
+
+
+def dense_parameters(dmp: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters with no in-backward (fused) optimizer: exactly the dense optimizer's share."""
+    out = []
+    for name, p in dmp.named_parameters():
+        if not p.requires_grad or hasattr(p, "_in_backward_optimizers"):
+            continue
+        out.append((name, p))
+    return out
+
+
+DenseOptimizerArg = torch.optim.Optimizer | Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerArg = (
+    torch.optim.lr_scheduler.LRScheduler
+    | Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+    | None
+)
+
+
+def build_dense_optimizer(
+    dmp: nn.Module, dense: DenseOptimizerArg
+) -> tuple[torch.optim.Optimizer, list[tuple[str, nn.Parameter]]]:
+    """The dense optimizer over exactly the dense parameters of the sharded model.
+
+    ``dense`` is a factory ``params -> Optimizer`` (preferred) or an optimizer built over the
+    user's model. An instance is used as is when it already holds exactly the dense parameters;
+    one that also holds embedding tables is an error (the tables have their fused optimizer).
+    """
+    named = dense_parameters(dmp)
+    params = [p for _, p in named]
+    if isinstance(dense, torch.optim.Optimizer):
+        own = {id(p) for g in dense.param_groups for p in g["params"]}
+        fused = {id(p) for p in dmp.parameters() if hasattr(p, "_in_backward_optimizers")}
+        if own & fused:
+            raise ValueError(
+                "the dense optimizer holds embedding-table parameters, which the sparse optimizer "
+                "updates in backward; build it over the dense parameters only, or pass a factory "
+                "`lambda params: torch.optim.Adam(params, lr=...)` as dense_optimizers[0]."
+            )
+        if own != {id(p) for p in params}:
+            raise ValueError(
+                f"the dense optimizer holds {len(own)} parameters, but the sharded model has "
+                f"{len(params)} dense parameters ({', '.join(n for n, _ in named[:5])}...); pass a "
+                "factory `lambda params: Optimizer(params, ...)` as dense_optimizers[0]."
+            )
+        return dense, named
+    if not callable(dense):
+        raise ValueError(
+            f"`dense_optimizers[0]` must be a torch.optim.Optimizer or a callable params -> Optimizer, but is {dense!r}."
+        )
+    opt = dense(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"the dense optimizer factory returned {opt!r}, not a torch.optim.Optimizer.")
+    return opt, named
+
+
+def build_lr_scheduler(
+    scheduler: SchedulerArg, dense: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The lr scheduler of the dense optimizer: ``scheduler`` itself, or the factory's result.
+
+    A scheduler bound to another optimizer is an error: it would step an lr nobody uses.
+    """
+    if scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        out = scheduler
+    else:
+        out = scheduler(dense)
+    if out is not None and out.optimizer is not dense:
+        raise ValueError(
+            "the lr scheduler is bound to another optimizer than the dense optimizer; pass a "
+            "factory `lambda opt: Scheduler(opt, ...)` as dense_optimizers[1]."
+        )
+    return out
+
+
+class OptimizerState:
+    """One optimizer's state, keyed by parameter name: a checkpoint component (``Stateful``).
+
+    ``state_dict()`` is ``{"state": {param_name: {key: value}}, "param_groups": [...]}`` where
+    the tensors *are* the live state (a reader may load into them in place, as
+    ``torch.distributed.checkpoint`` does) and ``param_groups`` holds each group's settings
+    (lr, betas, ...) without its parameters; it is empty when ``with_param_groups`` is False
+    (the fused sparse optimizer: FBGEMM owns its lr for the whole run).
+
+    ``load_state_dict`` takes any subset of the parameters (checkpoints may leave some out,
+    ``params_not_save``): the others keep their state. ``init_state()`` creates an optimizer's
+    lazily made state (Adam's moments...) so that there is something to load into.
+    """
+
+    def __init__(self, keyed: KeyedOptimizer, *, with_param_groups: bool) -> None:
+        self._keyed = keyed
+        self._with_param_groups = with_param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self._keyed.param_groups] if self._with_param_groups else []
+        return {"state": self._keyed.state_dict()["state"], "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        live = self._keyed.state_dict()["state"]
+        unknown = sorted(set(state_dict.get("state", {})) - set(live))
+        if unknown:
+            raise ValueError(f"optimizer state for parameters this optimizer does not have: "
+                             f"{unknown[:5]}.")
+        with torch.no_grad():
+            for name, entry in state_dict.get("state", {}).items():
+                for key, value in entry.items():
+                    mine = live[name].get(key)
+                    if mine is value:
+                        continue  # loaded in place already (the usual case): nothing to copy
+                    if isinstance(mine, torch.Tensor) and isinstance(value, torch.Tensor):
+                        mine.copy_(value)
+                    else:
+                        self._keyed.state[self._keyed.params[name]][key] = value
+        groups = state_dict.get("param_groups") or []
+        if groups:
+            mine_groups = list(self._keyed.param_groups)
+            if len(groups) != len(mine_groups):
+                raise ValueError(f"the state has {len(groups)} param groups, this optimizer has "
+                                 f"{len(mine_groups)}.")
+            for g, saved in zip(mine_groups, groups, strict=True):
+                for k, v in saved.items():
+                    g[k] = v  # type: ignore[index]
+
+    def init_state(self) -> None:
+        """Create lazily made state without changing any parameter: one step on zero grads,
+        then the parameters (weight decay would move them) and grads are restored. The values
+        are meant to be overwritten by a load."""
+        params = list(self._keyed.params.values())
+        state = self._keyed.state
+        if all(p in state and state[p] for p in params):
+            return
+        saved = [p.detach().clone() for p in params]
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            self._keyed.step()
+            for p, s, g in zip(params, saved, grads, strict=True):
+                p.copy_(s)
+                p.grad = g
+
+
+class SparseDenseOptimizer(CombinedOptimizer):
+    """One keyed optimizer over both halves: the dense one (stepped by the Trainer) and DMP's
+    fused sparse one (stepped inside backward). ``state_dict`` covers both."""
+
+    def __init__(
+        self,
+        dense: torch.optim.Optimizer,
+        dense_named: list[tuple[str, nn.Parameter]],
+        fused: KeyedOptimizer,
+    ) -> None:
+        self.dense = dense
+        self.fused = fused
+        dense_keyed = KeyedOptimizerWrapper(dict(dense_named), lambda _params: dense)
+        super().__init__([("dense", dense_keyed), ("sparse", fused)])
+        self.dense_state = OptimizerState(dense_keyed, with_param_groups=True)
+        """The dense half as a checkpoint component."""
+        self.sparse_state = OptimizerState(fused, with_param_groups=False)
+        """The fused sparse half as a checkpoint component."""
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        # Fused optimizers already ran during backward; stepping them again is a no-op in
+        # torchrec, but skip the call anyway.
+        self.dense.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dense.zero_grad(set_to_none=set_to_none)
+
+    def dense_lr(self) -> float:
+        return float(self.dense.param_groups[0]["lr"])
+
+    def sparse_lr(self) -> float | None:
+        for group in self.fused.param_groups:
+            if "lr" in group:
+                return float(group["lr"])
+        return None
