@@ -144,7 +144,11 @@ def bench_trainer(root: str, fs: FeatureSpec, batch_size: int, steps: int, devic
     if device == "cuda":
         torch.cuda.synchronize()
     steps_done = trainer.state.global_step
-    return (steps_done - warm) * batch_size / (time.perf_counter() - t0[0])
+    rate = (steps_done - warm) * batch_size / (time.perf_counter() - t0[0])
+    from recsys_trainer import shutdown
+
+    shutdown()  # nccl warns (and may leak) when a process exits with its group alive
+    return rate
 
 
 def main() -> None:

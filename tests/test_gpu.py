@@ -13,12 +13,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import dist_utils
 import pytest
 import torch
 from dist_utils import run_distributed
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.distributed,  # every check starts real processes (run_distributed)
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU tier needs CUDA"),
 ]
 
@@ -309,6 +311,8 @@ def _two_gpu_ranks(out_dir: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def precision_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = str(tmp_path_factory.mktemp("precision"))
+    # conftest sets this per test, after module-scoped fixtures run; the whole module is marked.
+    dist_utils.current_test_is_distributed = True
     names = ["fp32", "fp16", "bf16", "fp32_sgd", "fp16_sgd"]
     configs = [
         {"output_dir": out},
