@@ -410,3 +410,105 @@ def install_cpu_eviction(model: nn.Module) -> int:
                 tbe.reset_embedding_weight_momentum = functools.partial(reset_rows_cpu, tbe)
                 n += 1
     return n
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+class DynamicTablesState:
+    """The id maps' state that torchrec keeps outside ``state_dict()``: a checkpoint component
+    (``Stateful``), saved per rank.
+
+    The maps themselves (sorted ids, slots, counts, last access, the iteration) are module
+    buffers: DCP saves them, sharded like the rows. What is not a buffer is the history since
+    the last eviction pass (ids seen, their access iterations), the pass schedule and the
+    counters. Without them a resumed run would admit and evict differently from the
+    uninterrupted one. This reads torchrec 1.8's private attributes of
+    ``MCHManagedCollisionModule``; the bitwise-resume test fails if they change.
+
+    A different world size is refused: each rank's map holds the ids of its buckets in slots
+    anywhere in its range, and torchrec's MCH keeps no bucket-to-slot alignment that would let
+    another layout find them.
+    """
+
+    def __init__(self, model: nn.Module, world_size: int) -> None:
+        self._model = model
+        self._world_size = world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        tables: dict[str, Any] = {}
+        for table, mod in mc_modules(self._model).items():
+            m: Any = mod
+            used = int(m._current_history_buffer_offset)
+            policy: Any = m._eviction_policy
+            tables[table] = {
+                "buffer_size": int(m._input_history_buffer_size),
+                "used": used,
+                "history": (m._history_accumulator[:used].clone()
+                            if m._input_history_buffer_size > 0 else None),
+                "history_metadata": {k: v[:used].clone() for k, v in m._history_metadata.items()},
+                "current_iter": int(m._current_iter),
+                "last_eviction_iter": int(m._last_eviction_iter),
+                "admitted": int(getattr(policy, "admitted", 0)),
+                "passes": int(getattr(policy, "passes", 0)),
+            }
+        return {"world_size": self._world_size, "tables": tables}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = int(state_dict["world_size"])
+        if saved != self._world_size:
+            raise ValueError(
+                f"dynamic tables were checkpointed at world size {saved} and cannot be resumed at "
+                f"{self._world_size}: each rank's id map is its own shard and torchrec's managed "
+                f"collision cannot redistribute it. Resume with {saved} ranks, or start a new run "
+                "from an export (recsys_trainer.checkpoint.dynamic_export).")
+        mods = mc_modules(self._model)
+        tables = state_dict["tables"]
+        if set(tables) != set(mods):
+            raise ValueError(f"the checkpoint has dynamic tables {sorted(tables)}, the model "
+                             f"{sorted(mods)}; build the model with the same dynamic tables.")
+        for table, st in tables.items():
+            m: Any = mods[table]
+            size = st["buffer_size"]
+            if size > 0:
+                _alloc_history(m, size)
+                m._history_accumulator[:st["used"]] = st["history"]
+                for k, v in st["history_metadata"].items():
+                    m._history_metadata[k][:st["used"]] = v
+            m._current_history_buffer_offset = st["used"]
+            m._current_iter = st["current_iter"]
+            m._last_eviction_iter = st["last_eviction_iter"]
+            policy: Any = m._eviction_policy
+            policy.admitted, policy.passes = st["admitted"], st["passes"]
+
+
+def _alloc_history(m: Any, size: int) -> None:
+    """Allocate an MCH module's history buffers at ``size`` (what torchrec sizes from the first
+    batch it sees), so a resumed module has the same capacity as the saved one."""
+    m._input_history_buffer_size = size
+    m._history_accumulator = torch.empty(size, dtype=torch.int64, device=m.device)
+    for name, _is_mch, is_history in m._eviction_policy.metadata_info:
+        if is_history:
+            buf = "_history_" + name
+            m.register_buffer(buf, torch.zeros(size, dtype=torch.int64, device=m.device),
+                              persistent=False)
+            m._history_metadata[name] = getattr(m, buf)
+
+
+# -------------------------------------------------------------------------------- stats
+
+def table_stats(model: nn.Module) -> dict[str, dict[str, int]]:
+    """This rank's ``{table: {"slots", "occupied", "admitted", "evicted", "passes"}}``: slots in
+    its shard (default row included), slots holding an id, and since the module was built (or
+    the run started, across resumes) new ids given a slot and resident ids that lost theirs.
+    Sum over ranks for the table's totals."""
+    out: dict[str, dict[str, int]] = {}
+    for table, mod in mc_modules(model).items():
+        m: Any = mod
+        slots = int(m._zch_size)
+        occupied = slots - 1 - int(mod.open_slots().item())
+        policy: Any = m._eviction_policy
+        admitted = int(getattr(policy, "admitted", 0))
+        # Each admission fills one slot; the ones that did not grow the occupancy displaced an id.
+        out[table] = {"slots": slots, "occupied": occupied, "admitted": admitted,
+                      "evicted": admitted - occupied, "passes": int(getattr(policy, "passes", 0))}
+    return out
