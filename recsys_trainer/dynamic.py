@@ -32,6 +32,7 @@ reset (see ``reset_rows_cpu``), as an instance attribute: nothing global is patc
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -88,7 +89,7 @@ class DynamicTable:
     """Age exponent of ``distance_lfu`` and ``lru``."""
     buckets: int | None = None
     """Id buckets (a multiple of the world size; ids go to ranks by bucket). None: the world
-    size when the model is built."""
+    size when the model is built (the process group's, else the ``WORLD_SIZE`` variable)."""
 
     def __post_init__(self) -> None:
         check_int("DynamicTable.num_slots", self.num_slots, minimum=2)
@@ -198,7 +199,11 @@ def unmix_ids(mixed: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------- modules
 
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    # Models are usually built before the Trainer starts the process group: torchrun's
+    # WORLD_SIZE says how many ranks there will be.
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _mc_module(name: str, spec: DynamicTable, device: torch.device) -> MCHManagedCollisionModule:
