@@ -10,8 +10,10 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_checkpoint_trainer import assert_bitwise_equal, snapshot
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer.batch import Batch
 from recsys_trainer.data.id_stream import IdStream
 from recsys_trainer.dynamic import (
     EMPTY_SLOT,
@@ -91,7 +93,6 @@ def test_every_raw_id_gets_its_own_row_when_they_fit_and_unknown_ids_read_the_de
     t.model.eval()
     known, unknown = int(ids[0]), 2**62 + 12345
     m: Any = mc_modules(t.model)["t_u"]
-    from torchrec.sparse.jagged_tensor import JaggedTensor
     out = m.remap(m.preprocess({"t_u": JaggedTensor(values=torch.tensor([known, unknown]),
                                                     lengths=torch.tensor([1, 1]))}))
     assert out["t_u"].values().tolist() == [int(slots[0]), 63]
@@ -127,8 +128,6 @@ def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adag
 
 def test_an_id_needs_admission_threshold_sightings_in_an_interval_to_get_a_row(
         tmp_path: Any) -> None:
-    from recsys_trainer.batch import Batch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     often, once = 5_000_000_000_001, 5_000_000_000_002
     # One batch of 4 rows: feature u has `often` 3 times and `once` once; i has one id.
     kjt = KeyedJaggedTensor(keys=list(FEATS),
