@@ -14,6 +14,13 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.dynamic_export import (
+    DynamicExport,
+    apply_delta,
+    export_dynamic,
+    load_export,
+    write_delta,
+)
 from recsys_trainer.data.id_stream import IdStream
 from recsys_trainer.dynamic import (
     EMPTY_SLOT,
@@ -147,8 +154,9 @@ def _two_rank_resume(root: str) -> dict[str, Any]:
     stream = IdStream(FEATS, 300)
     data = stream.batches(10, 64, seed=int(os.environ["RANK"]))
     spec = DynamicTable(num_slots=32, eviction_interval=3, admission_threshold=2)
-    full = build(os.path.join(root, "full"), spec, data, train_steps=10)
+    full = build(os.path.join(root, "full"), spec, data, train_steps=10, save_steps=10)
     full.train()
+    exported = export_dynamic(os.path.join(root, "full", "step_00000010"))
     cut = os.path.join(root, "cut")
     # Saved at step 4: one step into an interval, so the history must be restored too.
     build(cut, spec, data, train_steps=4, save_steps=4).train()
@@ -160,7 +168,9 @@ def _two_rank_resume(root: str) -> dict[str, Any]:
     except AssertionError as e:
         equal = str(e)
     return {"equal": equal, "stats": table_stats(full.model), "stats_resumed":
-            table_stats(resumed.model), "ids": resident_ids(full, "t_u")[0].tolist()}
+            table_stats(resumed.model), "ids": resident_ids(full, "t_u")[0].tolist(),
+            "exported": exported.tables["t_u"].ids.tolist(),
+            "defaults": exported.tables["t_u"].default.shape[0]}
 
 
 def _resume_at_one_rank(root: str) -> str:
@@ -185,6 +195,56 @@ def test_two_ranks_train_evict_and_resume_bitwise_and_another_world_size_is_refu
         assert r["stats"]["t_u"]["evicted"] > 0 and r["stats"]["t_u"]["occupied"] == 15
     # Each rank owns the ids of its buckets: no id is resident on both.
     assert not set(r0["ids"]) & set(r1["ids"])
+    # The merged export holds both ranks' ids and both shards' default rows.
+    assert r0["exported"] == sorted(r0["ids"] + r1["ids"]) and r0["defaults"] == 2
     (msg,) = run_distributed(_resume_at_one_rank, world_size=1, timeout_s=120,
                              args=(str(tmp_path),))
     assert "checkpointed at world size 2 and cannot be resumed at 1" in msg, msg
+
+
+# ------------------------------------------------------------------------------ exports
+
+def assert_exports_equal(a: DynamicExport, b: DynamicExport) -> None:
+    assert a.tables.keys() == b.tables.keys() and a.other.keys() == b.other.keys()
+    for name, t in a.tables.items():
+        u = b.tables[name]
+        assert torch.equal(t.ids, u.ids) and torch.equal(t.vectors, u.vectors), name
+        assert torch.equal(t.default, u.default), name
+    for k, v in a.other.items():
+        assert torch.equal(v, b.other[k]), k
+
+
+def test_export_maps_raw_ids_to_their_rows_and_base_plus_deltas_equals_the_full_export(
+        tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    data = IdStream(FEATS, 400).batches(9, 64, seed=2)
+    t = build(out, DynamicTable(num_slots=64, eviction_interval=2), data, train_steps=9,
+              save_steps=3, max_to_keep=5)
+    t.train()
+    ck = [os.path.join(out, f"step_{s:08d}") for s in (3, 6, 9)]
+    exp = str(tmp_path / "exports")
+    base = export_dynamic(ck[0], os.path.join(exp, "full_3.pt"))
+    d1 = write_delta(ck[1], os.path.join(exp, "full_3.pt"), os.path.join(exp, "delta_6.pt"),
+                     full_out_file=os.path.join(exp, "full_6.pt"))
+    d2 = write_delta(ck[2], os.path.join(exp, "full_6.pt"), os.path.join(exp, "delta_9.pt"))
+    full = export_dynamic(ck[2])
+    rebuilt = apply_delta(apply_delta(load_export(os.path.join(exp, "full_3.pt")),
+                                      load_export(os.path.join(exp, "delta_6.pt"))),
+                          load_export(os.path.join(exp, "delta_9.pt")))
+    assert_exports_equal(rebuilt, full)
+    assert rebuilt.step == 9 and d1.base_step == 3 and d2.step == 9
+    # Deltas carry only changed rows: rare ids not seen between two exports keep their vector.
+    for d in (d1, d2):
+        assert 0 < d.num_rows() < sum(len(x.ids) for x in full.tables.values())
+    assert len(d1.tables["t_u"].deleted_ids) > 0  # 400 ids through 63 rows: some were evicted
+    with pytest.raises(ValueError, match="apply deltas in order"):
+        apply_delta(base, d2)
+    # The export's vector of a resident raw id is the row the trained model reads for it.
+    ids, slots = resident_ids(t, "t_u")
+    coll: Any = next(c for _, c in dynamic_collections(t.model))
+    tbe, idx = coll._table_to_tbe_and_index["t_u"]
+    weight = tbe.split_embedding_weights()[int(idx)]
+    vec, found = full.tables["t_u"].lookup(ids)
+    assert found.all() and torch.equal(vec, weight[slots])
+    assert set(full.tables["t_u"].ids.tolist()) == set(ids.tolist())
+    assert torch.equal(full.tables["t_u"].default, weight[[63]])
