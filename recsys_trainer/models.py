@@ -16,6 +16,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.dynamic import DynamicEmbeddingBagCollection, DynamicTable
 
 
 def weighted_bce_with_logits(
@@ -60,6 +61,7 @@ class DLRMClassifier(nn.Module):
         table_device: str = "meta",
         dense_log1p: bool = False,
         prior_ctr: float | None = None,
+        dynamic: DynamicTable | None = None,
     ) -> None:
         super().__init__()
         # Count-valued dense inputs (Criteo's I1..I13) span orders of magnitude; log1p is the
@@ -67,12 +69,20 @@ class DLRMClassifier(nn.Module):
         self.dense_log1p = dense_log1p
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
-        ebc = EmbeddingBagCollection(
-            tables=make_tables(sparse_features, num_embeddings, embedding_dim),
-            device=torch.device(table_device),
-        )
+        ebc: nn.Module
+        if dynamic is not None:
+            # Every table dynamic: raw ids, ``dynamic.num_slots`` rows each (``num_embeddings``
+            # is not used). Feed ids in [0, recsys_trainer.dynamic.ID_SPACE).
+            ebc = DynamicEmbeddingBagCollection(
+                make_tables(sparse_features, dynamic.num_slots, embedding_dim), dynamic,
+                device=torch.device(table_device))
+        else:
+            ebc = EmbeddingBagCollection(
+                tables=make_tables(sparse_features, num_embeddings, embedding_dim),
+                device=torch.device(table_device),
+            )
         self.dlrm = DLRM(
-            embedding_bag_collection=ebc,
+            embedding_bag_collection=ebc,  # type: ignore[arg-type]  # dynamic: an EBC look-alike
             dense_in_features=num_dense,
             dense_arch_layer_sizes=list(dense_arch),
             over_arch_layer_sizes=list(over_arch),

@@ -29,6 +29,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+from recsys_trainer import dynamic
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
@@ -127,6 +128,12 @@ def plan_sharding(
         else:
             default = DEFAULT_SHARDING_TYPES.get(device.type, DEFAULT_SHARDING_TYPES["cpu"])
             constraints[name] = ParameterConstraints(sharding_types=list(default))
+    # Dynamic (managed-collision) tables shard only row-wise; they take no override.
+    for name, kw in dynamic.planner_constraints(model, device.type).items():
+        if name in overrides:
+            raise ValueError(f"`sharding_types[{name!r}]` is set, but {name!r} is a dynamic table, "
+                             "which torchrec shards only row_wise; remove the entry.")
+        constraints[name] = ParameterConstraints(**kw)
     topology = TopologyFactory.create_topology(
         TrainerConfig(world_size=env.world_size, local_world_size=local_world_size),
         kernel_config=KernelConfig(compute_device=device.type),
@@ -158,19 +165,24 @@ def shard_model(
     accumulation fails with "expect_autograd_hooks_ INTERNAL ASSERT"), so turn it off then.
     """
     sparse_optimizer.check_device(device.type)
+    dynamic.check_sparse_optimizer(model, sparse_optimizer.name)
     apply_sparse_optimizer(model, sparse_optimizer)
     pg = process_group if process_group is not None else dist.GroupMember.WORLD
     assert pg is not None, "a process group must be initialised before sharding"
     env = ShardingEnv.from_process_group(pg)
+    dynamic.check_buckets(model, env.world_size)
     if plan is None:
         plan = plan_sharding(model, env, device, sharding_types, local_world_size)
-    return DistributedModelParallel(
+    dmp = DistributedModelParallel(
         module=model,
         env=env,
         device=device,
         plan=plan,
         data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
     )
+    if device.type == "cpu":
+        dynamic.install_cpu_eviction(dmp)  # FBGEMM's row reset on eviction is CUDA-only
+    return dmp
 
 
 def dense_no_sync(dmp: nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:

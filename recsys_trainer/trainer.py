@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
+from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.checkpoint.manager import CheckpointManager
@@ -284,6 +285,8 @@ class Trainer:
         optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
         comps.update({k: v for k, v in optional.items() if v is not None})
+        if dynamic.dynamic_table_names(self.model):
+            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size)
         return comps
 
     def resume(self) -> None:

@@ -1,0 +1,250 @@
+"""Dynamic (managed-collision) embedding tables: raw ids without collisions, admission, eviction
+on CPU, checkpoints and exports; at 1 rank in-process and 2 real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_checkpoint_trainer import assert_bitwise_equal, snapshot
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.dynamic_export import (
+    DynamicExport,
+    apply_delta,
+    export_dynamic,
+    load_export,
+    write_delta,
+)
+from recsys_trainer.data.id_stream import IdStream
+from recsys_trainer.dynamic import (
+    EMPTY_SLOT,
+    DynamicTable,
+    dynamic_collections,
+    mc_modules,
+    mix_ids,
+    table_stats,
+    unmix_ids,
+)
+from recsys_trainer.models import DLRMClassifier
+
+FEATS = ("u", "i")
+
+
+def build(out: str, spec: DynamicTable, data: Any, optimizer: str = "rowwise_adagrad",
+          **args: Any) -> Trainer:
+    torch.manual_seed(0)
+    model = DLRMClassifier(list(FEATS), 4, embedding_dim=8, dense_arch=(16,), over_arch=(16, 1),
+                           dynamic=spec)
+    args.setdefault("log_steps", 1000)
+    return Trainer(model=model, args=TrainingArguments(output_dir=out, **args),
+                   train_dataset=data, hooks=[],
+                   dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                   sparse_optimizer=SparseOptimizer(optimizer, lr=0.1), add_logger_hook=False)
+
+
+def seen_ids(batches: list[Any], feature: str) -> set[int]:
+    return {int(v) for b in batches for v in b.sparse[feature].values()}
+
+
+def resident_ids(trainer: Trainer, table: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw ids, their slots) in this rank's map."""
+    m: Any = mc_modules(trainer.model)[table]
+    ids, slots = m._mch_sorted_raw_ids, m._mch_remapped_ids_mapping
+    keep = ids != EMPTY_SLOT
+    return unmix_ids(ids[keep]), slots[keep]
+
+
+# ------------------------------------------------------------------------------- config
+
+def test_mixing_is_a_bijection_on_non_negative_int64_that_spreads_sequential_ids() -> None:
+    x = torch.cat([torch.arange(0, 4096), torch.tensor([2**63 - 2, 2**62, 123456789012345678])])
+    y = mix_ids(x)
+    assert (y >= 0).all() and torch.equal(unmix_ids(y), x)
+    assert len(set(y.tolist())) == len(x)
+    # Sequential ids must reach both halves of the range (the ranks' blocks) about equally.
+    assert 0.4 < (y[:4096] < 2**62).float().mean().item() < 0.6
+
+
+def test_bad_dynamic_settings_name_the_field_and_the_fix(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="`DynamicTable.num_slots` must be an int >= 2, but is 1"):
+        DynamicTable(num_slots=1)
+    with pytest.raises(ValueError, match="admission_threshold.*lru"):
+        DynamicTable(num_slots=8, eviction_policy="lru", admission_threshold=2)
+    data = IdStream(FEATS, 50).batches(2, 16, seed=0)
+    with pytest.raises(ValueError, match="`sparse_optimizer` must be one of sgd, rowwise_adagrad"):
+        build(str(tmp_path), DynamicTable(num_slots=32), data, optimizer="adagrad")
+    with pytest.raises(ValueError, match="'t_u' is a dynamic table.*row_wise"):
+        build(str(tmp_path), DynamicTable(num_slots=32), data, sharding_types={"t_u": "table_wise"})
+
+
+# ------------------------------------------------------------------------ one rank, in process
+
+def test_every_raw_id_gets_its_own_row_when_they_fit_and_unknown_ids_read_the_default_row(
+        tmp_path: Any) -> None:
+    stream = IdStream(FEATS, 40)
+    data = stream.batches(6, 32, seed=0)
+    t = build(str(tmp_path), DynamicTable(num_slots=64, eviction_interval=2), data, train_steps=6)
+    t.train()
+    ids, slots = resident_ids(t, "t_u")
+    # Passes run in steps 2, 4 and 6 and admit what they saw: every id; no two share a row.
+    assert set(ids.tolist()) == seen_ids(data, "u")
+    assert len(set(slots.tolist())) == len(slots) and int(slots.max()) < 63
+    # In eval mode the map is read-only: a resident id reads its slot, a new one the default.
+    coll: Any = next(c for _, c in dynamic_collections(t.model))
+    t.model.eval()
+    known, unknown = int(ids[0]), 2**62 + 12345
+    m: Any = mc_modules(t.model)["t_u"]
+    out = m.remap(m.preprocess({"t_u": JaggedTensor(values=torch.tensor([known, unknown]),
+                                                    lengths=torch.tensor([1, 1]))}))
+    assert out["t_u"].values().tolist() == [int(slots[0]), 63]
+    assert coll is not None
+    stats = table_stats(t.model)["t_u"]
+    assert stats == {"slots": 64, "occupied": len(ids), "admitted": len(ids), "evicted": 0,
+                     "passes": 3}
+
+
+def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adagrad_state(
+        tmp_path: Any) -> None:
+    data = IdStream(FEATS, 400).batches(8, 64, seed=1)
+    t = build(str(tmp_path), DynamicTable(num_slots=32, eviction_interval=2), data, train_steps=8)
+    t.train()
+    stats = table_stats(t.model)["t_u"]
+    assert stats["occupied"] == 31 and stats["evicted"] > 0
+    assert stats["admitted"] == stats["occupied"] + stats["evicted"]
+    # The reset torchrec calls on eviction (FBGEMM's op is CUDA-only): rows 3 and 7 of table
+    # t_u -> zero weights and zero row-wise Adagrad accumulator, every other row untouched.
+    coll: Any = next(c for _, c in dynamic_collections(t.model))
+    tbe, idx = coll._table_to_tbe_and_index["t_u"]
+    weight = tbe.split_embedding_weights()[int(idx)]
+    momentum = tbe.split_optimizer_states()[int(idx)][0]
+    assert (momentum[[3, 7]] > 0).all()
+    before_w, before_m = weight.clone(), momentum.clone()
+    tbe.reset_embedding_weight_momentum(
+        pruned_indices=torch.tensor([3, 7]), pruned_indices_offsets=torch.tensor([0, 2]),
+        logical_table_ids=idx, buffer_ids=torch.tensor([0], dtype=torch.int))
+    assert (weight[[3, 7]] == 0).all() and (momentum[[3, 7]] == 0).all()
+    rest = [r for r in range(32) if r not in (3, 7)]
+    assert torch.equal(weight[rest], before_w[rest]) and torch.equal(momentum[rest], before_m[rest])
+
+
+def test_an_id_needs_admission_threshold_sightings_in_an_interval_to_get_a_row(
+        tmp_path: Any) -> None:
+    often, once = 5_000_000_000_001, 5_000_000_000_002
+    # One batch of 4 rows: feature u has `often` 3 times and `once` once; i has one id.
+    kjt = KeyedJaggedTensor(keys=list(FEATS),
+                            values=torch.tensor([often, often, often, once, 9, 9, 9, 9]),
+                            lengths=torch.ones(8, dtype=torch.int32), stride=4)
+    batch = Batch(dense=torch.zeros(4, 4), sparse=kjt, labels=torch.tensor([1.0, 0, 1, 0]))
+    t = build(str(tmp_path), DynamicTable(num_slots=16, eviction_interval=1, admission_threshold=3),
+              [batch], train_steps=1)
+    t.train()
+    assert resident_ids(t, "t_u")[0].tolist() == [often]
+    assert resident_ids(t, "t_i")[0].tolist() == [9]
+
+
+# -------------------------------------------------------------------------- two ranks
+
+def _two_rank_resume(root: str) -> dict[str, Any]:
+    stream = IdStream(FEATS, 300)
+    data = stream.batches(10, 64, seed=int(os.environ["RANK"]))
+    spec = DynamicTable(num_slots=32, eviction_interval=3, admission_threshold=2)
+    full = build(os.path.join(root, "full"), spec, data, train_steps=10, save_steps=10)
+    full.train()
+    exported = export_dynamic(os.path.join(root, "full", "step_00000010"))
+    cut = os.path.join(root, "cut")
+    # Saved at step 4: one step into an interval, so the history must be restored too.
+    build(cut, spec, data, train_steps=4, save_steps=4).train()
+    resumed = build(cut, spec, data, train_steps=10)
+    resumed.train()
+    try:
+        assert_bitwise_equal(snapshot(resumed), snapshot(full))
+        equal = "yes"
+    except AssertionError as e:
+        equal = str(e)
+    return {"equal": equal, "stats": table_stats(full.model), "stats_resumed":
+            table_stats(resumed.model), "ids": resident_ids(full, "t_u")[0].tolist(),
+            "exported": exported.tables["t_u"].ids.tolist(),
+            "defaults": exported.tables["t_u"].default.shape[0]}
+
+
+def _resume_at_one_rank(root: str) -> str:
+    data = IdStream(FEATS, 300).batches(10, 64, seed=0)
+    spec = DynamicTable(num_slots=32, eviction_interval=3, admission_threshold=2, buckets=2)
+    try:
+        build(os.path.join(root, "cut"), spec, data, train_steps=10,
+              reshard_data_position="restart_window").train()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_two_ranks_train_evict_and_resume_bitwise_and_another_world_size_is_refused(
+        tmp_path: Any) -> None:
+    r0, r1 = run_distributed(_two_rank_resume, world_size=2, timeout_s=240, args=(str(tmp_path),))
+    for r in (r0, r1):
+        assert r["equal"] == "yes", r["equal"]
+        assert r["stats"] == r["stats_resumed"]
+        assert r["stats"]["t_u"]["evicted"] > 0 and r["stats"]["t_u"]["occupied"] == 15
+    # Each rank owns the ids of its buckets: no id is resident on both.
+    assert not set(r0["ids"]) & set(r1["ids"])
+    # The merged export holds both ranks' ids and both shards' default rows.
+    assert r0["exported"] == sorted(r0["ids"] + r1["ids"]) and r0["defaults"] == 2
+    (msg,) = run_distributed(_resume_at_one_rank, world_size=1, timeout_s=120,
+                             args=(str(tmp_path),))
+    assert "checkpointed at world size 2 and cannot be resumed at 1" in msg, msg
+
+
+# ------------------------------------------------------------------------------ exports
+
+def assert_exports_equal(a: DynamicExport, b: DynamicExport) -> None:
+    assert a.tables.keys() == b.tables.keys() and a.other.keys() == b.other.keys()
+    for name, t in a.tables.items():
+        u = b.tables[name]
+        assert torch.equal(t.ids, u.ids) and torch.equal(t.vectors, u.vectors), name
+        assert torch.equal(t.default, u.default), name
+    for k, v in a.other.items():
+        assert torch.equal(v, b.other[k]), k
+
+
+def test_export_maps_raw_ids_to_their_rows_and_base_plus_deltas_equals_the_full_export(
+        tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    data = IdStream(FEATS, 400).batches(9, 64, seed=2)
+    t = build(out, DynamicTable(num_slots=64, eviction_interval=2), data, train_steps=9,
+              save_steps=3, max_to_keep=5)
+    t.train()
+    ck = [os.path.join(out, f"step_{s:08d}") for s in (3, 6, 9)]
+    exp = str(tmp_path / "exports")
+    base = export_dynamic(ck[0], os.path.join(exp, "full_3.pt"))
+    d1 = write_delta(ck[1], os.path.join(exp, "full_3.pt"), os.path.join(exp, "delta_6.pt"),
+                     full_out_file=os.path.join(exp, "full_6.pt"))
+    d2 = write_delta(ck[2], os.path.join(exp, "full_6.pt"), os.path.join(exp, "delta_9.pt"))
+    full = export_dynamic(ck[2])
+    rebuilt = apply_delta(apply_delta(load_export(os.path.join(exp, "full_3.pt")),
+                                      load_export(os.path.join(exp, "delta_6.pt"))),
+                          load_export(os.path.join(exp, "delta_9.pt")))
+    assert_exports_equal(rebuilt, full)
+    assert rebuilt.step == 9 and d1.base_step == 3 and d2.step == 9
+    # Deltas carry only changed rows: rare ids not seen between two exports keep their vector.
+    for d in (d1, d2):
+        assert 0 < d.num_rows() < sum(len(x.ids) for x in full.tables.values())
+    assert len(d1.tables["t_u"].deleted_ids) > 0  # 400 ids through 63 rows: some were evicted
+    with pytest.raises(ValueError, match="apply deltas in order"):
+        apply_delta(base, d2)
+    # The export's vector of a resident raw id is the row the trained model reads for it.
+    ids, slots = resident_ids(t, "t_u")
+    coll: Any = next(c for _, c in dynamic_collections(t.model))
+    tbe, idx = coll._table_to_tbe_and_index["t_u"]
+    weight = tbe.split_embedding_weights()[int(idx)]
+    vec, found = full.tables["t_u"].lookup(ids)
+    assert found.all() and torch.equal(vec, weight[slots])
+    assert set(full.tables["t_u"].ids.tolist()) == set(ids.tolist())
+    assert torch.equal(full.tables["t_u"].default, weight[[63]])
