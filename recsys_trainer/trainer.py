@@ -70,6 +70,7 @@ from recsys_trainer.distributed import (
     new_control_group,
 )
 from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
 from recsys_trainer.hooks.logger import LoggerHook
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
@@ -206,6 +207,11 @@ class Trainer:
         user_hooks = list(hooks or [])
         if add_logger_hook and not any(isinstance(h, LoggerHook) for h in user_hooks):
             user_hooks.insert(0, LoggerHook())
+        if dynamic.dynamic_table_names(self.model) and not any(
+            isinstance(h, DynamicTableStatsHook) for h in user_hooks
+        ):
+            # Placed first so reporting hooks after it see its window report.
+            user_hooks.insert(0, DynamicTableStatsHook())
         for h in user_hooks:
             self.hooks.add(h)
 

@@ -248,3 +248,61 @@ def test_export_maps_raw_ids_to_their_rows_and_base_plus_deltas_equals_the_full_
     assert found.all() and torch.equal(vec, weight[slots])
     assert set(full.tables["t_u"].ids.tolist()) == set(ids.tolist())
     assert torch.equal(full.tables["t_u"].default, weight[[63]])
+
+
+class _Windows:
+    """Three windows of batches from one id stream (a WindowedDataset over lists)."""
+
+    def __new__(cls, batches: list[Any], per_window: int) -> Any:
+        from recsys_trainer.data.base import WindowedDataset
+
+        class Windows(WindowedDataset):
+            def window_ids(self) -> Any:
+                return iter(f"w{i}" for i in range(len(batches) // per_window))
+
+            def iter_window(self, window_id: str, skip_batches: int = 0) -> Any:
+                i = int(window_id[1:])
+                return iter(batches[i * per_window + skip_batches:(i + 1) * per_window])
+
+        return Windows()
+
+
+def test_occupancy_admissions_and_evictions_are_reported_per_window_to_logs_tensorboard_and_jsonl(
+        tmp_path: Any, caplog: Any) -> None:
+    import logging
+
+    from recsys_trainer import JsonlMetricsHook, TensorBoardHook
+    from recsys_trainer.hooks import DynamicTableStatsHook, read_jsonl
+
+    data = _Windows(IdStream(FEATS, 400).batches(9, 64, seed=3), per_window=3)
+    torch.manual_seed(0)
+    model = DLRMClassifier(list(FEATS), 4, embedding_dim=8, dense_arch=(16,), over_arch=(16, 1),
+                           dynamic=DynamicTable(num_slots=32, eviction_interval=2))
+    tb_dir = str(tmp_path / "tb")
+    t = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), log_steps=1000),
+                train_dataset=data, hooks=[TensorBoardHook(log_dir=tb_dir), JsonlMetricsHook()],
+                dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1), add_logger_hook=False)
+    # Added by the Trainer because the model has dynamic tables, ahead of the reporters.
+    assert isinstance(next(iter(t.hooks)), DynamicTableStatsHook)
+    with caplog.at_level(logging.INFO, logger="recsys_trainer"):
+        t.train()
+    records = [r for r in read_jsonl(os.path.join(str(tmp_path), "metrics.jsonl"))
+               if r["type"] == "metrics" and "dynamic/t_u/occupancy" in r]
+    assert [r["window_id"] for r in records] == ["w0", "w1", "w2"]
+    assert [r["window_index"] for r in records] == [0, 1, 2]
+    final = table_stats(t.model)["t_u"]
+    # Per-window figures add up to the table's counters since the start.
+    assert sum(r["dynamic/t_u/admitted"] for r in records) == final["admitted"]
+    assert sum(r["dynamic/t_u/evicted"] for r in records) == final["evicted"] > 0
+    assert records[-1]["dynamic/t_u/occupied"] == final["occupied"]
+    assert records[-1]["dynamic/t_u/occupancy"] == pytest.approx(final["occupied"] / final["slots"])
+    assert sum("dynamic table t_u after window w2" in m for m in caplog.messages) == 1
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(tb_dir)
+    acc.Reload()
+    events = acc.Scalars("train_window/dynamic/t_i/evicted")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert sum(e.value for e in events) == table_stats(t.model)["t_i"]["evicted"]

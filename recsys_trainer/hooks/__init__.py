@@ -8,6 +8,7 @@ from recsys_trainer.hooks.base import (
     MicroBatchOutput,
     StepOutput,
 )
+from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
 from recsys_trainer.hooks.early_stopping import EarlyStoppingHook
 from recsys_trainer.hooks.jsonl import JsonlMetricsHook, read_jsonl
 from recsys_trainer.hooks.lambda_hook import LambdaHook
@@ -21,6 +22,7 @@ from recsys_trainer.metrics import METRIC_NAMES, ClickMetrics
 from recsys_trainer.step import StepTimings
 
 __all__ = [
+    "DynamicTableStatsHook",
     "EVENTS",
     "METRIC_NAMES",
     "ClickMetrics",
