@@ -1,4 +1,4 @@
-"""Quality of a hashed table vs a dynamic table at equal memory, and the step-time ratio.
+"""Quality of a hashed table vs a dynamic table with the same number of rows, and the step-time ratio.
 
     python benchmarks/bench_dynamic.py [--rows 2000] [--ids-per-row 5] [--steps 600]
 

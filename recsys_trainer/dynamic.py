@@ -188,6 +188,15 @@ def mix_ids(ids: torch.Tensor, input_size: int = ID_SPACE) -> torch.Tensor:
     collision; ``unmix_ids`` inverts it for exports. (The one id that mixes to ``2**63 - 1``,
     the empty-slot marker, is not supported.)"""
     del input_size  # the range is fixed: the whole non-negative int64 space
+    # A negative id would wrap onto 2**63 + id and share its row: refuse it instead. On the GPU
+    # the check is asynchronous (no host sync); the error surfaces at the next sync point.
+    if ids.device.type == "cpu":
+        if ids.numel() and bool((ids < 0).any()):
+            bad = int(ids[ids < 0][0])
+            raise ValueError(f"a dynamic table got the negative id {bad}; raw ids must be in "
+                             "[0, 2**63) (hash or offset signed ids before they reach the table).")
+    elif ids.numel():
+        torch._assert_async((ids >= 0).all(), "a dynamic table got a negative raw id")
     return _mul_mod63(_xorshift32(_mul_mod63(ids, _MUL_A)), _MUL_B)
 
 
@@ -251,6 +260,14 @@ def _specs_for(tables: list[EmbeddingConfig], dynamic: DynamicTable | dict[str, 
                              f"{missing}, unknown {extra}.")
         specs = dict(dynamic)
     for t in tables:
+        if len(t.feature_names) != 1:
+            # FBGEMM's eviction reset (and our CPU copy of it) takes torchrec's *table* index
+            # where its offsets are per *feature*: with a shared table, evicting rows of one table
+            # would zero rows of another. One feature per dynamic table keeps the two equal.
+            raise ValueError(
+                f"dynamic table {t.name!r} is read by {len(t.feature_names)} features "
+                f"({', '.join(t.feature_names)}); a dynamic table takes exactly one feature. Give "
+                "each feature its own dynamic table, or keep the shared table hashed.")
         if t.num_embeddings != specs[t.name].num_slots:
             raise ValueError(f"table {t.name!r}: `num_embeddings` ({t.num_embeddings}) must equal "
                              f"its DynamicTable.num_slots ({specs[t.name].num_slots}).")

@@ -189,10 +189,11 @@ def _checkpoint_leg(device: str, out_dir: str, load_from: str | None, train_step
 
 
 def _stream_syncs(out_dir: str) -> dict[str, Any]:
-    """Host-device synchronisations per step: the Trainer's loop (with its per-fetch exit-flag
-    all-reduce on the gloo group) against a hand-written loop on the same model. Per step means
-    the difference between a 30-step and a 10-step run, so fixed costs of ``train()`` (and the
-    profiler's own start) cancel. Then the exit-flag agreement alone while the GPU is busy."""
+    """Host-device synchronisations per step: the Trainer's loop against a hand-written loop on
+    the same model (at world size 1 the gang skips the exit-flag collective, so this part checks
+    the rest of the Trainer's step). Per step means the difference between a 30-step and a
+    10-step run, so fixed costs of ``train()`` (and the profiler's own start) cancel. Then the
+    exit-flag agreement itself, issued on the gloo group while the GPU is busy."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
