@@ -109,7 +109,6 @@ def test_every_raw_id_gets_its_own_row_when_they_fit_and_unknown_ids_read_the_de
     assert set(ids.tolist()) == seen_ids(data, "u")
     assert len(set(slots.tolist())) == len(slots) and int(slots.max()) < 63
     # In eval mode the map is read-only: a resident id reads its slot, a new one the default.
-    coll: Any = next(c for _, c in dynamic_collections(t.model))
     t.model.eval()
     known, unknown = int(ids[0]), 2**62 + 12345
     m: Any = mc_modules(t.model)["t_u"]
