@@ -127,7 +127,6 @@ def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adag
     t.train()
     stats = table_stats(t.model)["t_u"]
     assert stats["occupied"] == 31 and stats["evicted"] > 0
-    assert stats["admitted"] == stats["occupied"] + stats["evicted"]
     # The reset torchrec calls on eviction (FBGEMM's op is CUDA-only): rows 3 and 7 of table
     # t_u -> zero weights and zero row-wise Adagrad accumulator, every other row untouched.
     coll: Any = next(c for _, c in dynamic_collections(t.model))
@@ -317,3 +316,16 @@ def test_occupancy_admissions_and_evictions_are_reported_per_window_to_logs_tens
     events = acc.Scalars("train_window/dynamic/t_i/evicted")
     assert [e.step for e in events] == [0, 1, 2]
     assert sum(e.value for e in events) == table_stats(t.model)["t_i"]["evicted"]
+
+
+def test_a_model_bank_warm_start_of_a_dynamic_table_is_refused_naming_the_key(tmp_path: Any) -> None:
+    from recsys_trainer.checkpoint.errors import CheckpointError
+
+    data = IdStream(FEATS, 100).batches(4, 32, seed=0)
+    src = build(str(tmp_path / "src"), DynamicTable(num_slots=32, eviction_interval=2), data,
+                train_steps=4, save_end=True)
+    src.train()
+    with pytest.raises(CheckpointError, match=r"model bank: '.*' belongs to a dynamic table, which "
+                                              r"cannot be warm-started"):
+        build(str(tmp_path / "dst"), DynamicTable(num_slots=32, eviction_interval=2), data,
+              train_steps=4, model_bank=[{"path": str(tmp_path / "src")}]).train()

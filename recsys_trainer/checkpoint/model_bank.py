@@ -107,9 +107,20 @@ def _apply(components: contents.Components, src: ModelBankSource, gang: Gang) ->
                 f"model's {name!r} has {list(_global_size(live))}; exclude it or map its name.",
                 step=info.step, path=info.path, kind="mismatch")
 
-    for k, v in contents.model_state(components, lambda _k: True).items():
+    model_state = contents.model_state(components, lambda _k: True)
+    # Dynamic (managed-collision) tables: each rank's id map is its own shard and its rows only
+    # mean something with that map, so copying either into another run would scramble ids.
+    dynamic_prefixes = {k.split("_managed_collision_collection.")[0]
+                        for k in model_state if "_managed_collision_collection." in k}
+    for k, v in model_state.items():
         comp = "tables" if contents.is_table_key(k, v) else "dense"
         if src.selects(comp, k):
+            if any(k.startswith(p) for p in dynamic_prefixes):
+                raise CheckpointError(
+                    f"model bank: {k!r} belongs to a dynamic table, which cannot be warm-started "
+                    "(its id map is a per-rank shard). Resume the run itself instead, or leave "
+                    f"the table out with exclude={{{comp!r}: [...]}}.",
+                    step=info.step, path=info.path, kind="mismatch")
             add(f"model.{src.source_name(k)}", v, k, comp == "tables")
     if "optimizer" in src.include:
         contents.init_optimizer_state(components)
