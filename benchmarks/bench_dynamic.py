@@ -1,14 +1,18 @@
-"""Quality of a hashed table vs a dynamic table with the same number of rows, and the step-time ratio.
+"""Quality of a hashed table vs a dynamic table at equal memory, and the step-time ratio.
 
-    python benchmarks/bench_dynamic.py [--rows 2000] [--ids-per-row 5] [--steps 600]
+    python benchmarks/bench_dynamic.py [--rows 2000] [--ids-per-row 5] [--steps 600] [--seed 3]
+        [--hashed-rows N]   # default: as many rows as fit in the dynamic table's bytes
 
 Data: ``recsys_trainer.data.id_stream.IdStream``: 2 sparse features, each with
 ``rows * ids_per_row`` distinct raw ids (Zipf 1.05) and a planted per-id effect on the click
 logit, 4 noise dense features. Both models are the bundled DLRM (dim 16) with ``rows`` rows per
 table, fused row-wise Adagrad, Adam on the dense part, one process:
 
-- ``hashed``: ids hashed into ``rows`` rows (``stable_hash_ints(id) % rows``, what the data layer
-  does); ids share rows.
+- ``hashed``: ids hashed into ``--hashed-rows`` rows (``stable_hash_ints(id) % rows``, what the
+  data layer does); ids share rows. By default it gets the dynamic table's *bytes*: a dynamic
+  slot also carries 4 int64 of id map and policy state, and each table a history of the ids seen
+  between passes (``eviction_interval x batch x 1.25`` ids and their counts, as torchrec sizes
+  it), so at equal bytes the hashed table has more rows (``table_bytes`` below).
 - ``dynamic``: ``DynamicTable(num_slots=rows)``: the most valuable ids (DistanceLFU) get their
   own row, the rest read the shared default row.
 
@@ -49,6 +53,15 @@ def hashed(batches: list[Batch], rows: int) -> list[Batch]:
                                 lengths=b.sparse.lengths(), stride=b.sparse.stride())
         out.append(Batch(dense=b.dense, sparse=kjt, labels=b.labels))
     return out
+
+
+def table_bytes(rows: int, dim: int, dynamic: bool, interval: int, batch: int) -> int:
+    """Bytes one table holds for training: fp32 rows plus the row-wise Adagrad value, and for a
+    dynamic table its per-slot id map and policy buffers and its id history."""
+    per_row = 4 * dim + 4
+    if not dynamic:
+        return rows * per_row
+    return rows * (per_row + 4 * 8) + int(interval * batch * 1.25) * 2 * 8
 
 
 def make(kind: str, rows: int, interval: int, out: str) -> Trainer:
@@ -96,15 +109,20 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=10)
     ap.add_argument("--chunk", type=int, default=50)
     ap.add_argument("--out", default="output/bench_dynamic")
+    ap.add_argument("--seed", type=int, default=3, help="of the id stream's planted effects")
+    ap.add_argument("--hashed-rows", type=int, default=None,
+                    help="rows of the hashed table (default: equal bytes to the dynamic table)")
     a = ap.parse_args()
     torch.set_flush_denormal(True)
-    stream = IdStream(FEATS, int(a.rows * a.ids_per_row), strength=1.0, seed=3)
+    dyn_bytes = table_bytes(a.rows, 16, True, a.interval, a.batch_size)
+    hashed_rows = a.hashed_rows or dyn_bytes // table_bytes(1, 16, False, 0, 0)
+    stream = IdStream(FEATS, int(a.rows * a.ids_per_row), strength=1.0, seed=a.seed)
     train = stream.batches(a.steps, a.batch_size, seed=1)
     held_out = stream.batches(a.eval_batches, a.batch_size, seed=2)
-    trainers = {"hashed": make("hashed", a.rows, a.interval, a.out + "/h"),
+    trainers = {"hashed": make("hashed", hashed_rows, a.interval, a.out + "/h"),
                 "dynamic": make("dynamic", a.rows, a.interval, a.out + "/d")}
-    data = {"hashed": hashed(train, a.rows), "dynamic": train}
-    evals = {"hashed": hashed(held_out, a.rows), "dynamic": held_out}
+    data = {"hashed": hashed(train, hashed_rows), "dynamic": train}
+    evals = {"hashed": hashed(held_out, hashed_rows), "dynamic": held_out}
     times: dict[str, list[float]] = {k: [] for k in trainers}
     steps = {k: step_fn(t) for k, t in trainers.items()}
     for lo in range(0, a.steps, a.chunk):
@@ -116,7 +134,10 @@ def main() -> None:
                     times[k].append(time.perf_counter() - t0)
     res: dict[str, Any] = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        "rows": a.rows, "distinct_ids_per_feature": stream.num_ids, "steps": a.steps,
+        "rows": {"dynamic": a.rows, "hashed": hashed_rows}, "seed": a.seed,
+        "table_bytes": {"dynamic": dyn_bytes,
+                        "hashed": table_bytes(hashed_rows, 16, False, a.interval, a.batch_size)},
+        "distinct_ids_per_feature": stream.num_ids, "steps": a.steps,
         "batch_size": a.batch_size,
         "auc": {k: round(auc(t, evals[k]), 4) for k, t in trainers.items()},
         "median_step_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()},
