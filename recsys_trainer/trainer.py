@@ -202,6 +202,7 @@ class Trainer:
         for ds in (self.train_dataset, self.eval_dataset):
             if ds is not None:
                 ds.setup(self.rank, self.world_size)
+                ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
 
         self.hooks = HookList()
         user_hooks = list(hooks or [])

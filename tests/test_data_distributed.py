@@ -146,7 +146,7 @@ def _bad_data_worker(root: str) -> dict[str, Any]:
     return {"fetched": fetched, "error": None, "message": ""}
 
 
-def test_a_rank_whose_data_raises_makes_every_rank_raise_instead_of_hanging(tmp_path) -> None:
+def test_a_rank_whose_data_raises_makes_every_rank_raise_its_error_instead_of_hanging(tmp_path) -> None:
     write_windows(str(tmp_path), [[40]], row_group_size=40)
     f = str(tmp_path / "hour=00" / "part-0.parquet")
     t = pq.read_table(f)
@@ -155,6 +155,84 @@ def test_a_rank_whose_data_raises_makes_every_rank_raise_instead_of_hanging(tmp_
     pq.write_table(t.set_column(t.schema.get_field_index("y"), "y", pa.array(y, pa.float32())), f)
     r0, r1 = run_distributed(_bad_data_worker, 2, timeout_s=90, args=(str(tmp_path),))
     assert r0["error"] == "DataError" and "row 9, column 'y'" in r0["message"]
-    assert r1["error"] == "RuntimeError" and "another rank failed" in r1["message"]
+    # Rank 1's data was fine: it raises the same kind of error, naming rank 0's file and row.
+    assert r1["error"] == "DataError" and "rank 0 failed to read its next batch" in r1["message"]
+    assert "part-0.parquet, row group 0, row 9, column 'y'" in r1["message"]
     # The chunk holding row 9 is decoded before rank 0's first batch is handed out.
     assert r0["fetched"] == r1["fetched"] == 0
+
+
+# ---------------------------------------------------------------------------- listings that differ
+
+def _lagging_listing_worker(root: str) -> dict[str, Any]:
+    import os
+
+    from recsys_trainer.data.windows import Window
+
+    rank = int(os.environ["RANK"])
+
+    def listing() -> list[Window]:
+        # Rank 1's view of the shared directory lags: hour=01 looks empty (so it is skipped)
+        # and hour=00's second file is not there yet.
+        out = []
+        for w in partitioned_windows(root):
+            if rank == 1 and w.id == "hour=01":
+                continue
+            files = w.files[:1] if rank == 1 and w.id == "hour=00" else w.files
+            out.append(Window(w.id, files))
+        return out
+
+    seen: list[int] = []
+    steps: dict[str, int] = {}
+    hook = LambdaHook(after_data=lambda t, b: seen.extend(row_ids(b)),
+                      after_step=lambda t, out: steps.__setitem__(
+                          t.state.window_id, steps.get(t.state.window_id, 0) + 1))
+    ds = ParquetWindowDataset(listing, row_id_spec(), batch_size=4)
+    _trainer(row_id_spec(), ds, hooks=[hook]).train()
+    return {"seen": seen, "steps": steps}
+
+
+def test_ranks_whose_listings_differ_train_rank_0s_listing_and_read_every_row_exactly_once(
+        tmp_path) -> None:
+    total = write_windows(str(tmp_path), [[16, 16], [24], [8]], row_group_size=4)
+    r0, r1 = run_distributed(_lagging_listing_worker, 2, timeout_s=120, args=(str(tmp_path),))
+    # Both ranks trained the same windows for the same steps (without the agreement, rank 1
+    # skips hour=01 and the ranks' collectives fall out of step).
+    assert r0["steps"] == r1["steps"] == {"hour=00": 4, "hour=01": 3, "hour=02": 1}
+    everything = r0["seen"] + r1["seen"]
+    assert sorted(everything) == list(range(total))
+
+
+def _unreadable_on_rank_1_worker(root: str) -> dict[str, Any]:
+    import os
+    import time
+
+    if int(os.environ["RANK"]) == 1:
+        real = pq.ParquetFile
+
+        def lagging(path: Any, *a: Any, **kw: Any) -> Any:
+            if str(path).endswith("hour=01/part-1.parquet"):
+                raise FileNotFoundError(f"[Errno 2] No such file or directory: {path!r}")
+            return real(path, *a, **kw)
+
+        pq.ParquetFile = lagging  # type: ignore[misc]
+    ds = ParquetWindowDataset(root, row_id_spec(), batch_size=4)
+    trainer = _trainer(row_id_spec(), ds)
+    t0 = time.monotonic()
+    try:
+        trainer.train()
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        return {"error": type(exc).__name__, "message": str(exc), "step": trainer.state.global_step,
+                "seconds": time.monotonic() - t0}
+    return {"error": None, "message": "", "step": trainer.state.global_step, "seconds": 0.0}
+
+
+def test_a_listed_file_that_one_rank_cannot_open_is_a_data_error_naming_it_on_every_rank(
+        tmp_path) -> None:
+    write_windows(str(tmp_path), [[16], [16, 16]], row_group_size=4)
+    r0, r1 = run_distributed(_unreadable_on_rank_1_worker, 2, timeout_s=120, args=(str(tmp_path),))
+    missing = str(tmp_path / "hour=01" / "part-1.parquet")
+    assert r1["error"] == "DataError" and f"file {missing}: cannot read the file" in r1["message"]
+    assert r0["error"] == "DataError" and "rank 1 failed to read its next batch" in r0["message"]
+    assert missing in r0["message"]
+    assert r0["step"] == r1["step"] == 2  # hour=00 trained; both stopped at hour=01's first fetch

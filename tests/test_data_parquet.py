@@ -15,7 +15,14 @@ from data_utils import row_id_spec, row_ids, write_windows
 
 from recsys_trainer.data.features import DataError, FeatureSpec
 from recsys_trainer.data.parquet import ParquetWindowDataset
-from recsys_trainer.data.windows import StreamingWindows, Window, glob_windows, partitioned_windows
+from recsys_trainer.data.windows import (
+    StreamingWindows,
+    Window,
+    agreed_windows,
+    glob_windows,
+    partitioned_windows,
+)
+from recsys_trainer.distributed import FakeGang
 
 
 def _ds(root: str, **kw) -> ParquetWindowDataset:  # type: ignore[no-untyped-def]
@@ -147,6 +154,39 @@ def test_streaming_windows_wait_for_new_partitions_until_the_end_marker(tmp_path
         list(quiet)
 
 
+class _RecordingGang(FakeGang):
+    def __init__(self, rank: int, broadcasts: list | None = None) -> None:  # type: ignore[type-arg]
+        super().__init__(rank, 2, broadcasts=broadcasts)
+        self.sent: list = []  # type: ignore[type-arg]
+
+    def broadcast_object(self, obj, src=0):  # type: ignore[no-untyped-def]
+        self.sent.append(obj)
+        return super().broadcast_object(obj, src)
+
+
+def test_rank_0_lists_for_every_rank_and_a_waiting_stream_sends_a_heartbeat_per_poll(tmp_path) -> None:
+    root = str(tmp_path)
+    write_windows(root, [[3]])
+    checks = [0]
+
+    def ended() -> bool:
+        checks[0] += 1
+        return checks[0] > 3  # three polls find nothing new, the fourth sees the end
+
+    stream = StreamingWindows(lambda: partitioned_windows(root), end_marker=ended,
+                              poll_interval_s=0.01, timeout_s=10)
+    zero = _RecordingGang(rank=0)
+    assert [w.id for w in agreed_windows(stream, zero)] == ["hour=00"]
+    assert [m[0] for m in zero.sent] == ["window", "wait", "wait", "wait", "end"]
+    # Rank 1 never lists: it receives rank 0's windows, even where its own view differs.
+    rank0 = [Window("hour=07", ("/shared/a.parquet",))]
+    one = _RecordingGang(rank=1, broadcasts=[("window", rank0[0]), ("wait", None), ("end", None)])
+    assert list(agreed_windows(lambda: pytest.fail("rank 1 listed"), one)) == rank0
+    failing = _RecordingGang(rank=1, broadcasts=[("error", "FileNotFoundError: no /data")])
+    with pytest.raises(RuntimeError, match="rank 0 could not list the windows .*FileNotFoundError: no /data"):
+        list(agreed_windows("/data", failing))
+
+
 def test_state_dict_restores_the_epoch_and_refuses_another_configuration(tmp_path) -> None:
     write_windows(str(tmp_path), [[4]])
     a = _ds(str(tmp_path), shuffle=True, seed=5)
@@ -171,7 +211,7 @@ def test_corrupt_files_raise_a_data_error_naming_the_file_or_are_skipped_and_cou
     bad = tmp_path / "hour=00" / "part-0.parquet"
     bad.write_bytes(b"not a parquet file at all")
     with pytest.raises(DataError, match=rf"file {bad}: cannot read the file"):
-        _ds(str(tmp_path)).iter_window("hour=00")
+        next(_ds(str(tmp_path)).iter_window("hour=00"))  # planning errors surface at the first fetch
     ds = _ds(str(tmp_path), on_corrupt="skip")
     assert sorted(i for b in ds.iter_window("hour=00") for i in row_ids(b)) == list(range(5, 11))
     assert ds.stats.corrupt_files_skipped == 1
@@ -182,7 +222,7 @@ def test_a_missing_or_mistyped_declared_column_names_the_file(tmp_path) -> None:
     f = str(tmp_path / "hour=00" / "part-0.parquet")
     pq.write_table(pq.read_table(f).drop_columns(["item"]), f)
     with pytest.raises(DataError, match=rf"file {f}, column 'item': the declared sparse id column is missing"):
-        _ds(str(tmp_path)).iter_window("hour=00")
+        next(_ds(str(tmp_path)).iter_window("hour=00"))
 
 
 def test_bad_values_name_the_file_row_group_and_row_they_came_from(tmp_path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.distributed import Gang
 
 
 class WindowedDataset(ABC):
@@ -24,6 +25,11 @@ class WindowedDataset(ABC):
 
     def setup(self, rank: int, world_size: int) -> None:
         """Choose this rank's share of every window. Default: no sharding (rank reads all)."""
+
+    def set_gang(self, gang: Gang) -> None:
+        """Called by the Trainer after ``setup`` with the gang its ranks agree through. A
+        dataset whose listing can differ between ranks (files on shared storage) lists on rank
+        0 and hands the listing to the others through it. Default: not needed."""
 
     def set_epoch(self, epoch: int) -> None:
         """Called by the Trainer before each epoch's windows (e.g. to reseed a shuffle)."""

@@ -1,7 +1,9 @@
 """``ParquetWindowDataset``: windows of parquet (or CSV) files, sharded by rows, prefetched.
 
-Per window, every rank reads the footers of all the window's files (cheap; it makes every rank
-agree on the sharding and on schema errors) and takes its share of the window's rows:
+Under the Trainer, rank 0 lists the windows and every rank reads rank 0's listing (see
+``windows.agreed_windows``): a lagging listing on one rank cannot split the ranks. Per window,
+every rank reads the footers of all the window's files (cheap; it makes every rank agree on
+the sharding and on schema errors) and takes its share of the window's rows:
 
 * ``sharding="rows"`` (default): the window's rows, in file / row-group order, are cut into
   ``world_size`` contiguous ranges whose sizes differ by at most one row, so even a window with
@@ -40,7 +42,8 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.features import DataError, FeatureSpec, _RowError
 from recsys_trainer.data.prefetch import Prefetcher
-from recsys_trainer.data.windows import Window, WindowSource, describe_source, resolve_windows
+from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
+from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_choice, check_int, check_type
 
 logger = logging.getLogger("recsys_trainer.data")
@@ -185,6 +188,7 @@ class ParquetWindowDataset(WindowedDataset):
         self._columns = features.columns()
         self._known: dict[str, Window] = {}
         self._pending_state: dict[str, Any] | None = None
+        self._gang: Gang | None = None
 
     # ------------------------------------------------------------------ WindowedDataset
 
@@ -196,17 +200,28 @@ class ParquetWindowDataset(WindowedDataset):
             self._check_fingerprint(self._pending_state)
             self._pending_state = None
 
+    def set_gang(self, gang: Gang) -> None:
+        self._gang = gang
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def window_ids(self) -> Iterator[str]:
-        for w in resolve_windows(self.windows):
+        for w in agreed_windows(self.windows, self._gang):
             self._known[w.id] = w
             yield w.id
 
     def iter_window(self, window_id: str, skip_batches: int = 0) -> WindowIterator:
-        window = self._window(window_id)
-        pieces, total = self._plan(window)
+        """This rank's batches of the window. Errors found while planning it (an unreadable
+        file, a mistyped column) are raised by the iterator's first ``next()``."""
+        try:
+            window = self._window(window_id)
+            pieces, total = self._plan(window)
+        except Exception as exc:  # noqa: BLE001 - raised by the iterator's first next()
+            # Planning reads every file's footer: a file this rank cannot open fails here. The
+            # error surfaces at the first fetch, inside the ranks' agreement on it, so every
+            # rank stops with it instead of the others waiting for this one.
+            return WindowIterator(self, [], 0, window_id, error=exc)
         replay = 0
         if skip_batches and (self.features.on_nan_label == "drop" or self.on_corrupt == "skip"):
             # Dropped rows (NaN labels) and skipped unreadable row groups can empty whole
@@ -484,9 +499,10 @@ class WindowIterator(Iterator[Batch]):
     """
 
     def __init__(self, ds: ParquetWindowDataset, pieces: list[_Piece], rows: int, window_id: str,
-                 discard: int = 0) -> None:
+                 discard: int = 0, error: Exception | None = None) -> None:
         self.window_id = window_id
         self._rows_left = rows
+        self._error = error
         make = lambda: _discard(ds._batches(pieces), discard) if discard else ds._batches(pieces)  # noqa: E731
         self._source: Iterator[tuple[Batch, int]]
         self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
@@ -500,6 +516,9 @@ class WindowIterator(Iterator[Batch]):
         return self
 
     def __next__(self) -> Batch:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
         try:
             batch, rows = next(self._source)
         except StopIteration:

@@ -3,7 +3,8 @@
 Ranks often hold uneven data (a window's rows do not split evenly). Every rank fetches its next
 local batch, then one ``all_reduce(MAX)`` of ``[out_of_data, has_data, stop, non_finite]`` tells
 all ranks the same thing at the same fetch. A rank whose fetch raised (bad data) still takes part
-(``out_of_data = 2``), then re-raises; the other ranks raise too instead of waiting for it. Because TorchRec pipelines pull batches ahead, this
+(``out_of_data = 2``), then re-raises; the other ranks raise too, naming that rank's error,
+instead of waiting for it. Because TorchRec pipelines pull batches ahead, this
 must live inside the iterator's ``__next__``, never in the training loop.
 """
 
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.data.features import DataError
 from recsys_trainer.distributed import Gang
 
 
@@ -81,12 +83,13 @@ class SyncedIterator(Iterator[Batch]):
         if out_of_data == 2:
             self._done = True
             self.close()
+            # Every rank names what failed where (one all-gather, on this failure path only).
+            reports = self._gang.all_gather_object(
+                None if failure is None
+                else (isinstance(failure, DataError), f"{type(failure).__name__}: {failure}"))
             if failure is not None:
                 raise failure
-            raise RuntimeError(
-                f"rank {self._gang.rank}: another rank failed to read its next batch; its log "
-                "has the error (stopping here too instead of waiting for it)."
-            )
+            raise _peer_failure(reports, self._gang.rank)
         st = self.state
         st.stop_requested, st.non_finite_loss = bool(stop_any), bool(nf_any)
         finished = (not has_data) if self._pad else bool(out_of_data)
@@ -126,3 +129,12 @@ class SyncedIterator(Iterator[Batch]):
             return int(rows_remaining())
         # Reads (but does not train) the rest of the window so the log can say what was left.
         return sum(b.num_real_rows() for b in self._source)
+
+
+def _peer_failure(reports: list[tuple[bool, str] | None], rank: int) -> Exception:
+    """The error a rank raises when another rank's fetch failed: the same kind (a
+    ``DataError`` stays one), with the first failing rank's message."""
+    failed, (is_data_error, message) = next((r, rep) for r, rep in enumerate(reports) if rep is not None)
+    text = (f"rank {failed} failed to read its next batch: {message} (rank {rank} stops too "
+            "instead of waiting for it).")
+    return DataError(text) if is_data_error else RuntimeError(text)

@@ -21,6 +21,9 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from recsys_trainer.distributed import Gang
 
 logger = logging.getLogger("recsys_trainer.data")
 
@@ -106,8 +109,9 @@ class StreamingWindows:
     ``discover()`` returns every window available *now*, in order (e.g.
     ``lambda: partitioned_windows(root, ready_marker="_SUCCESS")``). New windows are yielded as
     they appear; the stream ends when ``end_marker`` exists (checked *before* the final discovery,
-    so every window written before the marker is included). Because every rank waits for the same
-    marker, all ranks see the same windows. If nothing new appears for ``timeout_s`` seconds the
+    so every window written before the marker is included). Under the Trainer only rank 0 polls
+    and the other ranks receive its windows (``agreed_windows``), so all ranks see the same
+    windows even when their listings lag. If nothing new appears for ``timeout_s`` seconds the
     iteration raises ``TimeoutError`` rather than ending quietly: ranks polling at slightly
     different times could otherwise disagree on the last window.
 
@@ -138,6 +142,12 @@ class StreamingWindows:
         return os.path.exists(self.end_marker)
 
     def __iter__(self) -> Iterator[Window]:
+        return (w for w in self.polls() if w is not None)
+
+    def polls(self) -> Iterator[Window | None]:
+        """Like iterating, plus a ``None`` after every discovery that found nothing new (just
+        before sleeping ``poll_interval_s``): a heartbeat that lets rank 0 tell the other ranks,
+        which wait for its listing, that the stream is still waiting."""
         yielded: list[str] = []
         seen: set[str] = set()
         last_new = time.monotonic()
@@ -164,6 +174,7 @@ class StreamingWindows:
                     f"(last window: {yielded[-1] if yielded else None}); write the end marker "
                     "when the stream ends, or raise StreamingWindows(timeout_s=...)."
                 )
+            yield None
             time.sleep(self.poll_interval_s)
 
 
@@ -172,12 +183,16 @@ WindowSource = str | Sequence[str] | Sequence[Window] | Callable[[], Iterable[Wi
 ``Window``, a callable returning windows, or ``StreamingWindows``."""
 
 
-def resolve_windows(source: WindowSource) -> Iterator[Window]:
-    """Iterate the windows of any ``WindowSource`` (lazily for streams and callables)."""
+def resolve_windows(source: WindowSource, *, heartbeats: bool = False) -> Iterator[Window | None]:
+    """Iterate the windows of any ``WindowSource`` (lazily for streams and callables).
+
+    ``heartbeats=True``: a stream also yields ``None`` each time it polls without finding a
+    new window (see ``StreamingWindows.polls``); no other source yields ``None``.
+    """
     if isinstance(source, str):
         yield from partitioned_windows(source)
     elif isinstance(source, StreamingWindows):
-        yield from source
+        yield from (source.polls() if heartbeats else source)
     elif callable(source):
         yield from source()
     else:
@@ -198,3 +213,49 @@ def describe_source(source: WindowSource) -> str:
         return f"callable:{getattr(source, '__qualname__', type(source).__name__)}"
     items: list[object] = list(source)
     return ",".join(x.id if isinstance(x, Window) else str(x) for x in items)
+
+
+def agreed_windows(source: WindowSource, gang: Gang | None) -> Iterator[Window]:
+    """The windows of ``source`` *as rank 0 lists them*, on every rank of ``gang``.
+
+    Listings of shared storage can differ between ranks (a lagging NFS or object-store
+    listing): a window empty on one rank only, a file visible to one rank only. Ranks that
+    list independently then disagree on what a window holds, which reads rows twice or never,
+    or leaves one rank waiting in a collective for another that skipped the window. So rank 0
+    alone lists, and every window (id and files) reaches the other ranks in one broadcast;
+    a file that another rank then cannot open is a ``DataError`` naming it. A failure to list
+    on rank 0 is raised on every rank. While a stream waits for new windows, rank 0 sends a
+    heartbeat after every poll (``StreamingWindows.poll_interval_s`` must stay below the
+    process group's collective timeout).
+
+    Without a gang, or with one rank, this is ``resolve_windows(source)``.
+    """
+    if gang is None or gang.world_size == 1:
+        yield from (w for w in resolve_windows(source) if w is not None)
+        return
+    listing = resolve_windows(source, heartbeats=True) if gang.rank == 0 else None
+    failure: Exception | None = None
+    while True:
+        message: tuple[str, Any] = ("end", None)
+        if listing is not None:
+            try:
+                w = next(listing, _END)
+                message = ("end", None) if w is _END else ("wait", None) if w is None else ("window", w)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the others
+                message = ("error", f"{type(exc).__name__}: {exc}")
+                failure = exc
+        kind, payload = gang.broadcast_object(message, src=0)
+        if kind == "window":
+            yield payload
+        elif kind == "end":
+            return
+        elif kind == "error":
+            if failure is not None:
+                raise failure
+            raise RuntimeError(
+                f"rank 0 could not list the windows of {describe_source(source)!r}: {payload} "
+                "(every rank reads rank 0's listing; see rank 0's log)."
+            )
+
+
+_END = object()
