@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from recsys_trainer import dynamic
+from recsys_trainer.data.features import FeatureSpec, check_features_fit_tables
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
@@ -81,16 +82,39 @@ def apply_sparse_optimizer(model: nn.Module, spec: SparseOptimizer) -> list[str]
     return names
 
 
-def table_names(model: nn.Module) -> list[str]:
-    out: list[str] = []
+def table_configs(model: nn.Module) -> list[Any]:
+    """The torchrec table configs (name, rows, feature names, ...) of every embedding table."""
+    out: list[Any] = []
     for _, module in embedding_modules(model):
-        configs: Any
         if isinstance(module, EmbeddingBagCollection):
-            configs = module.embedding_bag_configs()
+            out.extend(module.embedding_bag_configs())
         else:
-            configs = module.embedding_configs()  # type: ignore[operator]
-        out.extend(c.name for c in configs)
+            out.extend(module.embedding_configs())  # type: ignore[operator]
     return out
+
+
+def table_names(model: nn.Module) -> list[str]:
+    return [c.name for c in table_configs(model)]
+
+
+def feature_tables(model: nn.Module) -> list[tuple[str, str, int | None]]:
+    """``(feature, table, num_embeddings)`` for every feature an embedding table of ``model``
+    reads (a feature read by two tables appears twice). A dynamic table takes any raw id, so its
+    bound is None."""
+    unbounded = dynamic.dynamic_table_names(model)
+    return [(f, c.name, None if c.name in unbounded else c.num_embeddings)
+            for c in table_configs(model) for f in c.feature_names]
+
+
+def check_data_fits_model(model: nn.Module, datasets: Iterable[Any]) -> None:
+    """Refuse datasets whose ``FeatureSpec`` does not fit the model's tables (see
+    ``check_features_fit_tables``). Datasets without a spec (plain iterables of ``Batch``) are
+    not checked."""
+    tables = feature_tables(model)
+    for ds in datasets:
+        spec = getattr(ds, "features", None)
+        if isinstance(spec, FeatureSpec):
+            check_features_fit_tables(spec, tables)
 
 
 def plan_sharding(

@@ -83,7 +83,7 @@ from recsys_trainer.optimizers import (
 from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.precision import Precision
 from recsys_trainer.rng import RNGState, seed_everything
-from recsys_trainer.sharding import dense_no_sync, shard_model
+from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
@@ -179,6 +179,7 @@ class Trainer:
         decisions run on ``gang``."""
 
         self.sparse_optimizer_spec = sparse_optimizer or SparseOptimizer()
+        check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,

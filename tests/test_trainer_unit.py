@@ -16,6 +16,8 @@ from recsys_trainer import (
     supported_sparse_optimizers,
 )
 from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.hooks.base import HookList
 from recsys_trainer.models import DLRMClassifier
@@ -338,3 +340,36 @@ def test_more_ranks_than_gpus_on_a_host_is_refused_naming_both_counts() -> None:
         check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=1)
     with pytest.raises(ValueError, match="nproc_per_node=1"):
         check_one_gpu_per_rank(local_rank=0, local_world_size=2, num_gpus=1)
+
+
+def _parquet_data(sparse: list[tuple[str, int]]) -> ParquetWindowDataset:
+    spec = FeatureSpec(labels=["y"], dense=["d0", "d1"],
+                       sparse=[SparseFeature(name=n, num_embeddings=k) for n, k in sparse])
+    return ParquetWindowDataset([], spec, batch_size=8)
+
+
+def _dlrm(features: list[str], rows: list[int]) -> DLRMClassifier:
+    return DLRMClassifier(features, 2, rows, embedding_dim=4, dense_arch=(4,), over_arch=(4, 1))
+
+
+def test_a_feature_bound_larger_than_its_table_is_refused_at_construction_naming_both_sizes() -> None:
+    data = _parquet_data([("user", 100), ("item_id", 5000)])
+    with pytest.raises(ValueError) as e:
+        Trainer(_dlrm(["user", "item_id"], [100, 1000]), TrainingArguments(), train_dataset=data)
+    msg = str(e.value)
+    assert "sparse feature 'item_id' holds ids in [0, 5000)" in msg
+    assert "'t_item_id', has 1000 rows" in msg
+    # The eval dataset is checked too; a smaller bound than the table is fine.
+    with pytest.raises(ValueError, match="'item_id' holds ids in \\[0, 5000\\)"):
+        Trainer(_dlrm(["user", "item_id"], [100, 1000]), TrainingArguments(),
+                train_dataset=_parquet_data([("user", 100), ("item_id", 10)]), eval_dataset=data)
+    Trainer(_dlrm(["user", "item_id"], [100, 1000]), TrainingArguments(),
+            train_dataset=_parquet_data([("user", 50), ("item_id", 1000)]), add_logger_hook=False)
+
+
+def test_model_features_missing_from_the_spec_are_refused_naming_both_sets() -> None:
+    data = _parquet_data([("user", 100), ("item", 100), ("extra", 7)])
+    with pytest.raises(ValueError) as e:
+        Trainer(_dlrm(["user", "item_id"], [100, 100]), TrainingArguments(), train_dataset=data)
+    assert ("tables read sparse features ['item_id', 'user'], but the data's FeatureSpec declares "
+            "['extra', 'item', 'user']: ['item_id'] missing") in str(e.value)

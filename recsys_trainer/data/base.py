@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.distributed import Gang
+
+if TYPE_CHECKING:
+    from recsys_trainer.data.features import FeatureSpec
 
 
 class WindowedDataset(ABC):
@@ -22,6 +25,10 @@ class WindowedDataset(ABC):
     shard itself; ``iter_window`` then yields only this rank's batches. All ranks must see the
     same window ids in the same order (the Trainer agrees on batches, not on windows).
     """
+
+    features: FeatureSpec | None = None
+    """The spec the dataset decodes with, if any: the Trainer checks it against the model's
+    tables when it is built (feature names, and id bounds against table sizes)."""
 
     def setup(self, rank: int, world_size: int) -> None:
         """Choose this rank's share of every window. Default: no sharding (rank reads all)."""

@@ -388,6 +388,35 @@ class FeatureSpec:
         return ids
 
 
+def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str, int | None]]) -> None:
+    """Refuse a spec whose features do not fit the model's tables it feeds.
+
+    ``tables`` lists ``(feature, table, num_embeddings)`` for every feature an embedding table
+    reads (None: a table that takes any id, e.g. a dynamic one). Every such feature must be in
+    the spec (TorchRec would otherwise fail deep inside with "'x' is not in list"), and the
+    spec's bound must not exceed the table's rows: FBGEMM would remap larger ids to row 0
+    ("Setting idx to zero") and train them there silently. Spec features no table reads are
+    allowed (a model may read them itself).
+    """
+    bounds = {s.name: s.num_embeddings for s in spec.sparse}
+    read = sorted({feature for feature, _, _ in tables})
+    missing = [f for f in read if f not in bounds]
+    if missing:
+        raise ValueError(
+            f"the model's embedding tables read sparse features {read}, but the data's "
+            f"FeatureSpec declares {sorted(bounds)}: {missing} missing. Name the SparseFeatures "
+            "after the tables' feature_names (or the reverse)."
+        )
+    for feature, table, rows in tables:
+        if rows is not None and bounds[feature] > rows:
+            raise ValueError(
+                f"sparse feature {feature!r} holds ids in [0, {bounds[feature]}) (its "
+                f"SparseFeature num_embeddings), but the table it feeds, {table!r}, has {rows} "
+                f"rows: FBGEMM would train every id >= {rows} into row 0. Give table {table!r} "
+                f"{bounds[feature]} rows, or set the feature's num_embeddings to {rows}."
+            )
+
+
 @dataclass
 class DecodedChunk:
     """Decoded rows as numpy columns; ``batch(lo, hi)`` cuts source rows ``[lo, hi)``.
