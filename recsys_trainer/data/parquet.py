@@ -155,6 +155,8 @@ class ParquetWindowDataset(WindowedDataset):
         csv_convert_options: passed to ``pyarrow.csv.read_csv`` (e.g. column types).
     """
 
+    features: FeatureSpec
+
     def __init__(
         self,
         windows: WindowSource,
