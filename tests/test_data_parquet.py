@@ -298,3 +298,44 @@ def test_skip_batches_is_exact_after_an_unreadable_row_group_was_skipped(tmp_pat
     assert full == [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
     for k in range(len(full) + 1):
         assert [row_ids(b) for b in ds.iter_window("hour=00", skip_batches=k)] == full[k:], k
+
+
+def _rewrite(path: str, **columns: pa.Array) -> None:
+    t = pq.read_table(path)
+    for name, values in columns.items():
+        t = t.set_column(t.schema.get_field_index(name), name, values)
+    pq.write_table(t, path)
+
+
+def test_an_id_column_that_turns_from_integers_to_strings_is_refused_also_after_a_resume(tmp_path) -> None:
+    write_windows(str(tmp_path), [[8], [8]])
+    later = str(tmp_path / "hour=01" / "part-0.parquet")
+    _rewrite(later, item=pa.array([str(i) for i in range(8)]))  # row ids would become hashes
+    ds = _ds(str(tmp_path))
+    assert list(ds.window_ids()) == ["hour=00", "hour=01"]
+    assert len(list(ds.iter_window("hour=00"))) == 2
+    state = ds.state_dict()
+    expected = (rf"file {later}, column 'item': the sparse id column holds string ids in window "
+                r"'hour=01', but held integer ids in window 'hour=00' \(file .*hour=00/part-0.parquet\)")
+    with pytest.raises(DataError, match=expected):
+        next(ds.iter_window("hour=01"))
+    # The record is part of the data state: a run resumed after hour=00 refuses hour=01 too.
+    resumed = _ds(str(tmp_path))
+    resumed.load_state_dict(state)
+    with pytest.raises(DataError, match=expected):
+        next(resumed.iter_window("hour=01"))
+
+
+def test_files_of_one_window_with_different_numeric_types_combine_and_incompatible_ones_name_both(
+        tmp_path) -> None:
+    write_windows(str(tmp_path), [[6, 6]], row_group_size=6)
+    second = str(tmp_path / "hour=00" / "part-1.parquet")
+    _rewrite(second, item=pa.array(range(6, 12), pa.int32()), y=pa.array([1, 0, 0, 1, 0, 0], pa.int64()))
+    batches = list(_ds(str(tmp_path), batch_size=12).iter_window("hour=00"))  # one rank: one chunk
+    assert len(batches) == 1 and row_ids(batches[0]) == list(range(12))
+    assert batches[0].sparse["item"].values().tolist() == list(range(12))
+    assert batches[0].labels.tolist() == [float(i % 3 == 0) for i in range(12)]
+    _rewrite(second, item=pa.array([[i] for i in range(6, 12)], pa.list_(pa.int64())))
+    with pytest.raises(DataError, match=rf"file {second}: its rows cannot be combined with those of "
+                                        rf"{tmp_path}/hour=00/part-0.parquet .*item"):
+        list(_ds(str(tmp_path), batch_size=12).iter_window("hour=00"))

@@ -149,6 +149,16 @@ class FeatureSpec:
 
     # ------------------------------------------------------------------ schema
 
+    def id_kinds(self, schema: pa.Schema) -> dict[str, str]:
+        """``{column: "integer" | "string"}`` for the sparse id columns ``schema`` holds (list
+        columns by their elements): what decides how an id becomes a table row."""
+        kinds = {}
+        for s in self.sparse:
+            if s.source in schema.names:
+                t = schema.field(s.source).type
+                kinds[s.source] = "string" if _is_str(t.value_type if _is_list(t) else t) else "integer"
+        return kinds
+
     def check_schema(self, schema: pa.Schema, file: str) -> None:
         """Raise ``DataError`` if a declared column is missing or of the wrong type."""
         names = set(schema.names)

@@ -191,6 +191,9 @@ class ParquetWindowDataset(WindowedDataset):
         self._known: dict[str, Window] = {}
         self._pending_state: dict[str, Any] | None = None
         self._gang: Gang | None = None
+        self._id_kinds: dict[str, dict[str, str]] = {}
+        """Per sparse id column: the kind of ids first read ("integer"/"string"), and the window
+        and file it was first read from (saved in ``state_dict``)."""
 
     # ------------------------------------------------------------------ WindowedDataset
 
@@ -253,11 +256,13 @@ class ParquetWindowDataset(WindowedDataset):
         return spec.decode(pa.table(cols))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "epoch": self.epoch, "fingerprint": self._fingerprint(),
-                "stats": dict(vars(self.stats))}
+        return {"version": 2, "epoch": self.epoch, "fingerprint": self._fingerprint(),
+                "stats": dict(vars(self.stats)), "id_kinds": {k: dict(v) for k, v in self._id_kinds.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         expected = {"version", "epoch", "fingerprint", "stats"}
+        if state.get("version") != 1:  # version 1 (older checkpoints) had no id_kinds
+            expected.add("id_kinds")
         if set(state) != expected:
             raise ValueError(
                 f"ParquetWindowDataset state keys differ: missing {sorted(expected - set(state))}, "
@@ -266,6 +271,7 @@ class ParquetWindowDataset(WindowedDataset):
         self._check_fingerprint(state)
         self.epoch = int(state["epoch"])
         self.stats = WindowStats(**state["stats"])
+        self._id_kinds = {k: dict(v) for k, v in state.get("id_kinds", {}).items()}
 
     # ------------------------------------------------------------------ planning
 
@@ -309,6 +315,7 @@ class ParquetWindowDataset(WindowedDataset):
                 if self._format(path) == "csv":
                     table = pacsv.read_csv(path, convert_options=self.csv_convert_options)
                     self.features.check_schema(table.schema, path)
+                    self._check_id_kinds(table.schema, window.id, path)
                     units.append(_Unit(path, 0, table.num_rows, table))
                     continue
                 md = pq.ParquetFile(path).metadata
@@ -325,8 +332,24 @@ class ParquetWindowDataset(WindowedDataset):
                     "on_corrupt='skip' to skip unreadable files (they are counted).", file=path,
                 ) from exc
             self.features.check_schema(schema, path)
+            self._check_id_kinds(schema, window.id, path)
             units.extend(_Unit(path, i, md.row_group(i).num_rows) for i in range(md.num_row_groups))
         return units
+
+    def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
+        """Refuse a sparse id column whose ids change kind (integer <-> string) between files or
+        windows, across restarts too: integer ids index the table (or hash as integers), strings
+        hash as text, so the same id would silently train another row."""
+        for column, kind in self.features.id_kinds(schema).items():
+            first = self._id_kinds.setdefault(column, {"kind": kind, "window": window_id, "file": path})
+            if first["kind"] != kind:
+                raise DataError(
+                    f"the sparse id column holds {kind} ids in window {window_id!r}, but held "
+                    f"{first['kind']} ids in window {first['window']!r} (file {first['file']}); "
+                    "integer and string ids map to different rows. Write the column with one type "
+                    "in every window (or start a new run, in a new output_dir, for the new type).",
+                    file=path, column=column,
+                )
 
     def _plan(self, window: Window) -> tuple[list[_Piece], int]:
         """This rank's pieces of the window, in reading order, and their total rows."""
@@ -437,7 +460,7 @@ class ParquetWindowDataset(WindowedDataset):
         (``carried`` in, plus this chunk's all-dropped batches at its end)."""
         if n == 0:
             return carried
-        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+        table = parts[0] if len(parts) == 1 else _concat(parts, [unit.file for unit, _ in prov])
         try:
             decoded = self.features.decode_chunk(table)
         except _RowError as exc:
@@ -458,6 +481,20 @@ class ParquetWindowDataset(WindowedDataset):
             else:
                 carried += hi - lo
         return carried
+
+
+def _concat(parts: list[pa.Table], files: list[str]) -> pa.Table:
+    """Rows of several files as one table. Files of a window may store a column with different
+    numeric types (int32 ids beside int64, int labels beside double): promote them to a common
+    type. Types that have none (a list beside a scalar) are an error naming both files."""
+    try:
+        return pa.concat_tables(parts, promote_options="permissive")
+    except pa.ArrowException as exc:
+        other = next(f for f, p in zip(files, parts, strict=True) if not p.schema.equals(parts[0].schema))
+        raise DataError(
+            f"its rows cannot be combined with those of {files[0]} ({exc}); write each column "
+            "with one type in every file of a window.", file=other,
+        ) from None
 
 
 def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Batch, int]]:
