@@ -19,10 +19,34 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicEmbeddingBagCollection, DynamicTable
 
 
+def check_binary_labels(labels: torch.Tensor) -> None:
+    """Refuse labels outside ``[0, 1]`` (or NaN): a logistic loss trains on them without
+    complaint (a label of 2 pushes the logit to +inf), silently. On CPU the error names the
+    value; on CUDA an asynchronous device assert avoids a host sync per step."""
+    ok = ((labels >= 0) & (labels <= 1)).all()
+    if labels.is_cuda:
+        torch._assert_async(ok, "a label is outside [0, 1] (logistic loss); check the label column")
+    elif not bool(ok):
+        bad = labels[~((labels >= 0) & (labels <= 1))]
+        raise ValueError(
+            f"label {float(bad[0]):g} is outside [0, 1] ({bad.numel()} such label(s) in this "
+            "batch), but this model's loss (binary cross-entropy) needs click-style labels in "
+            "[0, 1]. Check the label column, or set FeatureSpec(label_range=(0, 1)) to have the "
+            "reader name the file and row."
+        )
+
+
+# A leaf for torch.fx (TorchRec pipelines trace the model): the check's data-dependent branch
+# cannot be traced, and must not be.
+torch.fx.wrap("check_binary_labels")
+
+
 def weighted_bce_with_logits(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None
 ) -> torch.Tensor:
-    """Mean binary cross-entropy, weighted; an all-zero-weight batch gives 0, not NaN."""
+    """Mean binary cross-entropy, weighted; an all-zero-weight batch gives 0, not NaN. Labels
+    must be in ``[0, 1]`` (``check_binary_labels``)."""
+    check_binary_labels(labels)
     per_row = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
     if weights is None:
         return per_row.mean()

@@ -174,3 +174,43 @@ def test_fast_path_hashing_matches_a_plain_reference_on_edge_and_random_ids() ->
         spec1 = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="a", num_embeddings=n, hash=True)])
         lists = pa.array([[int(v)] for v in ids[:200]])
         assert spec1.decode(pa.table({"y": np.zeros(200), "a": lists})).sparse.values().tolist() == ref[:200]
+
+
+def test_label_range_refuses_labels_outside_it_naming_the_column_row_and_value() -> None:
+    t = _table(y=[1.0, 0.0, 2.0, -1.0], d=[1.0, 2.0, 3.0, 4.0])
+    spec = FeatureSpec(labels=["y"], dense=["d"], label_range=[0, 1])  # a YAML list works too
+    assert spec.label_range == (0.0, 1.0)
+    with pytest.raises(DataError, match=r"row 2, column 'y': label 2 is outside label_range \[0, 1\] "
+                                        r"\(2 such row\(s\) in this batch\)"):
+        spec.decode(t)
+    # Checked after NaN rows are dropped: the row named is still the source row.
+    t2 = _table(y=[float("nan"), 0.0, 5.0], d=[1.0, 2.0, 3.0])
+    with pytest.raises(DataError, match=r"row 2, column 'y': label 5 is outside"):
+        FeatureSpec(labels=["y"], dense=["d"], label_range=(0, 1), on_nan_label="drop").decode(t2)
+    assert FeatureSpec(labels=["y"], dense=["d"]).decode(t).labels.tolist() == [1.0, 0.0, 2.0, -1.0]
+    with pytest.raises(ValueError, match=r"`label_range` must be None or \(low, high\) with finite low <= high"):
+        FeatureSpec(labels=["y"], label_range=(1, 0))
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: SparseFeature(name="item", num_embeddings=0),
+     "`num_embeddings` of sparse feature 'item' must be an int >= 1, but is 0."),
+    (lambda: SparseFeature(name="item", num_embeddings=True),
+     "`num_embeddings` of sparse feature 'item' must be an int >= 1, but is True."),
+    (lambda: SparseFeature(name="", num_embeddings=5), "`name` must be a non-empty string"),
+    (lambda: SparseFeature(name="item", num_embeddings=5, on_out_of_range="clip"),  # type: ignore[arg-type]
+     "`on_out_of_range` of sparse feature 'item' must be 'error' or 'hash', but is 'clip'."),
+    (lambda: DenseFeature(column="d", on_non_finite="zero"),  # type: ignore[arg-type]
+     "`on_non_finite` of dense feature 'd' must be 'fill' or 'error', but is 'zero'."),
+    (lambda: DenseFeature(column="d", fill_value=float("nan")), "`fill_value` of dense feature 'd' must be a finite"),
+    (lambda: FeatureSpec(labels=["click"], dense=["price", "click"]),
+     "label column 'click' is also read as a dense input: the model would see its own target."),
+    (lambda: FeatureSpec(labels=["click"], sparse=[SparseFeature(name="c", column="click", num_embeddings=2)]),
+     "label column 'click' is also read as sparse feature 'c''s ids"),
+    (lambda: FeatureSpec(labels=["click"], weight_column="click"), "label column 'click' is also read as the example weight"),
+    (lambda: FeatureSpec(labels="click"), "`labels` must be a non-empty list of label columns, but is 'click'."),
+])
+def test_invalid_feature_declarations_are_refused_when_declared(make, message) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as e:
+        make()
+    assert message in str(e.value)

@@ -373,3 +373,16 @@ def test_model_features_missing_from_the_spec_are_refused_naming_both_sets() -> 
         Trainer(_dlrm(["user", "item_id"], [100, 100]), TrainingArguments(), train_dataset=data)
     assert ("tables read sparse features ['item_id', 'user'], but the data's FeatureSpec declares "
             "['extra', 'item', 'user']: ['item_id'] missing") in str(e.value)
+
+
+def test_the_bundled_model_refuses_labels_outside_0_1_naming_the_value() -> None:
+    data = batches(3)
+    data[1].labels[5] = 2.0
+    trainer = make_trainer(train=data)
+    with pytest.raises(ValueError, match=r"label 2 is outside \[0, 1\] \(1 such label\(s\) in this batch\), "
+                                         r"but this model's loss \(binary cross-entropy\)"):
+        trainer.train()
+    assert trainer.state.global_step == 1  # refused at the batch, before its backward
+    data[1].labels[5] = -1.0
+    with pytest.raises(ValueError, match="label -1 is outside"):
+        make_trainer(eval_=data).evaluate()

@@ -70,6 +70,16 @@ class DenseFeature:
     on_non_finite: Literal["fill", "error"] = "fill"
     """NaN/Inf values: replace by ``fill_value``, or raise ``DataError``."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.column, str) or not self.column:
+            raise ValueError(f"a dense feature's `column` must be a non-empty string, but is {self.column!r}.")
+        if not isinstance(self.fill_value, int | float) or not np.isfinite(self.fill_value):
+            raise ValueError(f"`fill_value` of dense feature {self.column!r} must be a finite number, "
+                             f"but is {self.fill_value!r}.")
+        if self.on_non_finite not in ("fill", "error"):
+            raise ValueError(f"`on_non_finite` of dense feature {self.column!r} must be 'fill' or "
+                             f"'error', but is {self.on_non_finite!r}.")
+
 
 @dataclass(frozen=True, kw_only=True)
 class SparseFeature:
@@ -87,6 +97,22 @@ class SparseFeature:
     """Unhashed integer ids < 0 or >= num_embeddings: raise ``DataError``, or hash them."""
     weight_column: str | None = None
     """Optional per-id float weights (same shape as the ids: scalar or list of equal lengths)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a sparse feature's `name` must be a non-empty string, but is {self.name!r}.")
+        if not isinstance(self.num_embeddings, int) or isinstance(self.num_embeddings, bool) \
+                or self.num_embeddings < 1:
+            raise ValueError(
+                f"`num_embeddings` of sparse feature {self.name!r} must be an int >= 1, "
+                f"but is {self.num_embeddings!r}."
+            )
+        if self.hash not in (None, True, False):
+            raise ValueError(f"`hash` of sparse feature {self.name!r} must be None, True or False, "
+                             f"but is {self.hash!r}.")
+        if self.on_out_of_range not in ("error", "hash"):
+            raise ValueError(f"`on_out_of_range` of sparse feature {self.name!r} must be 'error' or "
+                             f"'hash', but is {self.on_out_of_range!r}.")
 
     @property
     def source(self) -> str:
@@ -106,27 +132,48 @@ class FeatureSpec:
     """Optional per-example weight column (float >= 0)."""
     on_nan_label: Literal["error", "drop"] = "error"
     """Null/NaN labels: raise ``DataError``, or drop the row (it is then counted as not trained)."""
+    label_range: tuple[float, float] | None = None
+    """``(low, high)``: a label outside ``[low, high]`` raises ``DataError`` naming the column,
+    file, row and value (e.g. ``(0, 1)`` for a logistic loss). None: not checked."""
     dense_features: tuple[DenseFeature, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.labels:
-            raise ValueError("`labels` must name at least one label column, but is empty.")
+        if isinstance(self.labels, str) or not self.labels:
+            raise ValueError(f"`labels` must be a non-empty list of label columns, but is {self.labels!r}.")
         object.__setattr__(
             self, "dense_features",
             tuple(d if isinstance(d, DenseFeature) else DenseFeature(column=d) for d in self.dense),
         )
+        for s in self.sparse:
+            if not isinstance(s, SparseFeature):
+                raise ValueError(f"`sparse` must hold SparseFeature objects, but holds {s!r}.")
         names = [s.name for s in self.sparse]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"`sparse` feature names must be unique; repeated: {dup}.")
-        for s in self.sparse:
-            if not isinstance(s.num_embeddings, int) or s.num_embeddings < 1:
+        # A label read as an input hands the model the answer (and the loss falls to ~0).
+        inputs = {d.column: "a dense input" for d in self.dense_features}
+        inputs.update({s.weight_column: f"sparse feature {s.name!r}'s id weights"
+                       for s in self.sparse if s.weight_column})
+        inputs.update({s.source: f"sparse feature {s.name!r}'s ids" for s in self.sparse})
+        if self.weight_column:
+            inputs[self.weight_column] = "the example weight"
+        for label in self.labels:
+            if label in inputs:
                 raise ValueError(
-                    f"`num_embeddings` of sparse feature {s.name!r} must be an int >= 1, "
-                    f"but is {s.num_embeddings!r}."
+                    f"label column {label!r} is also read as {inputs[label]}: the model would "
+                    "see its own target. Remove it from the inputs (or from `labels`)."
                 )
         if self.on_nan_label not in ("error", "drop"):
             raise ValueError(f"`on_nan_label` must be 'error' or 'drop', but is {self.on_nan_label!r}.")
+        if self.label_range is not None:
+            r = self.label_range
+            if not (isinstance(r, Sequence) and len(r) == 2
+                    and all(isinstance(x, int | float) and np.isfinite(x) for x in r) and r[0] <= r[1]):
+                raise ValueError(
+                    f"`label_range` must be None or (low, high) with finite low <= high, but is {r!r}."
+                )
+            object.__setattr__(self, "label_range", (float(r[0]), float(r[1])))
 
     @property
     def sparse_names(self) -> list[str]:
@@ -250,6 +297,16 @@ class FeatureSpec:
         """``decode_chunk`` after NaN-label rows were dropped (``_RowError.row`` counts the
         rows of ``table``)."""
         n = table.num_rows
+        if self.label_range is not None:
+            lo, hi = self.label_range
+            outside = (labels < lo) | (labels > hi)
+            if outside.any():
+                row, j = (int(x[0]) for x in np.nonzero(outside))
+                raise _RowError(
+                    f"label {labels[row, j]:g} is outside label_range [{lo:g}, {hi:g}] "
+                    f"({int(outside.any(axis=1).sum())} such row(s) in this batch); fix the data "
+                    "or the FeatureSpec's label_range.", column=self.labels[j], row=row,
+                )
         dense = np.empty((n, self.num_dense), dtype=np.float32)
         for j, d in enumerate(self.dense_features):
             # Written straight into the matrix (zero-copy source where arrow allows); the
