@@ -60,7 +60,12 @@ from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.checkpoint.manager import CheckpointManager
-from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
+from recsys_trainer.data.base import (
+    IterableAsWindow,
+    WindowedDataset,
+    as_windowed,
+    nothing_to_train_error,
+)
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import (
     Gang,
@@ -361,7 +366,9 @@ class Trainer:
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
+        start_step, epochs, listed, entered = st.global_step, 0, 0, 0  # to tell "nothing to train"
         while not done and st.epoch < args.train_epoch:
+            epochs += 1
             self.hooks.fire("before_epoch", self, st.epoch)
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             # Windows are walked lazily: a streaming source yields each window when it appears,
@@ -374,10 +381,12 @@ class Trainer:
                 else None
             )
             for index, window_id in enumerate(windows):
+                listed += 1
                 eval_id = next(eval_windows, None) if eval_windows is not None else None
                 if index < st.window_index:
                     continue  # trained before the checkpoint this run resumed from
                 st.window_index = index
+                entered += 1
                 done = self._train_window(train_ds, window_id)
                 if eval_id is not None:
                     assert eval_ds is not None
@@ -396,6 +405,9 @@ class Trainer:
                 st.epoch += 1
                 st.window_index = 0
                 self.checkpointer.on_epoch_end()
+        if st.global_step == start_step and st.stop_reason is None and (entered or (epochs and not listed)):
+            # Same on every rank (agreed listing, agreed fetches): every rank raises.
+            raise nothing_to_train_error(train_ds, listed, st.rows_unread)
         if args.train_steps is not None and st.global_step < args.train_steps and st.stop_reason is None:
             logger.warning(
                 "training ended after %d of train_steps=%d steps: the data ran out after "

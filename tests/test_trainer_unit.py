@@ -16,7 +16,7 @@ from recsys_trainer import (
     supported_sparse_optimizers,
 )
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.hooks.base import HookList
@@ -386,3 +386,43 @@ def test_the_bundled_model_refuses_labels_outside_0_1_naming_the_value() -> None
     data[1].labels[5] = -1.0
     with pytest.raises(ValueError, match="label -1 is outside"):
         make_trainer(eval_=data).evaluate()
+
+
+def _row_id_trainer(train: object, **args: object) -> Trainer:
+    from data_utils import row_id_spec
+
+    spec = row_id_spec()
+    model = DLRMClassifier(spec.sparse_names, spec.num_dense, [s.num_embeddings for s in spec.sparse],
+                           embedding_dim=4, dense_arch=(4,), over_arch=(4, 1))
+    return Trainer(model, TrainingArguments(output_dir="/tmp/recsys_trainer_test", resume_from=None,
+                                            **args),  # type: ignore[arg-type]
+                   train_dataset=train, add_logger_hook=False)
+
+
+def test_training_that_trains_nothing_is_an_error_naming_the_source(tmp_path) -> None:
+    from data_utils import row_id_spec, write_windows
+
+    spec = row_id_spec()
+    nothing = ParquetWindowDataset([str(tmp_path / "2019-*/*.parquet")], spec, batch_size=4)
+    with pytest.raises(DataError, match=r"training ran 0 steps: the train data, ParquetWindowDataset over "
+                                        r"'.*2019-\*/\*.parquet', lists no window"):
+        _row_id_trainer(nothing).train()
+    write_windows(str(tmp_path / "empty"), [[0], [0]])  # two windows, zero rows each
+    with pytest.raises(DataError, match=r"listed 2 window\(s\) that held no batch to train"):
+        _row_id_trainer(ParquetWindowDataset(str(tmp_path / "empty"), spec, batch_size=4)).train()
+    # Another rank with no rows at all: this one trained nothing either, and says what it left.
+    trainer = _row_id_trainer(batches(2))
+    trainer.gang = FakeGang(rank=0, world_size=2, peer_max=[[1, 0, 0, 0]])
+    with pytest.raises(DataError, match=r"held no batch to train on every rank \(this rank left 64 rows unread"):
+        trainer.train()
+
+
+def test_zero_steps_are_fine_when_asked_for_or_already_done() -> None:
+    stop = LambdaHook(before_train=lambda t: t.request_stop("nothing today"))
+    trainer = make_trainer(train=batches(2), hooks=[stop])
+    trainer.train()
+    assert trainer.state.global_step == 0 and trainer.state.stop_reason == "nothing today"
+    done = make_trainer(train=batches(2), train_steps=2)
+    done.train()
+    done.train()  # a second call at train_steps: nothing left to do
+    assert done.state.global_step == 2

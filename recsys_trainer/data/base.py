@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
-
-if TYPE_CHECKING:
-    from recsys_trainer.data.features import FeatureSpec
 
 
 class WindowedDataset(ABC):
@@ -90,4 +89,23 @@ def as_windowed(dataset: Any) -> WindowedDataset | None:
     raise TypeError(
         f"a dataset must be a recsys_trainer.data.WindowedDataset, an iterable of Batch, or a "
         f"callable returning one; got {type(dataset).__name__}."
+    )
+
+
+def nothing_to_train_error(ds: WindowedDataset, windows_listed: int, rows_unread: int) -> DataError:
+    """The error of a ``train()`` that trained no step although nothing asked it to stop: an
+    empty glob or directory, empty windows, or (uneven data) a rank with no rows at all. A job
+    that exits 0 having trained nothing hides a wrong path or an upstream failure."""
+    source = getattr(ds, "windows", None)
+    what = f"{type(ds).__name__}" + (f" over {describe_source(source)!r}" if source is not None else "")
+    if windows_listed == 0:
+        found = "lists no window (a glob or directory that matches no data files?)"
+    else:
+        # A step needs a batch on every rank (the ranks agree at each fetch).
+        found = f"listed {windows_listed} window(s) that held no batch to train on every rank"
+        if rows_unread:
+            found += f" (this rank left {rows_unread} rows unread: another rank had none)"
+    return DataError(
+        f"training ran 0 steps: the train data, {what}, {found}. Check the path and that the "
+        "data was written; a stream (StreamingWindows) waits for windows instead."
     )
