@@ -277,6 +277,51 @@ def configure_cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, cores // max(1, local_world_size)))
 
 
+_UNLIMITED = 1 << 60
+"""Cgroup v1 writes "no limit" as a huge number (9223372036854771712); v2 as "max"."""
+
+
+def usable_memory_bytes(cgroup_root: str = "/sys/fs/cgroup",
+                        proc_cgroup: str = "/proc/self/cgroup") -> tuple[int, str]:
+    """The host memory this process may use, and where the figure comes from.
+
+    The smallest of: the cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes`` of this
+    process's cgroup (a container's or a job scheduler's limit, which the kernel enforces by
+    OOM-killing with exit 137 and no message) and the physical RAM. Both the cgroup's own
+    directory (from ``/proc/self/cgroup``) and the mount's root are read, since in a container
+    the namespace's root is the container's cgroup.
+    """
+    candidates: list[tuple[str, str]] = []  # (limit file, its name in messages)
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        entries = []
+    for _, controllers, path in entries:
+        rel = path.lstrip("/")
+        if controllers == "":  # v2 unified hierarchy
+            candidates += [(os.path.join(cgroup_root, rel, "memory.max"), "cgroup v2 memory.max"),
+                           (os.path.join(cgroup_root, "memory.max"), "cgroup v2 memory.max")]
+        elif "memory" in controllers.split(","):
+            candidates += [
+                (os.path.join(cgroup_root, "memory", rel, "memory.limit_in_bytes"),
+                 "cgroup v1 memory.limit_in_bytes"),
+                (os.path.join(cgroup_root, "memory", "memory.limit_in_bytes"),
+                 "cgroup v1 memory.limit_in_bytes"),
+            ]
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    best, source = physical, "physical memory"
+    for path, name in candidates:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < min(best, _UNLIMITED):
+            best, source = int(text), f"{name} ({path})"
+    return best, source
+
+
 def shutdown() -> None:
     """End a job cleanly: barrier, then destroy the process group.
 

@@ -23,7 +23,13 @@ from torchrec.distributed.model_parallel import (
     DistributedModelParallel,
 )
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import (
+    KernelConfig,
+    PlannerError,
+    PlannerErrorType,
+    TopologyFactory,
+    TrainerConfig,
+)
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -31,6 +37,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 from recsys_trainer import dynamic
 from recsys_trainer.data.features import FeatureSpec, check_features_fit_tables
+from recsys_trainer.distributed import usable_memory_bytes
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
@@ -158,18 +165,70 @@ def plan_sharding(
             raise ValueError(f"`sharding_types[{name!r}]` is set, but {name!r} is a dynamic table, "
                              "which torchrec shards only row_wise; remove the entry.")
         constraints[name] = ParameterConstraints(**kw)
+    # The planner assumes 128 GB of host memory (and 32 GB of HBM) per rank unless told: a
+    # plan that does not fit the real host (or its container's limit) is OOM-killed at
+    # allocation with exit 137 and no message. Tell it what this process may really use.
+    memory, source = usable_memory_bytes()
+    ranks_here = max(1, local_world_size or 1)
+    hbm = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     topology = TopologyFactory.create_topology(
-        TrainerConfig(world_size=env.world_size, local_world_size=local_world_size),
+        TrainerConfig(world_size=env.world_size, local_world_size=local_world_size,
+                      ddr_cap_bytes=memory // ranks_here, hbm_cap_bytes=hbm),
         kernel_config=KernelConfig(compute_device=device.type),
     )
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, constraints=constraints, debug=False
     )
     sharders: Any = get_default_sharders()
+    memory_note = (f"each of the {ranks_here} rank(s) on this host may use "
+                   f"{memory / ranks_here / 2**30:.2f} GiB of host memory ({source}: "
+                   f"{memory / 2**30:.2f} GiB{f' / {ranks_here} local ranks' if ranks_here > 1 else ''})")
+    if hbm is not None:
+        memory_note = f"each GPU has {hbm / 2**30:.2f} GiB, and {memory_note}"
+
+    def plan() -> ShardingPlan | str:
+        try:
+            return planner.plan(model, sharders)
+        except PlannerError as e:
+            if e.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
+                return f"{type(e).__name__}: {e}"
+            return _does_not_fit(model, device, memory_note, e)
+
+    # Rank 0 plans and every rank gets its plan, or its error: torchrec's collective_plan
+    # would leave the other ranks waiting in the broadcast when rank 0's planner raises.
     pg = env.process_group
-    if pg is not None and env.world_size > 1:
-        return planner.collective_plan(model, sharders, pg)
-    return planner.plan(model, sharders)
+    shared = env.world_size > 1 and pg is not None
+    planner_rank = not shared or dist.get_rank(pg) == 0
+    result = plan() if planner_rank else None
+    if shared:
+        box = [result]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        result = box[0]
+    if isinstance(result, str):
+        raise ValueError(result if planner_rank else f"sharding planner (rank 0): {result}")
+    assert result is not None
+    return result
+
+
+def _does_not_fit(model: nn.Module, device: torch.device, memory_note: str, e: Exception) -> str:
+    """The message for tables that do not fit: the largest tables with their sizes, the
+    memory per rank and where that figure came from, and what to do."""
+    from torchrec.modules.embedding_configs import data_type_to_dtype
+
+    sizes = sorted(((c.name, c.num_embeddings, c.embedding_dim,
+                     c.num_embeddings * c.embedding_dim * data_type_to_dtype(c.data_type).itemsize)
+                    for c in table_configs(model)), key=lambda t: -t[3])
+    largest = ", ".join(f"{n!r} ({rows:,} x {dim} = {size / 2**30:.2f} GiB of weights)"
+                        for n, rows, dim, size in sizes[:3])
+    total = sum(t[3] for t in sizes)
+    where = "GPU memory" if device.type == "cuda" else "host memory"
+    planner_summary = str(e).strip().splitlines()[-1].strip()
+    return (
+        f"the embedding tables do not fit in {where}: {len(sizes)} table(s) hold "
+        f"{total / 2**30:.2f} GiB of weights before optimizer state, the largest {largest}; "
+        f"{memory_note}. Refused before allocating anything. Use more ranks or hosts, smaller "
+        f"tables, or a host (or container limit) with more memory. Planner: {planner_summary}"
+    )
 
 
 def shard_model(

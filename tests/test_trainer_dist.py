@@ -195,3 +195,33 @@ def test_train_pipeline_sparse_dist_gives_the_same_model_and_events_as_the_plain
         for name in a["tables"]:
             for x, y in zip(a["tables"][name], b["tables"][name], strict=True):
                 torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+def _too_big_for_the_host() -> dict[str, Any]:
+    import time
+
+    import recsys_trainer.sharding as sharding
+    from recsys_trainer import Trainer, TrainingArguments
+    from recsys_trainer.models import DLRMClassifier
+
+    # A container limit of 512 MiB for the host's 2 ranks; a 0.72 GiB table fits neither rank.
+    sharding.usable_memory_bytes = lambda: (512 << 20, "cgroup v2 memory.max (/fake)")  # type: ignore[assignment]
+    model = DLRMClassifier(["a", "b"], 2, [6_000_000, 100], embedding_dim=32, dense_arch=(32,),
+                           over_arch=(4, 1))
+    t0 = time.monotonic()
+    try:
+        Trainer(model, TrainingArguments(), train_dataset=batches(1), add_logger_hook=False)
+    except ValueError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def test_tables_too_big_for_the_host_are_refused_on_every_rank_before_allocating() -> None:
+    r0, r1 = run_distributed(_too_big_for_the_host, 2, 120)
+    expected = ("the embedding tables do not fit in host memory: 2 table(s) hold 0.72 GiB of weights "
+                "before optimizer state, the largest 't_a' (6,000,000 x 32 = 0.72 GiB of weights)")
+    assert r0["error"] is not None and r0["error"].startswith(expected)
+    assert "each of the 2 rank(s) on this host may use 0.25 GiB of host memory (cgroup v2 memory.max " \
+           "(/fake): 0.50 GiB / 2 local ranks)" in r0["error"]
+    # Rank 0 plans for everyone; the others get its error instead of waiting for its plan.
+    assert r1["error"] == f"sharding planner (rank 0): {r0['error']}"

@@ -426,3 +426,40 @@ def test_zero_steps_are_fine_when_asked_for_or_already_done() -> None:
     done.train()
     done.train()  # a second call at train_steps: nothing left to do
     assert done.state.global_step == 2
+
+
+def test_host_memory_is_the_smallest_of_the_cgroup_limit_and_physical_ram(tmp_path) -> None:
+    from recsys_trainer.distributed import usable_memory_bytes
+
+    physical, source = usable_memory_bytes(str(tmp_path / "none"), str(tmp_path / "none"))
+    assert source == "physical memory" and physical > 2**30
+    proc = tmp_path / "cgroup"
+    (tmp_path / "job").mkdir()
+    proc.write_text("0::/job\n")
+    (tmp_path / "job" / "memory.max").write_text("max\n")  # v2 "no limit"
+    assert usable_memory_bytes(str(tmp_path), str(proc)) == (physical, "physical memory")
+    (tmp_path / "job" / "memory.max").write_text(f"{2**30}\n")
+    assert usable_memory_bytes(str(tmp_path), str(proc)) == (
+        2**30, f"cgroup v2 memory.max ({tmp_path}/job/memory.max)")
+    proc.write_text("4:memory:/other\n1:cpu:/\n")  # v1, limit set on the namespace's root
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # "no limit"
+    assert usable_memory_bytes(str(tmp_path), str(proc))[0] == physical
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{3 * 2**30}\n")
+    assert usable_memory_bytes(str(tmp_path), str(proc)) == (
+        3 * 2**30, f"cgroup v1 memory.limit_in_bytes ({tmp_path}/memory/memory.limit_in_bytes)")
+
+
+def test_tables_larger_than_the_memory_this_process_may_use_are_refused_before_allocating(
+        monkeypatch) -> None:
+    import recsys_trainer.sharding as sharding
+
+    monkeypatch.setattr(sharding, "usable_memory_bytes", lambda: (256 << 20, "cgroup v2 memory.max (/fake)"))
+    model = DLRMClassifier(["a", "b"], 2, [3_000_000, 100], embedding_dim=32, dense_arch=(32,), over_arch=(4, 1))
+    with pytest.raises(ValueError) as e:
+        Trainer(model, TrainingArguments(), train_dataset=batches(1), add_logger_hook=False)
+    msg = str(e.value)
+    assert "the embedding tables do not fit in host memory: 2 table(s) hold 0.36 GiB of weights" in msg
+    assert "the largest 't_a' (3,000,000 x 32 = 0.36 GiB of weights)" in msg
+    assert ("each of the 1 rank(s) on this host may use 0.25 GiB of host memory (cgroup v2 memory.max "
+            "(/fake): 0.25 GiB). Refused before allocating anything.") in msg
