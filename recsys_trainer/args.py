@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from recsys_trainer.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
 from recsys_trainer.validation import check_choice, check_int, check_number, check_type, fail
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -154,6 +155,12 @@ class TrainingArguments:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto": CUDA when available, else CPU."""
 
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    """Seconds a collective (on every process group the Trainer uses) waits for the other ranks
+    before failing with a ``PeerLostError`` that names the step: how long a stopped or stuck rank
+    can hold up the others. Raise it when ranks legitimately drift apart by more (e.g. a rank
+    with far larger table shards writing its part of a huge checkpoint)."""
+
     sharding_types: dict[str, str] = field(default_factory=dict)
     """Per-table sharding override, e.g. ``{"t_user": "row_wise"}``. On CPU only table_wise,
     column_wise and data_parallel exist."""
@@ -204,6 +211,7 @@ class TrainingArguments:
             check_int(name, getattr(self, name))
         check_number("max_grad_norm", self.max_grad_norm, above=0, allow_none=True)
         check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
+        check_number("collective_timeout_s", self.collective_timeout_s, above=0)
         check_choice("mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
         check_choice("pipeline", self.pipeline, ("none", "sparse_dist"))
         check_choice("non_finite_loss", self.non_finite_loss, ("ignore", "stop", "skip"))

@@ -100,7 +100,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     needs = {"train": ("train",), "evaluate": ("eval",), "train_and_evaluate": ("train", "eval")}
     # Start the group first: the datasets are per rank.
-    init_distributed(cfg.args.device)
+    init_distributed(cfg.args.device, cfg.args.collective_timeout_s)
     rank = dist.get_rank()
     train, held_out = build_datasets(cfg, rank)
     for which in needs[cfg.run]:

@@ -220,12 +220,19 @@ def check_one_gpu_per_rank(local_rank: int, local_world_size: int, num_gpus: int
         )
 
 
-def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+"""How long a collective waits for the other ranks before failing (torch's NCCL default; its
+gloo default, 30 minutes, leaves a job silently stuck behind a stopped rank for that long)."""
+
+
+def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> DistInfo:
     """Make sure a default process group exists and pick this rank's device.
 
     Under ``torchrun`` the env vars describe the job (``accelerate`` has normally initialised the
     group already; if not, we do). In a plain single process we create a world-size-1 group on an
-    in-memory store, so the same DMP code path runs everywhere.
+    in-memory store, so the same DMP code path runs everywhere. ``timeout_s`` is how long a
+    collective on the default group waits for the other ranks; it is applied to a group that
+    already exists too.
     """
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -247,6 +254,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         initialized_by_us = True
+    else:
+        # Created by accelerate or the user with their timeout (30 min for gloo by default);
+        # there is no public API to change it afterwards.
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -262,11 +275,60 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     )
 
 
-def new_control_group() -> dist.ProcessGroup | None:
+def new_control_group(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.ProcessGroup | None:
     """A gloo group for control-flow collectives (None means: the default group is gloo already)."""
     if dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    return new_gloo_group(timeout_s)
+
+
+def new_gloo_group(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.ProcessGroup:
+    """A new gloo group of all ranks (collective) whose collectives wait at most ``timeout_s``
+    (``new_group`` would give it gloo's 30-minute default, not the default group's timeout)."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+"""What gloo says when a peer's process exited (the wording depends on where it noticed)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because another rank stopped answering or went away.
+
+    Attributes:
+        reason: ``"timeout"`` (no answer within the collective timeout: a stopped or stuck
+            process, a frozen host) or ``"closed"`` (the peer's connection closed: it exited).
+    """
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def peer_lost_error(exc: BaseException, *, rank: int, timeout_s: float, where: str) -> PeerLostError | None:
+    """``exc`` (or an exception it was raised from) as a ``PeerLostError`` naming what
+    happened, ``where`` (e.g. "after step 12, train window 'hour=03'") and what to check; None
+    when ``exc`` is something else. Gloo reports both cases as a bare ``RuntimeError`` naming
+    a C++ source line."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, PeerLostError):
+        text = str(seen)
+        if isinstance(seen, RuntimeError) and "Timed out waiting" in text:
+            return PeerLostError(
+                f"rank {rank}: a peer rank stopped answering: a collective waited "
+                f"collective_timeout_s={timeout_s:g} s for it, {where}. Check the other ranks: a "
+                "stopped process (SIGSTOP, a debugger), a read stuck on a network filesystem or "
+                "object store, a frozen host, or one killed for memory; their logs and "
+                "`py-spy dump --pid PID` show where they are. If a rank is only slow there (a "
+                "long save or read), raise TrainingArguments.collective_timeout_s. "
+                f"(gloo: {text.strip()})", reason="timeout")
+        if isinstance(seen, RuntimeError) and any(m in text for m in _PEER_GONE):
+            return PeerLostError(
+                f"rank {rank}: a peer rank went away (its connection closed), {where}; it "
+                "exited or crashed: its log has the cause (a non-zero exit code 137 or -9 means "
+                f"it was killed, e.g. for memory). (gloo: {text.strip()})", reason="closed")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def configure_cpu_threads(local_world_size: int) -> None:

@@ -73,6 +73,7 @@ from recsys_trainer.distributed import (
     configure_cpu_threads,
     init_distributed,
     new_control_group,
+    peer_lost_error,
 )
 from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
@@ -173,12 +174,13 @@ class Trainer:
         # Before init_distributed: under torchrun, accelerate initialises the process group.
         self.precision = Precision(a.mixed_precision, cuda=cuda,
                                    gradient_accumulation_steps=a.gradient_accumulation_steps)
-        info = init_distributed(self.args.device)
+        info = init_distributed(self.args.device, self.args.collective_timeout_s)
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
         configure_cpu_threads(info.local_world_size)
         seed_everything(self.args.seed)
-        self.gang: Gang = gang if gang is not None else ProcessGroupGang(new_control_group())
+        self.gang: Gang = gang if gang is not None else ProcessGroupGang(
+            new_control_group(self.args.collective_timeout_s))
         self.process_group: dist.ProcessGroup | None = dist.group.WORLD
         """The group the model's tensor collectives run on (sharding, DDP, metric sync); control
         decisions run on ``gang``."""
@@ -344,18 +346,27 @@ class Trainer:
         try:
             yield
         except BaseException as exc:
+            # A gloo timeout or closed connection, named: which peer problem, where, what to check.
+            lost = peer_lost_error(exc, rank=self.rank, timeout_s=self.args.collective_timeout_s,
+                                   where=self._where())
             # Never leave a save half-written behind an exception: let it commit first.
             try:
                 self.checkpointer.close()
             except Exception:  # noqa: BLE001 - the original exception matters more
                 logger.exception("finishing the in-flight checkpoint save failed")
-            self.hooks.fire("on_exception", self, exc)
+            self.hooks.fire("on_exception", self, lost or exc)
+            if lost is not None:
+                raise lost from exc
             raise
         finally:
             self._depth -= 1
             self.state.mode = "idle"
             if self._depth == 0:
                 self.hooks.fire("end", self)
+
+    def _where(self) -> str:
+        st = self.state
+        return f"after step {st.global_step} ({st.mode}, window {st.window_id!r})"
 
     def _train(self, with_eval: bool) -> None:
         train_ds = self._require(self.train_dataset, "train_dataset")

@@ -225,3 +225,47 @@ def test_tables_too_big_for_the_host_are_refused_on_every_rank_before_allocating
            "(/fake): 0.50 GiB / 2 local ranks)" in r0["error"]
     # Rank 0 plans for everyone; the others get its error instead of waiting for its plan.
     assert r1["error"] == f"sharding planner (rank 0): {r0['error']}"
+
+
+def _stalled_peer(out: str, how: str) -> None:
+    import json
+    import signal
+    import time
+
+    rank = _rank()
+    stopped_at: list[float] = []
+
+    def after_step(trainer: Any, output: Any) -> None:
+        if output.step == 2:
+            stopped_at.append(time.monotonic())
+            if rank == 1:  # SIGSTOP stands in for a stuck read or a frozen host
+                os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+
+    trainer = make_trainer(train=batches(10, seed=rank), hooks=[LambdaHook(after_step=after_step)],
+                           collective_timeout_s=3)
+    try:
+        trainer.train()
+    except Exception as e:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"type": type(e).__name__, "message": str(e),
+                       "seconds": time.monotonic() - stopped_at[0]}, f)
+        raise
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_stalled_or_killed_rank_fails_the_others_with_a_named_error(tmp_path, how) -> None:
+    import json
+
+    with pytest.raises((AssertionError, RuntimeError), match="rank 0 failed|exited with code"):
+        run_distributed(_stalled_peer, 2, 90, args=(str(tmp_path), how))
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert r0["type"] == "PeerLostError"
+    if how == "stop":
+        assert r0["message"].startswith(
+            "rank 0: a peer rank stopped answering: a collective waited collective_timeout_s=3 s for "
+            "it, after step 2 (train, window 'all'). Check the other ranks:")
+        assert "Timed out waiting 3000ms" in r0["message"]
+    else:
+        assert r0["message"].startswith(
+            "rank 0: a peer rank went away (its connection closed), after step 2 (train, window 'all')")
+    assert r0["seconds"] < 60  # hang guard: the default timeout was 1800 s

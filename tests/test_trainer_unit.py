@@ -35,6 +35,7 @@ from recsys_trainer.models import DLRMClassifier
         ("device", "tpu", "`device` must be one of 'auto', 'cpu', 'cuda', but is 'tpu'."),
         ("output_dir", "", "`output_dir` must be a non-empty path string"),
         ("sharding_types", {"t_f0": "diagonal"}, "`sharding_types['t_f0']` must be one of"),
+        ("collective_timeout_s", 0, "`collective_timeout_s` must be a number > 0, but is 0."),
     ],
 )
 def test_invalid_training_arguments_name_the_field_value_and_range(field, value, message) -> None:

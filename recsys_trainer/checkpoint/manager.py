@@ -55,7 +55,13 @@ from recsys_trainer.args import (
 from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.model_bank import warm_start
-from recsys_trainer.distributed import FakeGang, Gang, ProcessGroupGang
+from recsys_trainer.distributed import (
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    FakeGang,
+    Gang,
+    ProcessGroupGang,
+    new_gloo_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +114,7 @@ class CheckpointManager:
             changed (``"error"``, ``"restart_window"``, ``"next_window"``).
         gang: the control collectives of saves and loads; by default (at ``attach``) a new gloo
             group over all ranks, or a ``FakeGang`` without ``torch.distributed``.
+        collective_timeout_s: how long the default gang's collectives wait for other ranks.
 
     The Trainer builds one with ``from_args`` unless given one, and ``attach``es its components.
     Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods.
@@ -134,6 +141,7 @@ class CheckpointManager:
         verify_checksums: bool = True,
         reshard_data_position: ReshardDataPosition = "error",
         gang: Gang | None = None,
+        collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     ) -> None:
         self.output_dir = output_dir
         self.save_steps = save_steps
@@ -150,6 +158,7 @@ class CheckpointManager:
         self.verify_checksums = verify_checksums
         self.reshard_data_position = reshard_data_position
         self._gang = gang
+        self.collective_timeout_s = collective_timeout_s
         self._components: contents.Components = {}
         self._listener: CheckpointListener = lambda _event, _path: None
         self._run_args: dict[str, Any] = {}
@@ -187,6 +196,7 @@ class CheckpointManager:
             keep_best_mode=args.keep_best_mode,
             reshard_data_position=args.reshard_data_position,
             gang=gang,
+            collective_timeout_s=args.collective_timeout_s,
         )
 
     def attach(self, components: contents.Components, *,
@@ -198,7 +208,7 @@ class CheckpointManager:
         if self._gang is None:
             # A dedicated gloo group: the writer thread's collectives must never interleave with
             # the training loop's on the default group (new_group is collective: all ranks).
-            self._gang = ProcessGroupGang(dist.new_group(backend="gloo")) \
+            self._gang = ProcessGroupGang(new_gloo_group(self.collective_timeout_s)) \
                 if dist.is_initialized() else FakeGang()
         self._components = components
         self._run_args = dict(run_args or {})
