@@ -1,5 +1,6 @@
 """Real 2-rank gloo checkpoint tests (each through run_distributed, with a hard timeout): bitwise
-resume, SIGKILL of a rank mid-save, and resharding between world sizes 2 and 1."""
+resume, SIGKILL of a rank mid-save, resharding between world sizes 2 and 1, and output_dir
+faults (a full disk, a read-only mount, a second job on the same directory)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_checkpoint_trainer import (
     snapshot,
 )
 
+from recsys_trainer import Hook, Trainer
 from recsys_trainer.checkpoint import CheckpointError, layout
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 
@@ -213,3 +215,117 @@ def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_never_hangs(tmp_
         assert "rank 0: PermissionError" in r["errors"][0]
         assert "rank 1: FileNotFoundError" in r["errors"][1]
         assert not r["committed_after_failures"] and r["committed"] == [2]
+
+
+# ---------------------------------------------------------------------------- output_dir faults
+
+def _disk_fills_after_the_first_save(out: str) -> dict[str, Any]:
+    from fs_utils import fill
+
+    class FillAfterFirstCommit(Hook):
+        def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+            if _rank() == 0 and path.endswith("step_00000002"):
+                fill(out)
+
+    t = build(out, RowWindows(), hooks=[FillAfterFirstCommit()], train_steps=6, save_steps=2)
+    try:
+        t.train()
+    except CheckpointError as e:
+        return {"message": str(e), "kind": e.kind, "path": e.path, "cause": repr(e.__cause__),
+                "step": t.state.global_step}
+    return {"message": None}
+
+
+def test_a_full_disk_during_a_save_is_a_checkpoint_error_naming_path_rank_and_no_space_and_keeps_the_last_one(
+        tmp_path: Any) -> None:
+    from fs_utils import small_tmpfs
+
+    out = str(tmp_path / "small")
+    with small_tmpfs(out, size_kib=2048):
+        results = run_distributed(_disk_fills_after_the_first_save, world_size=2, timeout_s=TIMEOUT,
+                                  args=(out,))
+        failing = os.path.join(out, "step_00000004")
+        for r in results:
+            assert r["kind"] == "save_failed" and r["path"] == failing, r
+            assert r["message"].startswith(f"saving checkpoint step 4 to {failing!r} failed: rank "), r
+            assert "OSError: [Errno 28] No space left on device" in r["message"]
+            assert "The last committed checkpoint is kept" in r["message"]
+            assert "\n" not in r["message"] and r["cause"] == "None"  # not DCP's 190 lines
+        # Both ranks stop at the same step (the next save), not one rank as soon as its writer
+        # thread fails while the other trains on and waits for it.
+        assert results[0]["step"] == results[1]["step"] == 6
+        assert committed_steps(out) == [2]
+        last = os.path.join(out, "step_00000002")
+        layout.verify_files(last, layout.read_manifest(last) or {}, checksums=True)
+
+
+def _train_into(out: str) -> dict[str, Any]:
+    t = build(out, RowWindows(), train_steps=4, save_steps=2)
+    try:
+        t.train()
+    except CheckpointError as e:
+        return {"message": str(e), "kind": e.kind, "step": t.state.global_step}
+    return {"message": None, "kind": None, "step": t.state.global_step}
+
+
+def test_a_read_only_output_dir_fails_every_rank_before_training_starts(tmp_path: Any) -> None:
+    from fs_utils import read_only
+
+    out = str(tmp_path / "ro")
+    with read_only(out):
+        results = run_distributed(_train_into, world_size=2, timeout_s=TIMEOUT, args=(out,))
+    for r in results:
+        assert r["kind"] == "unwritable" and r["step"] == 0, r
+        assert r["message"].startswith(f"`output_dir` {out!r} is not writable: rank 0 (host "), r
+        assert "Read-only file system" in r["message"] and "training did not start" in r["message"]
+
+
+_HOLDER = """
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from test_checkpoint_trainer import RowWindows, build
+from recsys_trainer import LambdaHook
+
+out = sys.argv[1]
+
+def hold(trainer, output):
+    open(os.path.join(out, "holding"), "w").close()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(out, "release")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+build(out, RowWindows(), hooks=[LambdaHook(after_step=hold)], train_steps=2, save_steps=1).train()
+"""
+
+
+def test_a_second_job_on_a_running_jobs_output_dir_is_refused_naming_it_and_a_killed_jobs_lock_does_not_linger(
+        tmp_path: Any) -> None:
+    import subprocess
+    import sys
+    import time
+
+    out = str(tmp_path / "shared")
+    os.makedirs(out)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, out, tests_dir],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(out, "holding")):
+            assert holder.poll() is None, holder.stderr.read() if holder.stderr else ""
+            assert time.monotonic() < deadline, "the first job never started training"
+            time.sleep(0.1)
+        refused = run_distributed(_train_into, world_size=2, timeout_s=TIMEOUT, args=(out,))
+        for r in refused:
+            assert r["kind"] == "locked" and r["step"] == 0, r
+            assert r["message"].startswith(
+                f"`output_dir` {out!r} is in use by the job whose rank 0 is pid {holder.pid} on host "), r
+        # The first job is killed while it holds the lock: the OS drops the lock with it.
+        holder.kill()
+        holder.wait(30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
+    after = run_distributed(_train_into, world_size=2, timeout_s=TIMEOUT, args=(out,))
+    assert [r["message"] for r in after] == [None, None] and after[0]["step"] == 4

@@ -666,3 +666,20 @@ def test_export_gives_a_merged_model_state_dict_loadable_without_torch_distribut
     full = read_full(os.path.join(out, "step_00000003"),
                      {k for k in saved_keys(os.path.join(out, "step_00000003")) if k.startswith("optim.")})
     assert full, "optimizer state is in the checkpoint but not in the export"
+
+
+def test_the_output_dir_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Any) -> None:
+    from recsys_trainer.checkpoint.lock import OutputDirLock
+
+    first, second = OutputDirLock(str(tmp_path)), OutputDirLock(str(tmp_path))
+    assert first.acquire(world_size=2) is None and first.held
+    holder = second.acquire(world_size=1)
+    assert holder is not None and holder.startswith(f"the job whose rank 0 is pid {os.getpid()} on host ")
+    assert "2 rank(s), started " in holder and not second.held
+    first.release()
+    assert second.acquire(world_size=1) is None  # the file stays; the OS lock is what counts
+    second.release()
+    # A run that saves holds the lock only while it trains.
+    t = build(str(tmp_path), RowWindows(), train_steps=2, save_steps=1)
+    t.train()
+    assert OutputDirLock(str(tmp_path)).acquire(world_size=1) is None

@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import time
 import zlib
 from collections.abc import Iterable, Sequence
@@ -108,6 +109,24 @@ def fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def probe_writable(directory: str) -> str | None:
+    """None if this process can create ``directory`` and write, fsync and remove a file in it;
+    else what failed (e.g. "OSError: [Errno 30] Read-only file system: '...'"). Run at the start
+    of training, so a directory that cannot take checkpoints fails the job before any work is
+    lost rather than at the first save."""
+    probe = os.path.join(directory, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def read_manifest(ckpt_dir: str) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -53,7 +54,8 @@ from recsys_trainer.args import (
     model_bank_sources,
 )
 from recsys_trainer.checkpoint import contents, layout, writer
-from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.checkpoint.errors import CheckpointError, describe_failure, only_os_errors
+from recsys_trainer.checkpoint.lock import OutputDirLock
 from recsys_trainer.checkpoint.model_bank import warm_start
 from recsys_trainer.distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -159,6 +161,7 @@ class CheckpointManager:
         self.reshard_data_position = reshard_data_position
         self._gang = gang
         self.collective_timeout_s = collective_timeout_s
+        self._lock = OutputDirLock(output_dir)
         self._components: contents.Components = {}
         self._listener: CheckpointListener = lambda _event, _path: None
         self._run_args: dict[str, Any] = {}
@@ -235,6 +238,7 @@ class CheckpointManager:
         resumed from. Runs once (later calls return None: a second ``train()`` continues from
         memory). All ranks call it together."""
         gang = self.gang
+        self._claim_output_dir()
         if self._resume_done:
             return None
         self._resume_done = True
@@ -260,6 +264,40 @@ class CheckpointManager:
         self._check_no_foreign_checkpoints(source)
         self._prepare_staging()
         return source
+
+    def _claim_output_dir(self) -> None:
+        """At the start of training, when this run will save: ``output_dir`` must be writable on
+        every rank (a probe file) and not in use by another job (rank 0 takes its lock, see
+        ``checkpoint.lock``; released when training ends). Every rank learns the outcome, so all
+        stop together before anything is trained instead of failing at the first save."""
+        if not self._will_save():
+            return
+        gang = self.gang
+        problem = layout.probe_writable(self.output_dir)
+        holder = None
+        if problem is None and gang.rank == 0:
+            try:
+                holder = self._lock.acquire(gang.world_size)
+            except OSError as e:
+                problem = f"{type(e).__name__}: {e}"
+        reports = gang.all_gather_object((socket.gethostname(), problem, holder))
+        unwritable = [f"rank {r} (host {h}): {p}" for r, (h, p, _) in enumerate(reports) if p]
+        holders = [x for _, _, x in reports if x]
+        if not unwritable and not holders:
+            return
+        self._lock.release()
+        if unwritable:
+            raise CheckpointError(
+                f"`output_dir` {self.output_dir!r} is not writable: {'; '.join(unwritable)}. "
+                "Checkpoints could not be saved there, so training did not start. Fix its "
+                "permissions or mount, or choose another output_dir.",
+                path=self.output_dir, kind="unwritable")
+        raise CheckpointError(
+            f"`output_dir` {self.output_dir!r} is in use by {holders[0]}. Two jobs saving into "
+            "one output_dir skip each other's steps as already saved and resume from each "
+            "other's state. Wait for that job to end, or use another output_dir. (Its lock, "
+            f"{self._lock.path}, is an OS file lock that ends with that process, however it "
+            "ends: it cannot go stale.)", path=self.output_dir, kind="locked")
 
     def _will_save(self) -> bool:
         triggers = (self.save_steps, self.save_every_n_windows, self.save_every_n_epochs)
@@ -324,6 +362,7 @@ class CheckpointManager:
         if self.save_end:
             self.save()
         self.wait()
+        self._lock.release()
 
     def close(self) -> None:
         """Drain the in-flight save (its commit hooks fire) and stop the writer thread. Safe to
@@ -331,6 +370,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            self._lock.release()
             self._staging.wait_prepared()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
@@ -368,10 +408,17 @@ class CheckpointManager:
             manifest = pending.future.result()
         except CheckpointError:
             raise
-        except Exception as e:
-            raise CheckpointError(f"saving checkpoint step {pending.step} to {pending.path!r} "
-                                  f"failed: {e}", step=pending.step, path=pending.path,
-                                  kind="save_failed") from e
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            error = CheckpointError(
+                f"saving checkpoint step {pending.step} to {pending.path!r} failed: "
+                f"{describe_failure(e)}. The last committed checkpoint is kept; this directory "
+                "is never loaded and is removed at the next start.",
+                step=pending.step, path=pending.path, kind="save_failed")
+            # A full disk or a read-only mount is said in full above: DCP's per-rank
+            # tracebacks would only bury it.
+            raise error from (None if only_os_errors(e) else e)
         self._committed(pending, manifest)
 
     def load(self, path: str, *, strict: bool = True) -> None:
@@ -567,8 +614,14 @@ class CheckpointManager:
                 logger.warning("could not update the checkpoint index: %s", e)
 
     def _poll(self) -> None:
-        """Finish a completed async save without blocking (fires its hooks on this thread)."""
-        if self._pending is not None and self._pending.future.done():
+        """Finish a completed async save without blocking (fires its hooks on this thread).
+
+        A *failed* save is left pending: the next save or the end of training (steps every rank
+        reaches together) raises it. Ranks see their writer threads finish at different steps;
+        raising here would stop one rank while the others train on and wait for it in their
+        next collective."""
+        pending = self._pending
+        if pending is not None and pending.future.done() and pending.future.exception() is None:
             self.wait()
 
     def _committed(self, pending: _Pending, manifest: dict[str, Any]) -> None:
