@@ -11,7 +11,9 @@ play rank k of n, and is the gang of a process without ``torch.distributed``.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -22,6 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Imported now, before any process group exists. Some torch modules bind the default group into
+# function defaults *when first imported* (``ZeroRedundancyOptimizer(group=dist.group.WORLD)``
+# in torch.distributed.optim, which torchrec's apply_optimizer_in_backward imports lazily, after
+# the group is up). That reference keeps the group alive for good: destroy_process_group() can
+# then not end its gloo threads, which abort the interpreter at exit (see
+# ``_collect_process_groups_at_exit``).
+import torch.distributed.optim  # noqa: F401, E402  isort: skip
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +252,7 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
     if use_cuda:
         check_one_gpu_per_rank(local_rank, local_world_size, torch.cuda.device_count())
     initialized_by_us = False
+    _collect_process_groups_at_exit()
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -385,12 +396,37 @@ def usable_memory_bytes(cgroup_root: str = "/sys/fs/cgroup",
 
 
 def shutdown() -> None:
-    """End a job cleanly: barrier, then destroy the process group.
+    """End a job cleanly: barrier, then destroy the process groups.
 
-    Call on the success path at the end of a script. (Exiting a gloo DMP job without it crashed
-    with "terminate called without an active exception" in 2 of 13 runs.) On the error path
-    don't: destroying can deadlock against peers still in a collective; exit non-zero instead.
+    Call on the success path at the end of a script. On the error path don't: destroying can
+    deadlock against peers still in a collective; exit non-zero instead. Keep the Trainer and
+    the model inside a function (e.g. ``main()``) rather than in module globals, so that they
+    are released before the interpreter exits (see ``_collect_process_groups_at_exit``).
     """
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    gc.collect()  # process groups held only by garbage: their threads end now, see below
+
+
+_exit_collection_registered = False
+
+
+def _collect_process_groups_at_exit() -> None:
+    """Register (once) a garbage collection at interpreter exit, before finalization.
+
+    Why: ``destroy_process_group()`` does not stop a gloo group that is still referenced, and
+    the Trainer, its DMP/DDP model and its checkpoint manager reference theirs, from reference
+    cycles. Python frees cycles only in its finalization GC, after it has stopped letting other
+    threads take the GIL. A gloo worker thread that drops its last reference to a finished
+    collective there must take the GIL (the collective's tensors belong to Python objects; a
+    barrier keeps the collectives still in flight alive until it is dropped) and is killed by
+    the interpreter inside C++ code: "terminate called without an active exception", SIGABRT,
+    after a complete job (1 run in 30 here). Collecting at ``atexit`` time, while the
+    interpreter is intact, destroys those groups and joins their threads first (0 in 40 runs
+    of the same pattern, against 8 in 40 without).
+    """
+    global _exit_collection_registered
+    if not _exit_collection_registered:
+        atexit.register(gc.collect)
+        _exit_collection_registered = True
