@@ -464,3 +464,15 @@ def test_tables_larger_than_the_memory_this_process_may_use_are_refused_before_a
     assert "the largest 't_a' (3,000,000 x 32 = 0.36 GiB of weights)" in msg
     assert ("each of the 1 rank(s) on this host may use 0.25 GiB of host memory (cgroup v2 memory.max "
             "(/fake): 0.25 GiB). Refused before allocating anything.") in msg
+
+
+def test_a_dynamic_table_takes_any_raw_id_so_its_feature_bound_is_not_checked() -> None:
+    from recsys_trainer.dynamic import ID_SPACE, DynamicTable
+    from recsys_trainer.sharding import check_data_fits_model, feature_tables
+
+    model = DLRMClassifier(["user", "item"], 2, 100, embedding_dim=4, dense_arch=(4,),
+                           over_arch=(4, 1), dynamic=DynamicTable(num_slots=64, buckets=1))
+    assert sorted(feature_tables(model)) == [("item", "t_item", None), ("user", "t_user", None)]
+    check_data_fits_model(model, [_parquet_data([("user", ID_SPACE), ("item", ID_SPACE)])])
+    with pytest.raises(ValueError, match=r"\['item'\] missing"):
+        check_data_fits_model(model, [_parquet_data([("user", ID_SPACE)])])
