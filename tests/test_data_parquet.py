@@ -326,16 +326,28 @@ def test_an_id_column_that_turns_from_integers_to_strings_is_refused_also_after_
         next(resumed.iter_window("hour=01"))
 
 
-def test_files_of_one_window_with_different_numeric_types_combine_and_incompatible_ones_name_both(
+def test_files_of_one_window_with_different_column_types_read_alike_on_one_rank_and_on_two(
         tmp_path) -> None:
     write_windows(str(tmp_path), [[6, 6]], row_group_size=6)
     second = str(tmp_path / "hour=00" / "part-1.parquet")
-    _rewrite(second, item=pa.array(range(6, 12), pa.int32()), y=pa.array([1, 0, 0, 1, 0, 0], pa.int64()))
-    batches = list(_ds(str(tmp_path), batch_size=12).iter_window("hour=00"))  # one rank: one chunk
-    assert len(batches) == 1 and row_ids(batches[0]) == list(range(12))
-    assert batches[0].sparse["item"].values().tolist() == list(range(12))
-    assert batches[0].labels.tolist() == [float(i % 3 == 0) for i in range(12)]
-    _rewrite(second, item=pa.array([[i] for i in range(6, 12)], pa.list_(pa.int64())))
-    with pytest.raises(DataError, match=rf"file {second}: its rows cannot be combined with those of "
-                                        rf"{tmp_path}/hour=00/part-0.parquet .*item"):
-        list(_ds(str(tmp_path), batch_size=12).iter_window("hour=00"))
+    # int32 ids, bool labels and list ids beside the first file's int64 ids and float labels.
+    _rewrite(second, item=pa.array([[i] for i in range(6, 12)], pa.list_(pa.int32())),
+             y=pa.array([i % 3 == 0 for i in range(6, 12)], pa.bool_()))
+    one = list(_ds(str(tmp_path), batch_size=12).iter_window("hour=00"))  # one chunk, two files
+    assert len(one) == 1 and row_ids(one[0]) == list(range(12))
+    assert one[0].sparse["item"].values().tolist() == list(range(12))
+    assert one[0].sparse["item"].lengths().tolist() == [1] * 12
+    assert one[0].labels.tolist() == [float(i % 3 == 0) for i in range(12)]
+    ds = _ds(str(tmp_path), batch_size=12)
+    ds.setup(1, 2)  # rank 1 of 2 reads the second file alone: the same values
+    (alone,) = list(ds.iter_window("hour=00"))
+    assert alone.sparse["item"].values().tolist() == list(range(6, 12))
+    assert alone.labels.tolist() == one[0].labels.tolist()[6:]
+
+
+def test_rows_that_cannot_be_combined_name_both_files() -> None:
+    from recsys_trainer.data.parquet import _concat
+
+    ints, strs = pa.table({"item": pa.array([1, 2])}), pa.table({"item": pa.array(["a", "b"])})
+    with pytest.raises(DataError, match=r"file b.parquet: its rows cannot be combined with those of a.parquet"):
+        _concat([ints, strs], ["a.parquet", "b.parquet"])

@@ -248,6 +248,34 @@ class FeatureSpec:
                     "sparse weight",
                 )
 
+    def unify_columns(self, tables: list[pa.Table]) -> list[pa.Table]:
+        """Tables (files of one window) about to be decoded together, with every declared column
+        in one type where their types differ: numeric columns (labels, dense inputs, weights) as
+        float64, which decoding reads them as anyway; a scalar id (or id weight) column as
+        one-element lists when another table holds lists (a null id becomes a null list: no id,
+        as before). Decoding each file alone gives the same values, so 1 rank and N ranks (each
+        reading other files) train the same rows."""
+        if all(t.schema.equals(tables[0].schema) for t in tables[1:]):
+            return tables
+        numeric = {*self.labels, *(d.column for d in self.dense_features)}
+        numeric.update(c for c in (self.weight_column, *(s.weight_column for s in self.sparse)) if c)
+        listed = {f.name for t in tables for f in t.schema if _is_list(f.type)}
+        out = []
+        for t in tables:
+            for i, f in enumerate(t.schema):
+                col: pa.ChunkedArray | pa.Array = t.column(i)
+                if f.name in listed and not _is_list(f.type):
+                    arr = _combine(col)
+                    offsets = pa.array(np.arange(len(arr) + 1, dtype=np.int32))
+                    col = pa.ListArray.from_arrays(offsets, arr, mask=arr.is_null())
+                if f.name in numeric:
+                    target = pa.list_(pa.float64()) if _is_list(col.type) else pa.float64()
+                    col = col.cast(target) if col.type != target else col
+                if col.type != f.type:
+                    t = t.set_column(i, f.name, col)
+            out.append(t)
+        return out
+
     # ------------------------------------------------------------------ decode
 
     def decode(self, table: pa.Table) -> Batch:

@@ -460,7 +460,8 @@ class ParquetWindowDataset(WindowedDataset):
         (``carried`` in, plus this chunk's all-dropped batches at its end)."""
         if n == 0:
             return carried
-        table = parts[0] if len(parts) == 1 else _concat(parts, [unit.file for unit, _ in prov])
+        table = parts[0] if len(parts) == 1 else _concat(
+            self.features.unify_columns(parts), [unit.file for unit, _ in prov])
         try:
             decoded = self.features.decode_chunk(table)
         except _RowError as exc:
@@ -484,9 +485,9 @@ class ParquetWindowDataset(WindowedDataset):
 
 
 def _concat(parts: list[pa.Table], files: list[str]) -> pa.Table:
-    """Rows of several files as one table. Files of a window may store a column with different
-    numeric types (int32 ids beside int64, int labels beside double): promote them to a common
-    type. Types that have none (a list beside a scalar) are an error naming both files."""
+    """Rows of several files (``FeatureSpec.unify_columns`` applied) as one table; integer
+    widths and string kinds are promoted to a common type. Types with none left (e.g. integer
+    ids beside strings, which planning refuses first) are an error naming both files."""
     try:
         return pa.concat_tables(parts, promote_options="permissive")
     except pa.ArrowException as exc:
