@@ -218,16 +218,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def check_one_gpu_per_rank(local_rank: int, local_world_size: int, num_gpus: int) -> None:
-    """Each rank on a host needs its own GPU (``cuda:LOCAL_RANK``): nccl refuses two ranks on one
-    device, and a rank without a device would fail later with "invalid device ordinal"."""
-    if local_world_size > num_gpus or local_rank >= num_gpus:
-        raise ValueError(
-            f"this host runs {local_world_size} ranks (this is local rank {local_rank}) but has "
-            f"{num_gpus} visible CUDA device(s); each rank needs its own GPU. Start at most "
-            f"{num_gpus} ranks per host (torchrun --nproc_per_node={num_gpus}), or train on the "
-            "CPU with device='cpu'."
-        )
+def check_one_gpu_per_rank(local_rank: int, local_world_size: int, num_gpus: int,
+                           visible_devices: str | None = None) -> int:
+    """The CUDA device index this rank uses: ``cuda:LOCAL_RANK`` when the host's GPUs are all
+    visible, or ``cuda:0`` when each process sees exactly one GPU of its own (a launcher that
+    sets ``CUDA_VISIBLE_DEVICES`` per process, e.g. SLURM's ``--gpus-per-task=1``). Each rank
+    needs its own GPU: nccl refuses two ranks on one device, and a rank without a device would
+    fail later with "invalid device ordinal"."""
+    if num_gpus >= local_world_size and local_rank < num_gpus:
+        return local_rank
+    own = [d for d in (visible_devices or "").split(",") if d.strip()]
+    if num_gpus == 1 and len(own) == 1:
+        return 0  # this process was given one GPU; nccl names a duplicate if two share it
+    raise ValueError(
+        f"this host runs {local_world_size} ranks (this is local rank {local_rank}) but has "
+        f"{num_gpus} visible CUDA device(s); each rank needs its own GPU. Start at most "
+        f"{num_gpus} ranks per host (torchrun --nproc_per_node={num_gpus}), give each process "
+        "its own GPU with CUDA_VISIBLE_DEVICES, or train on the CPU with device='cpu'."
+    )
 
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -249,8 +257,11 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
         raise ValueError("device='cuda' was requested, but CUDA is not available on this machine.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cuda_index = 0
     if use_cuda:
-        check_one_gpu_per_rank(local_rank, local_world_size, torch.cuda.device_count())
+        cuda_index = check_one_gpu_per_rank(local_rank, local_world_size,
+                                            torch.cuda.device_count(),
+                                            os.environ.get("CUDA_VISIBLE_DEVICES"))
     initialized_by_us = False
     _collect_process_groups_at_exit()
     if not dist.is_initialized():
@@ -258,7 +269,7 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
         timeout = datetime.timedelta(seconds=timeout_s)
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             if use_cuda:
-                torch.cuda.set_device(local_rank)
+                torch.cuda.set_device(cuda_index)
             dist.init_process_group(backend=backend, timeout=timeout)
         else:
             dist.init_process_group(
@@ -272,8 +283,8 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
 
         _set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(cuda_index)
+        dev = torch.device("cuda", cuda_index)
     else:
         dev = torch.device("cpu")
     return DistInfo(

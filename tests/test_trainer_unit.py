@@ -336,11 +336,15 @@ def test_a_window_cut_short_releases_the_readers_background_thread(tmp_path, pip
 def test_more_ranks_than_gpus_on_a_host_is_refused_naming_both_counts() -> None:
     from recsys_trainer.distributed import check_one_gpu_per_rank
 
-    check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=2)
+    assert check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=2) == 1
     with pytest.raises(ValueError, match=r"runs 2 ranks \(this is local rank 1\) but has 1 visible CUDA device"):
         check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=1)
     with pytest.raises(ValueError, match="nproc_per_node=1"):
         check_one_gpu_per_rank(local_rank=0, local_world_size=2, num_gpus=1)
+    # A launcher that gives each process one GPU of its own (CUDA_VISIBLE_DEVICES per process).
+    assert check_one_gpu_per_rank(local_rank=1, local_world_size=2, num_gpus=1, visible_devices="3") == 0
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        check_one_gpu_per_rank(local_rank=1, local_world_size=4, num_gpus=2, visible_devices="0,1")
 
 
 def _parquet_data(sparse: list[tuple[str, int]]) -> ParquetWindowDataset:
