@@ -150,6 +150,16 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert not bad, f"differ: {bad}"
 
 
+def bitwise_verdict(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str:
+    """"yes" when the two snapshots are bitwise equal, else what differs: picklable, for a
+    spawned rank to report to the test."""
+    try:
+        assert_bitwise_equal(a, b)
+    except AssertionError as e:
+        return str(e)
+    return "yes"
+
+
 def committed_steps(output_dir: str) -> list[int]:
     return [i.step for i in layout.list_committed(output_dir)]
 
