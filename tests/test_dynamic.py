@@ -325,3 +325,14 @@ def test_a_model_bank_warm_start_of_a_dynamic_table_is_refused_naming_the_key(tm
                                               r"cannot be warm-started"):
         build(str(tmp_path / "dst"), DynamicTable(num_slots=32, eviction_interval=2), data,
               train_steps=4, model_bank=[{"path": str(tmp_path / "src")}]).train()
+
+
+def test_a_delta_compares_rows_bitwise_so_a_sign_of_zero_change_is_sent_and_nan_rows_are_not_resent() -> None:
+    from recsys_trainer.checkpoint.dynamic_export import TableExport, dynamic_delta
+
+    ids = torch.tensor([1, 2, 3])
+    base = DynamicExport(tables={"t": TableExport(ids, torch.tensor([[0.0], [float("nan")], [1.0]]),
+                                                  torch.zeros(1, 1))}, other={})
+    new = DynamicExport(tables={"t": TableExport(ids, torch.tensor([[-0.0], [float("nan")], [1.0]]),
+                                                 torch.zeros(1, 1))}, other={})
+    assert dynamic_delta(base, new).tables["t"].upsert_ids.tolist() == [1]

@@ -111,6 +111,12 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     return out
 
 
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bits as integers of the same width (for bitwise comparison)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return x.contiguous().view(ints[x.element_size()])
+
+
 def dynamic_delta(base: DynamicExport, new: DynamicExport) -> DynamicDelta:
     """Only what changed from ``base`` to ``new`` (both full exports)."""
     if set(base.tables) != set(new.tables):
@@ -120,7 +126,8 @@ def dynamic_delta(base: DynamicExport, new: DynamicExport) -> DynamicDelta:
     for name, t in new.tables.items():
         old = base.tables[name]
         old_vec, found = old.lookup(t.ids)
-        same = found & (old_vec == t.vectors).all(dim=1)
+        # Bitwise, not ==: -0.0 == 0.0 would drop a real change and NaN != NaN resend a row.
+        same = found & (_bits(old_vec) == _bits(t.vectors)).all(dim=1)
         deleted = old.ids[~torch.isin(old.ids, t.ids)]
         default_same = old.default.shape == t.default.shape and torch.equal(old.default, t.default)
         tables[name] = TableDelta(upsert_ids=t.ids[~same], upsert_vectors=t.vectors[~same].clone(),
