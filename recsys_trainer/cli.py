@@ -98,7 +98,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     from recsys_trainer.distributed import init_distributed
     from recsys_trainer.trainer import Trainer
 
-    needs = {"train": ("train",), "evaluate": ("eval",), "train_and_evaluate": ("train", "eval")}
+    needs = {"train": ("train",), "evaluate": ("eval",), "train_and_evaluate": ("train", "eval"),
+             "predict": ("eval",)}
     # Start the group first: the datasets are per rank.
     init_distributed(cfg.args.device, cfg.args.collective_timeout_s)
     rank = dist.get_rank()
@@ -119,17 +120,25 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         sparse_optimizer=cfg.sparse_optimizer,
     )
     metrics: dict[str, float] | None = None
+    predicted: int | None = None
     if cfg.run == "train":
         trainer.train()
-    elif cfg.run == "evaluate":
-        # Evaluate a trained model: the checkpoint `args.resume_from` names ("auto": the newest
-        # committed one in output_dir), loaded on every rank as a resumed training would.
+    elif cfg.run in ("evaluate", "predict"):
+        # Evaluate (or score) a trained model: the checkpoint `args.resume_from` names ("auto":
+        # the newest committed one in output_dir), loaded on every rank as a resumed training would.
         trainer.resume()
         if trainer.state.global_step == 0 and trainer.is_rank_zero:
             logging.getLogger("recsys_trainer").warning(
-                "run: evaluate found no checkpoint to load (args.resume_from=%r, output_dir=%r): "
-                "evaluating an untrained model.", cfg.args.resume_from, cfg.args.output_dir)
-        metrics = trainer.evaluate()
+                "run: %s found no checkpoint to load (args.resume_from=%r, output_dir=%r): "
+                "using an untrained model.", cfg.run, cfg.args.resume_from, cfg.args.output_dir)
+        if cfg.run == "evaluate":
+            metrics = trainer.evaluate()
+        else:
+            assert cfg.predict is not None
+            p = cfg.predict
+            predicted = trainer.predict(held_out, p.output_dir, activation=p.activation,
+                                        output_names=p.output_names,
+                                        rows_per_row_group=p.rows_per_row_group).rows_written
     else:
         trainer.train_and_evaluate()
     st = trainer.state
@@ -140,6 +149,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "epoch": st.epoch,
         "stop_reason": st.stop_reason,
         "eval": metrics,
+        "predicted_rows": predicted,
     }
 
 
@@ -171,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"recsys-train: rank {summary['rank']}/{summary['world_size']} done: "
         f"global_step={summary['global_step']} epoch={summary['epoch']} "
         f"stop_reason={summary['stop_reason']!r}"
-        + (f" eval={summary['eval']}" if summary["eval"] is not None else ""),
+        + (f" eval={summary['eval']}" if summary["eval"] is not None else "")
+        + (f" predicted_rows={summary['predicted_rows']}" if summary["predicted_rows"] is not None else ""),
         flush=True,
     )
     # Success path only: barrier + destroy. On an exception we exit non-zero and let torchrun

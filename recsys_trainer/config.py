@@ -2,13 +2,14 @@
 
 A config file has these top-level sections (all optional except ``model`` and ``data``)::
 
-    run: train_and_evaluate     # train | evaluate | train_and_evaluate
+    run: train_and_evaluate     # train | evaluate | train_and_evaluate | predict
     args: {...}                 # TrainingArguments fields
     model: {...}                # DLRMClassifier arguments (ModelConfig)
     data: {kind: synthetic, ...}  or  {kind: parquet, ...}   (SyntheticDataConfig / ParquetDataConfig)
     dense_optimizer: {name: adam, lr: 0.001, kwargs: {}}
     sparse_optimizer: {name: rowwise_adagrad, lr: 0.05, kwargs: {}}
     hooks: [metrics, {name: jsonl, every: 10}]
+    predict: {output_dir: ..., activation: sigmoid}   # PredictOptions; `run: predict` scores data.eval
 
 YAML only *fills* dataclasses, and where the runtime has one it is the schema: ``args`` fills
 ``TrainingArguments``, ``sparse_optimizer`` fills ``SparseOptimizer``, and the options of
@@ -46,11 +47,12 @@ from recsys_trainer.hooks import (
     TensorBoardHook,
 )
 from recsys_trainer.optimizers import SparseOptimizer
+from recsys_trainer.predict import PredictOptions
 from recsys_trainer.validation import check_choice, check_int, check_number, check_type
 
-RunMode = Literal["train", "evaluate", "train_and_evaluate"]
-RUN_MODES = ("train", "evaluate", "train_and_evaluate")
-SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "sparse_optimizer", "hooks")
+RunMode = Literal["train", "evaluate", "train_and_evaluate", "predict"]
+RUN_MODES = ("train", "evaluate", "train_and_evaluate", "predict")
+SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "sparse_optimizer", "hooks", "predict")
 
 # Dense optimizers by config name -> torch.optim class name.
 DENSE_OPTIMIZERS = {
@@ -391,6 +393,8 @@ class RunConfig:
     dense_optimizer: DenseOptimizerConfig
     sparse_optimizer: SparseOptimizer
     hooks: list[HookConfig]
+    predict: PredictOptions | None = None
+    """Where and how ``run: predict`` writes its scores (``Trainer.predict``)."""
 
     @staticmethod
     def from_dict(raw: Any) -> RunConfig:
@@ -425,7 +429,11 @@ class RunConfig:
             dense_optimizer=_build(DenseOptimizerConfig, "dense_optimizer", raw.get("dense_optimizer")),
             sparse_optimizer=_build(SparseOptimizer, "sparse_optimizer", raw.get("sparse_optimizer")),
             hooks=_parse_hooks(raw.get("hooks")),
+            predict=None if raw.get("predict") is None else _build(PredictOptions, "predict", raw["predict"]),
         )
+        if run == "predict" and cfg.predict is None:
+            raise ConfigError("`run: predict` needs a `predict` section with `output_dir` (where "
+                              "the scores go).")
         cfg._resolve_schema()
         return cfg
 
@@ -573,6 +581,7 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         "dense_optimizer": dataclasses.asdict(cfg.dense_optimizer),
         "sparse_optimizer": dataclasses.asdict(cfg.sparse_optimizer),
         "hooks": [{"name": h.name, **h.kwargs} for h in cfg.hooks],
+        "predict": None if cfg.predict is None else dataclasses.asdict(cfg.predict),
     }
 
 

@@ -36,6 +36,10 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
         after_evaluate(metrics)
         end                                           # only when evaluate() is the top-level call
 
+    predict(dataset, output_dir):                     # recsys_trainer.predict: no hook events
+        for window: skip if committed; score every row; each rank writes its file; commit marker
+        end
+
 On an exception: on_exception(exc), then end, then the exception propagates.
 """
 
@@ -87,6 +91,7 @@ from recsys_trainer.optimizers import (
     build_lr_scheduler,
 )
 from recsys_trainer.pipeline import SparseDistPipeline
+from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.precision import Precision
 from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model
@@ -108,7 +113,7 @@ class TrainerState:
     batches_in_window: int = 0
     """Micro-batches *trained* in the current train window (the resume position)."""
     window_id: str | None = None
-    mode: Literal["idle", "train", "eval"] = "idle"
+    mode: Literal["idle", "train", "eval", "predict"] = "idle"
     rows_unread: int = 0
     """Train rows dropped because another rank ran out of data first (whole run)."""
     stop_reason: str | None = None
@@ -330,6 +335,31 @@ class Trainer:
         """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
         with self._top_level():
             return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
+
+    @torch.no_grad()
+    def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
+                output_names: Sequence[str] | None = None,
+                rows_per_row_group: int = PredictOptions.rows_per_row_group,
+                filesystem: Any = None) -> PredictSummary:
+        """Score every row of ``dataset`` with the model *in memory* and write, per window, the
+        outputs next to the passthrough columns as parquet under ``output_dir`` (a path or URL),
+        one file per rank, committed by a ``_SUCCESS`` marker; a re-run skips committed windows
+        and redoes the others. ``activation="sigmoid"`` writes probabilities of logits
+        (``"none"``: outputs as returned); ``output_names`` names the output columns (default:
+        the dataset's labels). ``filesystem``: a ``pyarrow.fs.FileSystem`` to write through
+        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume()`` or ``load_checkpoint()``
+        first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
+        options = PredictOptions(output_dir=output_dir, activation=activation,
+                                 output_names=output_names, rows_per_row_group=rows_per_row_group)
+        ds = as_windowed(dataset)
+        if ds is None:
+            raise ValueError("`dataset` is None; pass the data to score to predict(...).")
+        ds.setup(self.rank, self.world_size)
+        ds.set_gang(self.gang)
+        with self._top_level():
+            self.state.mode = "predict"
+            self.model.eval()
+            return predict(self._forward, ds, self.gang, self.device, options, filesystem)
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``

@@ -10,6 +10,8 @@ a table. ``FeatureSpec.decode(table)`` turns an Arrow table (one batch of rows) 
   (defined on the UTF-8 bytes, the same on every machine and Python run) into ``[0, n)``.
   ``list<...>`` columns give several ids per row (jagged); null or empty lists give none.
 * labels: ``float32 [B]`` (one label) or ``[B, T]``; NaN/null labels are rejected or dropped.
+* passthrough: raw columns (request ids, user ids) carried unchanged as ``pyarrow.Array``s on
+  ``Batch.passthrough``, for hooks and offline scoring; never turned into tensors.
 
 Every problem raises ``DataError`` naming the column and (through the reader) file, row group
 and row; an out-of-range id never reaches FBGEMM.
@@ -17,7 +19,7 @@ and row; an out-of-range id never reaches FBGEMM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -135,6 +137,11 @@ class FeatureSpec:
     label_range: tuple[float, float] | None = None
     """``(low, high)``: a label outside ``[low, high]`` raises ``DataError`` naming the column,
     file, row and value (e.g. ``(0, 1)`` for a logistic loss). None: not checked."""
+    passthrough: Sequence[str] = ()
+    """Columns carried raw on ``Batch.passthrough`` (any type, nulls kept), e.g. request and
+    user ids: never sent to the model, available to hooks and written next to the scores by
+    ``Trainer.predict``. A column may be both an input (or a label) and passed through: the
+    model sees the decoded value, the passthrough the raw one."""
     dense_features: tuple[DenseFeature, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +171,13 @@ class FeatureSpec:
                     f"label column {label!r} is also read as {inputs[label]}: the model would "
                     "see its own target. Remove it from the inputs (or from `labels`)."
                 )
+        if isinstance(self.passthrough, str) or not all(
+                isinstance(c, str) and c for c in self.passthrough):
+            raise ValueError(f"`passthrough` must be a list of column names, but is {self.passthrough!r}.")
+        repeated = sorted({c for c in self.passthrough if list(self.passthrough).count(c) > 1})
+        if repeated:
+            raise ValueError(f"`passthrough` columns must be unique; repeated: {repeated}.")
+        object.__setattr__(self, "passthrough", tuple(self.passthrough))
         if self.on_nan_label not in ("error", "drop"):
             raise ValueError(f"`on_nan_label` must be 'error' or 'drop', but is {self.on_nan_label!r}.")
         if self.label_range is not None:
@@ -192,6 +206,7 @@ class FeatureSpec:
                 cols.append(s.weight_column)
         if self.weight_column:
             cols.append(self.weight_column)
+        cols.extend(self.passthrough)
         return list(dict.fromkeys(cols))
 
     # ------------------------------------------------------------------ schema
@@ -235,6 +250,8 @@ class FeatureSpec:
         if self.weight_column:
             t = typ(self.weight_column)
             need(self.weight_column, t is not None and _is_numeric(t), "weight")
+        for c in self.passthrough:
+            need(c, True, "passthrough")
         for s in self.sparse:
             t = typ(s.source)
             elem = t.value_type if t is not None and _is_list(t) else t
@@ -379,7 +396,7 @@ class FeatureSpec:
                 keys=self.sparse_names, single_label=len(self.labels) == 1,
                 num_source_rows=src_rows, labels=labels, dense=dense, weights=weights,
                 values=[], lengths=[], id_weights=None, kept_cum=kept_cum,
-                ids=self._regular_ids(cols, n),
+                ids=self._regular_ids(cols, n), passthrough=self._passthrough(table),
             )
         for s, col in zip(self.sparse, cols, strict=True):
             if _is_list(col.type):
@@ -415,7 +432,12 @@ class FeatureSpec:
             keys=self.sparse_names, single_label=len(self.labels) == 1, num_source_rows=src_rows,
             labels=labels, dense=dense, weights=weights, values=values, lengths=lengths,
             id_weights=id_weights if has_weights else None, kept_cum=kept_cum,
+            passthrough=self._passthrough(table),
         )
+
+    def _passthrough(self, table: pa.Table) -> dict[str, pa.Array]:
+        # One contiguous array per column, so that each batch's slice is zero-copy.
+        return {c: _combine(table.column(c)) for c in self.passthrough}
 
     def _regular_ids(self, cols: list[pa.Array], n: int) -> np.ndarray:
         """``[num_keys, n]`` int64 ids of scalar, null-free id columns (one id per row).
@@ -532,6 +554,8 @@ class DecodedChunk:
     kept_cum: np.ndarray | None
     """Rows kept before each source row (when NaN-label rows were dropped), else None."""
     ids: np.ndarray | None = None
+    passthrough: Mapping[str, pa.Array] = field(default_factory=dict)
+    """The spec's passthrough columns (kept rows only)."""
     offsets: list[np.ndarray] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -575,6 +599,7 @@ class DecodedChunk:
             sparse=kjt,
             labels=torch.from_numpy(labels[:, 0].copy() if self.single_label else labels.copy()),
             weights=None if self.weights is None else torch.from_numpy(self.weights[lo:hi].copy()),
+            passthrough={c: a.slice(lo, n) for c, a in self.passthrough.items()},
         )
 
 
@@ -720,6 +745,7 @@ _EXPECTED = {
     "weight": "numeric (int/float)",
     "sparse id": "an integer or string, or a list of them",
     "sparse weight": "numeric with the same list-ness as its id column",
+    "passthrough": "any type",
 }
 
 

@@ -253,6 +253,8 @@ class ParquetWindowDataset(WindowedDataset):
             cols[s.source] = pa.array([0], pa.int64())
             if s.weight_column:
                 cols[s.weight_column] = pa.array([1.0])
+        for c in spec.passthrough:
+            cols.setdefault(c, pa.nulls(1))  # dropped by Batch.as_padding anyway
         return spec.decode(pa.table(cols))
 
     def state_dict(self) -> dict[str, Any]:
