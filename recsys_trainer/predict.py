@@ -208,11 +208,11 @@ def _commit(out: Location, window_id: str, mine: _PartResult, gang: Gang) -> int
     parts: list[_PartResult] = gang.all_gather_object(mine)
     failed = [(r, p.error) for r, p in enumerate(parts) if p.error is not None]
     if failed:
-        rank, error = failed[0]
+        rank, what = failed[0]
         raise OSError(f"predict: rank {rank} could not write its rows of window {window_id!r} to "
-                      f"{out.url}: {error}. The window is not committed; a re-run redoes it.")
+                      f"{out.url}: {what}. The window is not committed; a re-run redoes it.")
     total = sum(p.rows for p in parts)
-    error = None
+    error: str | None = None
     if gang.rank == 0:
         marker = {"window": window_id, "world_size": gang.world_size, "rows": total,
                   "files": [{"name": p.file, "rows": p.rows} for p in parts if p.file is not None]}

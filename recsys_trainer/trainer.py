@@ -91,8 +91,8 @@ from recsys_trainer.optimizers import (
     build_lr_scheduler,
 )
 from recsys_trainer.pipeline import SparseDistPipeline
-from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.precision import Precision
+from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
