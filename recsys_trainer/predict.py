@@ -314,7 +314,7 @@ class _PartWriter:
             if clash:
                 raise ValueError(
                     f"output column(s) {clash} clash with passthrough column(s) of the same name; "
-                    "name the outputs otherwise (predict(output_names=[...]), e.g. ['p_click']).")
+                    "name the outputs otherwise (predict(output_names=[...]), e.g. ['p_click'])")
             table = pa.table({**{c: _as_array(v, c, batch.batch_size)
                                  for c, v in batch.passthrough.items()}, **scores})
             self._buffer.append(table)
