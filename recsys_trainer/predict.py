@@ -89,7 +89,7 @@ class PredictOptions:
 
 @dataclass
 class PredictSummary:
-    """What ``predict`` did (the same on every rank)."""
+    """What ``predict`` did (the same on every rank, but for ``seconds``)."""
 
     windows_written: list[str] = field(default_factory=list)
     windows_skipped: list[str] = field(default_factory=list)
@@ -97,6 +97,7 @@ class PredictSummary:
     rows_written: int = 0
     """Rows written in this run, all ranks together."""
     seconds: float = 0.0
+    """Wall time of this rank's ``predict`` call."""
 
 
 Forward = Callable[[Batch], tuple[torch.Tensor, Any]]
@@ -107,8 +108,7 @@ def predict(forward: Forward, dataset: WindowedDataset, gang: Gang, device: torc
     """Score every window of ``dataset`` into ``options.output_dir``; all ranks call this.
 
     ``forward(batch)`` returns ``(loss, outputs)`` under ``torch.no_grad`` (the Trainer's
-    forward: autocast included). ``dataset`` is set up for this rank. Returns the same summary
-    on every rank.
+    forward: autocast included). ``dataset`` is set up for this rank.
     """
     t0 = time.perf_counter()
     root = resolve(options.output_dir, filesystem)

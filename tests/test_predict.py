@@ -147,3 +147,58 @@ def test_window_ids_become_partition_directories_and_odd_ids_are_encoded() -> No
 def test_predict_options_name_the_bad_field(change: dict[str, Any], pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         PredictOptions(**{"output_dir": "x", **change})
+
+
+def _cli(config: Path, *extra: str) -> str:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(config), *extra],
+                       capture_output=True, text=True, timeout=180,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    return p.stdout
+
+
+def test_run_predict_scores_the_eval_data_with_the_newest_checkpoint_of_a_cli_training_run(tmp_path: Path) -> None:
+    import yaml
+    from helpers import FEATURES, NUM_DENSE, ROWS
+
+    ids = write_scoring_windows(str(tmp_path / "data"), [[20], [12]])
+    features = {"labels": ["y"], "dense": [f"d{i}" for i in range(NUM_DENSE)],
+                "sparse": [{"name": f, "num_embeddings": ROWS} for f in FEATURES],
+                "passthrough": ["request_id"]}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": "train",
+        "args": {"output_dir": str(tmp_path / "ckpt"), "save_end": True, "resume_from": "auto"},
+        "model": {"embedding_dim": 8, "dense_arch": [16], "over_arch": [16, 1]},
+        "data": {"kind": "parquet", "train": str(tmp_path / "data"), "eval": str(tmp_path / "data"),
+                 "batch_size": 8, "features": features},
+        "dense_optimizer": {"name": "adam", "lr": 0.05},
+        "predict": {"output_dir": str(tmp_path / "scores")},
+    }))
+    assert "global_step=5" in _cli(config)  # 20 + 12 rows in batches of 8
+    out = _cli(config, "--run", "predict")
+    assert "rank 0/1 done: global_step=5 " in out and "predicted_rows=32" in out  # checkpoint loaded
+    trained = read_predictions(str(tmp_path / "scores"))
+    assert sorted(trained["request_id"].to_pylist()) == ids
+    # The same data scored by the untrained model: other scores, so the checkpoint was used.
+    _cli(config, "--run", "predict", "--args.resume_from", "null", "--args.output_dir", str(tmp_path / "none"),
+         "--predict.output_dir", str(tmp_path / "untrained"))
+    untrained = read_predictions(str(tmp_path / "untrained"))
+    assert trained["request_id"].to_pylist() == untrained["request_id"].to_pylist()
+    assert trained["y"].to_pylist() != untrained["y"].to_pylist()
+
+
+def test_run_predict_without_a_predict_section_is_a_config_error_naming_it() -> None:
+    from recsys_trainer.config import ConfigError, RunConfig
+
+    raw = {"run": "predict", "model": {"sparse_features": 2, "num_dense": 1, "num_embeddings": 10},
+           "data": {"kind": "synthetic"}}
+    with pytest.raises(ConfigError, match=r"`run: predict` needs a `predict` section with `output_dir`"):
+        RunConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match=r"`predict`: `activation` must be one of 'sigmoid', 'none'"):
+        RunConfig.from_dict({**raw, "predict": {"output_dir": "s", "activation": "relu"}})
+    cfg = RunConfig.from_dict({**raw, "predict": {"output_dir": "s3://bucket/scores"}})
+    assert cfg.predict == PredictOptions(output_dir="s3://bucket/scores")
