@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,22 @@ def write_windows(root: str, rows_per_file: Sequence[Sequence[int]], row_group_s
     """``rows_per_file[w][f]`` rows in file f of window ``hour=w``; returns the total rows.
 
     Row ids are unique over all windows (they double as exact float32 dense values)."""
+    def table(ids: np.ndarray) -> pa.Table:
+        return pa.table({
+            "row_id": ids,
+            "y": (ids % 3 == 0).astype(np.float32),
+            "item": ids % 100,
+            "tag": pa.array([f"t{i % 7}" for i in ids], pa.string()),
+        })
+
+    return len(write_window_files(root, rows_per_file, table, row_group_size, first_row_id))
+
+
+def write_window_files(root: str, rows_per_file: Sequence[Sequence[int]],
+                       table: Callable[[np.ndarray], pa.Table], row_group_size: int,
+                       first_row_id: int) -> list[int]:
+    """``rows_per_file[w][f]`` rows, ``table(row_ids)``, in file f of window ``hour=w``; row ids
+    count up from ``first_row_id`` over all windows. Returns every row id written."""
     rid = first_row_id
     for w, files in enumerate(rows_per_file):
         d = os.path.join(root, f"hour={w:02d}")
@@ -31,14 +47,8 @@ def write_windows(root: str, rows_per_file: Sequence[Sequence[int]], row_group_s
         for f, n in enumerate(files):
             ids = np.arange(rid, rid + n, dtype=np.int64)
             rid += n
-            t = pa.table({
-                "row_id": ids,
-                "y": (ids % 3 == 0).astype(np.float32),
-                "item": ids % 100,
-                "tag": pa.array([f"t{i % 7}" for i in ids], pa.string()),
-            })
-            pq.write_table(t, os.path.join(d, f"part-{f}.parquet"), row_group_size=row_group_size)
-    return rid - first_row_id
+            pq.write_table(table(ids), os.path.join(d, f"part-{f}.parquet"), row_group_size=row_group_size)
+    return list(range(first_row_id, rid))
 
 
 def row_ids(batch) -> list[int]:  # type: ignore[no-untyped-def]

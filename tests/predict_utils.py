@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+from data_utils import write_window_files
 from helpers import FEATURES, NUM_DENSE, ROWS
 
 from recsys_trainer.data.features import FeatureSpec, SparseFeature
@@ -23,32 +22,27 @@ def scoring_spec(**kw) -> FeatureSpec:  # type: ignore[no-untyped-def]
                        sparse=[SparseFeature(name=f, num_embeddings=ROWS) for f in FEATURES], **kw)
 
 
+def _table(ids: np.ndarray) -> pa.Table:
+    cols: dict[str, pa.Array] = {
+        "request_id": pa.array(ids),
+        "user": pa.array([f"u{i % 11}" for i in ids], pa.string()),
+        "y": pa.array((ids % 3 == 0).astype(np.float32)),
+        "d0": pa.array(ids / 4096.0),  # exact in float32
+    }
+    for i in range(1, NUM_DENSE):
+        cols[f"d{i}"] = pa.array(((ids * (i + 3)) % 17 / 17.0).astype(np.float32))
+    for j, f_name in enumerate(FEATURES):
+        cols[f_name] = pa.array((ids * (j + 1)) % ROWS)
+    return pa.table(cols)
+
+
 def write_scoring_windows(root: str, rows_per_file: Sequence[Sequence[int]],
                           row_group_size: int = 5) -> list[int]:
     """``rows_per_file[w][f]`` rows in file f of window ``hour=w``; returns every request id.
 
     Request ids are unique over all windows and ``d0 * 4096`` (float32-exact), so a batch's
     passthrough column can be checked against the rows it holds (``request_ids_of``)."""
-    rid = 1000
-    for w, files in enumerate(rows_per_file):
-        d = os.path.join(root, f"hour={w:02d}")
-        os.makedirs(d, exist_ok=True)
-        for f, n in enumerate(files):
-            ids = np.arange(rid, rid + n, dtype=np.int64)
-            rid += n
-            cols: dict[str, pa.Array] = {
-                "request_id": pa.array(ids),
-                "user": pa.array([f"u{i % 11}" for i in ids], pa.string()),
-                "y": pa.array((ids % 3 == 0).astype(np.float32)),
-                "d0": pa.array(ids / 4096.0),  # exact in float32
-            }
-            for i in range(1, NUM_DENSE):
-                cols[f"d{i}"] = pa.array(((ids * (i + 3)) % 17 / 17.0).astype(np.float32))
-            for j, f_name in enumerate(FEATURES):
-                cols[f_name] = pa.array((ids * (j + 1)) % ROWS)
-            pq.write_table(pa.table(cols), os.path.join(d, f"part-{f}.parquet"),
-                           row_group_size=row_group_size)
-    return list(range(1000, rid))
+    return write_window_files(root, rows_per_file, _table, row_group_size, first_row_id=1000)
 
 
 def request_ids_of(batch) -> list[int]:  # type: ignore[no-untyped-def]
