@@ -154,27 +154,37 @@ def part_name(rank: int, world_size: int) -> str:
 # ---------------------------------------------------------------------- per window
 
 
+def _on_rank_zero(gang: Gang, action: Callable[[], Any], what: str) -> Any:
+    """``action()`` on rank 0, its result on every rank; a storage error is raised on every rank
+    (the others would otherwise wait in the next collective for a rank that is gone)."""
+    result, error = None, None
+    if gang.rank == 0:
+        try:
+            result = action()
+        except (OSError, pa.ArrowException) as exc:
+            error = f"rank 0 cannot {what}: {type(exc).__name__}: {exc}"
+    result, error = gang.broadcast_object((result, error))
+    if error is not None:
+        raise OSError(f"predict: {error}")
+    return result
+
+
 def _committed(out: Location, gang: Gang) -> bool:
     """Whether the window's marker exists, as rank 0 sees it (one listing, so ranks agree)."""
-    found = False
-    if gang.rank == 0:
-        found = out.filesystem.get_file_info(out.join(MARKER).path).type == pafs.FileType.File
-    return bool(gang.broadcast_object(found))
+    marker = out.join(MARKER)
+    return bool(_on_rank_zero(
+        gang, lambda: out.filesystem.get_file_info(marker.path).type == pafs.FileType.File,
+        f"look for {marker.url}"))
 
 
 def _clear(out: Location, gang: Gang) -> None:
     """Rank 0 deletes an interrupted attempt's files (another world size may have written other
     part names) and creates the directory; the others wait, then write into it."""
-    error = None
-    if gang.rank == 0:
-        try:
-            out.filesystem.create_dir(out.path, recursive=True)
-            out.filesystem.delete_dir_contents(out.path, missing_dir_ok=True)
-        except (OSError, pa.ArrowException) as exc:
-            error = f"cannot prepare the output directory {out.url}: {type(exc).__name__}: {exc}"
-    error = gang.broadcast_object(error)
-    if error is not None:
-        raise OSError(f"rank 0: {error}")
+    def clear() -> None:
+        out.filesystem.create_dir(out.path, recursive=True)
+        out.filesystem.delete_dir_contents(out.path, missing_dir_ok=True)
+
+    _on_rank_zero(gang, clear, f"prepare the output directory {out.url}")
 
 
 @dataclass
@@ -212,18 +222,15 @@ def _commit(out: Location, window_id: str, mine: _PartResult, gang: Gang) -> int
         raise OSError(f"predict: rank {rank} could not write its rows of window {window_id!r} to "
                       f"{out.url}: {what}. The window is not committed; a re-run redoes it.")
     total = sum(p.rows for p in parts)
-    error: str | None = None
-    if gang.rank == 0:
-        marker = {"window": window_id, "world_size": gang.world_size, "rows": total,
-                  "files": [{"name": p.file, "rows": p.rows} for p in parts if p.file is not None]}
-        try:
-            with out.filesystem.open_output_stream(out.join(MARKER).path) as f:
-                f.write(json.dumps(marker, indent=1).encode())
-        except (OSError, pa.ArrowException) as exc:
-            error = f"cannot write {out.join(MARKER).url}: {type(exc).__name__}: {exc}"
-    error = gang.broadcast_object(error)
-    if error is not None:
-        raise OSError(f"predict: rank 0 {error}; the window is not committed, a re-run redoes it.")
+    marker = {"window": window_id, "world_size": gang.world_size, "rows": total,
+              "files": [{"name": p.file, "rows": p.rows} for p in parts if p.file is not None]}
+
+    def write_marker() -> None:
+        with out.filesystem.open_output_stream(out.join(MARKER).path) as f:
+            f.write(json.dumps(marker, indent=1).encode())
+
+    _on_rank_zero(gang, write_marker, f"write {out.join(MARKER).url} (the window is not "
+                                      "committed; a re-run redoes it)")
     return total
 
 

@@ -110,7 +110,7 @@ def test_an_output_dir_that_cannot_be_created_is_named(tmp_path: Path) -> None:
     write_scoring_windows(str(tmp_path / "data"), [[5]])
     (tmp_path / "file").write_text("not a directory")
     trainer = make_trainer(output_dir=str(tmp_path / "ckpt"), resume_from=None)
-    with pytest.raises(OSError, match=r"rank 0: cannot prepare the output directory .*file/hour=00"):
+    with pytest.raises(OSError, match=r"predict: rank 0 cannot prepare the output directory .*file/hour=00: "):
         trainer.predict(_ds(tmp_path / "data"), str(tmp_path / "file"))
 
 
