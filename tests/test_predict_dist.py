@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+import torch
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -62,3 +63,58 @@ def test_two_ranks_write_every_row_of_uneven_windows_exactly_once_and_a_rerun_re
     # Rank 0 had no row of window 1: it wrote no file, and the marker lists rank 1's only.
     assert markers["hour=01"]["files"] == [{"name": "part-00001-of-00002.parquet", "rows": 1}]
     assert sorted(os.listdir(tmp_path / "scores" / "hour=01")) == [MARKER, "part-00001-of-00002.parquet"]
+
+
+class _ShortOutputsPastRequest(torch.nn.Module):
+    """The tiny DLRM whose outputs lose a row on batches holding request ids >= ``bad_from``:
+    a model bug that shows on one rank's rows only."""
+
+    def __init__(self, bad_from: int) -> None:
+        super().__init__()
+        from helpers import tiny_model
+
+        self.inner = tiny_model()
+        self.bad_from = bad_from
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, logits = self.inner(batch)
+        if float(batch.dense[:, 0].max()) * 4096 >= self.bad_from:
+            return loss, logits[:-1]
+        return loss, logits
+
+
+def _one_rank_cannot_write(data: str, out: str, bad_from: int) -> dict[str, Any]:
+    import time
+
+    from predict_utils import scoring_spec
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+
+    trainer = Trainer(_ShortOutputsPastRequest(bad_from), TrainingArguments(
+        output_dir=os.path.join(out, "ckpt"), resume_from=None, collective_timeout_s=120),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad"), add_logger_hook=False)
+    t0 = time.monotonic()
+    try:
+        trainer.predict(ParquetWindowDataset(data, scoring_spec(), batch_size=4), os.path.join(out, "scores"))
+    except OSError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def test_a_write_that_fails_on_one_rank_stops_both_with_its_error_and_commits_nothing(tmp_path) -> None:
+    from predict_utils import write_scoring_windows
+
+    from recsys_trainer.predict import committed_windows
+
+    ids = write_scoring_windows(str(tmp_path / "data"), [[40]])
+    # Rank 1 holds the second half of the window: its outputs cannot be written from its first
+    # batch on, while rank 0 would go on scoring.
+    results = run_distributed(_one_rank_cannot_write, 2, TIMEOUT,
+                              args=(str(tmp_path / "data"), str(tmp_path), ids[20]))
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith(
+            "predict: rank 1 could not write its rows of window 'hour=00' to ")
+        assert "y must be a tensor of one value per row (4), but is (3,)" in r["error"]
+        assert r["seconds"] < 60  # agreed at the next fetch, not after the collective timeout
+    assert committed_windows(str(tmp_path / "scores")) == {}
