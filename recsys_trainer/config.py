@@ -30,8 +30,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import pyarrow.fs as pafs
 import yaml
 
+from recsys_trainer import storage
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.data.parquet import ParquetReadOptions
 from recsys_trainer.hooks import (
@@ -276,12 +278,19 @@ class ParquetDataConfig(ParquetReadOptions):
         source = getattr(self, which)
         if source is None:
             return None
-        if isinstance(source, str) and not os.path.isdir(source):
+        if isinstance(source, str) and not _is_dir(source):
             raise ConfigError(f"`data.{which}` is {source!r}, which is not a directory.")
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParquetReadOptions)}
         if which == "eval":
             options["shuffle"] = False
         return ParquetWindowDataset(source, self.feature_spec(), **options)
+
+
+def _is_dir(url: str) -> bool:
+    """Whether ``url`` (a path or a URL: ``s3://``, ``gs://``, ...) is a directory; storage
+    that cannot be reached is a ``StorageError`` naming the URL."""
+    loc = storage.resolve(url)
+    return storage.file_info(loc).type == pafs.FileType.Directory
 
 
 DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}
