@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
