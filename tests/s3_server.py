@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -62,6 +63,7 @@ class S3Server:
     bucket: str
     data_dir: str
     log_path: str
+    metrics_port: int
     _log: object = field(repr=False, default=None)
 
     @property
@@ -90,6 +92,15 @@ class S3Server:
     def url(self, *parts: str) -> str:
         """``s3://BUCKET/part/part``."""
         return "/".join([f"s3://{self.bucket}", *parts])
+
+    def bytes_sent(self) -> float:
+        """Bytes the S3 gateway has sent for this bucket so far (its Prometheus counter): what
+        clients downloaded, to check that reads are ranged."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        name = 'SeaweedFS_s3_bucket_traffic_sent_bytes_total{bucket="' + self.bucket + '"} '
+        m = re.search(re.escape(name) + r"(\S+)", text)
+        return float(m.group(1)) if m else 0.0
 
     def log_tail(self, n: int = 40) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -144,7 +155,7 @@ class S3Server:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root,
                                 start_new_session=True)
         server = cls(proc, f"http://127.0.0.1:{s3}", ACCESS_KEY, SECRET_KEY, bucket, data_dir,
-                     log_path, log)
+                     log_path, metrics, log)
         try:
             server._wait_ready()
         except BaseException:
