@@ -66,6 +66,8 @@ class _Unit:
     num_rows: int
     table: pa.Table | None = field(default=None, compare=False, repr=False)
     """A CSV file's rows, read when the window was planned."""
+    metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)
+    """A parquet file's footer, read when the window was planned (not fetched again to read)."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ class _Piece:
         return self.length - self.skip
 
 
-def _open_parquet(path: str, filesystem: pafs.FileSystem | None) -> pq.ParquetFile:
+def _open_parquet(path: str, filesystem: pafs.FileSystem | None,
+                  metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
     """``path`` (a local path or URL) as a ``ParquetFile`` over a random-access handle of its
     filesystem: reading a row group fetches only its byte ranges, never the whole file. On
     remote storage the column chunks a read needs are fetched together (``pre_buffer``: a few
@@ -92,7 +95,7 @@ def _open_parquet(path: str, filesystem: pafs.FileSystem | None) -> pq.ParquetFi
     loc = storage.resolve(path, filesystem)
     handle = storage.open_input_file(loc)
     try:
-        return pq.ParquetFile(handle, pre_buffer=not loc.is_local)
+        return pq.ParquetFile(handle, metadata=metadata, pre_buffer=not loc.is_local)
     except BaseException:
         handle.close()
         raise
@@ -107,10 +110,10 @@ class _OpenFiles:
         self._path: str | None = None
         self._file: pq.ParquetFile | None = None
 
-    def get(self, path: str) -> pq.ParquetFile:
+    def get(self, path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
         if self._file is None or self._path != path:
             self.close()
-            self._file = _open_parquet(path, self._filesystem)
+            self._file = _open_parquet(path, self._filesystem, metadata)
             self._path = path
         return self._file
 
@@ -362,7 +365,8 @@ class ParquetWindowDataset(WindowedDataset):
                 ) from exc
             self.features.check_schema(schema, path)
             self._check_id_kinds(schema, window.id, path)
-            units.extend(_Unit(path, i, md.row_group(i).num_rows) for i in range(md.num_row_groups))
+            units.extend(_Unit(path, i, md.row_group(i).num_rows, metadata=md)
+                         for i in range(md.num_row_groups))
         return units
 
     def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
@@ -416,7 +420,7 @@ class ParquetWindowDataset(WindowedDataset):
             if u.table is not None:
                 table = u.table.select(self._columns)
             else:
-                table = files.get(u.file).read_row_group(u.row_group, columns=self._columns)
+                table = files.get(u.file, u.metadata).read_row_group(u.row_group, columns=self._columns)
         except (OSError, pa.ArrowException) as exc:
             if self.on_corrupt == "skip" and not storage.is_access_failure(exc):
                 self.stats.corrupt_rows_skipped += piece.rows
