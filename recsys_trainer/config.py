@@ -287,9 +287,13 @@ class ParquetDataConfig(ParquetReadOptions):
 
 def _is_dir(url: str) -> bool:
     """Whether ``url`` (a path or a URL: ``s3://``, ``gs://``, ...) is a directory; storage
-    that cannot be reached is a ``StorageError`` naming the URL."""
+    that cannot be reached, denies access or lacks the bucket is a ``StorageError`` naming the
+    URL."""
     loc = storage.resolve(url)
-    return storage.file_info(loc).type == pafs.FileType.Directory
+    if storage.file_info(loc).type == pafs.FileType.Directory:
+        return True
+    storage.check_bucket(loc)  # a missing bucket is named as such, not as a missing directory
+    return False
 
 
 DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}

@@ -255,3 +255,28 @@ def test_local_and_file_urls_list_the_same_windows(tmp_path) -> None:
     assert as_url[0].files == (f"file://{tmp_path}/hour=00/part-0.parquet",)
     ds = ParquetWindowDataset(f"file://{tmp_path}", row_id_spec(), batch_size=4)
     assert [row_ids(b) for w in list(ds.window_ids()) for b in ds.iter_window(w)] == [[0, 1, 2], [3, 4]]
+
+
+def test_a_cli_config_reads_its_windows_from_a_bucket_named_by_url(
+        s3_server: S3Server, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_cli import tiny
+
+    from recsys_trainer.config import ConfigError, RunConfig
+
+    _upload_windows(s3_server, str(tmp_path), "cli", [[5], [3]])
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    raw = tiny()
+    raw["model"] = {"embedding_dim": 8}
+    raw["data"] = {"kind": "parquet", "train": s3_server.url("cli"), "batch_size": 4,
+                   "features": {"labels": ["y"], "dense": ["row_id"],
+                                "sparse": [{"name": "item", "num_embeddings": 100}]}}
+    ds = RunConfig.from_dict(raw).data.build("train")
+    assert [row_ids(b) for w in list(ds.window_ids()) for b in ds.iter_window(w)] == [
+        [0, 1, 2, 3], [4], [5, 6, 7]]
+    raw["data"]["train"] = s3_server.url("no-such-prefix")
+    with pytest.raises(ConfigError, match="no-such-prefix', which is not a directory"):
+        RunConfig.from_dict(raw).data.build("train")
+    raw["data"]["train"] = "s3://no-such-bucket/cli"
+    with pytest.raises(StorageError, match="cannot list s3://no-such-bucket/cli: the bucket does not exist"):
+        RunConfig.from_dict(raw).data.build("train")
