@@ -280,3 +280,20 @@ def test_a_cli_config_reads_its_windows_from_a_bucket_named_by_url(
     raw["data"]["train"] = "s3://no-such-bucket/cli"
     with pytest.raises(StorageError, match="cannot list s3://no-such-bucket/cli: the bucket does not exist"):
         RunConfig.from_dict(raw).data.build("train")
+
+
+def test_an_fsspec_scheme_without_a_pyarrow_filesystem_lists_and_reads_windows(tmp_path) -> None:
+    """``memory://`` has no native pyarrow filesystem: fsspec's, wrapped in PyFileSystem."""
+    import fsspec
+
+    local = str(tmp_path / "w")
+    write_windows(local, [[6], [3, 2]], row_group_size=2)
+    mem = fsspec.filesystem("memory")
+    mem.put(local, "/fsspec-windows", recursive=True)
+    try:
+        ds = ParquetWindowDataset("memory://fsspec-windows", row_id_spec(), batch_size=4)
+        ds.setup(1, 2)
+        got = {w: [i for b in ds.iter_window(w) for i in row_ids(b)] for w in list(ds.window_ids())}
+        assert got == {"hour=00": [3, 4, 5], "hour=01": [8, 9, 10]}
+    finally:
+        mem.rm("/fsspec-windows", recursive=True)
