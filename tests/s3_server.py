@@ -38,6 +38,15 @@ def weed_binary() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("weed")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
     socks = []
@@ -151,9 +160,10 @@ class S3Server:
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-metricsPort={metrics}",
             "-volume.preStopSeconds=0",
         ]
-        # Its own session: a Ctrl-C in the test runner does not reach it before stop() does.
+        # Its own session: a Ctrl-C in the test runner does not reach it before stop() does;
+        # and it dies with the test runner if that is killed before stop() runs.
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         server = cls(proc, f"http://127.0.0.1:{s3}", ACCESS_KEY, SECRET_KEY, bucket, data_dir,
                      log_path, metrics, log)
         try:
