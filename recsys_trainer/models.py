@@ -6,7 +6,9 @@ evaluation contribute nothing, and the model stays fx-traceable for TorchRec pip
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +57,41 @@ def weighted_bce_with_logits(
     return torch.where(total > 0, (per_row * w).sum() / total.clamp_min(1e-12), total)
 
 
+TableInit = Callable[[torch.Tensor], torch.Tensor | None]
+"""An embedding table's initialiser: fills the (local shard of the) weight in place. It is
+torchrec's ``EmbeddingBagConfig.init_fn``, which the sharded tables call on each shard."""
+
+
+def uniform_init(bound: float) -> TableInit:
+    """U(-bound, bound). torchrec's default is ``uniform_init(sqrt(1 / num_embeddings))``."""
+    return functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
+
+
+def normal_init(std: float, mean: float = 0.0) -> TableInit:
+    """N(mean, std^2); ``normal_init(1.0)`` is ``nn.Embedding``/``nn.EmbeddingBag``'s default."""
+    return functools.partial(torch.nn.init.normal_, mean=mean, std=std)
+
+
 def make_tables(
-    feature_names: list[str], num_embeddings: int | list[int], embedding_dim: int
+    feature_names: list[str],
+    num_embeddings: int | list[int],
+    embedding_dim: int,
+    init: TableInit | Mapping[str, TableInit] | None = None,
 ) -> list[EmbeddingBagConfig]:
+    """One table ``t_<feature>`` per feature. ``init``: one initialiser for every table, or
+    ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init)."""
     sizes = num_embeddings if isinstance(num_embeddings, list) else [num_embeddings] * len(feature_names)
+    names = [f"t_{f}" for f in feature_names]
+    inits = dict(init) if isinstance(init, Mapping) else dict.fromkeys(names, init)
+    unknown = sorted(set(inits) - set(names))
+    if unknown:
+        raise ValueError(f"`init` names tables {unknown} that do not exist; the tables are {names}.")
     return [
         EmbeddingBagConfig(
-            name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f]
+            name=name, embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f],
+            init_fn=inits.get(name),
         )
-        for f, n in zip(feature_names, sizes, strict=True)
+        for name, f, n in zip(names, feature_names, sizes, strict=True)
     ]
 
 
@@ -71,7 +99,8 @@ class DLRMClassifier(nn.Module):
     """torchrec's DLRM (bottom MLP, pairwise interactions, top MLP) with a weighted BCE loss.
 
     Tables are created on the meta device: ``DistributedModelParallel`` materialises only the
-    shards each rank owns.
+    shards each rank owns, initialised by ``embedding_init`` (one ``TableInit`` or one per table
+    name, see ``make_tables``; default torchrec's U(-sqrt(1/rows), sqrt(1/rows))).
     """
 
     def __init__(
@@ -86,6 +115,7 @@ class DLRMClassifier(nn.Module):
         dense_log1p: bool = False,
         prior_ctr: float | None = None,
         dynamic: DynamicTable | None = None,
+        embedding_init: TableInit | Mapping[str, TableInit] | None = None,
     ) -> None:
         super().__init__()
         # Count-valued dense inputs (Criteo's I1..I13) span orders of magnitude; log1p is the
@@ -98,11 +128,11 @@ class DLRMClassifier(nn.Module):
             # Every table dynamic: raw ids, ``dynamic.num_slots`` rows each (``num_embeddings``
             # is not used). Feed ids in [0, recsys_trainer.dynamic.ID_SPACE).
             ebc = DynamicEmbeddingBagCollection(
-                make_tables(sparse_features, dynamic.num_slots, embedding_dim), dynamic,
+                make_tables(sparse_features, dynamic.num_slots, embedding_dim, embedding_init), dynamic,
                 device=torch.device(table_device))
         else:
             ebc = EmbeddingBagCollection(
-                tables=make_tables(sparse_features, num_embeddings, embedding_dim),
+                tables=make_tables(sparse_features, num_embeddings, embedding_dim, embedding_init),
                 device=torch.device(table_device),
             )
         self.dlrm = DLRM(
