@@ -57,6 +57,59 @@ def weighted_bce_with_logits(
     return torch.where(total > 0, (per_row * w).sum() / total.clamp_min(1e-12), total)
 
 
+def check_task_shapes(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
+                      task_weights: torch.Tensor | list[float] | None) -> None:
+    """Shapes of a multi-task loss's inputs: logits and labels ``[B, T]``, weights ``[B]``,
+    ``T`` task weights. A mismatch would broadcast silently into a wrong loss."""
+    if logits.dim() != 2 or tuple(labels.shape) != tuple(logits.shape):
+        raise ValueError(
+            f"a multi-task loss needs logits and labels of one shape [B, T], but they are "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}; give the FeatureSpec one label "
+            "column per task (labels=[...]) and the model one logit per task."
+        )
+    if weights is not None and tuple(weights.shape) != (logits.shape[0],):
+        raise ValueError(f"example weights must be [B] = [{logits.shape[0]}], but are "
+                         f"{tuple(weights.shape)}.")
+    if task_weights is not None and len(task_weights) != logits.shape[1]:
+        raise ValueError(f"{len(task_weights)} task weights for {logits.shape[1]} tasks; give one "
+                         "per task, in the order of the FeatureSpec's labels.")
+
+
+torch.fx.wrap("check_task_shapes")
+
+
+def multi_task_bce_with_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None,
+    task_weights: torch.Tensor | list[float] | None = None,
+) -> torch.Tensor:
+    """Multi-task binary cross-entropy: ``sum_t task_weights[t] * loss_t`` where ``loss_t`` is
+    ``weighted_bce_with_logits(logits[:, t], labels[:, t], weights)`` (the example-weighted mean
+    over rows; 0 when every weight is 0, e.g. an evaluation padding batch).
+
+    Args:
+        logits: ``[B, T]``, one logit per task (the order of ``FeatureSpec.labels``).
+        labels: ``[B, T]`` in ``[0, 1]`` (``batch.labels`` with ``labels=["click", "like"]``).
+        weights: ``[B]`` example weights, or None.
+        task_weights: ``[T]`` weights of the tasks' losses (default 1 each: their sum).
+    """
+    check_task_shapes(logits, labels, weights, task_weights)
+    check_binary_labels(labels)
+    per = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+    if weights is None:
+        per_task = per.mean(0)
+    else:
+        w = weights.to(per.dtype)
+        total = w.sum()
+        per_task = torch.where(total > 0, (per * w[:, None]).sum(0) / total.clamp_min(1e-12),
+                               torch.zeros_like(per[0]))
+    if task_weights is None:
+        return per_task.sum()
+    tw = torch.as_tensor(task_weights, dtype=per_task.dtype, device=per_task.device)
+    return (per_task * tw).sum()
+
+
 TableInit = Callable[[torch.Tensor], torch.Tensor | None]
 """An embedding table's initialiser: fills the (local shard of the) weight in place. It is
 torchrec's ``EmbeddingBagConfig.init_fn``, which the sharded tables call on each shard."""
