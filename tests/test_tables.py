@@ -340,3 +340,26 @@ def test_data_checks_name_a_shared_tables_feature_missing_or_too_wide_for_it() -
     with pytest.raises(ValueError, match=rf"sparse feature 'hist_item' holds ids in \[0, {2 * ROWS}\) .* "
                                          rf"the table it feeds, 't_item', has {ROWS} rows"):
         check_data_fits_model(model, [Data(item=ROWS, hist_item=2 * ROWS, user=ROWS)])
+
+
+# ---------------------------------------------------------------------------- the CLI section
+
+def test_the_cli_config_takes_table_optimizers_by_name_or_glob(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from test_cli import REPO, TINY, _env, write_config
+
+    from recsys_trainer.config import ConfigError, RunConfig, apply_overrides
+
+    raw = apply_overrides(TINY, [("table_optimizers", "{t_cat_0: {name: sgd, lr: 0.5}, 't_cat_[23]': {name: adagrad, lr: 0.2}}")])
+    cfg = RunConfig.from_dict(raw)
+    assert cfg.table_optimizers == {"t_cat_0": SparseOptimizer("sgd", 0.5),
+                                    "t_cat_[23]": SparseOptimizer("adagrad", 0.2)}
+    with pytest.raises(ConfigError, match=r"`table_optimizers.t_cat_0`: `sparse_optimizer.name` must be one of sgd"):
+        RunConfig.from_dict(apply_overrides(TINY, [("table_optimizers", "{t_cat_0: {name: adamw}}")]))
+    p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(write_config(tmp_path, raw)),
+                        "--args.train_steps", "3", "--run=train"],
+                       capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "sparse per table" in p.stderr
