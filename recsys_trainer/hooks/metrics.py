@@ -59,7 +59,7 @@ def single_task_labels(batch: Batch) -> torch.Tensor:
 def dataset_tasks(trainer: Trainer) -> tuple[str, ...] | None:
     """The task names of a multi-task run: the train (else eval) dataset's
     ``FeatureSpec.labels`` when it has two or more; None for one task or no spec."""
-    for ds in (trainer.train_dataset, trainer.eval_dataset):
+    for ds in (getattr(trainer, "train_dataset", None), getattr(trainer, "eval_dataset", None)):
         labels = getattr(getattr(ds, "features", None), "labels", None)
         if labels is not None:
             return tuple(labels) if len(labels) > 1 else None
