@@ -110,7 +110,7 @@ def _spec() -> FeatureSpec:
                                              SparseFeature(name="item", num_embeddings=ROWS)])
 
 
-def _run(data: str, out: str, tasks: list[str] | None) -> dict[str, Any]:
+def _run(data: str, out: str, tasks: list[str] | None, pipeline: str = "none") -> dict[str, Any]:
     windows = partitioned_windows(data)
     rows: list[dict[str, Any]] = []
 
@@ -127,7 +127,7 @@ def _run(data: str, out: str, tasks: list[str] | None) -> dict[str, Any]:
                             metrics=["auc", "logloss", "ne", "calibration", "ctr"])
     trainer = Trainer(
         TwoTaskModel(),
-        TrainingArguments(output_dir=out, log_steps=1000),
+        TrainingArguments(output_dir=out, log_steps=1000, pipeline=pipeline),
         train_dataset=ParquetWindowDataset(windows[:2], _spec(), batch_size=32),
         eval_dataset=ParquetWindowDataset(windows[2:], _spec(), batch_size=48),
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=0.05), None),
@@ -218,3 +218,10 @@ def test_predictions_with_another_number_of_tasks_are_refused_naming_the_tasks(
     with pytest.raises(ValueError, match=r"reports 3 tasks \(a, b, c\), but the predictions have "
                                          r"shape \(32, 2\), not \[B, 3\]"):
         _run(two_task_data, str(tmp_path), ["a", "b", "c"])
+
+
+def test_the_multi_task_loss_traces_under_the_torchrec_pipeline_and_matches_the_plain_loop(
+        two_task_data: str, tmp_path: Any) -> None:
+    plain = _run(two_task_data, str(tmp_path / "plain"), None)
+    piped = _run(two_task_data, str(tmp_path / "piped"), None, pipeline="sparse_dist")
+    assert piped["final"] == plain["final"] and "auc/like" in piped["final"]
