@@ -225,3 +225,22 @@ def test_the_multi_task_loss_traces_under_the_torchrec_pipeline_and_matches_the_
     plain = _run(two_task_data, str(tmp_path / "plain"), None)
     piped = _run(two_task_data, str(tmp_path / "piped"), None, pipeline="sparse_dist")
     assert piped["final"] == plain["final"] and "auc/like" in piped["final"]
+
+
+def test_plots_draw_each_tasks_metric_from_a_multi_task_log(tmp_path: Any) -> None:
+    from recsys_trainer.plot import main, plot_curves
+
+    records: list[dict[str, Any]] = []
+    for i in range(3):
+        for mode, scope in (("train", "interval"), ("eval", "eval"), ("eval", "window")):
+            records.append({"type": "metrics", "mode": mode, "scope": scope, "step": i, "window_index": i,
+                            "window_id": f"h{i}", "auc/click": 0.6 + i / 100, "auc/like": 0.7})
+    assert plot_curves(records, str(tmp_path / "c.png")) == ["loss", "auc"]
+    log = tmp_path / "m.jsonl"
+    import json
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(log), "--out", str(tmp_path / "c.png"), "--windows", str(tmp_path / "w.png"),
+                 "--window-metric", "auc/like"]) == 0
+    assert (tmp_path / "w.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        main([str(log), "--window-metric", "auk/click"])
