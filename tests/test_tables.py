@@ -363,3 +363,12 @@ def test_the_cli_config_takes_table_optimizers_by_name_or_glob(tmp_path: Any) ->
                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "sparse per table" in p.stderr
+
+
+def test_resuming_with_another_optimizer_for_a_table_is_refused_naming_its_state(tmp_path: Any) -> None:
+    from recsys_trainer.checkpoint import CheckpointError
+
+    _trainer(str(tmp_path), ROWWISE, {"t_a": SGD}, train_steps=2, save_steps=2).train()
+    with pytest.raises(CheckpointError, match=r"lacks 1 entries this trainer has, e.g. "
+                                              r"\['optim.state.sparse.ebc.embedding_bags.t_a.weight.t_a.momentum1'\]"):
+        _trainer(str(tmp_path), ROWWISE, None, train_steps=4).train()
