@@ -372,3 +372,10 @@ def test_resuming_with_another_optimizer_for_a_table_is_refused_naming_its_state
     with pytest.raises(CheckpointError, match=r"lacks 1 entries this trainer has, e.g. "
                                               r"\['optim.state.sparse.ebc.embedding_bags.t_a.weight.t_a.momentum1'\]"):
         _trainer(str(tmp_path), ROWWISE, None, train_steps=4).train()
+    # The way to change a table's optimizer: a new run warm-started from the weights.
+    warm = _trainer(str(tmp_path / "warm"), ROWWISE, None, train_steps=4,
+                    model_bank=[{"path": str(tmp_path), "include": {"tables": ["*"], "dense": ["*"]}}])
+    warm.resume()
+    saved = _trainer(str(tmp_path / "ref"), ROWWISE, {"t_a": SGD}, resume_from=str(tmp_path))
+    saved.resume()
+    assert all(torch.equal(v, _local_tables(warm)[k]) for k, v in _local_tables(saved).items())
