@@ -118,6 +118,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         hooks=[h.build(i) for i, h in enumerate(cfg.hooks)],
         dense_optimizers=(cfg.dense_optimizer.factory(), None),
         sparse_optimizer=cfg.sparse_optimizer,
+        table_optimizers=cfg.table_optimizers,
     )
     metrics: dict[str, float] | None = None
     predicted: int | None = None

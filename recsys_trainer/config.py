@@ -8,11 +8,13 @@ A config file has these top-level sections (all optional except ``model`` and ``
     data: {kind: synthetic, ...}  or  {kind: parquet, ...}   (SyntheticDataConfig / ParquetDataConfig)
     dense_optimizer: {name: adam, lr: 0.001, kwargs: {}}
     sparse_optimizer: {name: rowwise_adagrad, lr: 0.05, kwargs: {}}
+    table_optimizers: {t_user: {name: rowwise_adagrad, lr: 0.005}}   # per table name or glob
     hooks: [metrics, {name: jsonl, every: 10}]
     predict: {output_dir: ..., activation: sigmoid}   # PredictOptions; `run: predict` scores data.eval
 
 YAML only *fills* dataclasses, and where the runtime has one it is the schema: ``args`` fills
-``TrainingArguments``, ``sparse_optimizer`` fills ``SparseOptimizer``, and the options of
+``TrainingArguments``, ``sparse_optimizer`` and each ``table_optimizers`` entry fill
+``SparseOptimizer``, and the options of
 ``data: kind: parquet`` are ``ParquetReadOptions`` (``ParquetWindowDataset``'s). The sections
 with no runtime dataclass (the bundled model, synthetic data, the dense optimizer factory, the
 hooks list) are defined here. Validation lives in the dataclasses, all through
@@ -53,7 +55,8 @@ from recsys_trainer.validation import check_choice, check_int, check_number, che
 
 RunMode = Literal["train", "evaluate", "train_and_evaluate", "predict"]
 RUN_MODES = ("train", "evaluate", "train_and_evaluate", "predict")
-SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "sparse_optimizer", "hooks", "predict")
+SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "sparse_optimizer",
+            "table_optimizers", "hooks", "predict")
 
 # Dense optimizers by config name -> torch.optim class name.
 DENSE_OPTIMIZERS = {
@@ -391,6 +394,16 @@ def _parse_hooks(raw: Any) -> list[HookConfig]:
     return out
 
 
+def _parse_table_optimizers(raw: Any) -> dict[str, SparseOptimizer]:
+    """``table_optimizers: {table name or glob: {name, lr, kwargs}}``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"`table_optimizers` must be a mapping of table names or globs to "
+                          f"sparse optimizers ({{name, lr, kwargs}}), but is {raw!r}.")
+    return {str(k): _build(SparseOptimizer, f"table_optimizers.{k}", v) for k, v in raw.items()}
+
+
 # ---------------------------------------------------------------------------- the whole config
 
 
@@ -407,6 +420,8 @@ class RunConfig:
     hooks: list[HookConfig]
     predict: PredictOptions | None = None
     """Where and how ``run: predict`` writes its scores (``Trainer.predict``)."""
+    table_optimizers: dict[str, SparseOptimizer] = field(default_factory=dict)
+    """``Trainer(table_optimizers=...)``: ``{table name or glob: SparseOptimizer}``."""
 
     @staticmethod
     def from_dict(raw: Any) -> RunConfig:
@@ -442,6 +457,7 @@ class RunConfig:
             sparse_optimizer=_build(SparseOptimizer, "sparse_optimizer", raw.get("sparse_optimizer")),
             hooks=_parse_hooks(raw.get("hooks")),
             predict=None if raw.get("predict") is None else _build(PredictOptions, "predict", raw["predict"]),
+            table_optimizers=_parse_table_optimizers(raw.get("table_optimizers")),
         )
         if run == "predict" and cfg.predict is None:
             raise ConfigError("`run: predict` needs a `predict` section with `output_dir` (where "
@@ -592,6 +608,7 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         "data": {"kind": cfg.data.kind, **dataclasses.asdict(cfg.data)},
         "dense_optimizer": dataclasses.asdict(cfg.dense_optimizer),
         "sparse_optimizer": dataclasses.asdict(cfg.sparse_optimizer),
+        "table_optimizers": {k: dataclasses.asdict(v) for k, v in cfg.table_optimizers.items()},
         "hooks": [{"name": h.name, **h.kwargs} for h in cfg.hooks],
         "predict": None if cfg.predict is None else dataclasses.asdict(cfg.predict),
     }

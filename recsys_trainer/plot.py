@@ -44,8 +44,12 @@ def plot_curves(records: list[dict[str, Any]], out: str) -> list[str]:
     panels: list[tuple[str, list[tuple[str, tuple[list[float], list[float]]]]]] = [
         ("loss", [("train", _series(train, "loss")), ("eval", _series(evals, "loss"))])
     ]
+    keys = {k for r in train_m + eval_m for k in r}
     for name in METRIC_NAMES:
-        lines = [("train", _series(train_m, name)), ("eval", _series(eval_m, name))]
+        # One line per mode, and per task for multi-task logs ("auc/click", "auc/like").
+        tasks = sorted(k[len(name):] for k in keys if k == name or k.startswith(name + "/"))
+        lines = [(f"{mode}{task.replace('/', ' ')}", _series(rs, name + task))
+                 for task in tasks for mode, rs in (("train", train_m), ("eval", eval_m))]
         if any(xs for _, (xs, _) in lines):
             panels.append((name, lines))
     if not any(xs for _, lines in panels for _, (xs, _) in lines):
@@ -103,13 +107,21 @@ def plot_windows(records: list[dict[str, Any]], out: str, metric: str = "auc") -
     return count
 
 
+def _window_metric(value: str) -> str:
+    if value.split("/")[0] not in METRIC_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not one of {', '.join(METRIC_NAMES)} (or name/task for a multi-task run)")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m recsys_trainer.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("log", help="metrics.jsonl written by JsonlMetricsHook")
     p.add_argument("--out", default="curves.png", help="PNG for loss and metric curves")
     p.add_argument("--windows", default=None, help="PNG for the per-window plot (windowed runs)")
-    p.add_argument("--window-metric", default="auc", choices=METRIC_NAMES)
+    p.add_argument("--window-metric", default="auc", type=_window_metric,
+                   help=f"one of {', '.join(METRIC_NAMES)}; multi-task: name/task (auc/click)")
     a = p.parse_args(argv)
     try:
         records = read_jsonl(a.log)
