@@ -296,3 +296,20 @@ def test_weights_of_another_length_than_the_ids_are_a_data_error_naming_the_file
     with pytest.raises(DataError, match=r"a.parquet, row group 0, row 2, column 'w': has 2 weights but "
                                         r"column 'tags' has 1 ids in this row; they must match"):
         list(ds.iter_window("hour=00"))
+
+
+def test_a_yaml_config_declares_sequence_features_and_transforms() -> None:
+    from recsys_trainer.config import ConfigError, ParquetDataConfig
+
+    cfg = ParquetDataConfig(train="/nonexistent", features={
+        "labels": ["click"],
+        "dense": [{"column": "price", "clip": [0, None], "log1p": True, "standardize": [3.0, 1.5]}],
+        "sparse": [{"name": "age_b", "column": "age", "num_embeddings": 5, "boundaries": [18, 30, 45, 60]}],
+        "sequence": [{"name": "hist_item", "column": "hist", "num_embeddings": 100, "max_len": 50}],
+    })
+    spec = cfg.feature_spec()
+    assert list(spec.sequence) == [SequenceFeature(name="hist_item", column="hist", num_embeddings=100, max_len=50)]
+    assert spec.dense_features[0].clip == (0.0, None) and spec.sparse[0].boundaries == (18.0, 30.0, 45.0, 60.0)
+    with pytest.raises(ConfigError, match=r"unknown key `data.features.sequence\[0\].weight_column`"):
+        ParquetDataConfig(train="/nonexistent", features={
+            "labels": ["click"], "sequence": [{"name": "h", "num_embeddings": 3, "weight_column": "w"}]})
