@@ -313,3 +313,35 @@ def test_a_yaml_config_declares_sequence_features_and_transforms() -> None:
     with pytest.raises(ConfigError, match=r"unknown key `data.features.sequence\[0\].weight_column`"):
         ParquetDataConfig(train="/nonexistent", features={
             "labels": ["click"], "sequence": [{"name": "h", "num_embeddings": 3, "weight_column": "w"}]})
+
+
+def test_the_model_check_routes_pooled_tables_to_sparse_features_and_unpooled_to_either() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    from recsys_trainer.sharding import check_data_fits_model
+
+    class M(torch.nn.Module):
+        def __init__(self, pooled: str, unpooled: list[str], rows: int = 40) -> None:
+            super().__init__()
+            meta = torch.device("meta")
+            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                name="t_user", embedding_dim=4, num_embeddings=10, feature_names=[pooled])], device=meta)
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
+                name="t_item", embedding_dim=4, num_embeddings=rows, feature_names=unpooled)], device=meta)
+
+    class Data:
+        features = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="user", num_embeddings=10)],
+                               sequence=[SequenceFeature(name="item", num_embeddings=40),
+                                         SequenceFeature(name="hist", num_embeddings=40, max_len=5)])
+
+    check_data_fits_model(M("user", ["item", "hist"]), [Data()])
+    check_data_fits_model(M("user", ["user", "item"]), [Data()])  # a sparse feature into an EC is fine
+    with pytest.raises(ValueError, match=r"feature 'item' is a SequenceFeature \(Batch.sequence, unpooled\), "
+                                         r"but table 't_user' is in an EmbeddingBagCollection"):
+        check_data_fits_model(M("item", ["hist"]), [Data()])
+    with pytest.raises(ValueError, match=r"declares sparse \['user'\] and sequence \['hist', 'item'\]: \['cand'\] missing"):
+        check_data_fits_model(M("user", ["cand", "hist"]), [Data()])
+    with pytest.raises(ValueError, match=r"sequence feature 'item' holds ids in \[0, 40\) \(its SequenceFeature "
+                                         r"num_embeddings\), but the table it feeds, 't_item', has 30 rows"):
+        check_data_fits_model(M("user", ["item", "hist"], rows=30), [Data()])
