@@ -345,3 +345,20 @@ def test_the_model_check_routes_pooled_tables_to_sparse_features_and_unpooled_to
     with pytest.raises(ValueError, match=r"sequence feature 'item' holds ids in \[0, 40\) \(its SequenceFeature "
                                          r"num_embeddings\), but the table it feeds, 't_item', has 30 rows"):
         check_data_fits_model(M("user", ["item", "hist"], rows=30), [Data()])
+
+
+def test_rows_dropped_for_nan_labels_take_their_sequences_and_bags_with_them() -> None:
+    t = pa.table({"y": [1.0, None, 0.0, float("nan"), 1.0],
+                  "hist": _lists([[1], [2, 2], [3, 3, 3], [4], [5, 6, 7, 8]]),
+                  "tags": _lists([[10], [20], [], [40], [50, 51]])})
+    spec = FeatureSpec(labels=["y"], on_nan_label="drop",
+                       sparse=[SparseFeature(name="tags", num_embeddings=60)],
+                       sequence=[SequenceFeature(name="h", column="hist", num_embeddings=10, max_len=2)])
+    chunk = spec.decode_chunk(t)
+    b = chunk.batch(0, 5)
+    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    assert b.sequence is not None and _jagged(b.sequence, "h") == [[1], [3, 3], [7, 8]]
+    assert _jagged(b.sparse, "tags") == [[10], [], [50, 51]]
+    # Cutting source rows [1, 4) keeps the one surviving row, 2.
+    part = chunk.batch(1, 4)
+    assert part.batch_size == 1 and part.sequence is not None and _jagged(part.sequence, "h") == [[3, 3]]
