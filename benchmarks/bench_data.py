@@ -18,6 +18,14 @@ After one warm-up pass of each (page cache, imports), raw and reader runs altern
 times (the order flips every round so load drift hits both alike); the reader/raw ratio is
 taken per round and its median reported, with the median and best rates.
 Goal: reader >= 0.5x raw and >= 3x trainer (on a GPU: >= 1.5x the GPU's consumption).
+
+``--schema inputs`` (``both``, the default, runs this after the Criteo-like one) measures the same
+three rates on "real inputs": the same 13 dense + 26 hashed columns, with four transforms
+declared in the ``FeatureSpec`` (clip + log1p + standardize on every dense column, a bucketized
+float column, hour-of-day by div/mod of a timestamp, a cross of two id columns) and a behaviour
+sequence column (``list<int64>``, 0-100 ids per row, ``SequenceFeature(max_len=50)``); raw reads
+the same columns, and the Trainer trains a DLRM whose extra input is the sum of the sequence's
+embeddings (an ``EmbeddingCollection`` over ``Batch.sequence``).
 """
 
 from __future__ import annotations
@@ -35,13 +43,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.features import DenseFeature, FeatureSpec, SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 
 
-def write_data(root: str, rows: int, files_per_window: int, windows: int, string_ids: bool) -> None:
+MAX_LEN = 50
+
+
+def write_data(root: str, rows: int, files_per_window: int, windows: int, string_ids: bool,
+               inputs: bool = False) -> None:
+    """Criteo-like files; ``inputs`` adds ``price`` (float), ``ts`` (int64 seconds) and
+    ``hist`` (a list of 0-100 int64 ids per row)."""
     rng = np.random.default_rng(0)
     per_file = rows // (files_per_window * windows)
     for w in range(windows):
@@ -55,6 +70,13 @@ def write_data(root: str, rows: int, files_per_window: int, windows: int, string
                 ids = (rng.zipf(1.3, per_file) - 1) % 1_000_000
                 cols[f"C{i + 1}"] = (pa.array(ids).cast(pa.string()) if string_ids
                                      else pa.array(ids.astype(np.int64)))
+            if inputs:
+                cols["price"] = pa.array(rng.lognormal(3, 1, per_file))
+                cols["ts"] = pa.array(rng.integers(1_700_000_000, 1_700_000_000 + 86400 * 30, per_file))
+                lens = rng.integers(0, 101, per_file)
+                offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+                values = pa.array((rng.zipf(1.3, int(offsets[-1])) - 1) % 1_000_000)
+                cols["hist"] = pa.ListArray.from_arrays(pa.array(offsets), values)
             pq.write_table(pa.table(cols), os.path.join(d, f"part-{f}.parquet"), row_group_size=65536)
 
 
@@ -64,6 +86,48 @@ def spec(num_embeddings: int) -> FeatureSpec:
         sparse=[SparseFeature(name=f"C{i + 1}", num_embeddings=num_embeddings, hash=True)
                 for i in range(NUM_SPARSE)],
     )
+
+
+def inputs_spec(num_embeddings: int) -> FeatureSpec:
+    """``spec`` plus four transforms and a sequence feature (see the module docstring)."""
+    base = spec(num_embeddings)
+    return FeatureSpec(
+        labels=["label"],
+        dense=[DenseFeature(column=f"I{i + 1}", clip=(0.0, None), log1p=True, standardize=(1.5, 0.8))
+               for i in range(NUM_DENSE)],
+        sparse=[*base.sparse,
+                SparseFeature(name="price_b", column="price", num_embeddings=11,
+                              boundaries=[5, 10, 15, 20, 30, 40, 60, 80, 120, 200]),
+                SparseFeature(name="hour", column="ts", num_embeddings=24, div=3600, mod=24),
+                SparseFeature(name="C1xC2", num_embeddings=num_embeddings, cross=["C1", "C2"])],
+        sequence=[SequenceFeature(name="hist", num_embeddings=num_embeddings, hash=True, max_len=MAX_LEN)],
+    )
+
+
+class SeqDLRM(torch.nn.Module):
+    """DLRM over the pooled features, with the sum of the behaviour sequence's embeddings (an
+    ``EmbeddingCollection`` over ``Batch.sequence``) as extra dense inputs."""
+
+    def __init__(self, fs: FeatureSpec, embedding_dim: int) -> None:
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        from recsys_trainer.models import DLRMClassifier
+
+        super().__init__()
+        self.dlrm = DLRMClassifier(fs.sparse_names, fs.num_dense + embedding_dim,
+                                   [s.num_embeddings for s in fs.sparse], embedding_dim=embedding_dim,
+                                   dense_arch=(512, 256), over_arch=(512, 256, 1))
+        q = fs.sequence[0]
+        self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
+            name=f"t_{q.name}", embedding_dim=embedding_dim, num_embeddings=q.num_embeddings,
+            feature_names=[q.name])], device=torch.device("meta"))
+        self.key = q.name
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        hist = self.ec(batch.sequence)[self.key].to_padded_dense(desired_length=MAX_LEN).sum(1)
+        return self.dlrm(Batch(dense=torch.cat([batch.dense, hist], dim=1), sparse=batch.sparse,
+                               labels=batch.labels, weights=batch.weights))
 
 
 def bench_raw(files: list[str], columns: list[str]) -> float:
@@ -122,9 +186,13 @@ def bench_trainer(root: str, fs: FeatureSpec, batch_size: int, steps: int, devic
         batches.append(b.pin_memory() if device == "cuda" else b)
         if len(batches) >= steps + 5:
             break
-    model = DLRMClassifier(fs.sparse_names, NUM_DENSE, [s.num_embeddings for s in fs.sparse],
-                           embedding_dim=embedding_dim, dense_arch=(512, 256),
-                           over_arch=(512, 256, 1))
+    model: torch.nn.Module
+    if fs.sequence:
+        model = SeqDLRM(fs, embedding_dim)
+    else:
+        model = DLRMClassifier(fs.sparse_names, NUM_DENSE, [s.num_embeddings for s in fs.sparse],
+                               embedding_dim=embedding_dim, dense_arch=(512, 256),
+                               over_arch=(512, 256, 1))
     warm = 5  # skip warm-up steps (allocation, first-touch of tables)
     t0: list[float] = []
     from recsys_trainer.hooks.lambda_hook import LambdaHook
@@ -163,12 +231,24 @@ def main() -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the trainer runs")
     p.add_argument("--reader-procs", type=int, nargs="*", default=[],
                    help="also measure this many reader processes together (e.g. 2 4 8)")
+    p.add_argument("--schema", default="both", choices=("criteo", "inputs", "both"),
+                   help="criteo: 13 dense + 26 ids; inputs: the same with four transforms and a "
+                        "sequence column (max_len 50); both (default): one after the other")
     a = p.parse_args()
     torch.set_flush_denormal(True)
+    schemas = ["criteo", "inputs"] if a.schema == "both" else [a.schema]
+    for i, schema in enumerate(schemas):
+        if i:
+            print()
+        run_schema(a, schema == "inputs")
+
+
+def run_schema(a: argparse.Namespace, inputs: bool) -> None:
+    """Measure and print raw / reader / trainer rates for one schema."""
     with tempfile.TemporaryDirectory() as root:
-        write_data(root, a.rows, files_per_window=4, windows=2, string_ids=a.string_ids)
+        write_data(root, a.rows, files_per_window=4, windows=2, string_ids=a.string_ids, inputs=inputs)
         files = sorted(glob.glob(os.path.join(root, "*", "*.parquet")))
-        fs = spec(a.num_embeddings)
+        fs = inputs_spec(a.num_embeddings) if inputs else spec(a.num_embeddings)
         bench_raw(files, fs.columns())  # warm-up: page cache, pyarrow thread pool
         bench_reader(root, fs, a.batch_size)  # warm-up: imports, allocator
         raws: list[float] = []
@@ -185,8 +265,10 @@ def main() -> None:
     ratios = [r / w for r, w in zip(readers, raws, strict=True)]
     raw_rate, reader_rate, ratio = median(raws), median(readers), median(ratios)
     kind = "string (hashed)" if a.string_ids else "int64 (hashed)"
-    print(f"schema: {NUM_DENSE} dense + {NUM_SPARSE} sparse {kind}, {a.rows} rows, batch {a.batch_size}, "
-          f"{a.reps} interleaved rounds (median; best in brackets)")
+    extra = (" + 4 transforms (dense clip/log1p/standardize, bucketize, div/mod, cross) + a sequence "
+             f"column (0-100 ids per row, max_len {MAX_LEN})") if inputs else ""
+    print(f"schema: {NUM_DENSE} dense + {NUM_SPARSE} sparse {kind}{extra}, {a.rows} rows, batch "
+          f"{a.batch_size}, {a.reps} interleaved rounds (median; best in brackets)")
     print(f"raw pyarrow read_table : {raw_rate:12,.0f} rows/s  [{max(raws):12,.0f}]")
     print(f"ParquetWindowDataset   : {reader_rate:12,.0f} rows/s  [{max(readers):12,.0f}]  "
           f"({ratio:.2f}x raw, median of per-round ratios {', '.join(f'{x:.2f}' for x in ratios)}; "
@@ -198,7 +280,8 @@ def main() -> None:
         where = (f"{torch.cuda.get_device_name()}, dim {a.embedding_dim}" if a.device == "cuda"
                  else f"CPU, dim {a.embedding_dim}")
         goal = "1.5x" if a.device == "cuda" else "3x"
-        print(f"trainer consumption    : {train:12,.0f} rows/s on {where}  (one reader is "
+        model = "DLRM + sequence EmbeddingCollection" if inputs else "DLRM"
+        print(f"trainer consumption    : {train:12,.0f} rows/s on {where}, {model}  (one reader is "
               f"{reader_rate / train:.2f}x, goal >= {goal})")
 
 

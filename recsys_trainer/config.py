@@ -254,7 +254,12 @@ class ParquetDataConfig(ParquetReadOptions):
 
     def feature_spec(self) -> Any:
         """The ``FeatureSpec`` described by ``features``."""
-        from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
+        from recsys_trainer.data.features import (
+            DenseFeature,
+            FeatureSpec,
+            SequenceFeature,
+            SparseFeature,
+        )
 
         raw = dict(self.features)
         if "dense" in raw:
@@ -266,6 +271,11 @@ class ParquetDataConfig(ParquetReadOptions):
             raw["sparse"] = [
                 _build(SparseFeature, f"data.features.sparse[{i}]", s)
                 for i, s in enumerate(raw["sparse"] or [])
+            ]
+        if "sequence" in raw:
+            raw["sequence"] = [
+                _build(SequenceFeature, f"data.features.sequence[{i}]", q)
+                for i, q in enumerate(raw["sequence"] or [])
             ]
         return _build(FeatureSpec, "data.features", raw)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -89,13 +89,16 @@ def apply_sparse_optimizer(model: nn.Module, spec: SparseOptimizer) -> list[str]
     return names
 
 
-def table_configs(model: nn.Module) -> list[Any]:
-    """The torchrec table configs (name, rows, feature names, ...) of every embedding table."""
+def table_configs(model: nn.Module, kind: Literal["pooled", "sequence"] | None = None) -> list[Any]:
+    """The torchrec table configs (name, rows, feature names, ...) of every embedding table
+    (``kind``: only those of ``EmbeddingBagCollection``s, "pooled", or of
+    ``EmbeddingCollection``s, "sequence")."""
     out: list[Any] = []
     for _, module in embedding_modules(model):
         if isinstance(module, EmbeddingBagCollection):
-            out.extend(module.embedding_bag_configs())
-        else:
+            if kind != "sequence":
+                out.extend(module.embedding_bag_configs())
+        elif kind != "pooled":
             out.extend(module.embedding_configs())  # type: ignore[operator]
     return out
 
@@ -104,24 +107,25 @@ def table_names(model: nn.Module) -> list[str]:
     return [c.name for c in table_configs(model)]
 
 
-def feature_tables(model: nn.Module) -> list[tuple[str, str, int | None]]:
+def feature_tables(model: nn.Module, kind: Literal["pooled", "sequence"] | None = None,
+                   ) -> list[tuple[str, str, int | None]]:
     """``(feature, table, num_embeddings)`` for every feature an embedding table of ``model``
-    reads (a feature read by two tables appears twice). A dynamic table takes any raw id, so its
-    bound is None."""
+    reads (a feature read by two tables appears twice; ``kind`` as in ``table_configs``). A
+    dynamic table takes any raw id, so its bound is None."""
     unbounded = dynamic.dynamic_table_names(model)
     return [(f, c.name, None if c.name in unbounded else c.num_embeddings)
-            for c in table_configs(model) for f in c.feature_names]
+            for c in table_configs(model, kind) for f in c.feature_names]
 
 
 def check_data_fits_model(model: nn.Module, datasets: Iterable[Any]) -> None:
     """Refuse datasets whose ``FeatureSpec`` does not fit the model's tables (see
     ``check_features_fit_tables``). Datasets without a spec (plain iterables of ``Batch``) are
     not checked."""
-    tables = feature_tables(model)
+    pooled, unpooled = feature_tables(model, "pooled"), feature_tables(model, "sequence")
     for ds in datasets:
         spec = getattr(ds, "features", None)
         if isinstance(spec, FeatureSpec):
-            check_features_fit_tables(spec, tables)
+            check_features_fit_tables(spec, pooled, unpooled)
 
 
 def plan_sharding(

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.features import DataError, FeatureSpec, _RowError
+from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature, _RowError
 from recsys_trainer.data.prefetch import Prefetcher
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
@@ -249,10 +249,16 @@ class ParquetWindowDataset(WindowedDataset):
             cols[d.column] = pa.array([0.0])
         if spec.weight_column:
             cols[spec.weight_column] = pa.array([0.0])
-        for s in spec.sparse:
-            cols[s.source] = pa.array([0], pa.int64())
-            if s.weight_column:
+        for s in spec.id_features:
+            for c in s.sources:
+                cols[c] = pa.array([0], pa.int64())
+            if isinstance(s, SparseFeature) and s.weight_column:
                 cols[s.weight_column] = pa.array([1.0])
+        # A column a sequence of max_len > 1 reads must be a list (one id; a sparse feature
+        # reading the same column takes the list too).
+        for q in spec.sequence:
+            if q.max_len > 1:
+                cols[q.source] = pa.array([[0]], pa.list_(pa.int64()))
         return spec.decode(pa.table(cols))
 
     def state_dict(self) -> dict[str, Any]:
