@@ -28,7 +28,7 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.metrics import MetricReportHook
-from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.models import DLRMClassifier, TableInit, normal_init, uniform_init
 
 log = logging.getLogger("recsys_trainer")
 
@@ -44,6 +44,16 @@ def ensure_data(root: Path, hours: int, rows_per_hour: int) -> dict[str, float]:
     return json.loads(meta_file.read_text())
 
 
+def table_init(arg: str) -> TableInit | None:
+    """``torchrec`` (its default U(+-sqrt(1/rows))), ``normal:STD`` or ``uniform:BOUND``."""
+    kind, _, value = arg.partition(":")
+    if kind == "torchrec" and not value:
+        return None
+    if kind in ("normal", "uniform") and value:
+        return normal_init(float(value)) if kind == "normal" else uniform_init(float(value))
+    raise argparse.ArgumentTypeError(f"--embedding-init must be torchrec, normal:STD or uniform:BOUND, not {arg!r}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="data/criteo_synthetic", help="dataset directory (written if missing)")
@@ -52,6 +62,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1024, help="rows per rank per step")
     p.add_argument("--num-embeddings", type=int, default=50_000, help="rows per table")
     p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--embedding-init", type=table_init, default=None, metavar="INIT",
+                   help="table init: torchrec (default), normal:STD (nn.EmbeddingBag: normal:1), uniform:BOUND")
     p.add_argument("--log-steps", type=int, default=50)
     p.add_argument("--pipeline", choices=["none", "sparse_dist"], default="sparse_dist")
     p.add_argument("--output-dir", default="output/train_dlrm")
@@ -66,7 +78,8 @@ def main() -> None:
     spec = criteo_features(a.num_embeddings)
     torch.manual_seed(0)  # the dense towers are initialised here, before the Trainer exists
     model = DLRMClassifier(SPARSE_COLUMNS, 13, a.num_embeddings, a.embedding_dim,
-                           dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1), dense_log1p=True)
+                           dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1), dense_log1p=True,
+                           embedding_init=a.embedding_init)
     metrics = MetricReportHook(metrics=["auc", "logloss", "ne", "calibration", "ctr"], per_window=False)
     trainer = Trainer(
         model=model,

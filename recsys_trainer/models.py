@@ -6,7 +6,9 @@ evaluation contribute nothing, and the model stays fx-traceable for TorchRec pip
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -55,15 +57,94 @@ def weighted_bce_with_logits(
     return torch.where(total > 0, (per_row * w).sum() / total.clamp_min(1e-12), total)
 
 
+def check_task_shapes(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
+                      task_weights: torch.Tensor | list[float] | None) -> None:
+    """Shapes of a multi-task loss's inputs: logits and labels ``[B, T]``, weights ``[B]``,
+    ``T`` task weights. A mismatch would broadcast silently into a wrong loss."""
+    if logits.dim() != 2 or tuple(labels.shape) != tuple(logits.shape):
+        raise ValueError(
+            f"a multi-task loss needs logits and labels of one shape [B, T], but they are "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}; give the FeatureSpec one label "
+            "column per task (labels=[...]) and the model one logit per task."
+        )
+    if weights is not None and tuple(weights.shape) != (logits.shape[0],):
+        raise ValueError(f"example weights must be [B] = [{logits.shape[0]}], but are "
+                         f"{tuple(weights.shape)}.")
+    if task_weights is not None and len(task_weights) != logits.shape[1]:
+        raise ValueError(f"{len(task_weights)} task weights for {logits.shape[1]} tasks; give one "
+                         "per task, in the order of the FeatureSpec's labels.")
+
+
+torch.fx.wrap("check_task_shapes")
+
+
+def multi_task_bce_with_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None,
+    task_weights: torch.Tensor | list[float] | None = None,
+) -> torch.Tensor:
+    """Multi-task binary cross-entropy: ``sum_t task_weights[t] * loss_t`` where ``loss_t`` is
+    ``weighted_bce_with_logits(logits[:, t], labels[:, t], weights)`` (the example-weighted mean
+    over rows; 0 when every weight is 0, e.g. an evaluation padding batch).
+
+    Args:
+        logits: ``[B, T]``, one logit per task (the order of ``FeatureSpec.labels``).
+        labels: ``[B, T]`` in ``[0, 1]`` (``batch.labels`` with ``labels=["click", "like"]``).
+        weights: ``[B]`` example weights, or None.
+        task_weights: ``[T]`` weights of the tasks' losses (default 1 each: their sum).
+    """
+    check_task_shapes(logits, labels, weights, task_weights)
+    check_binary_labels(labels)
+    per = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none")
+    if weights is None:
+        per_task = per.mean(0)
+    else:
+        w = weights.to(per.dtype)
+        total = w.sum()
+        per_task = torch.where(total > 0, (per * w[:, None]).sum(0) / total.clamp_min(1e-12),
+                               torch.zeros_like(per[0]))
+    if task_weights is None:
+        return per_task.sum()
+    tw = torch.as_tensor(task_weights, dtype=per_task.dtype, device=per_task.device)
+    return (per_task * tw).sum()
+
+
+TableInit = Callable[[torch.Tensor], torch.Tensor | None]
+"""An embedding table's initialiser: fills the (local shard of the) weight in place. It is
+torchrec's ``EmbeddingBagConfig.init_fn``, which the sharded tables call on each shard."""
+
+
+def uniform_init(bound: float) -> TableInit:
+    """U(-bound, bound). torchrec's default is ``uniform_init(sqrt(1 / num_embeddings))``."""
+    return functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
+
+
+def normal_init(std: float, mean: float = 0.0) -> TableInit:
+    """N(mean, std^2); ``normal_init(1.0)`` is ``nn.Embedding``/``nn.EmbeddingBag``'s default."""
+    return functools.partial(torch.nn.init.normal_, mean=mean, std=std)
+
+
 def make_tables(
-    feature_names: list[str], num_embeddings: int | list[int], embedding_dim: int
+    feature_names: list[str],
+    num_embeddings: int | list[int],
+    embedding_dim: int,
+    init: TableInit | Mapping[str, TableInit] | None = None,
 ) -> list[EmbeddingBagConfig]:
+    """One table ``t_<feature>`` per feature. ``init``: one initialiser for every table, or
+    ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init)."""
     sizes = num_embeddings if isinstance(num_embeddings, list) else [num_embeddings] * len(feature_names)
+    names = [f"t_{f}" for f in feature_names]
+    inits = dict(init) if isinstance(init, Mapping) else dict.fromkeys(names, init)
+    unknown = sorted(set(inits) - set(names))
+    if unknown:
+        raise ValueError(f"`init` names tables {unknown} that do not exist; the tables are {names}.")
     return [
         EmbeddingBagConfig(
-            name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f]
+            name=name, embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f],
+            init_fn=inits.get(name),
         )
-        for f, n in zip(feature_names, sizes, strict=True)
+        for name, f, n in zip(names, feature_names, sizes, strict=True)
     ]
 
 
@@ -71,7 +152,8 @@ class DLRMClassifier(nn.Module):
     """torchrec's DLRM (bottom MLP, pairwise interactions, top MLP) with a weighted BCE loss.
 
     Tables are created on the meta device: ``DistributedModelParallel`` materialises only the
-    shards each rank owns.
+    shards each rank owns, initialised by ``embedding_init`` (one ``TableInit`` or one per table
+    name, see ``make_tables``; default torchrec's U(-sqrt(1/rows), sqrt(1/rows))).
     """
 
     def __init__(
@@ -86,6 +168,7 @@ class DLRMClassifier(nn.Module):
         dense_log1p: bool = False,
         prior_ctr: float | None = None,
         dynamic: DynamicTable | None = None,
+        embedding_init: TableInit | Mapping[str, TableInit] | None = None,
     ) -> None:
         super().__init__()
         # Count-valued dense inputs (Criteo's I1..I13) span orders of magnitude; log1p is the
@@ -98,11 +181,11 @@ class DLRMClassifier(nn.Module):
             # Every table dynamic: raw ids, ``dynamic.num_slots`` rows each (``num_embeddings``
             # is not used). Feed ids in [0, recsys_trainer.dynamic.ID_SPACE).
             ebc = DynamicEmbeddingBagCollection(
-                make_tables(sparse_features, dynamic.num_slots, embedding_dim), dynamic,
+                make_tables(sparse_features, dynamic.num_slots, embedding_dim, embedding_init), dynamic,
                 device=torch.device(table_device))
         else:
             ebc = EmbeddingBagCollection(
-                tables=make_tables(sparse_features, num_embeddings, embedding_dim),
+                tables=make_tables(sparse_features, num_embeddings, embedding_dim, embedding_init),
                 device=torch.device(table_device),
             )
         self.dlrm = DLRM(

@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,45 @@ class SparseOptimizer:
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         return {"lr": self.lr, **self.kwargs}
+
+
+TableOptimizers = Mapping[str, SparseOptimizer]
+"""Per-table sparse optimizers: ``{table name or glob pattern: SparseOptimizer}``."""
+
+
+def resolve_table_optimizers(
+    tables: list[str], default: SparseOptimizer, per_table: TableOptimizers | None
+) -> dict[str, SparseOptimizer]:
+    """``{table: SparseOptimizer}`` for every table in ``tables``.
+
+    A key of ``per_table`` is a table name or an ``fnmatch`` glob (``"t_user*"``). An exact name
+    wins over patterns; among patterns the first one (in the mapping's order) that matches wins;
+    a table no key matches gets ``default``. A key that matches no table is an error (a typo
+    would otherwise silently train that table with the default).
+    """
+    out = {t: default for t in tables}
+    if not per_table:
+        return out
+    unused = []
+    for key, spec in per_table.items():
+        if not isinstance(spec, SparseOptimizer):
+            raise ValueError(f"`table_optimizers[{key!r}]` must be a SparseOptimizer, but is {spec!r}.")
+        if not any(fnmatch.fnmatchcase(t, key) for t in tables):
+            unused.append(key)
+    if unused:
+        raise ValueError(
+            f"`table_optimizers` keys {unused} match no embedding table; the model's tables are "
+            f"{sorted(tables)}. Use a table name or a glob pattern (fnmatch: *, ?, [..]) over them."
+        )
+    for t in tables:
+        if t in per_table:
+            out[t] = per_table[t]
+            continue
+        for key, spec in per_table.items():
+            if fnmatch.fnmatchcase(t, key):
+                out[t] = spec
+                break
+    return out
 
 
 def dense_parameters(dmp: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -169,9 +209,13 @@ class OptimizerState:
     lazily made state (Adam's moments...) so that there is something to load into.
     """
 
-    def __init__(self, keyed: KeyedOptimizer, *, with_param_groups: bool) -> None:
+    def __init__(self, keyed: KeyedOptimizer, *, with_param_groups: bool,
+                 eager_state: bool = False) -> None:
         self._keyed = keyed
         self._with_param_groups = with_param_groups
+        # FBGEMM's fused optimizers make their state with the tables; a stateless one (SGD)
+        # has none to make, and stepping it on zero grads would touch sharded weights.
+        self._eager_state = eager_state
 
     def state_dict(self) -> dict[str, Any]:
         groups = [{k: v for k, v in g.items() if k != "params"}
@@ -208,6 +252,8 @@ class OptimizerState:
         """Create lazily made state without changing any parameter: one step on zero grads,
         then the parameters (weight decay would move them) and grads are restored. The values
         are meant to be overwritten by a load."""
+        if self._eager_state:
+            return
         params = list(self._keyed.params.values())
         state = self._keyed.state
         if all(p in state and state[p] for p in params):
@@ -239,7 +285,7 @@ class SparseDenseOptimizer(CombinedOptimizer):
         super().__init__([("dense", dense_keyed), ("sparse", fused)])
         self.dense_state = OptimizerState(dense_keyed, with_param_groups=True)
         """The dense half as a checkpoint component."""
-        self.sparse_state = OptimizerState(fused, with_param_groups=False)
+        self.sparse_state = OptimizerState(fused, with_param_groups=False, eager_state=True)
         """The fused sparse half as a checkpoint component."""
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]

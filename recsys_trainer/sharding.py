@@ -43,8 +43,10 @@ from recsys_trainer.optimizers import (
     SchedulerArg,
     SparseDenseOptimizer,
     SparseOptimizer,
+    TableOptimizers,
     build_dense_optimizer,
     dense_parameters,
+    resolve_table_optimizers,
     supported_sparse_optimizers,
 )
 from recsys_trainer.precision import install_sparse_grad_unscaling, unscale_sparse_grad
@@ -69,24 +71,36 @@ def embedding_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
-def apply_sparse_optimizer(model: nn.Module, spec: SparseOptimizer) -> list[str]:
-    """Register ``spec`` in backward on every embedding table of ``model`` (before sharding).
-
-    Returns the table-parameter names it was applied to.
-    """
-    names: list[str] = []
+def table_parameters(model: nn.Module) -> Iterator[tuple[str, str, nn.Parameter]]:
+    """``(table, parameter name, parameter)`` for every embedding-table weight of ``model``
+    (before sharding): torchrec names them ``<collection>.embedding_bags.<table>.weight``."""
     for mod_name, module in embedding_modules(model):
-        params = list(module.parameters())
-        if not params:
-            continue
-        apply_optimizer_in_backward(spec.optimizer_class, params, spec.optimizer_kwargs())
-        names.extend(f"{mod_name}.{n}" if mod_name else n for n, _ in module.named_parameters())
-    if not names:
+        for n, p in module.named_parameters():
+            yield n.split(".")[-2], f"{mod_name}.{n}" if mod_name else n, p
+
+
+def apply_sparse_optimizer(
+    model: nn.Module, spec: SparseOptimizer, per_table: TableOptimizers | None = None
+) -> dict[str, SparseOptimizer]:
+    """Register the sparse optimizers in backward on every embedding table of ``model`` (before
+    sharding): ``per_table``'s entry for a table (by name or glob, ``resolve_table_optimizers``)
+    or ``spec``. TorchRec groups tables by optimizer into separate FBGEMM kernels when sharding.
+
+    Returns ``{table: SparseOptimizer}`` for every table.
+    """
+    params = list(table_parameters(model))
+    if not params:
         raise ValueError(
             "the model has no torchrec EmbeddingBagCollection/EmbeddingCollection with parameters; "
             "recsys_trainer shards embedding tables and needs at least one."
         )
-    return names
+    chosen = resolve_table_optimizers(sorted({t for t, _, _ in params}), spec, per_table)
+    groups: dict[int, tuple[SparseOptimizer, list[nn.Parameter]]] = {}
+    for table, _, p in params:
+        groups.setdefault(id(chosen[table]), (chosen[table], []))[1].append(p)
+    for opt, ps in groups.values():
+        apply_optimizer_in_backward(opt.optimizer_class, ps, opt.optimizer_kwargs())
+    return chosen
 
 
 def table_configs(model: nn.Module, kind: Literal["pooled", "sequence"] | None = None) -> list[Any]:
@@ -105,6 +119,22 @@ def table_configs(model: nn.Module, kind: Literal["pooled", "sequence"] | None =
 
 def table_names(model: nn.Module) -> list[str]:
     return [c.name for c in table_configs(model)]
+
+
+def check_table_dims(model: nn.Module) -> None:
+    """Refuse an embedding dim that is not a multiple of 4 before sharding: FBGEMM's
+    table-batched kernels need it (torchrec otherwise asserts "local_cols=... not divisible by
+    4" from deep inside sharding)."""
+    bad = [(c.name, c.embedding_dim) for c in table_configs(model) if c.embedding_dim % 4]
+    if bad:
+        name, dim = bad[0]
+        raise ValueError(
+            f"embedding table {name!r} has embedding_dim={dim}, but FBGEMM's table-batched "
+            f"kernels need a multiple of 4 ({len(bad)} such table(s): "
+            f"{', '.join(f'{n!r}={d}' for n, d in bad)}). Give it embedding_dim="
+            f"{-(-dim // 4) * 4} and use its first {dim} column(s) in the model's forward (a "
+            "1-wide bias table: dim 4, then `pooled[:, :1]`)."
+        )
 
 
 def feature_tables(model: nn.Module, kind: Literal["pooled", "sequence"] | None = None,
@@ -244,16 +274,24 @@ def shard_model(
     local_world_size: int | None = None,
     plan: ShardingPlan | None = None,
     static_graph: bool = True,
+    table_optimizers: TableOptimizers | None = None,
 ) -> DistributedModelParallel:
     """Apply the sparse optimizer in backward, plan, and wrap in ``DistributedModelParallel``.
 
     ``model`` may hold its tables on the meta device; DMP materialises only the local shards.
+    ``table_optimizers`` (``{table name or glob: SparseOptimizer}``) overrides
+    ``sparse_optimizer`` for the tables it matches.
     ``static_graph`` is DDP's flag: faster, but incompatible with ``no_sync`` (gradient
     accumulation fails with "expect_autograd_hooks_ INTERNAL ASSERT"), so turn it off then.
     """
-    sparse_optimizer.check_device(device.type)
-    dynamic.check_sparse_optimizer(model, sparse_optimizer.name)
-    apply_sparse_optimizer(model, sparse_optimizer)
+    check_table_dims(model)
+    chosen = resolve_table_optimizers(table_names(model), sparse_optimizer, table_optimizers)
+    unbounded = dynamic.dynamic_table_names(model)
+    for table, opt in chosen.items():
+        opt.check_device(device.type)
+        if table in unbounded:
+            dynamic.check_sparse_optimizer(model, opt.name)
+    apply_sparse_optimizer(model, sparse_optimizer, table_optimizers)
     pg = process_group if process_group is not None else dist.GroupMember.WORLD
     assert pg is not None, "a process group must be initialised before sharding"
     env = ShardingEnv.from_process_group(pg)

@@ -83,13 +83,15 @@ from recsys_trainer.optimizers import (
     SchedulerArg,
     SparseDenseOptimizer,
     SparseOptimizer,
+    TableOptimizers,
     build_dense_optimizer,
     build_lr_scheduler,
+    resolve_table_optimizers,
 )
 from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.precision import Precision
 from recsys_trainer.rng import RNGState, seed_everything
-from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model
+from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model, table_names
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
@@ -143,7 +145,12 @@ class Trainer:
         dense_optimizers: ``(optimizer or factory params->optimizer, scheduler or factory
             optimizer->scheduler or None)``. The factory form is preferred: the Trainer hands it
             exactly the parameters without an in-backward optimizer.
-        sparse_optimizer: the fused optimizer for all embedding tables.
+        sparse_optimizer: the fused optimizer for the embedding tables (default
+            ``SparseOptimizer()``, row-wise Adagrad).
+        table_optimizers: ``{table name or fnmatch glob: SparseOptimizer}``: another fused
+            optimizer / lr for the tables a key matches (an exact name wins over patterns, then
+            the first matching pattern); ``sparse_optimizer`` serves the rest. A key that
+            matches no table is an error.
         checkpointer: saves, rotates and restores checkpoints; by default
             ``CheckpointManager.from_args(args)``. It gets ``state_components()``.
         gang: the control collectives (tests pass a ``FakeGang``); by default a gloo group.
@@ -162,6 +169,7 @@ class Trainer:
         dense_optimizers: tuple[DenseOptimizerArg, SchedulerArg] | None = None,
         sparse_optimizer: SparseOptimizer | None = None,
         *,
+        table_optimizers: TableOptimizers | None = None,
         add_logger_hook: bool = True,
         gang: Gang | None = None,
         checkpointer: CheckpointManager | None = None,
@@ -186,11 +194,15 @@ class Trainer:
         decisions run on ``gang``."""
 
         self.sparse_optimizer_spec = sparse_optimizer or SparseOptimizer()
+        self.table_optimizers = resolve_table_optimizers(
+            table_names(model), self.sparse_optimizer_spec, table_optimizers)
+        """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,
             self.device,
+            table_optimizers=self.table_optimizers,
             process_group=self.process_group,
             sharding_types=self.args.sharding_types,
             local_world_size=info.local_world_size,
@@ -282,7 +294,15 @@ class Trainer:
         return self.optimizer.dense_lr()
 
     def sparse_lr(self) -> float | None:
+        """The sparse lr when every table has the same one (FBGEMM's value, read from the live
+        fused optimizer), else None: then see ``sparse_lrs()``."""
+        if len({o.lr for o in self.table_optimizers.values()}) > 1:
+            return None
         return self.optimizer.sparse_lr()
+
+    def sparse_lrs(self) -> dict[str, float]:
+        """``{table: lr}`` of every embedding table's fused optimizer (fixed for the run)."""
+        return {t: o.lr for t, o in self.table_optimizers.items()}
 
     def state_components(self) -> dict[str, Stateful]:
         """Everything a checkpoint holds, as named ``Stateful`` components (what each is:

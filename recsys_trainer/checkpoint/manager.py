@@ -724,7 +724,9 @@ class CheckpointManager:
             kept = {k: v for k, v in entry.items() if f"optim.state.{pk}.{k}" in saved}
             if kept:
                 optim_state[pk] = kept
-        return {"model": model, "optim": {"state": optim_state}}
+        # A rank whose tables all have a stateless optimizer (SGD) holds no optimizer state;
+        # DCP reads an empty "optim" mapping there as a missing key "optim.".
+        return {"model": model, "optim": {"state": optim_state}} if optim_state else {"model": model}
 
     def _remap_position(self, ts: dict[str, Any], info: layout.CheckpointInfo) -> dict[str, Any]:
         """Map the data position of a checkpoint saved with another world size.

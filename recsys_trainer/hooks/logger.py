@@ -58,7 +58,7 @@ class LoggerHook(Hook):
                 loss,
                 sps,
                 rec["dense_lr"],
-                f"{sparse_lr:.3g}" if sparse_lr is not None else "-",
+                f"{sparse_lr:.3g}" if sparse_lr is not None else "per table",
             )
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:

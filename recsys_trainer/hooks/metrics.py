@@ -34,24 +34,36 @@ logger = logging.getLogger("recsys_trainer")
 
 
 def sigmoid_of_outputs(mb: MicroBatchOutput) -> torch.Tensor:
-    """Default ``predictions_fn``: the model's second output read as logits."""
+    """Default ``predictions_fn``: the model's second output read as logits (``[B]`` or
+    ``[B, 1]`` for one task, ``[B, T]`` for T tasks)."""
     if not isinstance(mb.outputs, torch.Tensor):
         raise TypeError(
             "MetricReportHook needs predictions: the model's forward must return (loss, logits), "
             f"but its outputs are {type(mb.outputs).__name__}; pass predictions_fn= to map them."
         )
-    return torch.sigmoid(mb.outputs.detach().float()).reshape(-1)
+    return torch.sigmoid(mb.outputs.detach().float())
 
 
 def single_task_labels(batch: Batch) -> torch.Tensor:
-    """Default ``labels_fn``: ``batch.labels`` for one task."""
+    """Default ``labels_fn`` for one task: ``batch.labels``."""
     labels = batch.labels
     if labels.dim() > 1 and labels.shape[1] != 1:
         raise ValueError(
-            f"batch.labels has {labels.shape[1]} tasks; MetricReportHook reports one task: pass "
-            "labels_fn= and predictions_fn= that select it (one hook per task, with a prefix)."
+            f"batch.labels has {labels.shape[1]} tasks, but this MetricReportHook reports one: "
+            "give it tasks=[...] (one name per label column; by default the names come from the "
+            "dataset's FeatureSpec.labels), or labels_fn= and predictions_fn= that select one task."
         )
     return labels.reshape(-1)
+
+
+def dataset_tasks(trainer: Trainer) -> tuple[str, ...] | None:
+    """The task names of a multi-task run: the train (else eval) dataset's
+    ``FeatureSpec.labels`` when it has two or more; None for one task or no spec."""
+    for ds in (trainer.train_dataset, trainer.eval_dataset):
+        labels = getattr(getattr(ds, "features", None), "labels", None)
+        if labels is not None:
+            return tuple(labels) if len(labels) > 1 else None
+    return None
 
 
 class MetricReportHook(Hook):
@@ -68,15 +80,25 @@ class MetricReportHook(Hook):
       dict of ``after_evaluate`` (as ``prefix + name``) so later hooks (``EarlyStoppingHook``)
       and ``evaluate()``'s return value carry them.
 
+    Multi-task (``batch.labels`` ``[B, T]``, logits ``[B, T]``): each metric is reported per
+    task as ``name/task`` (``auc/click``, ``auc/like``), each over the rows with a non-zero
+    example weight; ``num_samples``/``weight_sum`` stay unsuffixed. The task names are
+    ``tasks``, or by default the dataset's ``FeatureSpec.labels`` when it has two or more.
+    With one task the names are the plain ones (``auc``).
+
     Args:
         group_fn: ``Batch -> int64 [B]`` group (user) ids; enables ``gauc``.
         predictions_fn: ``MicroBatchOutput -> [B]`` probabilities (default: sigmoid of outputs).
-        labels_fn: ``Batch -> [B]`` 0/1 labels (default: ``batch.labels``, one task).
+        labels_fn: ``Batch -> [B]`` 0/1 labels (``[B, T]`` multi-task; default:
+            ``batch.labels``).
         metrics: which of ``METRIC_NAMES`` to report (default: all that apply).
         prefix: prepended to the keys added to eval ``metrics`` (e.g. "ctr_task/").
+        tasks: the names of the label columns, in order (default: the dataset's
+            ``FeatureSpec.labels`` when it has two or more, else one task).
 
     Cost: the rows are kept until their report (see ``ClickMetrics``); each report is one
-    all-gather of the rows, on every rank, at a step or window end that all ranks share.
+    all-gather of the rows per task, on every rank, at a step or window end that all ranks
+    share.
     """
 
     def __init__(
@@ -88,10 +110,11 @@ class MetricReportHook(Hook):
         per_window: bool = True,
         group_fn: Callable[[Batch], torch.Tensor] | None = None,
         predictions_fn: Callable[[MicroBatchOutput], torch.Tensor] = sigmoid_of_outputs,
-        labels_fn: Callable[[Batch], torch.Tensor] = single_task_labels,
+        labels_fn: Callable[[Batch], torch.Tensor] | None = None,
         metrics: Sequence[str] | None = None,
         prefix: str = "",
         log: bool = True,
+        tasks: Sequence[str] | None = None,
     ) -> None:
         if every is not None and every < 1:
             raise ValueError(f"`every` must be >= 1 or None, but is {every!r}.")
@@ -103,28 +126,48 @@ class MetricReportHook(Hook):
             raise ValueError("metric 'gauc' needs group_fn= (Batch -> per-row user ids).")
         self._every = every
         self._train, self._eval, self._per_window = train, eval, per_window
+        if tasks is not None and (isinstance(tasks, str) or len(set(tasks)) != len(tasks) or not tasks):
+            raise ValueError(f"`tasks` must be distinct label names, one per label column, but is {tasks!r}.")
         self._group_fn = group_fn
         self._predictions_fn = predictions_fn
         self._labels_fn = labels_fn
         self._names = tuple(n for n in chosen if n != "gauc" or group_fn is not None)
         self._prefix = prefix
         self._log = log
-        with_groups = group_fn is not None
-        self._stores = {
-            key: ClickMetrics(with_groups=with_groups)
-            for key in ("train_interval", "train_window", "eval", "eval_window")
-        }
+        self._given_tasks = tuple(tasks) if tasks is not None else None
+        self.tasks: tuple[str, ...] | None = None
+        """The task names reported (``name/task``), or None for one task; set at the first
+        event (from ``tasks`` or the dataset's ``FeatureSpec.labels``)."""
+        self._stores: dict[str, list[ClickMetrics]] = {}
         self._window_counts = {"train": 0, "eval": 0}
         self._last_report_step = -1
         self.reports: list[MetricReport] = []
 
     # -- events --
+    def _setup(self, trainer: Trainer) -> None:
+        if self._stores:
+            return
+        given = self._given_tasks
+        if given is None:
+            self.tasks = dataset_tasks(trainer)
+        else:
+            self.tasks = given if len(given) > 1 else None
+        with_groups = self._group_fn is not None
+        self._stores = {
+            key: [ClickMetrics(with_groups=with_groups) for _ in (self.tasks or ("",))]
+            for key in ("train_interval", "train_window", "eval", "eval_window")
+        }
+
     def before_train(self, trainer: Trainer) -> None:
-        self._stores["train_interval"].reset()
+        self._setup(trainer)
+        for m in self._stores["train_interval"]:
+            m.reset()
         self._last_report_step = trainer.state.global_step
 
     def before_window(self, trainer: Trainer, window_id: str) -> None:
-        self._stores[f"{trainer.state.mode}_window"].reset()
+        self._setup(trainer)
+        for m in self._stores[f"{trainer.state.mode}_window"]:
+            m.reset()
 
     def after_step(self, trainer: Trainer, output: StepOutput) -> None:
         if not self._train:
@@ -152,7 +195,9 @@ class MetricReportHook(Hook):
         self._window_counts[mode] += 1
 
     def before_evaluate(self, trainer: Trainer) -> None:
-        self._stores["eval"].reset()
+        self._setup(trainer)
+        for m in self._stores["eval"]:
+            m.reset()
 
     def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
         if self._eval and not output.is_padding:
@@ -163,17 +208,32 @@ class MetricReportHook(Hook):
         if not self._eval:
             return
         report = self._report(trainer, "eval", "eval", "eval")
-        for name in self._names:
-            metrics[self._prefix + name] = report.values[name]
+        for name, value in report.values.items():
+            if name.split("/")[0] in self._names:
+                metrics[self._prefix + name] = value
 
     # -- internals --
     def _update(self, mb: MicroBatchOutput, keys: tuple[str, ...]) -> None:
         preds = self._predictions_fn(mb)
-        labels = self._labels_fn(mb.batch)
         groups = self._group_fn(mb.batch) if self._group_fn is not None else None
-        for key in keys:
-            # The same tensors go into both stores: no copy.
-            self._stores[key].update(preds, labels, mb.batch.weights, groups)
+        if self.tasks is None:
+            labels = (self._labels_fn or single_task_labels)(mb.batch)
+            for key in keys:
+                # The same tensors go into both stores: no copy.
+                self._stores[key][0].update(preds, labels, mb.batch.weights, groups)
+            return
+        labels = self._labels_fn(mb.batch) if self._labels_fn is not None else mb.batch.labels
+        n = len(self.tasks)
+        for what, x in (("predictions", preds), ("labels", labels)):
+            if x.dim() != 2 or x.shape[1] != n:
+                raise ValueError(
+                    f"MetricReportHook reports {n} tasks ({', '.join(self.tasks)}), but the "
+                    f"{what} have shape {tuple(x.shape)}, not [B, {n}]: return one logit per task "
+                    "(in FeatureSpec.labels order), or set tasks= / predictions_fn= / labels_fn=."
+                )
+        for t in range(n):
+            for key in keys:
+                self._stores[key][t].update(preds[:, t], labels[:, t], mb.batch.weights, groups)
 
     def _report(
         self,
@@ -184,14 +244,18 @@ class MetricReportHook(Hook):
         window_id: str | None = None,
         window_index: int | None = None,
     ) -> MetricReport:
-        metric = self._stores[store]
-        # The rows are tensors on the model's device: gathered on the model's group (nccl on
-        # CUDA), not on the gang's gloo group, which cannot all-gather CUDA tensors.
-        values = metric.result(trainer.process_group)
-        metric.reset()
-        kept = {k: v for k, v in values.items() if k in self._names or k in ("num_samples", "weight_sum")}
-        if "gauc_num_groups" in values and "gauc" in self._names:
-            kept["gauc_num_groups"] = values["gauc_num_groups"]
+        kept: dict[str, float] = {}
+        for t, metric in enumerate(self._stores[store]):
+            # The rows are tensors on the model's device: gathered on the model's group (nccl on
+            # CUDA), not on the gang's gloo group, which cannot all-gather CUDA tensors.
+            values = metric.result(trainer.process_group)
+            metric.reset()
+            suffix = f"/{self.tasks[t]}" if self.tasks is not None else ""
+            for k, v in values.items():
+                if k in ("num_samples", "weight_sum"):
+                    kept.setdefault(k, v)  # the same rows for every task
+                elif k in self._names or (k == "gauc_num_groups" and "gauc" in self._names):
+                    kept[k + suffix] = v
         report = MetricReport(mode, scope, trainer.state.global_step, kept, window_id, window_index)
         self.reports.append(report)
         if self._log and trainer.is_rank_zero:
@@ -207,6 +271,7 @@ __all__ = [
     "ClickMetrics",
     "MetricReportHook",
     "click_metrics",
+    "dataset_tasks",
     "grouped_auc",
     "sigmoid_of_outputs",
     "single_task_labels",
