@@ -104,13 +104,20 @@ class ComponentSpec:
             sig = inspect.signature(fn)
         except (TypeError, ValueError):
             return  # a builtin without a signature: its own call will say what is wrong
+        params = [p for p in sig.parameters if p != "self"][len(self.positional):]
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        unknown = [] if open_ended else sorted(set(self.kwargs) - set(params))
+        if unknown:
+            raise ValueError(
+                f"unknown argument{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(f'`{self.key}.{k}`' for k in unknown)} for {_name(fn)} "
+                f"({self.path}); its arguments: {', '.join(params) or 'none'}.")
         try:
             sig.bind(*self.positional, **self.kwargs)
         except TypeError as exc:
-            params = [p for p in sig.parameters if p not in self.positional and p != "self"]
             raise ValueError(
                 f"`{self.key}` ({self.path}): the arguments {sorted(self.kwargs)} do not fit "
-                f"{_name(fn)}{sig}: {exc}. Its arguments: {', '.join(params) or 'none'}."
+                f"{_name(fn)}: {exc}; its arguments: {', '.join(params) or 'none'}."
             ) from exc
 
     def build(self, *positional: Any) -> Any:
