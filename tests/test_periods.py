@@ -133,3 +133,30 @@ def test_two_ranks_with_uneven_batches_act_on_rows_periods_after_the_same_step(t
     assert [c.step for c in layout.list_committed(out)] == crossings(64, 200, 8) == [4, 7]
     # Rank 0's own rows (16 a step) would have logged after steps 7 only: the count is global.
     assert crossings(16, 100, 8) == [7]
+
+
+def test_windowed_eval_on_a_period_evaluates_the_eval_window_paired_with_the_train_window(
+        tmp_path: Any) -> None:
+    from custom_components import ConcatMLP
+    from data_utils import row_id_spec, write_windows
+
+    from recsys_trainer import Trainer
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+
+    write_windows(str(tmp_path / "train"), [[32], [32], [32]])  # 3 windows x 4 batches of 8
+    write_windows(str(tmp_path / "eval"), [[8], [8], [8]], first_row_id=1000)
+    for args, expected in [({}, [(4, "hour=00"), (8, "hour=01"), (12, "hour=02")]),  # every window
+                           ({"eval_every_n_windows": 2}, [(8, "hour=01")]),
+                           # 8 rows a step: every 6 steps, mid-window, the current window's pair
+                           ({"eval_every_n_rows": 48}, [(6, "hour=01"), (12, "hour=02")])]:
+        seen: list[tuple[int, str]] = []
+        hook = LambdaHook(before_window=lambda t, w, seen=seen: seen.append(
+            (t.state.global_step, os.path.basename(w))) if t.state.mode == "eval" else None)
+        trainer = Trainer(
+            ConcatMLP(["item", "tag"], num_embeddings=100, num_dense=1),
+            TrainingArguments(output_dir=str(tmp_path / "out"), resume_from=None, **args),
+            train_dataset=ParquetWindowDataset(str(tmp_path / "train"), row_id_spec(), batch_size=8),
+            eval_dataset=ParquetWindowDataset(str(tmp_path / "eval"), row_id_spec(), batch_size=8),
+            hooks=[hook], add_logger_hook=False)
+        trainer.train_and_evaluate()
+        assert seen == expected, args
