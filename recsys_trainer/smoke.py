@@ -65,8 +65,10 @@ def smoke_arguments(args: TrainingArguments, output_dir: str) -> TrainingArgumen
     """``args`` for the smoke test: its own output dir, a few steps, no periodic saves."""
     return dataclasses.replace(
         args, output_dir=output_dir, train_steps=SMOKE_TRAIN_STEPS, train_epoch=1, eval_steps=1,
-        save_steps=None, save_every_n_windows=None, save_every_n_epochs=None, save_end=False,
-        resume_from=None, keep_every_n_hours=None, keep_best_metric=None, log_steps=1,
+        save_steps=None, save_every_n_rows=None, save_every_n_windows=None,
+        save_every_n_epochs=None, save_end=False, resume_from=None, keep_every_n_hours=None,
+        keep_best_metric=None, log_steps=1, log_every_n_rows=None, eval_every_n_steps=None,
+        eval_every_n_rows=None, eval_every_n_windows=None, eval_every_n_epochs=None,
         max_to_keep=max(args.max_to_keep, 1),
     )
 

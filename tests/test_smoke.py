@@ -25,7 +25,9 @@ PY = sys.executable
 def test_smoke_mode_trains_evaluates_saves_and_resumes_outside_output_dir(tmp_path: Path) -> None:
     out = tmp_path / "out"
     trainer = make_trainer(train=batches(6), eval_=batches(2, seed=1), output_dir=str(out),
-                           smoke_test=True, save_steps=1, resume_from="auto")
+                           smoke_test=True, resume_from="auto", log_steps=None,
+                           log_every_n_rows=50, eval_every_n_rows=60, save_every_n_rows=70,
+                           save_every_n_windows=1)
     smoke_dir = trainer.args.output_dir
     assert os.path.isdir(smoke_dir) and not smoke_dir.startswith(str(tmp_path))
     trainer.train()
