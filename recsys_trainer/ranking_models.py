@@ -22,7 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.models import make_tables, weighted_bce_with_logits
+from recsys_trainer.models import make_tables, multi_task_bce_with_logits, weighted_bce_with_logits
 
 
 def mlp(sizes: Sequence[int]) -> nn.Sequential:
@@ -169,31 +169,6 @@ class DINClassifier(nn.Module):
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
 
 
-def check_task_labels(labels: torch.Tensor, num_tasks: int) -> None:
-    """Refuse labels that are not ``[B, num_tasks]`` (one column per task)."""
-    if labels.dim() != 2 or labels.shape[1] != num_tasks:
-        raise ValueError(
-            f"a model of {num_tasks} tasks needs labels [B, {num_tasks}] (FeatureSpec(labels=[...]) "
-            f"with one column per task, in the model's task order), but batch.labels has shape "
-            f"{list(labels.shape)}.")
-
-
-torch.fx.wrap("check_task_labels")
-
-
-def multi_task_bce_with_logits(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None,
-    task_weights: Sequence[float],
-) -> torch.Tensor:
-    """``sum_t task_weights[t] * weighted_bce_with_logits(logits[:, t], labels[:, t], weights)``
-    for ``[B, T]`` logits and labels; an all-zero-weight batch gives 0."""
-    check_task_labels(labels, len(task_weights))
-    total = logits.new_zeros(())
-    for t, w in enumerate(task_weights):
-        total = total + w * weighted_bce_with_logits(logits[:, t], labels[:, t], weights)
-    return total
-
-
 class MMoEClassifier(nn.Module):
     """Multi-gate mixture of experts (Ma et al., 2018) on a DLRM bottom: one logit per task.
 
@@ -202,7 +177,7 @@ class MMoEClassifier(nn.Module):
     gate and ends in its own tower. ``num_experts=1`` is the shared-bottom model. Labels:
     ``batch.labels [B, len(tasks)]`` in ``tasks`` order (``FeatureSpec(labels=tasks)``).
     Output: logits ``[B, len(tasks)]``; loss: the ``task_weights``-weighted sum of each task's
-    weighted BCE (``multi_task_bce_with_logits``).
+    weighted BCE (``models.multi_task_bce_with_logits``).
     """
 
     def __init__(

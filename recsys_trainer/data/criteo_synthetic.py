@@ -38,7 +38,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +49,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
+from recsys_trainer.data.features import DenseFeature, FeatureSpec, SequenceFeature, SparseFeature
 from recsys_trainer.metrics import weighted_auc
+
+log = logging.getLogger("recsys_trainer")
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -254,6 +259,42 @@ def criteo_features(num_embeddings: int = 50_000) -> FeatureSpec:
         dense=[DenseFeature(column=c) for c in DENSE_COLUMNS],
         sparse=[SparseFeature(name=c, num_embeddings=num_embeddings) for c in SPARSE_COLUMNS],
     )
+
+
+def behaviour_features(num_embeddings: int = 50_000, *, num_items: int = 2000, max_len: int = 50,
+                       labels: Sequence[str] = ("label",), sequence: bool = True) -> FeatureSpec:
+    """The FeatureSpec for files written with ``behaviour``: ``criteo_features`` plus the items.
+
+    ``sequence=True``: ``item`` (the candidate, one id per row) and ``hist_item`` (its last
+    ``max_len`` ids) as sequence features, for an ``EmbeddingCollection`` whose one table both
+    read (``ranking_models.DINClassifier``). ``sequence=False``: no history, ``item`` as a
+    pooled sparse feature (what a DLRM without the sequence sees). ``labels``: ``("label",)``,
+    ``("like",)`` or both (``[B, 2]``, for a multi-task model)."""
+    base = criteo_features(num_embeddings)
+    if not sequence:
+        return FeatureSpec(labels=list(labels), dense=base.dense, sparse=[
+            *base.sparse, SparseFeature(name="item", num_embeddings=num_items)])
+    return FeatureSpec(labels=list(labels), dense=base.dense, sparse=base.sparse, sequence=[
+        SequenceFeature(name="item", num_embeddings=num_items),
+        SequenceFeature(name="hist_item", num_embeddings=num_items, max_len=max_len)])
+
+
+def ensure_dataset(root: str | os.PathLike[str], hours: int, rows_per_hour: int,
+                   behaviour: BehaviourSignal | None = None) -> dict[str, Any]:
+    """Rank 0 writes the dataset if ``root/_signal.json`` is missing while the other ranks wait
+    at a barrier (join the job first); returns ``_signal.json``. An existing dataset is reused
+    as it is: delete it to change its size or its behaviour columns."""
+    meta_file = Path(root) / "_signal.json"
+    if int(os.environ.get("RANK", "0")) == 0 and not meta_file.exists():
+        log.info("writing %d hourly windows x %d rows to %s", hours, rows_per_hour, root)
+        write_dataset(root, hours=hours, rows_per_hour=rows_per_hour, behaviour=behaviour)
+    if dist.is_initialized():
+        dist.barrier()
+    meta: dict[str, Any] = json.loads(meta_file.read_text())
+    if behaviour is not None and "oracle_auc_per_label" not in meta:
+        raise ValueError(f"{root} holds a dataset without the behaviour columns (item, hist_item, "
+                         "like); delete it or pass another directory.")
+    return meta
 
 
 def main(argv: list[str] | None = None) -> None:
