@@ -102,6 +102,8 @@ class DINClassifier(nn.Module):
     max_len=max_len)]``.
     """
 
+    positions: torch.Tensor
+
     def __init__(
         self,
         sparse_features: list[str],
@@ -152,6 +154,11 @@ class DINClassifier(nn.Module):
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[B]`` click logits."""
         dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
+        if batch.sequence is None:  # (always false while fx traces: a Proxy is not None)
+            raise ValueError(
+                f"DINClassifier reads batch.sequence (keys {self.item_feature!r}, "
+                f"{self.history_feature!r}), but the batch has none: declare them as "
+                "FeatureSpec(sequence=[SequenceFeature(...), ...]).")
         seq = self.items(batch.sequence)
         cand_jt, hist_jt = seq[self.item_feature], seq[self.history_feature]
         hist_len = hist_jt.lengths()
