@@ -84,6 +84,22 @@ def fit(name: str, model: nn.Module, spec: FeatureSpec, windows: list[Any],
     return trainer, [r.values for r in metrics.reports if r.scope == "eval"]
 
 
+def report(what: str, aucs: dict[str, list[float]], oracle: float, trainer: Trainer) -> None:
+    """Print each model's eval AUC per window, the last window's margin (first model minus
+    second) and the oracle, on rank 0."""
+    if not trainer.is_rank_zero:
+        return
+    for name, values in aucs.items():
+        print(f"{name:5s} eval {what} per window: " + " ".join(f"{v:.3f}" for v in values))
+    final = {name: values[-1] for name, values in aucs.items() if values}
+    line = ", ".join(f"{n} {v:.4f}" for n, v in final.items())
+    if len(final) == 2:
+        first, second = final.values()
+        line += f", margin {first - second:+.4f}"
+    print(f"final eval {what}: {line} (oracle {oracle:.4f}) after {trainer.state.global_step} "
+          f"steps per model on {trainer.world_size} rank(s)")
+
+
 def main() -> None:
     p = common_arguments(__doc__, "output/train_din")
     p.add_argument("--models", nargs="+", choices=["din", "dlrm"], default=["din", "dlrm"])
@@ -106,15 +122,9 @@ def main() -> None:
         spec = behaviour_features(a.num_embeddings, num_items=num_items, max_len=a.max_len,
                                   sequence=name == "din")
         trainer, results[name] = fit(name, model, spec, windows, a)
-    if trainer is not None and trainer.is_rank_zero:
-        for name, evals in results.items():
-            print(f"{name:5s} eval AUC per window: " + " ".join(f"{e['auc']:.3f}" for e in evals))
-        final = {name: evals[-1]["auc"] for name, evals in results.items() if evals}
-        line = ", ".join(f"{n} {v:.4f}" for n, v in final.items())
-        if len(final) == 2:
-            line += f", margin {final['din'] - final['dlrm']:+.4f}"
-        print(f"final eval AUC: {line} (oracle {meta['oracle_auc']:.4f}) after "
-              f"{trainer.state.global_step} steps per model on {trainer.world_size} rank(s)")
+    if trainer is not None:
+        report("AUC", {n: [e["auc"] for e in evals] for n, evals in results.items()},
+               meta["oracle_auc"], trainer)
     shutdown()
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from train_din import common_arguments, fit, prepare
+from train_din import common_arguments, fit, prepare, report
 
 from recsys_trainer import setup_logging, shutdown
 from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, behaviour_features
@@ -61,15 +61,8 @@ def main() -> None:
         if name == "mmoe" and trainer.is_rank_zero and evals:
             print(f"mmoe eval click AUC {evals[-1]['auc/label']:.4f} "
                   f"(oracle {meta['oracle_auc_per_label']['label']:.4f})")
-    if trainer is not None and trainer.is_rank_zero:
-        for name, aucs in like_auc.items():
-            print(f"{name:5s} eval like-AUC per window: " + " ".join(f"{v:.3f}" for v in aucs))
-        final = {name: aucs[-1] for name, aucs in like_auc.items() if aucs}
-        line = ", ".join(f"{n} {v:.4f}" for n, v in final.items())
-        if len(final) == 2:
-            line += f", margin {final['mmoe'] - final['dlrm']:+.4f}"
-        print(f"final eval like-AUC: {line} (oracle {meta['oracle_auc_per_label']['like']:.4f}) "
-              f"after {trainer.state.global_step} steps per model on {trainer.world_size} rank(s)")
+    if trainer is not None:
+        report("like-AUC", like_auc, meta["oracle_auc_per_label"]["like"], trainer)
     shutdown()
 
 
