@@ -144,11 +144,15 @@ def _batch(candidates: list[int], histories: list[list[int]]) -> Batch:
     )
 
 
-def test_din_names_a_history_longer_than_max_len_and_a_row_without_its_candidate() -> None:
+def test_din_names_a_long_history_a_missing_candidate_or_sequence_and_ignores_padding() -> None:
     model = DINClassifier(DIN_COLUMNS, 13, num_items=10, max_len=3, num_embeddings=10,
                           table_device="cpu")
-    loss, logits = model(_batch([1, 2], [[1, 2, 3], []]))  # an empty history attends to nothing
-    assert logits.shape == (2,) and torch.isfinite(loss)
+    batch = _batch([1, 2], [[1, 2, 3], []])  # an empty history attends to nothing
+    loss, logits = model(batch)
+    assert logits.shape == (2,) and torch.isfinite(loss) and float(loss.detach()) > 0
+    assert float(model(batch.as_padding())[0].detach()) == 0.0  # padding rows cost nothing
+    with pytest.raises(ValueError, match="declare them as FeatureSpec"):
+        model(Batch(dense=batch.dense, sparse=batch.sparse, labels=batch.labels))
     with pytest.raises(ValueError, match=r"row 1 of the batch has a history of 4 ids, more than the model's max_len=3"):
         model(_batch([1, 2], [[1], [1, 2, 3, 4]]))
     bad = _batch([1, 2], [[1], [2]])
@@ -165,9 +169,9 @@ def test_mmoe_with_one_expert_is_shared_bottom_and_padding_batches_cost_nothing(
     batch = _batch([1, 2], [[1], [2]])
     batch.labels = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     loss, logits = model(batch)
-    assert logits.shape == (2, 2) and float(loss) > 0
+    assert logits.shape == (2, 2) and float(loss.detach()) > 0
     padding_loss, _ = model(batch.as_padding())
-    assert float(padding_loss) == 0.0
+    assert float(padding_loss.detach()) == 0.0
     with pytest.raises(ValueError, match="labels"):
         model(Batch(dense=batch.dense, sparse=batch.sparse, labels=torch.zeros(2)))
 
