@@ -125,7 +125,8 @@ def test_din_trains_on_two_gloo_ranks_and_both_report_the_same_eval_over_every_r
     r0, r1 = run_distributed(_din_worker, 2, timeout_s=300, args=(root, meta, str(tmp_path)))
     assert r0 == r1
     assert r0["num_samples"] == 8000  # each rank evaluated its half; the metrics cover all
-    # The same rows and step count as the 1-rank test (2 x 128 per step): the same bar as there.
+    # The same rows and steps as the 1-rank test (2 x 128 per step). Measured 0.659; the DLRM
+    # without the history reaches 0.606 there.
     assert r0["auc"] > 0.64, r0
 
 
