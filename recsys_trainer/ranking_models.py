@@ -97,7 +97,7 @@ class DINClassifier(nn.Module):
     vectors of the DLRM's pairwise interaction. Output: one logit per row; loss: weighted BCE.
     ``item_init_max``: the item table starts uniform in ``[-item_init_max, item_init_max]``.
 
-    With a ``FeatureSpec`` from feat-inputs: ``sequence=[SequenceFeature(name="item",
+    The ``FeatureSpec`` that feeds it: ``sequence=[SequenceFeature(name="item",
     num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
     max_len=max_len)]``.
     """
