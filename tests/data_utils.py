@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -43,3 +44,21 @@ def write_windows(root: str, rows_per_file: Sequence[Sequence[int]], row_group_s
 
 def row_ids(batch) -> list[int]:  # type: ignore[no-untyped-def]
     return [int(x) for x in batch.dense[:, 0].tolist()]
+
+
+def train_interrupted_then_resumed(dataset: Callable[[], Any], trainer: Callable[..., Any],
+                                   stop_after: int, hook: Any) -> tuple[Any, dict[str, Any]]:
+    """Train ``stop_after`` steps on a fresh ``dataset()``, then train to the end on another
+    fresh one resumed from the first run's trainer and dataset state (``hook`` in both runs;
+    ``trainer(ds, hooks=[...], **args)`` builds a Trainer). Returns the second trainer and the
+    trainer state saved at the interruption."""
+    ds = dataset()
+    first = trainer(ds, hooks=[hook], train_steps=stop_after)
+    first.train()
+    saved_trainer, saved_data = first.state.state_dict(), ds.state_dict()
+    ds2 = dataset()
+    second = trainer(ds2, hooks=[hook])
+    ds2.load_state_dict(saved_data)
+    second.state.load_state_dict(saved_trainer)
+    second.train()
+    return second, saved_trainer

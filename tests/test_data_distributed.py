@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from data_utils import row_id_spec, row_ids, write_windows
+from data_utils import row_id_spec, row_ids, train_interrupted_then_resumed, write_windows
 from dist_utils import run_distributed
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
@@ -68,23 +68,13 @@ def test_ranks_with_0_3_and_5_batches_end_each_window_at_the_same_step_without_h
 
 def _resume_worker(root: str, stop_after: int) -> dict[str, Any]:
     seen: list[int] = []
-    rec = LambdaHook(after_data=lambda t, b: seen.extend(row_ids(b)))
-
-    def dataset() -> ParquetWindowDataset:
-        return ParquetWindowDataset(root, row_id_spec(), batch_size=4, shuffle=True, seed=11)
-
-    ds = dataset()
-    first = _trainer(row_id_spec(), ds, hooks=[rec], train_steps=stop_after)
-    first.train()
-    saved_trainer, saved_data = first.state.state_dict(), ds.state_dict()
-    interrupted_at = len(seen)
-
-    ds2 = dataset()
-    second = _trainer(row_id_spec(), ds2, hooks=[rec])
-    ds2.load_state_dict(saved_data)
-    second.state.load_state_dict(saved_trainer)
-    second.train()
-    return {"seen": seen, "interrupted_at": interrupted_at, "unread": second.state.rows_unread,
+    interrupted: list[int] = []  # rows seen when each train() ended
+    second, saved_trainer = train_interrupted_then_resumed(
+        lambda: ParquetWindowDataset(root, row_id_spec(), batch_size=4, shuffle=True, seed=11),
+        lambda ds, **kw: _trainer(row_id_spec(), ds, **kw), stop_after,
+        LambdaHook(after_data=lambda t, b: seen.extend(row_ids(b)),
+                   after_train=lambda t: interrupted.append(len(seen))))
+    return {"seen": seen, "interrupted_at": interrupted[0], "unread": second.state.rows_unread,
             "position": saved_trainer["window_index"], "in_window": saved_trainer["batches_in_window"]}
 
 

@@ -313,3 +313,52 @@ def test_a_yaml_config_declares_sequence_features_and_transforms() -> None:
     with pytest.raises(ConfigError, match=r"unknown key `data.features.sequence\[0\].weight_column`"):
         ParquetDataConfig(train="/nonexistent", features={
             "labels": ["click"], "sequence": [{"name": "h", "num_embeddings": 3, "weight_column": "w"}]})
+
+
+def test_the_model_check_routes_pooled_tables_to_sparse_features_and_unpooled_to_either() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    from recsys_trainer.sharding import check_data_fits_model
+
+    class M(torch.nn.Module):
+        def __init__(self, pooled: str, unpooled: list[str], rows: int = 40) -> None:
+            super().__init__()
+            meta = torch.device("meta")
+            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                name="t_user", embedding_dim=4, num_embeddings=10, feature_names=[pooled])], device=meta)
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
+                name="t_item", embedding_dim=4, num_embeddings=rows, feature_names=unpooled)], device=meta)
+
+    class Data:
+        features = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="user", num_embeddings=10)],
+                               sequence=[SequenceFeature(name="item", num_embeddings=40),
+                                         SequenceFeature(name="hist", num_embeddings=40, max_len=5)])
+
+    check_data_fits_model(M("user", ["item", "hist"]), [Data()])
+    check_data_fits_model(M("user", ["user", "item"]), [Data()])  # a sparse feature into an EC is fine
+    with pytest.raises(ValueError, match=r"feature 'item' is a SequenceFeature \(Batch.sequence, unpooled\), "
+                                         r"but table 't_user' is in an EmbeddingBagCollection"):
+        check_data_fits_model(M("item", ["hist"]), [Data()])
+    with pytest.raises(ValueError, match=r"declares sparse \['user'\] and sequence \['hist', 'item'\]: \['cand'\] missing"):
+        check_data_fits_model(M("user", ["cand", "hist"]), [Data()])
+    with pytest.raises(ValueError, match=r"sequence feature 'item' holds ids in \[0, 40\) \(its SequenceFeature "
+                                         r"num_embeddings\), but the table it feeds, 't_item', has 30 rows"):
+        check_data_fits_model(M("user", ["item", "hist"], rows=30), [Data()])
+
+
+def test_rows_dropped_for_nan_labels_take_their_sequences_and_bags_with_them() -> None:
+    t = pa.table({"y": [1.0, None, 0.0, float("nan"), 1.0],
+                  "hist": _lists([[1], [2, 2], [3, 3, 3], [4], [5, 6, 7, 8]]),
+                  "tags": _lists([[10], [20], [], [40], [50, 51]])})
+    spec = FeatureSpec(labels=["y"], on_nan_label="drop",
+                       sparse=[SparseFeature(name="tags", num_embeddings=60)],
+                       sequence=[SequenceFeature(name="h", column="hist", num_embeddings=10, max_len=2)])
+    chunk = spec.decode_chunk(t)
+    b = chunk.batch(0, 5)
+    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    assert b.sequence is not None and _jagged(b.sequence, "h") == [[1], [3, 3], [7, 8]]
+    assert _jagged(b.sparse, "tags") == [[10], [], [50, 51]]
+    # Cutting source rows [1, 4) keeps the one surviving row, 2.
+    part = chunk.batch(1, 4)
+    assert part.batch_size == 1 and part.sequence is not None and _jagged(part.sequence, "h") == [[3, 3]]

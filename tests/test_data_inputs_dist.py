@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from data_utils import train_interrupted_then_resumed
 from dist_utils import run_distributed
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
@@ -128,22 +129,13 @@ def _rows_of(b: Batch) -> list[dict[str, Any]]:
 
 def _resume_worker(root: str, stop_after: int) -> dict[str, Any]:
     seen: list[dict[str, Any]] = []
-    rec = LambdaHook(after_data=lambda t, b: seen.extend(_rows_of(b)))
-
-    def dataset() -> ParquetWindowDataset:
-        return ParquetWindowDataset(root, seq_spec(), batch_size=4, shuffle=True, seed=11)
-
-    ds = dataset()
-    first = _trainer(seq_spec(), ds, hooks=[rec], train_steps=stop_after)
-    first.train()
-    saved_trainer, saved_data = first.state.state_dict(), ds.state_dict()
-    interrupted_at = len(seen)
-    ds2 = dataset()
-    second = _trainer(seq_spec(), ds2, hooks=[rec])
-    ds2.load_state_dict(saved_data)
-    second.state.load_state_dict(saved_trainer)
-    second.train()
-    return {"seen": seen, "interrupted_at": interrupted_at, "unread": second.state.rows_unread}
+    interrupted: list[int] = []  # rows seen when each train() ended
+    second, _ = train_interrupted_then_resumed(
+        lambda: ParquetWindowDataset(root, seq_spec(), batch_size=4, shuffle=True, seed=11),
+        lambda ds, **kw: _trainer(seq_spec(), ds, **kw), stop_after,
+        LambdaHook(after_data=lambda t, b: seen.extend(_rows_of(b)),
+                   after_train=lambda t: interrupted.append(len(seen))))
+    return {"seen": seen, "interrupted_at": interrupted[0], "unread": second.state.rows_unread}
 
 
 def test_resumed_training_with_sequence_and_weighted_multi_hot_features_reads_every_row_once(tmp_path) -> None:

@@ -3,12 +3,17 @@
 A ``FeatureSpec`` names the label column(s), the dense float columns and the sparse id columns of
 a table. ``FeatureSpec.decode(table)`` turns an Arrow table (one batch of rows) into a ``Batch``:
 
-* dense: ``float32 [B, num_dense]``; nulls become ``fill_value``; NaN/Inf are filled or rejected.
+* dense: ``float32 [B, num_dense]``; nulls become ``fill_value``; NaN/Inf are filled or
+  rejected; then the declared ``clip`` / ``log1p`` / ``standardize``.
 * sparse: one ``KeyedJaggedTensor`` key per ``SparseFeature``, key-major, built with one
   ``np.concatenate`` (see DESIGN.md "KJT from arrow"). Integer ids are checked against the table
   size; string ids (and integer ids with ``hash=True``) are hashed with a *stable* 64-bit hash
   (defined on the UTF-8 bytes, the same on every machine and Python run) into ``[0, n)``.
-  ``list<...>`` columns give several ids per row (jagged); null or empty lists give none.
+  ``list<...>`` columns give several ids per row (jagged); null or empty lists give none;
+  ``weight_column`` gives the KJT's weights. Declared transforms (``boundaries``, ``div``/``mod``,
+  ``cross``, ``null_id``) turn raw values into ids on the way.
+* sequence: ``Batch.sequence``, one KJT key per ``SequenceFeature`` (unpooled, for an
+  ``EmbeddingCollection``), lists cut to their last ``max_len`` ids.
 * labels: ``float32 [B]`` (one label) or ``[B, T]``; NaN/null labels are rejected or dropped.
 
 Every problem raises ``DataError`` naming the column and (through the reader) file, row group
