@@ -565,21 +565,17 @@ class RunConfig:
                     f"`model.class` is {m.spec.path!r}; use `data.kind: parquet` or a dataset by "
                     "`data.class`.")
             return  # a model by import path gets its schema from its own arguments
-        if isinstance(d, ClassDataConfig):
+        if isinstance(d, ClassDataConfig | SyntheticDataConfig):
             missing = [k for k in ("sparse_features", "num_dense", "num_embeddings") if getattr(m, k) is None]
             if missing:
+                what = "`data.class`" if isinstance(d, ClassDataConfig) else "`data.kind: synthetic`"
                 raise ConfigError(
-                    f"with `data.class` the bundled model cannot read a schema from the data: set "
+                    f"with {what} the model defines the schema: set "
                     f"{', '.join(f'`model.{k}`' for k in missing)}."
                 )
+        if isinstance(d, ClassDataConfig):
             return
         if isinstance(d, SyntheticDataConfig):
-            missing = [k for k in ("sparse_features", "num_dense", "num_embeddings") if getattr(m, k) is None]
-            if missing:
-                raise ConfigError(
-                    f"with `data.kind: synthetic` the model defines the schema: set "
-                    f"{', '.join(f'`model.{k}`' for k in missing)}."
-                )
             if isinstance(m.num_embeddings, list):
                 raise ConfigError(
                     "with `data.kind: synthetic`, `model.num_embeddings` must be one int (all "
