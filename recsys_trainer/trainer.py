@@ -17,6 +17,7 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
                         forward, backward            # fused sparse update happens here
                     dense optimizer step, lr scheduler step, global_step += 1
                     after_step(output)
+                    [train_and_evaluate with eval_every_n_steps/_rows: evaluate, if due]
                     [checkpoint triggers]
                     if global_step == train_steps: break all
                 after_window(window_id)
@@ -352,7 +353,8 @@ class Trainer:
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``
-        after train window ``i``) or after each epoch (unwindowed eval data)."""
+        after train window ``i``) or after each epoch (unwindowed eval data), or on the eval
+        period (``args.eval_every_n_*``)."""
         self._require(self.eval_dataset, "eval_dataset")
         if self.smoke is not None and not self.smoke.running:
             self.smoke.run(self)
