@@ -255,6 +255,7 @@ class Trainer:
         if a.smoke_test:
             self.smoke = SmokeTest(smoke_directory(self.gang))
             self.args = smoke_arguments(a, self.smoke.output_dir)
+            checkpointer = None  # a given one saves into its own output_dir: never in test mode
         # Attached on every rank (the default creates its own gloo group: a collective). It
         # resumes, saves on the configured triggers, and serves save/load_checkpoint.
         self.checkpointer = checkpointer if checkpointer is not None else \
