@@ -12,7 +12,8 @@ configured job, and reports the first that fails (``SmokeTestError`` names it an
    the restored data position.
 
 Everything is written to a fresh temporary directory (``tempfile``: ``$TMPDIR``, made by rank 0
-and checked on every rank), never to ``output_dir``, and removed at the end. ``output_dir``'s
+and checked on every rank), never to ``output_dir`` (a ``checkpointer`` passed to the Trainer is
+not used), and removed at the end. ``output_dir``'s
 checkpoints are not resumed from (``resume_from`` is ignored); ``model_bank`` warm-starts still
 run, as in the real job. The periodic log/eval/save settings are replaced: the hooks log every
 step, nothing is saved but phase 3.
