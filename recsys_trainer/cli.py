@@ -28,7 +28,6 @@ import yaml
 from recsys_trainer.config import (
     ClassDataConfig,
     ConfigError,
-    ModelConfig,
     RunConfig,
     SyntheticDataConfig,
     config_to_dict,
@@ -80,16 +79,13 @@ def build_datasets(cfg: RunConfig, rank: int) -> tuple[Any, Any]:
     if isinstance(d, SyntheticDataConfig):
         from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
 
-        m = cfg.model
-        assert isinstance(m, ModelConfig)  # config validation refuses synthetic data otherwise
-        assert isinstance(m.sparse_features, list) and isinstance(m.num_embeddings, int)
-        assert m.num_dense is not None
-        signal = PlantedSignal.make(len(m.sparse_features), m.num_dense, m.num_embeddings,
-                                    seed=d.signal_seed, strength=d.signal_strength)
+        features, num_dense, rows = cfg.synthetic_schema()
+        signal = PlantedSignal.make(len(features), num_dense, rows, seed=d.signal_seed,
+                                    strength=d.signal_strength)
 
         def make(n: int, seed: int) -> Any:
-            return synthetic_batches(n, d.batch_size, m.sparse_features, m.num_dense,  # type: ignore[arg-type]
-                                     m.num_embeddings, seed=seed, signal=signal)  # type: ignore[arg-type]
+            return synthetic_batches(n, d.batch_size, features, num_dense, rows, seed=seed,
+                                     signal=signal)
 
         train = make(d.train_batches, d.seed + rank)
         held_out = make(d.eval_batches, d.seed + 10_000 + rank) if d.eval_batches else None

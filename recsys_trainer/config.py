@@ -565,31 +565,40 @@ class RunConfig:
         cfg._resolve_schema()
         return cfg
 
+    def synthetic_schema(self) -> tuple[list[str], int, int]:
+        """``(sparse feature names, num_dense, num_embeddings)`` for ``data.kind: synthetic``:
+        the bundled model's fields, or a model by ``class`` whose arguments of the same names
+        give them (a list of names, an int, one int)."""
+        m = self.model
+        raw = dataclasses.asdict(m) if isinstance(m, ModelConfig) else m.spec.kwargs
+        names, num_dense, rows = (raw.get(k) for k in ("sparse_features", "num_dense", "num_embeddings"))
+        if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
+                and isinstance(num_dense, int) and isinstance(rows, int)):
+            raise ConfigError(
+                "`data.kind: synthetic` takes its schema from the model's arguments "
+                "`sparse_features` (a list of names), `num_dense` (an int) and `num_embeddings` "
+                f"(one int), but `model` gives {names!r}, {num_dense!r}, {rows!r}; give the model "
+                "those arguments, or use `data.kind: parquet` or a dataset by `data.class`.")
+        return names, num_dense, rows
+
     def _resolve_schema(self) -> None:
         """Fill the model's features from the data (parquet) or require them (synthetic)."""
         m, d = self.model, self.data
         if not isinstance(m, ModelConfig):
             if isinstance(d, SyntheticDataConfig):
-                raise ConfigError(
-                    "`data.kind: synthetic` takes its schema from the bundled model's fields, but "
-                    f"`model.class` is {m.spec.path!r}; use `data.kind: parquet` or a dataset by "
-                    "`data.class`.")
+                self.synthetic_schema()  # from the model's arguments of the bundled model's names
             return  # a model by import path gets its schema from its own arguments
-        if isinstance(d, ClassDataConfig):
+        if isinstance(d, ClassDataConfig | SyntheticDataConfig):
             missing = [k for k in ("sparse_features", "num_dense", "num_embeddings") if getattr(m, k) is None]
             if missing:
+                what = "`data.class`" if isinstance(d, ClassDataConfig) else "`data.kind: synthetic`"
                 raise ConfigError(
-                    f"with `data.class` the bundled model cannot read a schema from the data: set "
+                    f"with {what} the model defines the schema: set "
                     f"{', '.join(f'`model.{k}`' for k in missing)}."
                 )
+        if isinstance(d, ClassDataConfig):
             return
         if isinstance(d, SyntheticDataConfig):
-            missing = [k for k in ("sparse_features", "num_dense", "num_embeddings") if getattr(m, k) is None]
-            if missing:
-                raise ConfigError(
-                    f"with `data.kind: synthetic` the model defines the schema: set "
-                    f"{', '.join(f'`model.{k}`' for k in missing)}."
-                )
             if isinstance(m.num_embeddings, list):
                 raise ConfigError(
                     "with `data.kind: synthetic`, `model.num_embeddings` must be one int (all "

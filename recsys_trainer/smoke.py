@@ -12,7 +12,8 @@ configured job, and reports the first that fails (``SmokeTestError`` names it an
    the restored data position.
 
 Everything is written to a fresh temporary directory (``tempfile``: ``$TMPDIR``, made by rank 0
-and checked on every rank), never to ``output_dir``, and removed at the end. ``output_dir``'s
+and checked on every rank), never to ``output_dir`` (a ``checkpointer`` passed to the Trainer is
+not used), and removed at the end. ``output_dir``'s
 checkpoints are not resumed from (``resume_from`` is ignored); ``model_bank`` warm-starts still
 run, as in the real job. The periodic log/eval/save settings are replaced: the hooks log every
 step, nothing is saved but phase 3.
@@ -132,8 +133,14 @@ class SmokeTest:
                 raise RuntimeError(f"the loaded checkpoint is at step {trainer.state.global_step}, "
                                    f"not {saved_step}")
             if trainer.train_dataset is not None:
+                # One more step from the restored position; one more epoch allowed, so data of
+                # just 2 batches (its epoch ended in the saved state) still trains a step.
                 trainer.args.train_steps = saved_step + 1
+                trainer.args.train_epoch = trainer.state.epoch + 2
                 trainer.train()
+                if trainer.state.global_step != saved_step + 1:
+                    raise RuntimeError(f"training after the resume ended at step "
+                                       f"{trainer.state.global_step}, not {saved_step + 1}")
             seconds[phase] = time.perf_counter() - t0
             trainer.gang.barrier()  # every rank is done with the directory before it goes
         except SmokeTestError:

@@ -17,6 +17,7 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
                         forward, backward            # fused sparse update happens here
                     dense optimizer step, lr scheduler step, global_step += 1
                     after_step(output)
+                    [train_and_evaluate with eval_every_n_steps/_rows: evaluate, if due]
                     [checkpoint triggers]
                     if global_step == train_steps: break all
                 after_window(window_id)
@@ -266,6 +267,7 @@ class Trainer:
         if a.smoke_test:
             self.smoke = SmokeTest(smoke_directory(self.gang))
             self.args = smoke_arguments(a, self.smoke.output_dir)
+            checkpointer = None  # a given one saves into its own output_dir: never in test mode
         # Attached on every rank (the default creates its own gloo group: a collective). It
         # resumes, saves on the configured triggers, and serves save/load_checkpoint.
         self.checkpointer = checkpointer if checkpointer is not None else \
@@ -372,7 +374,8 @@ class Trainer:
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``
-        after train window ``i``) or after each epoch (unwindowed eval data)."""
+        after train window ``i``) or after each epoch (unwindowed eval data), or on the eval
+        period (``args.eval_every_n_*``)."""
         self._require(self.eval_dataset, "eval_dataset")
         if self.smoke is not None and not self.smoke.running:
             self.smoke.run(self)

@@ -39,6 +39,12 @@ def test_smoke_mode_trains_evaluates_saves_and_resumes_outside_output_dir(tmp_pa
     assert not os.path.exists(smoke_dir), "the smoke test left its directory behind"
 
 
+def test_smoke_mode_passes_on_train_data_of_just_two_batches(tmp_path: Path) -> None:
+    trainer = make_trainer(train=batches(2), output_dir=str(tmp_path / "out"), smoke_test=True)
+    trainer.train()
+    assert trainer.smoke is not None and trainer.smoke.report["steps"] == 3
+
+
 @pytest.mark.parametrize(("event", "phase"), [
     ("after_step", "train"), ("after_eval_step", "evaluate"), ("before_save_checkpoint", "save"),
     ("after_load_checkpoint", "resume"),
