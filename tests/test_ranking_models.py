@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +199,20 @@ def test_the_behaviour_log_keeps_the_plain_log_bytes_and_records_an_oracle_per_l
     assert (likes <= beh.column("label").to_numpy()).all()  # a like is a clicked row
     assert 0.5 < meta["oracle_auc_per_label"]["like"] <= 1.0 and 0 < meta["like_rate"] < meta["ctr"]
     assert os.path.exists(tmp_path / "beh" / "_signal.json")
+
+
+@pytest.mark.parametrize("config", ["din_behaviour", "multitask_behaviour"])
+def test_the_example_yaml_trains_its_model_by_import_path_through_the_cli(config: str, tmp_path: Path) -> None:
+    # The configs read data/criteo_behaviour relative to the working directory.
+    write_dataset(tmp_path / "data" / "criteo_behaviour", hours=6, rows_per_hour=600,
+                  behaviour=BehaviourSignal.make())
+    yaml_path = Path(__file__).resolve().parents[1] / "examples" / "configs" / f"{config}.yaml"
+    p = subprocess.run(
+        [sys.executable, "-m", "recsys_trainer", str(yaml_path), "--args.output_dir",
+         str(tmp_path / "out"), "--data.batch_size", "256"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    assert "rank 0/1 done: global_step=15" in p.stdout, p.stdout[-2000:]  # 5 windows x 3 steps
+    metric = "auc/like" if config == "multitask_behaviour" else "auc"
+    assert f"| {metric} " in p.stderr + p.stdout
