@@ -17,6 +17,12 @@ steps each), so machine drift hits all of them alike:
 - ``torchrec_pipeline``: the same with TorchRec's ``TrainPipelineSparseDist``.
 - ``trainer``: ``recsys_trainer.Trainer`` (pipeline="none"), no hooks.
 - ``trainer_pipeline``: ``Trainer`` with ``pipeline="sparse_dist"``.
+- ``trainer_no_sequence`` / ``trainer_sequence``: the cost of a sequence feature. The same DLRM
+  with one more table, a candidate item (100k rows) read as a pooled feature, and then that
+  table as an unpooled ``EmbeddingCollection`` read by the candidate *and* a max_len-50 history
+  (1..50 items per row, uniform), attention-pooled into one more interaction vector
+  (``ranking_models.DINClassifier``); both through the Trainer (pipeline="none"). The report
+  gives the step-time ratio sequence / no sequence.
 
 Each measured segment is one "window" of --steps batches for every variant (pipelines are
 refilled per segment in both the hand-written and the Trainer variant).
@@ -33,7 +39,6 @@ Goal: trainer >= 0.95x torchrec_loop; trainer_pipeline > torchrec_loop.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -55,11 +60,14 @@ from common import (  # noqa: E402
     peak_rss_mib,
     plain_inputs,
     quiet_torchrec,
+    sequence_models,
     synchronize,
     torchrun,
+    with_items,
 )
 
-VARIANTS = ("plain_pytorch", "torchrec_loop", "torchrec_pipeline", "trainer", "trainer_pipeline")
+VARIANTS = ("plain_pytorch", "torchrec_loop", "torchrec_pipeline", "trainer", "trainer_pipeline",
+            "trainer_no_sequence", "trainer_sequence")
 
 
 class Variant:
@@ -87,7 +95,7 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
                    device: torch.device) -> list[Variant]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer import SparseOptimizer
     from recsys_trainer.sharding import dense_parameters, shard_model
 
     sparse = SparseOptimizer(a.sparse_optimizer, lr=0.05)
@@ -159,32 +167,45 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
 
         out.append(Variant("torchrec_pipeline", run_pipe))
 
-    has_pipeline = any(f.name == "pipeline" for f in dataclasses.fields(TrainingArguments))
     for name, pipeline in (("trainer", "none"), ("trainer_pipeline", "sparse_dist")):
-        if name not in names or (pipeline != "none" and not has_pipeline):
-            continue
-        torch.manual_seed(0)
-        extra = {"pipeline": pipeline} if has_pipeline else {}
-        # One endless window (the batches cycled), so the Trainer's window bookkeeping and
-        # pipeline refill happen once per measured segment, as for the hand-written variants.
-        trainer = Trainer(
-            model=dlrm(a.num_tables, a.num_embeddings, a.embedding_dim),
-            args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_trainer_"),
-                                   train_epoch=10**9, train_steps=1, log_steps=10**9,
-                                   resume_from=None, device=device.type, **extra),
-            train_dataset=lambda: itertools.cycle(batches),
-            dense_optimizers=(_dense_adam, None),
-            sparse_optimizer=sparse,
-            add_logger_hook=False,
-        )
+        if name in names:
+            # One endless window (the batches cycled), so the Trainer's window bookkeeping and
+            # pipeline refill happen once per measured segment, as for the hand-written variants.
+            model = dlrm(a.num_tables, a.num_embeddings, a.embedding_dim)
+            out.append(Variant(name, trainer_run(model, batches, sparse, device, pipeline)))
 
-        def run_trainer(n: int, trainer: Any = trainer) -> None:
-            trainer.args.train_steps = trainer.state.global_step + n
-            trainer.train()
-            assert trainer.state.global_step == trainer.args.train_steps
-
-        out.append(Variant(name, run_trainer))
+    no_seq, seq = sequence_models(a.num_tables, a.num_embeddings, a.embedding_dim)
+    for name, model, sequence in (("trainer_no_sequence", no_seq, False),
+                                  ("trainer_sequence", seq, True)):
+        if name in names:
+            out.append(Variant(name, trainer_run(model, with_items(batches, sequence, seed=7),
+                                                 sparse, device, "none")))
     return out
+
+
+def trainer_run(model: torch.nn.Module, batches: list[Any], sparse: Any,
+                device: torch.device, pipeline: str) -> Callable[[int], None]:
+    """A Trainer over ``batches`` cycled as one endless window; calling it trains n steps."""
+    from recsys_trainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_trainer_"),
+                               train_epoch=10**9, train_steps=1, log_steps=10**9,
+                               resume_from=None, device=device.type, pipeline=pipeline),
+        train_dataset=lambda: itertools.cycle(batches),
+        dense_optimizers=(_dense_adam, None),
+        sparse_optimizer=sparse,
+        add_logger_hook=False,
+    )
+
+    def run(n: int) -> None:
+        trainer.args.train_steps = trainer.state.global_step + n
+        trainer.train()
+        assert trainer.state.global_step == trainer.args.train_steps
+
+    return run
 
 
 def worker(a: argparse.Namespace) -> None:
@@ -253,6 +274,13 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
                 f"{sps / plain:.3f}" if plain else "-",
                 f"{spread:.2f}",
             ])
+    seq_lines = []
+    for res in results:
+        v = res["variants"]
+        if "trainer_sequence" in v and "trainer_no_sequence" in v:
+            ratio = v["trainer_no_sequence"]["samples_per_s"] / v["trainer_sequence"]["samples_per_s"]
+            seq_lines.append(f"- {res['world_size']} rank(s): step time with a max_len-50 sequence "
+                             f"feature / without = **{ratio:.2f}x**")
     setting = (f"{a.num_tables} tables x {a.num_embeddings:,} x {a.embedding_dim}, batch {a.batch_size}"
                f"/rank, sparse {a.sparse_optimizer} + dense Adam, {a.rounds} interleaved rounds x "
                f"{a.steps} steps after {a.warmup} warmup, on {results[0].get('device', a.device)}")
@@ -266,6 +294,9 @@ def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
         "",
         "Goal: `trainer` >= 0.95x `torchrec_loop`; `trainer_pipeline` above it. Round spread: "
         "slowest / fastest round of the variant (> 1.1 means the host was noisy; rerun).",
+        *(["", "Cost of a sequence feature (`trainer_sequence` vs `trainer_no_sequence`, the same "
+           "DLRM with the candidate item pooled vs with it and a 1..50-item history in one "
+           "EmbeddingCollection table, attention-pooled):", *seq_lines] if seq_lines else []),
     ])
 
 

@@ -6,6 +6,7 @@ host is noisy (+-10-15% run to run), so an absolute samples/s from one run means
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import resource
@@ -18,10 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.models import DLRMClassifier, weighted_bce_with_logits
+from recsys_trainer.ranking_models import DINClassifier
 
 NUM_DENSE = 13
 DENSE_ARCH = (512, 256, 64)
@@ -38,6 +41,45 @@ def make_batches(num_batches: int, batch_size: int, num_tables: int, num_embeddi
     sig = PlantedSignal.make(num_tables, NUM_DENSE, num_embeddings, seed=1234, strength=0.35)
     return synthetic_batches(num_batches, batch_size, sparse_names(num_tables), NUM_DENSE,
                              num_embeddings, seed=seed, signal=sig)
+
+
+SEQUENCE_MAX_LEN = 50
+NUM_ITEMS = 100_000
+
+
+def with_items(batches: list[Batch], sequence: bool, seed: int) -> list[Batch]:
+    """``batches`` plus a candidate item per row: as one more pooled feature ``item`` (the
+    DLRM without a sequence), or with each row's history of 1..``SEQUENCE_MAX_LEN`` items
+    (uniform lengths) as ``batch.sequence`` keys ``item``/``hist_item`` (the DIN)."""
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for b in batches:
+        n = b.batch_size
+        item = torch.randint(0, NUM_ITEMS, (n,), generator=rng)
+        ones = torch.ones(n, dtype=torch.int32)
+        if not sequence:
+            extra = KeyedJaggedTensor(keys=["item"], values=item, lengths=ones, stride=n)
+            out.append(dataclasses.replace(b, sparse=KeyedJaggedTensor.concat([b.sparse, extra])))
+            continue
+        lens = torch.randint(1, SEQUENCE_MAX_LEN + 1, (n,), generator=rng, dtype=torch.int32)
+        hist = torch.randint(0, NUM_ITEMS, (int(lens.sum()),), generator=rng)
+        seq = KeyedJaggedTensor(keys=["item", "hist_item"], values=torch.cat([item, hist]),
+                                lengths=torch.cat([ones, lens]), stride=n)
+        out.append(dataclasses.replace(b, sequence=seq))
+    return out
+
+
+def sequence_models(num_tables: int, num_embeddings: int, embedding_dim: int,
+                    ) -> tuple[DLRMClassifier, DINClassifier]:
+    """The benchmark DLRM with the candidate item as a pooled table, and the same DLRM with the
+    candidate and a max_len-50 history in one shared item table, attention-pooled (DIN)."""
+    names = sparse_names(num_tables)
+    arch = {"dense_arch": (*DENSE_ARCH[:-1], embedding_dim), "over_arch": OVER_ARCH}
+    without = DLRMClassifier([*names, "item"], NUM_DENSE, [num_embeddings] * num_tables + [NUM_ITEMS],
+                             embedding_dim, **arch)
+    with_seq = DINClassifier(names, NUM_DENSE, num_items=NUM_ITEMS, max_len=SEQUENCE_MAX_LEN,
+                             num_embeddings=num_embeddings, embedding_dim=embedding_dim, **arch)
+    return without, with_seq
 
 
 def dlrm(num_tables: int, num_embeddings: int, embedding_dim: int) -> DLRMClassifier:

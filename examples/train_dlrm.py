@@ -14,16 +14,12 @@ dense towers. The eval AUC printed at the end is computed over all ranks' rows.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, setup_logging, shutdown
-from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, criteo_features, write_dataset
+from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, criteo_features, ensure_dataset
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed
@@ -31,17 +27,6 @@ from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.models import DLRMClassifier, TableInit, normal_init, uniform_init
 
 log = logging.getLogger("recsys_trainer")
-
-
-def ensure_data(root: Path, hours: int, rows_per_hour: int) -> dict[str, float]:
-    """Rank 0 writes the dataset if it is missing; the others wait at a barrier."""
-    meta_file = root / "_signal.json"
-    if int(os.environ.get("RANK", "0")) == 0 and not meta_file.exists():
-        log.info("writing %d hourly windows x %d rows to %s", hours, rows_per_hour, root)
-        write_dataset(root, hours=hours, rows_per_hour=rows_per_hour)
-    if dist.is_initialized():
-        dist.barrier()
-    return json.loads(meta_file.read_text())
 
 
 def table_init(arg: str) -> TableInit | None:
@@ -73,7 +58,7 @@ def main() -> None:
     # Join the job first (the Trainer reuses the group), so rank 0 can write the dataset while
     # the other ranks wait.
     init_distributed()
-    meta = ensure_data(Path(a.data), a.hours, a.rows_per_hour)
+    meta = ensure_dataset(a.data, a.hours, a.rows_per_hour)
     windows = partitioned_windows(a.data)
     spec = criteo_features(a.num_embeddings)
     torch.manual_seed(0)  # the dense towers are initialised here, before the Trainer exists

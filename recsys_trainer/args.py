@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from recsys_trainer.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
+from recsys_trainer.periods import Period, one_period
 from recsys_trainer.validation import check_choice, check_int, check_number, check_type, fail
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
@@ -115,8 +116,33 @@ class TrainingArguments:
     eval_steps: int | None = None
     """Evaluate at most this many batches per evaluation (None: all eval data)."""
 
-    log_steps: int = 100
-    """``LoggerHook`` (and other periodic reporters) report every this many steps."""
+    log_steps: int | None = None
+    """``LoggerHook`` (and other periodic reporters) report every this many steps (100 when
+    neither this nor ``log_every_n_rows`` is set)."""
+
+    log_every_n_rows: int | None = None
+    """Report instead after every this many training rows of all ranks (``rows_seen``; the
+    same step on every rank). Exclusive with ``log_steps``."""
+
+    eval_every_n_steps: int | None = None
+    """``train_and_evaluate`` evaluates every this many steps. At most one of the
+    ``eval_every_n_*`` fields; with none, it evaluates after every train window (windowed eval
+    data: eval window i after train window i) or after every epoch (unwindowed eval data). A
+    steps or rows period evaluates the eval window paired with the current train window
+    (windowed eval data) or all eval data; it needs pipeline="none"."""
+    eval_every_n_rows: int | None = None
+    """``train_and_evaluate`` evaluates after every this many training rows of all ranks."""
+    eval_every_n_windows: int | None = None
+    """``train_and_evaluate`` evaluates after every this many train windows of an epoch
+    (windowed eval data: the paired eval window; else all eval data)."""
+    eval_every_n_epochs: int | None = None
+    """``train_and_evaluate`` evaluates all eval data after every this many epochs."""
+
+    smoke_test: bool = False
+    """Test mode: ``train``/``evaluate``/``train_and_evaluate`` run a couple of train steps, one
+    eval batch, one checkpoint save and a resume from it, in a temporary directory (never
+    ``output_dir``), and raise ``SmokeTestError`` naming the phase that failed
+    (``recsys_trainer.smoke``)."""
 
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step. Dense grads accumulate (no all-reduce until the last
@@ -168,6 +194,9 @@ class TrainingArguments:
     # ---- checkpointing (see recsys_trainer.checkpoint) ----
     save_steps: int | None = None
     """Save every this many optimizer steps."""
+    save_every_n_rows: int | None = None
+    """Save after every this many training rows of all ranks (exclusive with ``save_steps``;
+    windows and epochs triggers may be added to either)."""
     save_every_n_windows: int | None = None
     """Save after every this many train windows."""
     save_every_n_epochs: int | None = None
@@ -206,9 +235,11 @@ class TrainingArguments:
         for name in ("train_steps", "eval_steps", "window_iter", "save_steps",
                      "save_every_n_windows", "save_every_n_epochs", "max_non_finite_skips"):
             check_int(name, getattr(self, name), allow_none=True)
-        for name in ("train_epoch", "log_steps", "gradient_accumulation_steps", "max_to_keep",
+        for name in ("train_epoch", "gradient_accumulation_steps", "max_to_keep",
                      "save_concurrency_per_rank"):
             check_int(name, getattr(self, name))
+        self._check_periods()
+        check_type("smoke_test", self.smoke_test, (bool,), "true or false")
         check_number("max_grad_norm", self.max_grad_norm, above=0, allow_none=True)
         check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
         check_number("collective_timeout_s", self.collective_timeout_s, above=0)
@@ -237,6 +268,39 @@ class TrainingArguments:
                     raise ValueError(f"`model_bank` entries must be dicts, but one is {entry!r}.")
             model_bank_sources(self.model_bank)  # validates keys and components
         self._check_combinations()
+
+    def _check_periods(self) -> None:
+        log = one_period("log", {"log_steps": (self.log_steps, "steps"),
+                                 "log_every_n_rows": (self.log_every_n_rows, "rows")})
+        if log is None:
+            self.log_steps = 100
+        one_period("save", {"save_steps": (self.save_steps, "steps"),
+                            "save_every_n_rows": (self.save_every_n_rows, "rows")})
+        eval_period = self.eval_period
+        if eval_period is not None and eval_period.unit in ("steps", "rows") and \
+                self.pipeline == "sparse_dist":
+            raise ValueError(
+                f"`eval_every_n_{eval_period.unit}` evaluates between two steps, which `pipeline` "
+                "'sparse_dist' cannot (it holds the next batches in flight); evaluate per window "
+                "(`eval_every_n_windows`) or epoch, or use pipeline='none'.")
+
+    @property
+    def log_period(self) -> Period:
+        """When periodic reporters report (``log_steps`` or ``log_every_n_rows``)."""
+        period = one_period("log", {"log_steps": (self.log_steps, "steps"),
+                                    "log_every_n_rows": (self.log_every_n_rows, "rows")})
+        return period if period is not None else Period(100, "steps")
+
+    @property
+    def eval_period(self) -> Period | None:
+        """When ``train_and_evaluate`` evaluates (None: after each window or epoch, see
+        ``eval_every_n_steps``)."""
+        return one_period("eval", {
+            "eval_every_n_steps": (self.eval_every_n_steps, "steps"),
+            "eval_every_n_rows": (self.eval_every_n_rows, "rows"),
+            "eval_every_n_windows": (self.eval_every_n_windows, "windows"),
+            "eval_every_n_epochs": (self.eval_every_n_epochs, "epochs"),
+        })
 
     def _check_combinations(self) -> None:
         if self.pipeline == "sparse_dist" and self.gradient_accumulation_steps != 1:

@@ -1,6 +1,6 @@
 """``recsys-train``: run a YAML config, one process or under ``torchrun`` (one or many nodes).
 
-    recsys-train CONFIG.yaml [--section.key VALUE ...] [--print-config]
+    recsys-train CONFIG.yaml [--section.key VALUE ...] [--print-config] [--smoke]
     python -m recsys_trainer CONFIG.yaml --args.train_steps 100
     torchrun --nproc_per_node=2 -m recsys_trainer CONFIG.yaml
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST0:29400 \\
@@ -9,7 +9,10 @@
 Overrides use the config's dotted keys with YAML typing (``--args.train_steps 100``,
 ``--dense_optimizer.lr=1e-3``, ``--hooks "[metrics, jsonl]"``). The config is validated before
 the process group starts, so a bad key fails fast, on every rank alike, with exit status 2 and a
-message naming the key and what is allowed. See docs/cli.md.
+message naming the key and what is allowed; that includes every ``class:`` import path (module,
+attribute, arguments). ``--smoke`` runs the test mode (``recsys_trainer.smoke``): a couple of
+train steps, one eval batch, a checkpoint save and a resume, in a temporary directory; exit status
+0, or 1 with the phase that failed. See docs/cli.md.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import yaml
 
 from recsys_trainer.config import (
+    ClassDataConfig,
     ConfigError,
     RunConfig,
     SyntheticDataConfig,
@@ -30,7 +34,7 @@ from recsys_trainer.config import (
     load_config,
 )
 
-USAGE = "recsys-train [-h] [--print-config] CONFIG [--section.key VALUE ...]"
+USAGE = "recsys-train [-h] [--print-config] [--smoke] CONFIG [--section.key VALUE ...]"
 
 
 def parse_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str, str]]]:
@@ -46,6 +50,9 @@ def parse_argv(argv: Sequence[str]) -> tuple[argparse.Namespace, list[tuple[str,
     parser.add_argument("config", nargs="?", help="the YAML config file")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (after overrides and defaults) and exit")
+    parser.add_argument("--smoke", action="store_true",
+                        help="test mode: a couple of train steps, one eval batch, a checkpoint save "
+                             "and a resume, in a temporary directory (not output_dir); exit 0 or 1")
     ns, rest = parser.parse_known_args(list(argv))
     overrides: list[tuple[str, str]] = []
     i = 0
@@ -72,15 +79,13 @@ def build_datasets(cfg: RunConfig, rank: int) -> tuple[Any, Any]:
     if isinstance(d, SyntheticDataConfig):
         from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
 
-        m = cfg.model
-        assert isinstance(m.sparse_features, list) and isinstance(m.num_embeddings, int)
-        assert m.num_dense is not None
-        signal = PlantedSignal.make(len(m.sparse_features), m.num_dense, m.num_embeddings,
-                                    seed=d.signal_seed, strength=d.signal_strength)
+        features, num_dense, rows = cfg.synthetic_schema()
+        signal = PlantedSignal.make(len(features), num_dense, rows, seed=d.signal_seed,
+                                    strength=d.signal_strength)
 
         def make(n: int, seed: int) -> Any:
-            return synthetic_batches(n, d.batch_size, m.sparse_features, m.num_dense,  # type: ignore[arg-type]
-                                     m.num_embeddings, seed=seed, signal=signal)  # type: ignore[arg-type]
+            return synthetic_batches(n, d.batch_size, features, num_dense, rows, seed=seed,
+                                     signal=signal)
 
         train = make(d.train_batches, d.seed + rank)
         held_out = make(d.eval_batches, d.seed + 10_000 + rank) if d.eval_batches else None
@@ -88,60 +93,98 @@ def build_datasets(cfg: RunConfig, rank: int) -> tuple[Any, Any]:
     return d.build("train"), d.build("eval")
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
-    """Build the Trainer from ``cfg`` and run ``cfg.run``; returns a summary of what ran.
+def _data_key(cfg: RunConfig, which: str) -> str:
+    """The config key that supplies ``which`` ("train"/"eval") data, for messages."""
+    if isinstance(cfg.data, SyntheticDataConfig):
+        return "data.train_batches" if which == "train" else "data.eval_batches"
+    if isinstance(cfg.data, ClassDataConfig):
+        return f"data.{which}_args"
+    return f"data.{which}"
 
-    Must be called on every rank. The caller ends the job (``recsys_trainer.shutdown()``).
-    """
+
+def build_trainer(cfg: RunConfig, needs: Sequence[str] = ()) -> Any:
+    """The ``Trainer`` of ``cfg`` on this rank (starts the process group). ``needs``: the
+    datasets ("train", "eval") the run mode cannot do without."""
     import torch.distributed as dist
 
     from recsys_trainer.distributed import init_distributed
     from recsys_trainer.trainer import Trainer
 
-    needs = {"train": ("train",), "evaluate": ("eval",), "train_and_evaluate": ("train", "eval"),
-             "predict": ("eval",)}
     # Start the group first: the datasets are per rank.
     init_distributed(cfg.args.device, cfg.args.collective_timeout_s)
-    rank = dist.get_rank()
-    train, held_out = build_datasets(cfg, rank)
-    for which in needs[cfg.run]:
+    train, held_out = build_datasets(cfg, dist.get_rank())
+    for which in needs:
         if (train if which == "train" else held_out) is None:
-            key = "data.train_batches" if isinstance(cfg.data, SyntheticDataConfig) else f"data.{which}"
-            if which == "eval" and isinstance(cfg.data, SyntheticDataConfig):
-                key = "data.eval_batches"
-            raise ConfigError(f"`run: {cfg.run}` needs {which} data; set `{key}`.")
-    trainer = Trainer(
+            raise ConfigError(f"`run: {cfg.run}` needs {which} data; set `{_data_key(cfg, which)}`.")
+    return Trainer(
         model=cfg.model.build(),
         args=cfg.args,
         train_dataset=train,
         eval_dataset=held_out,
         hooks=[h.build(i) for i, h in enumerate(cfg.hooks)],
-        dense_optimizers=(cfg.dense_optimizer.factory(), None),
+        dense_optimizers=(cfg.dense_optimizer.factory(),
+                          cfg.lr_scheduler.factory() if cfg.lr_scheduler is not None else None),
         sparse_optimizer=cfg.sparse_optimizer,
         table_optimizers=cfg.table_optimizers,
     )
-    metrics: dict[str, float] | None = None
-    predicted: int | None = None
-    if cfg.run == "train":
-        trainer.train()
-    elif cfg.run in ("evaluate", "predict"):
-        # Evaluate (or score) a trained model: the checkpoint `args.resume_from` names ("auto":
-        # the newest committed one in output_dir), loaded on every rank as a resumed training would.
-        trainer.resume()
-        if trainer.state.global_step == 0 and trainer.is_rank_zero:
-            logging.getLogger("recsys_trainer").warning(
-                "run: %s found no checkpoint to load (args.resume_from=%r, output_dir=%r): "
-                "using an untrained model.", cfg.run, cfg.args.resume_from, cfg.args.output_dir)
-        if cfg.run == "evaluate":
-            metrics = trainer.evaluate()
-        else:
-            assert cfg.predict is not None
-            p = cfg.predict
-            predicted = trainer.predict(held_out, p.output_dir, activation=p.activation,
-                                        output_names=p.output_names,
-                                        rows_per_row_group=p.rows_per_row_group).rows_written
-    else:
-        trainer.train_and_evaluate()
+
+
+RunResult = dict[str, Any]
+"""What a run mode adds to the run's summary (``eval`` metrics, ``predicted_rows``)."""
+
+
+def _train(trainer: Any, cfg: RunConfig) -> RunResult:
+    trainer.train()
+    return {}
+
+
+def _load_trained(trainer: Any, cfg: RunConfig) -> None:
+    # Evaluate or score a trained model: the checkpoint `args.resume_from` names ("auto": the
+    # newest committed one in output_dir), loaded on every rank as a resumed training would.
+    trainer.resume()
+    if trainer.state.global_step == 0 and trainer.is_rank_zero and not cfg.args.smoke_test:
+        logging.getLogger("recsys_trainer").warning(
+            "run: %s found no checkpoint to load (args.resume_from=%r, output_dir=%r): "
+            "using an untrained model.", cfg.run, cfg.args.resume_from, cfg.args.output_dir)
+
+
+def _evaluate(trainer: Any, cfg: RunConfig) -> RunResult:
+    _load_trained(trainer, cfg)
+    return {"eval": trainer.evaluate()}
+
+
+def _predict(trainer: Any, cfg: RunConfig) -> RunResult:
+    _load_trained(trainer, cfg)
+    p = cfg.predict
+    assert p is not None  # RunConfig.from_dict refuses `run: predict` without the section
+    summary = trainer.predict(trainer.eval_dataset, p.output_dir, activation=p.activation,
+                              output_names=p.output_names, rows_per_row_group=p.rows_per_row_group)
+    return {"predicted_rows": summary.rows_written}
+
+
+def _train_and_evaluate(trainer: Any, cfg: RunConfig) -> RunResult:
+    trainer.train_and_evaluate()
+    return {}
+
+
+RUNNERS: dict[str, tuple[tuple[str, ...], Callable[[Any, RunConfig], RunResult]]] = {
+    "train": (("train",), _train),
+    "evaluate": (("eval",), _evaluate),
+    "train_and_evaluate": (("train", "eval"), _train_and_evaluate),
+    "predict": (("eval",), _predict),
+}
+"""Run mode -> (the datasets it needs, what it calls on the built Trainer; returns what it adds
+to the summary). A new mode adds an entry here and its name to ``config.RUN_MODES``."""
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """Build the Trainer from ``cfg`` and run ``cfg.run``; returns a summary of what ran.
+
+    Must be called on every rank. The caller ends the job (``recsys_trainer.shutdown()``).
+    """
+    needs, runner = RUNNERS[cfg.run]
+    trainer = build_trainer(cfg, needs)
+    result = runner(trainer, cfg)
     st = trainer.state
     return {
         "rank": trainer.rank,
@@ -149,14 +192,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "global_step": st.global_step,
         "epoch": st.epoch,
         "stop_reason": st.stop_reason,
-        "eval": metrics,
-        "predicted_rows": predicted,
+        "eval": result.get("eval"),
+        "predicted_rows": result.get("predicted_rows"),
+        "smoke": trainer.smoke.report if trainer.smoke is not None else None,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The console entry point; returns the exit status (0 ok, 2 config error)."""
     ns, overrides = parse_argv(sys.argv[1:] if argv is None else argv)
+    if ns.smoke:
+        overrides.append(("args.smoke_test", "true"))
     try:
         cfg = load_config(ns.config, overrides)
     except ConfigError as exc:
@@ -176,6 +222,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Raised identically on every rank before any collective: safe to just exit.
         print(f"recsys-train: config error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if not cfg.args.smoke_test:
+            raise
+        # SmokeTestError names its phase; anything earlier failed while building the Trainer.
+        phase = getattr(exc, "phase", "build")
+        logging.getLogger("recsys_trainer").error("smoke test failed", exc_info=exc)
+        print(f"recsys-train: smoke test FAILED in phase {phase!r}: "
+              f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}", file=sys.stderr)
+        return 1
+    if summary["smoke"] is not None:
+        print(f"recsys-train: rank {summary['rank']}/{summary['world_size']} smoke test passed: "
+              f"{summary['smoke']}", flush=True)
     # One line per rank (torchrun prefixes nothing by default): lets a launcher check that every
     # rank trained the same number of steps.
     print(

@@ -4,13 +4,19 @@ A config file has these top-level sections (all optional except ``model`` and ``
 
     run: train_and_evaluate     # train | evaluate | train_and_evaluate | predict
     args: {...}                 # TrainingArguments fields
-    model: {...}                # DLRMClassifier arguments (ModelConfig)
+    model: {...}                # DLRMClassifier arguments (ModelConfig), or {class: pkg.Model, ...}
     data: {kind: synthetic, ...}  or  {kind: parquet, ...}   (SyntheticDataConfig / ParquetDataConfig)
-    dense_optimizer: {name: adam, lr: 0.001, kwargs: {}}
+          or {class: pkg.make_dataset, train_args: {...}, eval_args: {...}}  (ClassDataConfig)
+    dense_optimizer: {name: adam, lr: 0.001, kwargs: {}}  or  {class: torch.optim.Adam, lr: 0.001}
+    lr_scheduler: {class: step, step_size: 100}       # optional
     sparse_optimizer: {name: rowwise_adagrad, lr: 0.05, kwargs: {}}
     table_optimizers: {t_user: {name: rowwise_adagrad, lr: 0.005}}   # per table name or glob
-    hooks: [metrics, {name: jsonl, every: 10}]
+    hooks: [metrics, {name: jsonl, every: 10}, {class: my_pkg.MyHook, ...}]
     predict: {output_dir: ..., activation: sigmoid}   # PredictOptions; `run: predict` scores data.eval
+
+Any mapping with ``class`` names a callable by import path (nnScaler style, see
+``recsys_trainer.component``), called with the mapping's other keys; each section's short names
+(``adam``, ``step``, ``metrics``, ``dlrm``) are aliases of the built-in ones.
 
 YAML only *fills* dataclasses, and where the runtime has one it is the schema: ``args`` fills
 ``TrainingArguments``, ``sparse_optimizer`` and each ``table_optimizers`` entry fill
@@ -37,6 +43,7 @@ import yaml
 
 from recsys_trainer import storage
 from recsys_trainer.args import TrainingArguments
+from recsys_trainer.component import CLASS_KEY, ComponentSpec, is_component
 from recsys_trainer.data.parquet import ParquetReadOptions
 from recsys_trainer.hooks import (
     EarlyStoppingHook,
@@ -55,7 +62,7 @@ from recsys_trainer.validation import check_choice, check_int, check_number, che
 
 RunMode = Literal["train", "evaluate", "train_and_evaluate", "predict"]
 RUN_MODES = ("train", "evaluate", "train_and_evaluate", "predict")
-SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "sparse_optimizer",
+SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "lr_scheduler", "sparse_optimizer",
             "table_optimizers", "hooks", "predict")
 
 # Dense optimizers by config name -> torch.optim class name.
@@ -65,6 +72,16 @@ DENSE_OPTIMIZERS = {
     "sgd": "SGD",
     "adagrad": "Adagrad",
     "rmsprop": "RMSprop",
+}
+
+# Short names of ``class:`` values, per section (import paths work everywhere).
+MODEL_ALIASES = {"dlrm": "recsys_trainer.models.DLRMClassifier"}
+DENSE_OPTIMIZER_ALIASES = {k: f"torch.optim.{v}" for k, v in DENSE_OPTIMIZERS.items()}
+LR_SCHEDULER_ALIASES = {
+    name: f"torch.optim.lr_scheduler.{cls}" for name, cls in (
+        ("step", "StepLR"), ("multistep", "MultiStepLR"), ("exponential", "ExponentialLR"),
+        ("cosine", "CosineAnnealingLR"), ("linear", "LinearLR"), ("constant", "ConstantLR"),
+        ("onecycle", "OneCycleLR"), ("plateau", "ReduceLROnPlateau"))
 }
 
 # Built-in hooks by config name.
@@ -78,6 +95,15 @@ BUILTIN_HOOKS: dict[str, type[Hook]] = {
     "early_stopping": EarlyStoppingHook,
     "non_finite_loss": NonFiniteLossHook,
 }
+
+
+def _component(key: str, raw: Any, *, positional: tuple[str, ...] = (),
+               aliases: dict[str, str] | None = None) -> ComponentSpec:
+    """``{class: path, **kwargs}`` at config key ``key``, checked now (path, signature)."""
+    try:
+        return ComponentSpec.from_mapping(key, raw, positional=positional, aliases=aliases)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
 
 
 class ConfigError(ValueError):
@@ -196,6 +222,35 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class ClassModelConfig:
+    """``model: {class: my_pkg.module.Model, **kwargs}``: any ``nn.Module`` class (or function
+    returning one) by import path, called with the other keys. The Trainer's contract applies
+    (``forward(batch)`` returns the loss or ``(loss, outputs)``); nothing is derived from the
+    data: pass the feature names and table sizes your constructor wants."""
+
+    spec: ComponentSpec
+
+    def build(self) -> Any:
+        from torch import nn
+
+        model = self.spec.build()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"`model` ({self.spec.path}) built a {type(model).__name__}, not a "
+                              "torch.nn.Module.")
+        return model
+
+
+def _model_config(raw: Any) -> ModelConfig | ClassModelConfig:
+    """The bundled DLRM (``kind: dlrm`` or ``class: dlrm``) or a model class by import path."""
+    if not is_component(raw):
+        return _build(ModelConfig, "model", raw)
+    if raw[CLASS_KEY] in MODEL_ALIASES:
+        # The alias keeps the bundled model's config: its schema still comes from the data.
+        return _build(ModelConfig, "model", {k: v for k, v in raw.items() if k != CLASS_KEY})
+    return ClassModelConfig(_component("model", raw))
+
+
 # ---------------------------------------------------------------------------- data
 
 
@@ -309,10 +364,49 @@ def _is_dir(url: str) -> bool:
         return True
     storage.check_bucket(loc)  # a missing bucket is named as such, not as a missing directory
     return False
+@dataclass(frozen=True)
+class ClassDataConfig:
+    """``data: {class: my_pkg.make_dataset, train_args: {...}, eval_args: {...}, **common}``:
+    the train dataset is ``make_dataset(**common, **train_args)`` and the eval dataset
+    ``make_dataset(**common, **eval_args)`` (none without ``eval_args``); nnScaler's
+    ``train_args``/``val_args``. Each is a ``WindowedDataset`` (the Trainer shards it with
+    ``setup(rank, world_size)``) or any re-iterable of ``Batch`` (then: this rank's own data;
+    the process group is up when it is built, so ``torch.distributed.get_rank()`` works)."""
+
+    train: ComponentSpec | None
+    eval: ComponentSpec | None
+    kind: str = "class"
+
+    @staticmethod
+    def from_raw(raw: Mapping[str, Any]) -> ClassDataConfig:
+        common = {str(k): v for k, v in raw.items() if k not in ("train_args", "eval_args")}
+        specs: dict[str, ComponentSpec | None] = {}
+        for which in ("train", "eval"):
+            extra = raw.get(f"{which}_args", {} if which == "train" else None)
+            if extra is None:
+                specs[which] = None
+                continue
+            if not isinstance(extra, Mapping):
+                raise ConfigError(f"`data.{which}_args` must be a mapping of keyword arguments, "
+                                  f"but is {extra!r}.")
+            specs[which] = _component(f"data.{which}_args", {**common, **extra})
+        return ClassDataConfig(specs["train"], specs["eval"])
+
+    def build(self, which: Literal["train", "eval"]) -> Any:
+        spec = self.train if which == "train" else self.eval
+        return spec.build() if spec is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for which, spec in (("train", self.train), ("eval", self.eval)):
+            if spec is not None:
+                out[CLASS_KEY] = spec.path
+                out[f"{which}_args"] = {k: v for k, v in spec.kwargs.items()}
+        return out
 
 
 DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}
-DataConfig = SyntheticDataConfig | ParquetDataConfig
+DataConfig = SyntheticDataConfig | ParquetDataConfig | ClassDataConfig
 
 
 # ---------------------------------------------------------------------------- optimizers, hooks
@@ -358,13 +452,21 @@ class DenseOptimizerConfig:
 
 @dataclass(frozen=True)
 class HookConfig:
-    """One entry of ``hooks``: a built-in hook's config name and its constructor arguments."""
+    """One entry of ``hooks``: a built-in hook's config name and its constructor arguments, or
+    (``spec``) a hook class by import path."""
 
     name: str
     kwargs: dict[str, Any]
+    spec: ComponentSpec | None = None
 
     def build(self, index: int) -> Hook:
         key = f"hooks[{index}]"
+        if self.spec is not None:
+            hook = self.spec.build()
+            if not isinstance(hook, Hook):
+                raise ConfigError(f"`{key}` ({self.name}) built a {type(hook).__name__}, not a "
+                                  "recsys_trainer.Hook; subclass Hook.")
+            return hook
         cls = BUILTIN_HOOKS[self.name]
         accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
         unknown = sorted(set(self.kwargs) - set(accepted))
@@ -386,6 +488,12 @@ def _parse_hooks(raw: Any) -> list[HookConfig]:
         raise ConfigError(f"`hooks` must be a list of hook names or mappings with `name`, but is {raw!r}.")
     out = []
     for i, entry in enumerate(raw):
+        if is_component(entry) and entry[CLASS_KEY] not in BUILTIN_HOOKS:
+            spec = _component(f"hooks[{i}]", entry)
+            out.append(HookConfig(spec.path, spec.kwargs, spec))
+            continue
+        if is_component(entry):  # `class: metrics`: the alias of a built-in hook
+            entry = {"name" if k == CLASS_KEY else k: v for k, v in entry.items()}
         if isinstance(entry, str):
             name, kwargs = entry, {}
         elif isinstance(entry, Mapping) and "name" in entry:
@@ -423,15 +531,16 @@ class RunConfig:
 
     run: RunMode = "train_and_evaluate"
     args: TrainingArguments
-    model: ModelConfig
+    model: ModelConfig | ClassModelConfig
     data: DataConfig
-    dense_optimizer: DenseOptimizerConfig
+    dense_optimizer: DenseOptimizerConfig | ComponentSpec
     sparse_optimizer: SparseOptimizer
     hooks: list[HookConfig]
     predict: PredictOptions | None = None
     """Where and how ``run: predict`` writes its scores (``Trainer.predict``)."""
     table_optimizers: dict[str, SparseOptimizer] = field(default_factory=dict)
     """``Trainer(table_optimizers=...)``: ``{table name or glob: SparseOptimizer}``."""
+    lr_scheduler: ComponentSpec | None = None
 
     @staticmethod
     def from_dict(raw: Any) -> RunConfig:
@@ -448,22 +557,36 @@ class RunConfig:
         if run not in RUN_MODES:
             raise ConfigError(f"`run` must be one of {', '.join(RUN_MODES)}, but is {run!r}.")
         args = _build(TrainingArguments, "args", raw.get("args"))
-        model = _build(ModelConfig, "model", raw.get("model"))
+        model = _model_config(raw.get("model"))
         data_raw = raw.get("data")
         if not isinstance(data_raw, Mapping):
             raise ConfigError(
-                f"`data` must be a mapping with `kind` ({', '.join(DATA_KINDS)}), but is {data_raw!r}."
+                f"`data` must be a mapping with `kind` ({', '.join(DATA_KINDS)}) or `class`, but "
+                f"is {data_raw!r}."
             )
-        kind = data_raw.get("kind", "synthetic")
-        if kind not in DATA_KINDS:
-            raise ConfigError(f"`data.kind` must be one of {', '.join(DATA_KINDS)}, but is {kind!r}.")
-        data = _build(DATA_KINDS[kind], "data", data_raw)
+        data: DataConfig
+        if is_component(data_raw):
+            data = ClassDataConfig.from_raw(data_raw)
+        else:
+            kind = data_raw.get("kind", "synthetic")
+            if kind not in DATA_KINDS:
+                raise ConfigError(f"`data.kind` must be one of {', '.join(DATA_KINDS)}, but is {kind!r}.")
+            data = _build(DATA_KINDS[kind], "data", data_raw)
+        opt_raw = raw.get("dense_optimizer")
+        sched_raw = raw.get("lr_scheduler")
+        if sched_raw is not None and not is_component(sched_raw):
+            raise ConfigError(f"`lr_scheduler` must be a mapping with `class` (an import path or "
+                              f"one of {', '.join(LR_SCHEDULER_ALIASES)}), but is {sched_raw!r}.")
         cfg = RunConfig(
             run=run,
             args=args,
             model=model,
             data=data,
-            dense_optimizer=_build(DenseOptimizerConfig, "dense_optimizer", raw.get("dense_optimizer")),
+            dense_optimizer=_component("dense_optimizer", opt_raw, positional=("params",),
+                                       aliases=DENSE_OPTIMIZER_ALIASES)
+            if is_component(opt_raw) else _build(DenseOptimizerConfig, "dense_optimizer", opt_raw),
+            lr_scheduler=None if sched_raw is None else _component(
+                "lr_scheduler", sched_raw, positional=("optimizer",), aliases=LR_SCHEDULER_ALIASES),
             sparse_optimizer=_build(SparseOptimizer, "sparse_optimizer", raw.get("sparse_optimizer")),
             hooks=_parse_hooks(raw.get("hooks")),
             predict=None if raw.get("predict") is None else _build(PredictOptions, "predict", raw["predict"]),
@@ -475,16 +598,40 @@ class RunConfig:
         cfg._resolve_schema()
         return cfg
 
+    def synthetic_schema(self) -> tuple[list[str], int, int]:
+        """``(sparse feature names, num_dense, num_embeddings)`` for ``data.kind: synthetic``:
+        the bundled model's fields, or a model by ``class`` whose arguments of the same names
+        give them (a list of names, an int, one int)."""
+        m = self.model
+        raw = dataclasses.asdict(m) if isinstance(m, ModelConfig) else m.spec.kwargs
+        names, num_dense, rows = (raw.get(k) for k in ("sparse_features", "num_dense", "num_embeddings"))
+        if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)
+                and isinstance(num_dense, int) and isinstance(rows, int)):
+            raise ConfigError(
+                "`data.kind: synthetic` takes its schema from the model's arguments "
+                "`sparse_features` (a list of names), `num_dense` (an int) and `num_embeddings` "
+                f"(one int), but `model` gives {names!r}, {num_dense!r}, {rows!r}; give the model "
+                "those arguments, or use `data.kind: parquet` or a dataset by `data.class`.")
+        return names, num_dense, rows
+
     def _resolve_schema(self) -> None:
         """Fill the model's features from the data (parquet) or require them (synthetic)."""
         m, d = self.model, self.data
-        if isinstance(d, SyntheticDataConfig):
+        if not isinstance(m, ModelConfig):
+            if isinstance(d, SyntheticDataConfig):
+                self.synthetic_schema()  # from the model's arguments of the bundled model's names
+            return  # a model by import path gets its schema from its own arguments
+        if isinstance(d, ClassDataConfig | SyntheticDataConfig):
             missing = [k for k in ("sparse_features", "num_dense", "num_embeddings") if getattr(m, k) is None]
             if missing:
+                what = "`data.class`" if isinstance(d, ClassDataConfig) else "`data.kind: synthetic`"
                 raise ConfigError(
-                    f"with `data.kind: synthetic` the model defines the schema: set "
+                    f"with {what} the model defines the schema: set "
                     f"{', '.join(f'`model.{k}`' for k in missing)}."
                 )
+        if isinstance(d, ClassDataConfig):
+            return
+        if isinstance(d, SyntheticDataConfig):
             if isinstance(m.num_embeddings, list):
                 raise ConfigError(
                     "with `data.kind: synthetic`, `model.num_embeddings` must be one int (all "
@@ -611,21 +758,28 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
     """The resolved config as plain data (what ``recsys-train --print-config`` shows)."""
     args = {f.name: getattr(cfg.args, f.name) for f in dataclasses.fields(cfg.args)
             if f.name != "save_filter_fn"}
-    return {
+    m, d, o = cfg.model, cfg.data, cfg.dense_optimizer
+    out = {
         "run": cfg.run,
         "args": args,
-        "model": dataclasses.asdict(cfg.model),
-        "data": {"kind": cfg.data.kind, **dataclasses.asdict(cfg.data)},
-        "dense_optimizer": dataclasses.asdict(cfg.dense_optimizer),
+        "model": dataclasses.asdict(m) if isinstance(m, ModelConfig) else m.spec.to_dict(),
+        "data": d.to_dict() if isinstance(d, ClassDataConfig)
+        else {"kind": d.kind, **dataclasses.asdict(d)},
+        "dense_optimizer": o.to_dict() if isinstance(o, ComponentSpec) else dataclasses.asdict(o),
         "sparse_optimizer": dataclasses.asdict(cfg.sparse_optimizer),
         "table_optimizers": {k: dataclasses.asdict(v) for k, v in cfg.table_optimizers.items()},
-        "hooks": [{"name": h.name, **h.kwargs} for h in cfg.hooks],
+        "hooks": [{CLASS_KEY if h.spec else "name": h.name, **h.kwargs} for h in cfg.hooks],
         "predict": None if cfg.predict is None else dataclasses.asdict(cfg.predict),
     }
+    if cfg.lr_scheduler is not None:
+        out["lr_scheduler"] = cfg.lr_scheduler.to_dict()
+    return out
 
 
 __all__ = [
     "BUILTIN_HOOKS",
+    "ClassDataConfig",
+    "ClassModelConfig",
     "DENSE_OPTIMIZERS",
     "ConfigError",
     "DenseOptimizerConfig",

@@ -17,6 +17,7 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
                         forward, backward            # fused sparse update happens here
                     dense optimizer step, lr scheduler step, global_step += 1
                     after_step(output)
+                    [train_and_evaluate with eval_every_n_steps/_rows: evaluate, if due]
                     [checkpoint triggers]
                     if global_step == train_steps: break all
                 after_window(window_id)
@@ -97,6 +98,7 @@ from recsys_trainer.precision import Precision
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model, table_names
+from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
@@ -118,12 +120,18 @@ class TrainerState:
     mode: Literal["idle", "train", "eval", "predict"] = "idle"
     rows_unread: int = 0
     """Train rows dropped because another rank ran out of data first (whole run)."""
+    rows_seen: int = 0
+    """Training rows of all ranks in the steps done (the same on every rank; periods in rows)."""
+    last_step_rows: int = 0
+    """Rows of all ranks in the last step."""
     stop_reason: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k not in ("mode", "stop_reason")}
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("mode", "stop_reason", "last_step_rows")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = {"rows_seen": 0, **state}  # checkpoints from before rows_seen existed
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -257,6 +265,14 @@ class Trainer:
         self._stop_local = False
         self._non_finite_local = False
         self._depth = 0
+        self._train_it: SyncedIterator | None = None
+        self._step_eval: tuple[WindowedDataset, list[str] | None] | None = None
+        self.smoke: SmokeTest | None = None
+        """With ``args.smoke_test``: train/evaluate run the smoke test instead (``smoke``)."""
+        if a.smoke_test:
+            self.smoke = SmokeTest(smoke_directory(self.gang))
+            self.args = smoke_arguments(a, self.smoke.output_dir)
+            checkpointer = None  # a given one saves into its own output_dir: never in test mode
         # Attached on every rank (the default creates its own gloo group: a collective). It
         # resumes, saves on the configured triggers, and serves save/load_checkpoint.
         self.checkpointer = checkpointer if checkpointer is not None else \
@@ -348,11 +364,16 @@ class Trainer:
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
+        if self.smoke is not None and not self.smoke.running:
+            self.smoke.run(self)
+            return
         with self._top_level():
             self._train(with_eval=False)
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
+        if self.smoke is not None and not self.smoke.running:
+            return self.smoke.run(self).get("eval", {})
         with self._top_level():
             return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
 
@@ -383,8 +404,12 @@ class Trainer:
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``
-        after train window ``i``) or after each epoch (unwindowed eval data)."""
+        after train window ``i``) or after each epoch (unwindowed eval data), or on the eval
+        period (``args.eval_every_n_*``)."""
         self._require(self.eval_dataset, "eval_dataset")
+        if self.smoke is not None and not self.smoke.running:
+            self.smoke.run(self)
+            return
         with self._top_level():
             self._train(with_eval=True)
 
@@ -448,10 +473,15 @@ class Trainer:
                     continue  # trained before the checkpoint this run resumed from
                 st.window_index = index
                 entered += 1
+                # What train_and_evaluate evaluates here: the paired eval window, or all eval data.
+                paired = eval_windows is not None
+                eval_on = [eval_id] if eval_id is not None else None
+                self._step_eval = (eval_ds, eval_on) if with_eval and eval_ds is not None and (
+                    eval_on or not paired) else None
                 done = self._train_window(train_ds, window_id)
-                if eval_id is not None:
-                    assert eval_ds is not None
-                    self._evaluate(eval_ds, [eval_id])
+                if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                    self._evaluate(*self._step_eval)
+                self._step_eval = None
                 if not done:
                     # The window is finished: the resume position moves to the next one.
                     st.window_index, st.batches_in_window = index + 1, 0
@@ -459,9 +489,9 @@ class Trainer:
                 if done:
                     break
             self.hooks.fire("after_epoch", self, st.epoch)
-            if with_eval and eval_windows is None:
-                assert self.eval_dataset is not None
-                self._evaluate(self.eval_dataset, None)
+            if with_eval and eval_ds is not None and self._eval_due_after(
+                    "epoch", st.epoch + 1, windowed=eval_windows is not None):
+                self._evaluate(eval_ds, None)
             if not done:
                 st.epoch += 1
                 st.window_index = 0
@@ -485,7 +515,7 @@ class Trainer:
         st.mode, st.window_id = "train", window_id
         self.model.train()
         self.hooks.fire("before_window", self, window_id)
-        it = SyncedIterator(
+        it = self._train_it = SyncedIterator(
             ds.iter_window(window_id, skip_batches=st.batches_in_window),
             self.gang,
             pad=False,
@@ -551,7 +581,13 @@ class Trainer:
             return split_output(self.model(batch))
 
     def _end_of_step(self) -> bool:
-        """Checkpoint triggers, then the ``train_steps`` limit; True when training must end."""
+        """An eval period in steps or rows, checkpoint triggers, then the ``train_steps`` limit;
+        True when training must end."""
+        period = self.args.eval_period
+        if self._step_eval is not None and period is not None and period.due_after_step(self.state):
+            window_id = self.state.window_id
+            self._evaluate(*self._step_eval)
+            self.state.window_id = window_id  # still training this window
         self.checkpointer.on_step_end()
         limit = self.args.train_steps
         if limit is not None and self.state.global_step >= limit:
@@ -608,6 +644,9 @@ class Trainer:
         st = self.state
         self.last_step_skipped = skipped
         st.global_step += 1
+        assert self._train_it is not None
+        st.last_step_rows = self._train_it.take_rows(len(micro))
+        st.rows_seen += st.last_step_rows
         loss_mean = torch.stack([m.loss.float() for m in micro]).mean()
         report, stop = self.non_finite.after_step(loss_mean, st.global_step, skipped,
                                                   rank=self.rank)
@@ -669,6 +708,14 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ helpers
+
+    def _eval_due_after(self, unit: Literal["window", "epoch"], done: int, windowed: bool) -> bool:
+        """Whether ``train_and_evaluate`` evaluates after a window or epoch: on the eval period,
+        or by default after each window (windowed eval data) or epoch (unwindowed)."""
+        period = self.args.eval_period
+        if period is None:
+            return windowed == (unit == "window")
+        return period.due_after_window(done) if unit == "window" else period.due_after_epoch(done)
 
     @staticmethod
     def _is_windowed(ds: WindowedDataset | None) -> bool:

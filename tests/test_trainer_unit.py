@@ -29,7 +29,7 @@ from recsys_trainer.models import DLRMClassifier
         ("train_steps", 0, "`train_steps` must be an int >= 1 or None, but is 0."),
         ("train_epoch", -1, "`train_epoch` must be an int >= 1, but is -1."),
         ("gradient_accumulation_steps", 0, "`gradient_accumulation_steps` must be an int >= 1"),
-        ("log_steps", 2.5, "`log_steps` must be an int >= 1, but is 2.5."),
+        ("log_steps", 2.5, "`log_steps` must be an int >= 1 or None, but is 2.5."),
         ("max_grad_norm", -1.0, "`max_grad_norm` must be a number > 0 or None, but is -1.0."),
         ("mixed_precision", "fp8", "`mixed_precision` must be one of 'no', 'bf16', 'fp16', but is 'fp8'."),
         ("device", "tpu", "`device` must be one of 'auto', 'cpu', 'cuda', but is 'tpu'."),
@@ -259,8 +259,9 @@ def test_grad_clipping_bounds_the_dense_update() -> None:
 
 def test_fake_gang_plays_another_rank_running_out_of_data() -> None:
     # The peer reports out_of_data on the third fetch: training stops after 2 steps though this
-    # rank has 5 batches, and the rows it fetched but did not train are counted.
-    peer = [[0, 1, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0]]
+    # rank has 5 batches, and the rows it fetched but did not train are counted. Each vector is
+    # [4 flags, rows fetched by rank 0 (this one), rows fetched by rank 1 (the peer)].
+    peer = [[0, 1, 0, 0, 0, 10], [0, 1, 0, 0, 0, 10], [1, 0, 0, 0, 0, 0]]
     rec = Recorder()
     trainer = make_trainer(train=batches(5, batch_size=16), hooks=[rec])
     trainer.gang = FakeGang(rank=0, world_size=2, peer_max=peer)
@@ -268,6 +269,7 @@ def test_fake_gang_plays_another_rank_running_out_of_data() -> None:
     assert trainer.state.global_step == 2
     assert "out_of_data(all,48)" in rec.events  # the fetched batch + the 2 left = 3 x 16 rows
     assert trainer.state.rows_unread == 48
+    assert trainer.state.rows_seen == 2 * (16 + 10)  # both ranks' rows of the 2 steps trained
 
 
 class _LoggedWindows(WindowedDataset):
@@ -417,7 +419,7 @@ def test_training_that_trains_nothing_is_an_error_naming_the_source(tmp_path) ->
         _row_id_trainer(ParquetWindowDataset(str(tmp_path / "empty"), spec, batch_size=4)).train()
     # Another rank with no rows at all: this one trained nothing either, and says what it left.
     trainer = _row_id_trainer(batches(2))
-    trainer.gang = FakeGang(rank=0, world_size=2, peer_max=[[1, 0, 0, 0]])
+    trainer.gang = FakeGang(rank=0, world_size=2, peer_max=[[1, 0, 0, 0, 0, 0]])
     with pytest.raises(DataError, match=r"held no batch to train on every rank \(this rank left 64 rows unread"):
         trainer.train()
 

@@ -100,7 +100,8 @@ class CheckpointManager:
 
     Args:
         output_dir: where ``step_<N>/`` directories and ``checkpoints.json`` live.
-        save_steps / save_every_n_windows / save_every_n_epochs: periodic triggers.
+        save_steps / save_every_n_rows / save_every_n_windows / save_every_n_epochs: periodic
+            triggers (rows: the ``rows_seen`` counter, the same on every rank).
         save_end: save when training ends (once: not again if that step was just saved).
         max_to_keep: committed checkpoints kept by rotation (plus the protected ones, see
             ``layout.RetentionPolicy``).
@@ -127,6 +128,7 @@ class CheckpointManager:
         output_dir: str,
         *,
         save_steps: int | None = None,
+        save_every_n_rows: int | None = None,
         save_every_n_windows: int | None = None,
         save_every_n_epochs: int | None = None,
         save_end: bool = False,
@@ -147,6 +149,7 @@ class CheckpointManager:
     ) -> None:
         self.output_dir = output_dir
         self.save_steps = save_steps
+        self.save_every_n_rows = save_every_n_rows
         self.save_every_n_windows = save_every_n_windows
         self.save_every_n_epochs = save_every_n_epochs
         self.save_end = save_end
@@ -171,6 +174,7 @@ class CheckpointManager:
         self._staging_cache: dict[str, Any] | None = None  # fallback (unsupported tensor types)
         self._resumed_step: int | None = None
         self._resume_done = False
+        self._rows_at_last_step = 0  # rows_seen after the previous step (set again by resume)
         self.windows_done = 0
         """Train windows finished in this run (saved; drives ``save_every_n_windows``)."""
         self.last_metrics: dict[str, float] = {}
@@ -184,6 +188,7 @@ class CheckpointManager:
         return cls(
             args.output_dir,
             save_steps=args.save_steps,
+            save_every_n_rows=args.save_every_n_rows,
             save_every_n_windows=args.save_every_n_windows,
             save_every_n_epochs=args.save_every_n_epochs,
             save_end=args.save_end,
@@ -263,6 +268,7 @@ class CheckpointManager:
             warm_start(self._components, self.model_bank, gang)
         self._check_no_foreign_checkpoints(source)
         self._prepare_staging()
+        self._rows_at_last_step = contents.counters(self._components).get("rows_seen", 0)
         return source
 
     def _claim_output_dir(self) -> None:
@@ -300,7 +306,8 @@ class CheckpointManager:
             "ends: it cannot go stale.)", path=self.output_dir, kind="locked")
 
     def _will_save(self) -> bool:
-        triggers = (self.save_steps, self.save_every_n_windows, self.save_every_n_epochs)
+        triggers = (self.save_steps, self.save_every_n_rows, self.save_every_n_windows,
+                    self.save_every_n_epochs)
         return self.save_end or any(t is not None for t in triggers)
 
     def _check_no_foreign_checkpoints(self, source: layout.CheckpointInfo | None) -> None:
@@ -338,10 +345,15 @@ class CheckpointManager:
             logger.warning("could not pre-allocate checkpoint staging buffers: %s", e)
 
     def on_step_end(self) -> None:
-        """After each optimizer step: commit a finished async save; ``save_steps``."""
+        """After each optimizer step: commit a finished async save; ``save_steps`` or
+        ``save_every_n_rows``."""
         self._poll()
-        if self.save_steps is not None and \
-                contents.counters(self._components)["global_step"] % self.save_steps == 0:
+        counters = contents.counters(self._components)
+        rows, rows_before = counters.get("rows_seen", 0), self._rows_at_last_step
+        self._rows_at_last_step = rows
+        n = self.save_every_n_rows
+        if (self.save_steps is not None and counters["global_step"] % self.save_steps == 0) or (
+                n is not None and rows // n > rows_before // n):
             self.save()
 
     def on_window_end(self) -> None:

@@ -2,7 +2,10 @@
 
 Ranks often hold uneven data (a window's rows do not split evenly). Every rank fetches its next
 local batch, then one ``all_reduce(MAX)`` of ``[out_of_data, has_data, stop, non_finite]`` tells
-all ranks the same thing at the same fetch. A rank whose fetch raised (bad data) still takes part
+all ranks the same thing at the same fetch. The same vector carries one slot per rank for the
+rows of the batch it fetched (MAX of zeros and one rank's count is that count), so every rank
+also learns how many rows all ranks fetched, at no extra collective: the Trainer's
+``rows_seen``, on which periods in rows agree. A rank whose fetch raised (bad data) still takes part
 (``out_of_data = 2``), then re-raises; the other ranks raise too, naming that rank's error,
 instead of waiting for it. Because TorchRec pipelines pull batches ahead, this
 must live inside the iterator's ``__next__``, never in the training loop.
@@ -10,6 +13,7 @@ must live inside the iterator's ``__next__``, never in the training loop.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -59,6 +63,7 @@ class SyncedIterator(Iterator[Batch]):
         self._done = False
         self.last_was_padding = False
         self.state = SyncState()
+        self._global_rows: deque[int] = deque()
 
     def __iter__(self) -> SyncedIterator:
         return self
@@ -75,11 +80,14 @@ class SyncedIterator(Iterator[Batch]):
                 failure = exc  # e.g. a DataError: the other ranks must not wait for this rank
             self._exhausted = local is None
         stop, non_finite = self._local_flags()
-        # The first flag is 2 on a rank whose fetch failed (MAX keeps the vector at 4 ints).
-        out_of_data, has_data, stop_any, nf_any = self._gang.all_reduce_max(
+        rows = [0] * self._gang.world_size
+        rows[self._gang.rank] = local.num_real_rows() if local is not None else 0
+        # The first flag is 2 on a rank whose fetch failed (MAX keeps the flags at 4 ints).
+        agreed = self._gang.all_reduce_max(
             [2 if failure is not None else int(local is None), int(local is not None), int(stop),
-             int(non_finite)]
+             int(non_finite), *rows]
         )
+        out_of_data, has_data, stop_any, nf_any = agreed[:4]
         if out_of_data == 2:
             self._done = True
             self.close()
@@ -115,7 +123,14 @@ class SyncedIterator(Iterator[Batch]):
         self.last_was_padding = False
         st.fetched += 1
         self._last = local
+        if not self._pad:
+            self._global_rows.append(sum(agreed[4:]))
         return local
+
+    def take_rows(self, batches: int) -> int:
+        """Rows all ranks fetched in the next ``batches`` training batches yielded (first in,
+        first out: a pipeline fetches ahead of the batches it has trained)."""
+        return sum(self._global_rows.popleft() for _ in range(min(batches, len(self._global_rows))))
 
     def close(self) -> None:
         """Release the source (e.g. stop a dataset's read-ahead thread), if it can be closed."""

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from recsys_trainer.hooks.base import Hook, StepOutput
+from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -79,7 +80,7 @@ class IntervalReporter(Hook):
 
     def after_step(self, trainer: Trainer, output: StepOutput) -> None:
         self._stats.add(trainer, output)
-        if trainer.state.global_step % (self._every or trainer.args.log_steps) == 0:
+        if report_due(self._every, trainer.args.log_period, trainer.state):
             self._report_interval(trainer, self._stats.flush(trainer, across_ranks=True))
 
     def after_train(self, trainer: Trainer) -> None:

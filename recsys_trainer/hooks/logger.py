@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from recsys_trainer.hooks._interval import IntervalStats
 from recsys_trainer.hooks.base import Hook, StepOutput
+from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -34,8 +35,7 @@ class LoggerHook(Hook):
 
     def after_step(self, trainer: Trainer, output: StepOutput) -> None:
         self._stats.add(trainer, output)
-        every = self._every or trainer.args.log_steps
-        if trainer.state.global_step % every != 0:
+        if not report_due(self._every, trainer.args.log_period, trainer.state):
             return
         # This rank's losses only: the default hook must not add a collective to the loop.
         vals = self._stats.flush(trainer, across_ranks=False)

@@ -22,6 +22,7 @@ from recsys_trainer.metrics import (
     grouped_auc,
     weighted_auc,
 )
+from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
     from recsys_trainer.batch import Batch
@@ -174,8 +175,7 @@ class MetricReportHook(Hook):
             return
         for mb in output.micro_batches:
             self._update(mb, ("train_interval", "train_window"))
-        every = self._every or trainer.args.log_steps
-        if trainer.state.global_step % every == 0:
+        if report_due(self._every, trainer.args.log_period, trainer.state):
             self._report(trainer, "train", "interval", "train_interval")
             self._last_report_step = trainer.state.global_step
 

@@ -1,0 +1,252 @@
+"""Ranking models beyond the DLRM: DIN-style target attention over a behaviour sequence, and a
+multi-task MMoE (shared-bottom with one expert). Both are DLRMs at heart (torchrec's dense
+arch, pooled tables, pairwise interaction), so each differs from ``models.DLRMClassifier`` only
+by what it adds.
+
+Like ``recsys_trainer.models``: ``forward(batch)`` returns ``(loss, logits)``, the loss is
+functional and honours ``batch.weights`` (zero-weight padding batches contribute nothing), the
+KJTs reach the embedding collections unchanged and there is no data-dependent Python control
+flow in ``forward``, so TorchRec's pipelines can trace them (``pipeline="sparse_dist"``).
+Tables are created on the meta device; ``DistributedModelParallel`` materialises the shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch, SparseArch
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.models import make_tables, multi_task_bce_with_logits, weighted_bce_with_logits
+
+
+def mlp(sizes: Sequence[int]) -> nn.Sequential:
+    """Linear + ReLU layers through ``sizes`` (``sizes[0]`` is the input width)."""
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:], strict=True):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _last_linear_bias(module: nn.Module, rate: float, what: str) -> None:
+    """Start a logit at a base rate instead of 0.5 (rare labels otherwise spend their first
+    steps unlearning the bias)."""
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"{what} must be in (0, 1), but is {rate!r}.")
+    last = [m for m in module.modules() if isinstance(m, nn.Linear)][-1]
+    with torch.no_grad():
+        last.bias.fill_(math.log(rate / (1.0 - rate)))
+
+
+def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int) -> None:
+    """Refuse candidate features without exactly one id per row and histories longer than
+    ``max_len``: padding would silently take the first id (or the *oldest* ``max_len`` items).
+    On CUDA an asynchronous device assert avoids a host sync per step."""
+    ok_c, ok_h = (candidate == 1).all(), (history <= max_len).all()
+    if candidate.is_cuda:
+        torch._assert_async(ok_c & ok_h, "candidate ids != 1 per row, or history > max_len")
+        return
+    if not bool(ok_c):
+        row = int(torch.nonzero(candidate != 1)[0, 0])
+        raise ValueError(
+            f"the candidate feature must have exactly one id per row, but row {row} of the batch "
+            f"has {int(candidate[row])}. Read it from a scalar column (SequenceFeature on a "
+            "non-list column) with no nulls.")
+    if not bool(ok_h):
+        row = int(torch.nonzero(history > max_len)[0, 0])
+        raise ValueError(
+            f"row {row} of the batch has a history of {int(history[row])} ids, more than the "
+            f"model's max_len={max_len}. Give the SequenceFeature max_len={max_len} (the reader "
+            "keeps the most recent ids) or build the model with a larger max_len.")
+
+
+# Leaves for torch.fx: data-dependent checks cannot be traced, and must not be.
+torch.fx.wrap("check_sequence_lengths")
+
+
+class TargetAttention(nn.Module):
+    """DIN's activation unit: the weight of each history item is an MLP of ``[q, k, q - k,
+    q * k]`` (candidate ``q``, item ``k``); the interest vector is the weighted *sum* of the
+    items (no softmax, as in DIN: the sum keeps how many items relate to the candidate)."""
+
+    def __init__(self, embedding_dim: int, arch: Sequence[int] = (32, 16)) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(mlp([4 * embedding_dim, *arch]), nn.Linear(arch[-1], 1))
+
+    def forward(self, query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``query [B, D]``, ``keys [B, L, D]``, ``mask [B, L]`` (1 for real items) -> ``[B, D]``."""
+        q = query.unsqueeze(1).expand_as(keys)
+        scores = self.mlp(torch.cat([q, keys, q - keys, q * keys], dim=-1)).squeeze(-1)
+        return torch.bmm((scores * mask).unsqueeze(1), keys).squeeze(1)
+
+
+class DINClassifier(nn.Module):
+    """A DLRM plus DIN-style target attention over a behaviour sequence (Zhou et al., 2018).
+
+    Inputs: ``batch.dense`` and ``batch.sparse`` as for ``DLRMClassifier`` (pooled tables, one
+    per name in ``sparse_features``), and ``batch.sequence`` with two keys read by *one* item
+    table (``t_<item_feature>``, an unpooled ``EmbeddingCollection``):
+    ``item_feature`` (the candidate, exactly one id per row) and ``history_feature`` (the past
+    items, most recent last, at most ``max_len`` per row; an empty history attends to nothing).
+    The attention-pooled history and the candidate join the pooled embeddings as two more
+    vectors of the DLRM's pairwise interaction. Output: one logit per row; loss: weighted BCE.
+    ``item_init_max``: the item table starts uniform in ``[-item_init_max, item_init_max]``.
+
+    The ``FeatureSpec`` that feeds it: ``sequence=[SequenceFeature(name="item",
+    num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
+    max_len=max_len)]``.
+    """
+
+    positions: torch.Tensor
+
+    def __init__(
+        self,
+        sparse_features: list[str],
+        num_dense: int,
+        *,
+        num_items: int,
+        item_feature: str = "item",
+        history_feature: str = "hist_item",
+        max_len: int = 50,
+        num_embeddings: int | list[int] = 10_000,
+        embedding_dim: int = 16,
+        dense_arch: tuple[int, ...] = (64,),
+        attention_arch: tuple[int, ...] = (32, 16),
+        over_arch: tuple[int, ...] = (64, 1),
+        item_init_max: float = 0.5,
+        dense_log1p: bool = False,
+        prior_ctr: float | None = None,
+        table_device: str = "meta",
+    ) -> None:
+        super().__init__()
+        if max_len < 1 or num_items < 1:
+            raise ValueError(f"`max_len` and `num_items` must be >= 1, but are {max_len} and {num_items}.")
+        self.item_feature, self.history_feature, self.max_len = item_feature, history_feature, max_len
+        self.dense_log1p = dense_log1p
+        if dense_arch[-1] != embedding_dim:
+            dense_arch = (*dense_arch, embedding_dim)
+        device = torch.device(table_device)
+        self.dense_arch = DenseArch(num_dense, list(dense_arch))
+        self.sparse_arch = SparseArch(EmbeddingBagCollection(
+            tables=make_tables(sparse_features, num_embeddings, embedding_dim), device=device))
+        # One table for the candidate and the history: the attention compares them in one space.
+        self.items = EmbeddingCollection(tables=[EmbeddingConfig(
+            name=f"t_{item_feature}", embedding_dim=embedding_dim, num_embeddings=num_items,
+            feature_names=[item_feature, history_feature],
+            # Uniform(+-item_init_max): torchrec's default, +-sqrt(1/num_items), starts every
+            # item near 0, where [q, k, q - k, q * k] carries no signal for the attention.
+            weight_init_min=-item_init_max, weight_init_max=item_init_max)], device=device)
+        self.attention = TargetAttention(embedding_dim, attention_arch)
+        num_vectors = len(sparse_features) + 2  # pooled tables, candidate, interest
+        self.interaction = InteractionArch(num_sparse_features=num_vectors)
+        self.over_arch = OverArch(
+            embedding_dim + num_vectors * (num_vectors + 1) // 2, list(over_arch))
+        # Positions 0..max_len-1, to mask the padding of shorter histories (not saved).
+        self.register_buffer("positions", torch.arange(max_len), persistent=False)
+        if prior_ctr is not None:
+            _last_linear_bias(self.over_arch, prior_ctr, "`prior_ctr`")
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """``[B]`` click logits."""
+        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
+        if batch.sequence is None:  # (always false while fx traces: a Proxy is not None)
+            raise ValueError(
+                f"DINClassifier reads batch.sequence (keys {self.item_feature!r}, "
+                f"{self.history_feature!r}), but the batch has none: declare them as "
+                "FeatureSpec(sequence=[SequenceFeature(...), ...]).")
+        seq = self.items(batch.sequence)
+        cand_jt, hist_jt = seq[self.item_feature], seq[self.history_feature]
+        hist_len = hist_jt.lengths()
+        check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len)
+        candidate = cand_jt.to_padded_dense(desired_length=1).squeeze(1)  # [B, D]
+        history = hist_jt.to_padded_dense(desired_length=self.max_len)  # [B, L, D]
+        mask = (self.positions.unsqueeze(0) < hist_len.unsqueeze(1)).to(history.dtype)
+        interest = self.attention(candidate, history, mask)
+        vectors = torch.cat(
+            [self.sparse_arch(batch.sparse), candidate.unsqueeze(1), interest.unsqueeze(1)], dim=1)
+        return self.over_arch(self.interaction(self.dense_arch(dense), vectors)).squeeze(-1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(batch)
+        return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
+
+
+class MMoEClassifier(nn.Module):
+    """Multi-gate mixture of experts (Ma et al., 2018) on a DLRM bottom: one logit per task.
+
+    The DLRM's dense arch, pooled tables and pairwise interaction make one shared vector; each
+    of ``num_experts`` expert MLPs maps it, each task mixes the experts with its own softmax
+    gate and ends in its own tower. ``num_experts=1`` is the shared-bottom model. Labels:
+    ``batch.labels [B, len(tasks)]`` in ``tasks`` order (``FeatureSpec(labels=tasks)``).
+    Output: logits ``[B, len(tasks)]``; loss: the ``task_weights``-weighted sum of each task's
+    weighted BCE (``models.multi_task_bce_with_logits``).
+    """
+
+    def __init__(
+        self,
+        sparse_features: list[str],
+        num_dense: int,
+        tasks: Sequence[str],
+        *,
+        num_embeddings: int | list[int] = 10_000,
+        embedding_dim: int = 16,
+        dense_arch: tuple[int, ...] = (64,),
+        num_experts: int = 4,
+        expert_arch: tuple[int, ...] = (64, 32),
+        tower_arch: tuple[int, ...] = (16,),
+        task_weights: Sequence[float] | None = None,
+        prior_rates: Sequence[float] | None = None,
+        dense_log1p: bool = False,
+        table_device: str = "meta",
+    ) -> None:
+        super().__init__()
+        self.tasks = list(tasks)
+        if isinstance(tasks, str) or len(self.tasks) < 1 or len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"`tasks` must be a list of distinct task (label) names, but is {tasks!r}.")
+        if num_experts < 1:
+            raise ValueError(f"`num_experts` must be >= 1, but is {num_experts}.")
+        self.task_weights = [1.0] * len(self.tasks) if task_weights is None else [float(w) for w in task_weights]
+        if len(self.task_weights) != len(self.tasks) or any(w < 0 for w in self.task_weights):
+            raise ValueError(f"`task_weights` must hold one weight >= 0 per task {self.tasks}, "
+                             f"but is {task_weights!r}.")
+        self.dense_log1p = dense_log1p
+        if dense_arch[-1] != embedding_dim:
+            dense_arch = (*dense_arch, embedding_dim)
+        self.dense_arch = DenseArch(num_dense, list(dense_arch))
+        self.sparse_arch = SparseArch(EmbeddingBagCollection(
+            tables=make_tables(sparse_features, num_embeddings, embedding_dim),
+            device=torch.device(table_device)))
+        f = len(sparse_features)
+        self.interaction = InteractionArch(num_sparse_features=f)
+        width = embedding_dim + f * (f + 1) // 2
+        self.experts = nn.ModuleList(mlp([width, *expert_arch]) for _ in range(num_experts))
+        self.gates = nn.ModuleList(nn.Linear(width, num_experts) for _ in self.tasks)
+        self.towers = nn.ModuleList(
+            nn.Sequential(mlp([expert_arch[-1], *tower_arch]), nn.Linear(tower_arch[-1], 1))
+            for _ in self.tasks)
+        if prior_rates is not None:
+            if len(prior_rates) != len(self.tasks):
+                raise ValueError(f"`prior_rates` must hold one rate per task {self.tasks}, but is {prior_rates!r}.")
+            for tower, rate, task in zip(self.towers, prior_rates, self.tasks, strict=True):
+                _last_linear_bias(tower, rate, f"the prior rate of task {task!r}")
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """``[B, T]`` logits, one column per task."""
+        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
+        shared = self.interaction(self.dense_arch(dense), self.sparse_arch(batch.sparse))
+        experts = torch.stack([e(shared) for e in self.experts], dim=1)  # [B, E, H]
+        out = []
+        for gate, tower in zip(self.gates, self.towers, strict=True):
+            mix = torch.softmax(gate(shared), dim=-1).unsqueeze(1)  # [B, 1, E]
+            out.append(tower(torch.bmm(mix, experts).squeeze(1)))
+        return torch.cat(out, dim=1)
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(batch)
+        loss = multi_task_bce_with_logits(logits, batch.labels, batch.weights, self.task_weights)
+        return loss, logits.detach()

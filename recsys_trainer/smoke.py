@@ -1,0 +1,164 @@
+"""Test mode (``TrainingArguments(smoke_test=True)``, ``recsys-train CONFIG --smoke``): run every
+part of a long job once, in seconds, before submitting it.
+
+On the real model, data, hooks and optimizers, the Trainer then runs these phases instead of the
+configured job, and reports the first that fails (``SmokeTestError`` names it and the exception):
+
+1. ``train``: ``SMOKE_TRAIN_STEPS`` optimizer steps (fetch, forward, backward, both optimizers,
+   the hooks' step events), when there is a train dataset;
+2. ``evaluate``: one eval batch, when there is an eval dataset;
+3. ``save``: one checkpoint, committed (every rank's files, then the marker);
+4. ``resume``: that checkpoint loaded back into every component, then one more train step from
+   the restored data position.
+
+Everything is written to a fresh temporary directory (``tempfile``: ``$TMPDIR``, made by rank 0
+and checked on every rank), never to ``output_dir`` (a ``checkpointer`` passed to the Trainer is
+not used), and removed at the end. ``output_dir``'s
+checkpoints are not resumed from (``resume_from`` is ignored); ``model_bank`` warm-starts still
+run, as in the real job. The periodic log/eval/save settings are replaced: the hooks log every
+step, nothing is saved but phase 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Protocol
+
+from recsys_trainer.args import TrainingArguments
+from recsys_trainer.checkpoint import layout
+from recsys_trainer.checkpoint.manager import CheckpointManager
+from recsys_trainer.distributed import Gang
+
+logger = logging.getLogger("recsys_trainer")
+
+SMOKE_TRAIN_STEPS = 2
+"""Optimizer steps of the ``train`` phase (one more runs after the resume)."""
+
+PHASES = ("train", "evaluate", "save", "resume")
+
+
+class SmokeTestError(RuntimeError):
+    """A smoke-test phase failed; ``phase`` names it, ``__cause__`` is the exception."""
+
+    def __init__(self, phase: str, exc: BaseException) -> None:
+        super().__init__(f"smoke test failed in phase {phase!r}: {type(exc).__name__}: {exc}")
+        self.phase = phase
+
+
+def smoke_directory(gang: Gang) -> str:
+    """A new temporary directory every rank sees (rank 0 makes it; all check it)."""
+    path = gang.broadcast_object(tempfile.mkdtemp(prefix="recsys-smoke-") if gang.rank == 0 else None)
+    seen = gang.all_gather_object(os.path.isdir(path))
+    missing = [r for r, ok in enumerate(seen) if not ok]
+    if missing:
+        raise SmokeTestError("setup", FileNotFoundError(
+            f"rank 0 made the smoke test's directory {path!r}, but rank(s) {missing} do not see "
+            "it; set TMPDIR to a directory every node shares (checkpoints need one)."))
+    return path
+
+
+def smoke_arguments(args: TrainingArguments, output_dir: str) -> TrainingArguments:
+    """``args`` for the smoke test: its own output dir, a few steps, no periodic saves."""
+    return dataclasses.replace(
+        args, output_dir=output_dir, train_steps=SMOKE_TRAIN_STEPS, train_epoch=1, eval_steps=1,
+        save_steps=None, save_every_n_rows=None, save_every_n_windows=None,
+        save_every_n_epochs=None, save_end=False, resume_from=None, keep_every_n_hours=None,
+        keep_best_metric=None, log_steps=1, log_every_n_rows=None, eval_every_n_steps=None,
+        eval_every_n_rows=None, eval_every_n_windows=None, eval_every_n_epochs=None,
+        max_to_keep=max(args.max_to_keep, 1),
+    )
+
+
+class _Trainer(Protocol):
+    """What the smoke test uses of the Trainer (a protocol: this module must not import it)."""
+
+    args: TrainingArguments
+    state: Any
+    train_dataset: Any
+    eval_dataset: Any
+    checkpointer: CheckpointManager
+    gang: Gang
+
+    @property
+    def is_rank_zero(self) -> bool: ...
+    def train(self) -> None: ...
+    def evaluate(self) -> dict[str, float]: ...
+    def save_checkpoint(self, path: str | None = None) -> str: ...
+    def load_checkpoint(self, path: str) -> None: ...
+
+
+class SmokeTest:
+    """Runs the phases on a Trainer built with ``smoke_test=True`` (the Trainer calls ``run``
+    from ``train``, ``evaluate`` and ``train_and_evaluate``)."""
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.running = False
+        self.report: dict[str, Any] = {}
+        """What ran: steps, eval batches, the checkpoint, seconds per phase."""
+
+    def run(self, trainer: _Trainer) -> dict[str, Any]:
+        """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``."""
+        self.running = True
+        t_all = time.perf_counter()
+        seconds: dict[str, float] = {}
+        phase = PHASES[0]
+        try:
+            if trainer.train_dataset is not None:
+                t0 = time.perf_counter()
+                trainer.train()
+                seconds[phase] = time.perf_counter() - t0
+            phase = "evaluate"
+            if trainer.eval_dataset is not None:
+                t0 = time.perf_counter()
+                metrics = trainer.evaluate()
+                seconds[phase] = time.perf_counter() - t0
+                self.report["eval_samples"] = metrics["num_samples"]
+            phase = "save"
+            t0 = time.perf_counter()
+            saved_step = trainer.state.global_step
+            path = trainer.save_checkpoint()
+            if not layout.is_committed(path):
+                raise RuntimeError(f"the checkpoint {path} has no commit marker after the save")
+            seconds[phase] = time.perf_counter() - t0
+            phase = "resume"
+            t0 = time.perf_counter()
+            trainer.load_checkpoint(path)
+            if trainer.state.global_step != saved_step:
+                raise RuntimeError(f"the loaded checkpoint is at step {trainer.state.global_step}, "
+                                   f"not {saved_step}")
+            if trainer.train_dataset is not None:
+                # One more step from the restored position; one more epoch allowed, so data of
+                # just 2 batches (its epoch ended in the saved state) still trains a step.
+                trainer.args.train_steps = saved_step + 1
+                trainer.args.train_epoch = trainer.state.epoch + 2
+                trainer.train()
+                if trainer.state.global_step != saved_step + 1:
+                    raise RuntimeError(f"training after the resume ended at step "
+                                       f"{trainer.state.global_step}, not {saved_step + 1}")
+            seconds[phase] = time.perf_counter() - t0
+            trainer.gang.barrier()  # every rank is done with the directory before it goes
+        except SmokeTestError:
+            raise
+        except Exception as exc:
+            raise SmokeTestError(phase, exc) from exc
+        finally:
+            self.running = False
+            trainer.checkpointer.close()
+            if trainer.is_rank_zero:
+                shutil.rmtree(self.output_dir, ignore_errors=True)
+        self.report.update(steps=trainer.state.global_step, checkpoint_step=saved_step,
+                           seconds={k: round(v, 3) for k, v in seconds.items()},
+                           total_s=round(time.perf_counter() - t_all, 3))
+        if trainer.is_rank_zero:
+            logger.info("smoke test passed: %s", self.report)
+        return self.report
+
+
+__all__ = ["PHASES", "SMOKE_TRAIN_STEPS", "SmokeTest", "SmokeTestError", "smoke_arguments",
+           "smoke_directory"]
