@@ -38,7 +38,7 @@ import time
 import zlib
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import pyarrow.fs as pafs
 import torch
@@ -51,6 +51,7 @@ from recsys_trainer.storage import Location
 _PIPELINE_MIN = 1 << 20
 """Buffers at least this large are hashed on a helper thread while they are written."""
 _WRITE_CHUNK = 16 << 20
+_READ_BUFFER = 1 << 20
 
 
 # ---------------------------------------------------------------------------- state-dict walking
@@ -268,8 +269,11 @@ class ArrowFileSystem(FileSystemBase):
             with self.arrow.open_output_stream(str(path)) as out:
                 yield out  # type: ignore[misc]  # a pyarrow NativeFile: write/tell/close
         elif mode == "rb":
-            with self.arrow.open_input_file(str(path)) as f:  # random access: ranged reads
-                yield f  # type: ignore[misc]
+            # Random access (ranged GETs). Every read of a pyarrow S3 file is a request, and
+            # pickle (.metadata) reads a few bytes at a time: buffer those; the readers below
+            # fetch each stored item with one ranged read.
+            with self.arrow.open_input_file(str(path)) as f:
+                yield io.BufferedReader(f, buffer_size=_READ_BUFFER)  # type: ignore[arg-type]
         else:
             raise ValueError(f"unsupported mode {mode!r}")
 
@@ -360,10 +364,22 @@ class HashingFileSystemWriter(FileSystemWriter):
         return dict(self._hashing_fs.digests)
 
 
+class _ArrowFileSystemReader(FileSystemReader):
+    """DCP's reader over :class:`ArrowFileSystem`. Each stored item (a tensor or shard) is
+    fetched with one ranged read: DCP's file view would let ``torch.load`` issue many small
+    reads, each a request to the server (1.7 s for a 7 MB checkpoint on the local S3 server,
+    against one request per item)."""
+
+    def __init__(self, where: Location) -> None:
+        super().__init__(where.path)
+        self.fs = ArrowFileSystem(where.filesystem)  # type: ignore[assignment]
+        self.path = where.path
+
+    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
+        file.seek(sinfo.offset)
+        return io.BytesIO(file.read(sinfo.length))
+
+
 def storage_reader(where: Location) -> FileSystemReader:
     """DCP's reader for a checkpoint directory on any filesystem (DCP's own for local paths)."""
-    reader = FileSystemReader(where.path)
-    if not where.is_local:
-        reader.fs = ArrowFileSystem(where.filesystem)  # type: ignore[assignment]
-        reader.path = where.path
-    return reader
+    return FileSystemReader(where.path) if where.is_local else _ArrowFileSystemReader(where)
