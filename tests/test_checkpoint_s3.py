@@ -111,6 +111,18 @@ def test_an_explicit_filesystem_and_resume_from_a_bucket_path(s3_server: Any) ->
     assert rec.events[0] == ("loaded", "step_00000002") and t.state.global_step == 3
 
 
+def test_the_model_bank_warm_starts_from_a_checkpoint_in_a_bucket(s3_env: Any, tmp_path: Any) -> None:
+    src = build(s3_env.url("bank"), RowWindows(), train_steps=3, save_end=True)
+    src.train()
+    t = build(str(tmp_path / "warm"), RowWindows(), train_steps=100,
+              model_bank=[{"path": s3_env.url("bank"), "include": {"tables": ["*"]}}])
+    t.resume()
+    mine, theirs = snapshot(t), snapshot(src)
+    tables = [k for k in theirs if "embedding_bags" in k and k.startswith("model.")]
+    assert tables and all(torch.equal(mine[k], theirs[k]) for k in tables)
+    assert t.state.global_step == 0  # only the tables were taken
+
+
 @pytest.mark.distributed
 def test_two_ranks_resume_from_a_bucket_bitwise_and_read_every_row_once(s3_server: Any) -> None:
     results = run_distributed(_bitwise, world_size=2, timeout_s=240,

@@ -306,8 +306,11 @@ class CheckpointManager:
         if unwritable:
             raise CheckpointError(
                 f"`output_dir` {self.output_dir!r} is not writable: {'; '.join(unwritable)}. "
-                "Checkpoints could not be saved there, so training did not start. Fix its "
-                "permissions or mount, or choose another output_dir.",
+                "Checkpoints could not be saved there, so training did not start. "
+                + ("Fix its permissions or mount" if self._out.is_local else
+                   "Fix the bucket name, the credentials or the endpoint (AWS_* environment "
+                   "variables, or the filesystem's own config)")
+                + ", or choose another output_dir.",
                 path=self.output_dir, kind="unwritable")
         how = ("an OS file lock that ends with that process, however it ends: it cannot go "
                "stale") if self._out.is_local else \
