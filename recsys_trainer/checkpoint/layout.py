@@ -45,7 +45,7 @@ from typing import Any, Literal
 import pyarrow.fs as pafs
 
 from recsys_trainer.checkpoint.errors import CheckpointError
-from recsys_trainer.storage import Location, resolve
+from recsys_trainer.storage import Location, resolve, scheme_of
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +101,9 @@ def locate(where: Where) -> Location:
     """``where`` as a ``Location`` (paths and URLs are resolved with ``storage.resolve``)."""
     if isinstance(where, Location):
         return where
-    return _resolve_url(os.fspath(where))
-
-
-def is_remote(where: Where) -> bool:
-    """True for object storage and other non-local filesystems (no rename, fsync or flock)."""
-    return not locate(where).is_local
+    text = os.fspath(where)
+    # Local paths are resolved each time (a relative path depends on the working directory).
+    return resolve(text) if scheme_of(text) in ("", "file") else _resolve_url(text)
 
 
 def parent(loc: Location) -> Location:
