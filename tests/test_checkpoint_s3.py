@@ -32,7 +32,7 @@ from test_checkpoint_trainer import (
     snapshot,
 )
 
-from recsys_trainer import JsonlMetricsHook
+from recsys_trainer import Hook, JsonlMetricsHook
 from recsys_trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -270,3 +270,33 @@ def test_resume_from_a_missing_bucket_path_is_a_clear_error(s3_env: Any) -> None
         build(s3_env.url("resume_missing"), RowWindows(), train_steps=1,
               resume_from=s3_env.url("nothing", "here")).train()
     assert e.value.kind == "missing"
+
+
+class OverwriteLease(Hook):
+    """At step 2, another job overwrites the lease (as one that started in the same instant
+    would), and the loop waits for a renewal to notice."""
+
+    def __init__(self, lease_path: str, fs: pafs.FileSystem) -> None:
+        self.lease_path, self.fs = lease_path, fs
+
+    def after_step(self, trainer: Any, output: Any) -> None:
+        if trainer.state.global_step == 2:
+            with self.fs.open_output_stream(self.lease_path) as f:
+                f.write(json.dumps({"host": "other", "pid": 1, "world_size": 1, "started": "x",
+                                    "run_id": None, "token": "other",
+                                    "renewed": time.time()}).encode())
+            time.sleep(1.0)  # > ttl / 4: a renewal runs and finds the foreign token
+
+
+def test_a_job_whose_lease_was_taken_over_stops_saving_there(s3_server: Any) -> None:
+    fs = s3_server.filesystem()
+    out = f"{s3_server.bucket}/taken_over"
+    mgr = CheckpointManager(out, save_steps=1, async_save=False, filesystem=fs, lease_ttl_s=2.0)
+    trainer = build(out, RowWindows(), train_steps=5, checkpointer=mgr,
+                    hooks=[OverwriteLease(f"{out}/LOCK", fs)])
+    with pytest.raises(CheckpointError, match="taken over by the job whose rank 0 is pid 1 on "
+                       "host other.*another job is saving into"):
+        trainer.train()
+    # Hooks' after_step runs before the step's save: the save of step 2 is the first after the
+    # takeover, and it refused to write.
+    assert [i.step for i in layout.list_committed(resolve(out, fs))] == [1]

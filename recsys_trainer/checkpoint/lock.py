@@ -197,11 +197,11 @@ class LeaseLock:
         self._token = None
 
 
-def lock_for(output_dir: Location) -> OutputDirLock | LeaseLock:
+def lock_for(output_dir: Location, lease_ttl_s: float = 60.0) -> OutputDirLock | LeaseLock:
     """``flock`` on a local ``output_dir``, a lease on object storage."""
     if output_dir.is_local:
         return OutputDirLock(output_dir.path)
-    return LeaseLock(output_dir)
+    return LeaseLock(output_dir, ttl_s=lease_ttl_s)
 
 
 def _describe(content: bytes) -> str:

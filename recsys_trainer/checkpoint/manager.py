@@ -121,6 +121,8 @@ class CheckpointManager:
         collective_timeout_s: how long the default gang's collectives wait for other ranks.
         filesystem: a ``pyarrow.fs.FileSystem`` that ``output_dir`` (and paths given to
             ``save``, ``load`` and ``resume_from``) are paths in, instead of resolving them.
+        lease_ttl_s: on object storage, how long ``output_dir``'s lease outlives its last
+            renewal (renewed every quarter of it; see ``checkpoint.lock.LeaseLock``).
 
     The Trainer builds one with ``from_args`` unless given one, and ``attach``es its components.
     Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods.
@@ -149,6 +151,7 @@ class CheckpointManager:
         gang: Gang | None = None,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         filesystem: pafs.FileSystem | None = None,
+        lease_ttl_s: float = 60.0,
     ) -> None:
         self.output_dir = output_dir
         self._filesystem = filesystem
@@ -168,7 +171,7 @@ class CheckpointManager:
         self.reshard_data_position = reshard_data_position
         self._gang = gang
         self.collective_timeout_s = collective_timeout_s
-        self._lock = lock_for(self._out)
+        self._lock = lock_for(self._out, lease_ttl_s)
         self._components: contents.Components = {}
         self._listener: CheckpointListener = lambda _event, _path: None
         self._run_args: dict[str, Any] = {}
