@@ -165,6 +165,7 @@ _KILLED_MID_UPLOAD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed  # starts a training process (and kills it)
 def test_a_sigkill_while_shards_upload_keeps_the_previous_checkpoint_and_is_ignored(
         s3_env: Any, tmp_path: Any) -> None:
     out = s3_env.url("killed")
