@@ -4,7 +4,8 @@
 
 Benchmarks (run in this order, those present): ``bench_trainer.py`` (Trainer overhead vs a
 hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows, batch size,
-memory), ``bench_data.py`` (reader throughput), ``bench_checkpoint.py`` (save/restore).
+memory), ``bench_data.py`` (reader throughput), ``bench_checkpoint.py`` (save/restore),
+``bench_storage.py`` (the reader over a local S3 server vs local disk).
 
 The contract with a benchmark script: it runs with no arguments; it accepts ``--quick`` if its
 ``--help`` mentions it (otherwise ``QUICK_FALLBACK`` names smaller settings from its own
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "scaling": "bench_scaling.py",
     "data": "bench_data.py",
     "checkpoint": "bench_checkpoint.py",
+    "storage": "bench_storage.py",
 }
 
 # For scripts without --quick: smaller settings from their own options.

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import pyarrow.fs as pafs
 import yaml
 
+from recsys_trainer import storage
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.data.parquet import ParquetReadOptions
 from recsys_trainer.hooks import (
@@ -276,12 +277,23 @@ class ParquetDataConfig(ParquetReadOptions):
         source = getattr(self, which)
         if source is None:
             return None
-        if isinstance(source, str) and not os.path.isdir(source):
+        if isinstance(source, str) and not _is_dir(source):
             raise ConfigError(f"`data.{which}` is {source!r}, which is not a directory.")
         options = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParquetReadOptions)}
         if which == "eval":
             options["shuffle"] = False
         return ParquetWindowDataset(source, self.feature_spec(), **options)
+
+
+def _is_dir(url: str) -> bool:
+    """Whether ``url`` (a path or a URL: ``s3://``, ``gs://``, ...) is a directory; storage
+    that cannot be reached, denies access or lacks the bucket is a ``StorageError`` naming the
+    URL."""
+    loc = storage.resolve(url)
+    if storage.file_info(loc).type == pafs.FileType.Directory:
+        return True
+    storage.check_bucket(loc)  # a missing bucket is named as such, not as a missing directory
+    return False
 
 
 DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,15 @@ def weed_binary() -> str | None:
     """The ``weed`` binary of this interpreter's environment (``.venv/bin/weed``), else PATH's."""
     here = os.path.join(os.path.dirname(sys.executable), "weed")
     return here if os.access(here, os.X_OK) else shutil.which("weed")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the process that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def free_ports(n: int) -> list[int]:
@@ -62,6 +72,7 @@ class S3Server:
     bucket: str
     data_dir: str
     log_path: str
+    metrics_port: int
     _log: object = field(repr=False, default=None)
 
     @property
@@ -90,6 +101,15 @@ class S3Server:
     def url(self, *parts: str) -> str:
         """``s3://BUCKET/part/part``."""
         return "/".join([f"s3://{self.bucket}", *parts])
+
+    def bytes_sent(self) -> float:
+        """Bytes the S3 gateway has sent for this bucket so far (its Prometheus counter): what
+        clients downloaded, to check that reads are ranged."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        name = 'SeaweedFS_s3_bucket_traffic_sent_bytes_total{bucket="' + self.bucket + '"} '
+        m = re.search(re.escape(name) + r"(\S+)", text)
+        return float(m.group(1)) if m else 0.0
 
     def log_tail(self, n: int = 40) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -140,11 +160,12 @@ class S3Server:
             "-s3.port.iceberg=0", "-s3.port.lance=0", f"-metricsPort={metrics}",
             "-volume.preStopSeconds=0",
         ]
-        # Its own session: a Ctrl-C in the test runner does not reach it before stop() does.
+        # Its own session: a Ctrl-C in the test runner does not reach it before stop() does;
+        # and it dies with the test runner if that is killed before stop() runs.
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=root,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         server = cls(proc, f"http://127.0.0.1:{s3}", ACCESS_KEY, SECRET_KEY, bucket, data_dir,
-                     log_path, log)
+                     log_path, metrics, log)
         try:
             server._wait_ready()
         except BaseException:

@@ -208,14 +208,16 @@ def _unreadable_on_rank_1_worker(root: str) -> dict[str, Any]:
     import time
 
     if int(os.environ["RANK"]) == 1:
-        real = pq.ParquetFile
+        from recsys_trainer import storage
 
-        def lagging(path: Any, *a: Any, **kw: Any) -> Any:
-            if str(path).endswith("hour=01/part-1.parquet"):
-                raise FileNotFoundError(f"[Errno 2] No such file or directory: {path!r}")
-            return real(path, *a, **kw)
+        real = storage.open_input_file  # every parquet file is opened through it
 
-        pq.ParquetFile = lagging  # type: ignore[misc]
+        def lagging(loc: Any) -> Any:
+            if loc.url.endswith("hour=01/part-1.parquet"):
+                raise FileNotFoundError(f"[Errno 2] No such file or directory: {loc.url!r}")
+            return real(loc)
+
+        storage.open_input_file = lagging  # type: ignore[assignment]
     ds = ParquetWindowDataset(root, row_id_spec(), batch_size=4)
     trainer = _trainer(row_id_spec(), ds)
     t0 = time.monotonic()

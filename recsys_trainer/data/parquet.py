@@ -36,8 +36,10 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from recsys_trainer import storage
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.features import DataError, FeatureSpec, _RowError
@@ -64,6 +66,8 @@ class _Unit:
     num_rows: int
     table: pa.Table | None = field(default=None, compare=False, repr=False)
     """A CSV file's rows, read when the window was planned."""
+    metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)
+    """A parquet file's footer, read when the window was planned (not fetched again to read)."""
 
 
 @dataclass(frozen=True)
@@ -82,24 +86,40 @@ class _Piece:
         return self.length - self.skip
 
 
+def _open_parquet(path: str, filesystem: pafs.FileSystem | None,
+                  metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
+    """``path`` (a local path or URL) as a ``ParquetFile`` over a random-access handle of its
+    filesystem: reading a row group fetches only its byte ranges, never the whole file. On
+    remote storage the column chunks a read needs are fetched together (``pre_buffer``: a few
+    coalesced requests per row group instead of one per column)."""
+    loc = storage.resolve(path, filesystem)
+    handle = storage.open_input_file(loc)
+    try:
+        return pq.ParquetFile(handle, metadata=metadata, pre_buffer=not loc.is_local)
+    except BaseException:
+        handle.close()
+        raise
+
+
 class _OpenFiles:
     """The last opened parquet file, kept open while consecutive pieces read from it (a fresh
     ``ParquetFile`` per row group re-reads and re-parses the footer)."""
 
-    def __init__(self) -> None:
+    def __init__(self, filesystem: pafs.FileSystem | None = None) -> None:
+        self._filesystem = filesystem
         self._path: str | None = None
         self._file: pq.ParquetFile | None = None
 
-    def get(self, path: str) -> pq.ParquetFile:
+    def get(self, path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
         if self._file is None or self._path != path:
             self.close()
-            self._file = pq.ParquetFile(path)
+            self._file = _open_parquet(path, self._filesystem, metadata)
             self._path = path
         return self._file
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            self._file.close(force=True)  # also the handle it was given
         self._file = self._path = None
 
 
@@ -128,7 +148,8 @@ class ParquetReadOptions:
     prefetch_batches: int = 4
     """Decoded batches read ahead on a background thread (0: no threads)."""
     on_corrupt: Literal["error", "skip"] = "error"
-    """An unreadable file or row group: raise ``DataError``, or skip it (counted and logged)."""
+    """An unreadable file or row group: raise ``DataError``, or skip it (counted and logged).
+    Storage that cannot be reached or is denied is always an error, never skipped."""
     file_format: Literal["auto", "parquet", "csv"] = "auto"
     """``"auto"`` (by extension), ``"parquet"`` or ``"csv"``."""
 
@@ -153,6 +174,10 @@ class ParquetWindowDataset(WindowedDataset):
             next row group on a second thread while decoding one; skipped files are counted in
             ``stats``.
         csv_convert_options: passed to ``pyarrow.csv.read_csv`` (e.g. column types).
+        filesystem: a ``pyarrow.fs`` filesystem holding the windows (their root, globs and
+            files are paths in it); default: each path's URL scheme and the environment select
+            it (``recsys_trainer.storage.resolve``: local paths, ``s3://``, ``gs://``,
+            ``hdfs://``, ``file://``, fsspec schemes).
     """
 
     features: FeatureSpec
@@ -170,6 +195,7 @@ class ParquetWindowDataset(WindowedDataset):
         on_corrupt: Literal["error", "skip"] = "error",
         file_format: Literal["auto", "parquet", "csv"] = "auto",
         csv_convert_options: pacsv.ConvertOptions | None = None,
+        filesystem: pafs.FileSystem | None = None,
     ) -> None:
         ParquetReadOptions(batch_size=batch_size, sharding=sharding, shuffle=shuffle, seed=seed,
                            prefetch_batches=prefetch_batches, on_corrupt=on_corrupt,
@@ -184,6 +210,7 @@ class ParquetWindowDataset(WindowedDataset):
         self.on_corrupt = on_corrupt
         self.file_format = file_format
         self.csv_convert_options = csv_convert_options
+        self.filesystem = filesystem
         self.rank, self.world_size = 0, 1
         self.epoch = 0
         self.stats = WindowStats()
@@ -212,7 +239,7 @@ class ParquetWindowDataset(WindowedDataset):
         self.epoch = epoch
 
     def window_ids(self) -> Iterator[str]:
-        for w in agreed_windows(self.windows, self._gang):
+        for w in agreed_windows(self.windows, self._gang, self.filesystem):
             self._known[w.id] = w
             yield w.id
 
@@ -313,17 +340,22 @@ class ParquetWindowDataset(WindowedDataset):
         for path in window.files:
             try:
                 if self._format(path) == "csv":
-                    table = pacsv.read_csv(path, convert_options=self.csv_convert_options)
+                    with storage.open_input_stream(storage.resolve(path, self.filesystem)) as f:
+                        table = pacsv.read_csv(f, convert_options=self.csv_convert_options)
                     self.features.check_schema(table.schema, path)
                     self._check_id_kinds(table.schema, window.id, path)
                     units.append(_Unit(path, 0, table.num_rows, table))
                     continue
-                md = pq.ParquetFile(path).metadata
+                pf = _open_parquet(path, self.filesystem)
+                try:
+                    md = pf.metadata
+                finally:
+                    pf.close(force=True)
                 schema = md.schema.to_arrow_schema()
             except DataError:
                 raise
             except (OSError, pa.ArrowException) as exc:
-                if self.on_corrupt == "skip":
+                if self.on_corrupt == "skip" and not storage.is_access_failure(exc):
                     self.stats.corrupt_files_skipped += 1
                     logger.warning("window %s: skipping unreadable file %s (%s)", window.id, path, exc)
                     continue
@@ -333,7 +365,8 @@ class ParquetWindowDataset(WindowedDataset):
                 ) from exc
             self.features.check_schema(schema, path)
             self._check_id_kinds(schema, window.id, path)
-            units.extend(_Unit(path, i, md.row_group(i).num_rows) for i in range(md.num_row_groups))
+            units.extend(_Unit(path, i, md.row_group(i).num_rows, metadata=md)
+                         for i in range(md.num_row_groups))
         return units
 
     def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
@@ -387,9 +420,9 @@ class ParquetWindowDataset(WindowedDataset):
             if u.table is not None:
                 table = u.table.select(self._columns)
             else:
-                table = files.get(u.file).read_row_group(u.row_group, columns=self._columns)
+                table = files.get(u.file, u.metadata).read_row_group(u.row_group, columns=self._columns)
         except (OSError, pa.ArrowException) as exc:
-            if self.on_corrupt == "skip":
+            if self.on_corrupt == "skip" and not storage.is_access_failure(exc):
                 self.stats.corrupt_rows_skipped += piece.rows
                 logger.warning("skipping unreadable row group %d of %s (%s)", u.row_group, u.file, exc)
                 return None
@@ -405,7 +438,7 @@ class ParquetWindowDataset(WindowedDataset):
 
     def _read_pieces(self, pieces: list[_Piece]) -> Iterator[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]:
         """Each piece with its rows (``_read_piece``), reusing the open file between pieces."""
-        files = _OpenFiles()
+        files = _OpenFiles(self.filesystem)
         try:
             for piece in pieces:
                 yield piece, self._read_piece(piece, files)

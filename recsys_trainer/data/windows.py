@@ -5,6 +5,10 @@ A ``Window`` is an id and its files. Sources give windows in training order:
 * ``partitioned_windows(root)``: every leaf directory under ``root`` holding data files, e.g.
   ``dt=2019-11-24/hour=05/``, ordered by partition values (numbers compare as numbers).
 * ``glob_windows(["/data/2019-11-24-00/*.parquet", ...])``: one window per glob, in list order.
+
+Roots, globs and markers may be local paths or URLs (``s3://``, ``gs://``, ``hdfs://``,
+``file://``, fsspec schemes): listing goes through ``recsys_trainer.storage`` (pyarrow.fs), and
+every function takes ``filesystem=`` for an explicitly configured one.
 * any callable returning windows (e.g. ``lambda: partitioned_windows(root)[1:]``).
 * ``StreamingWindows(discover, ...)``: waits for windows that appear later.
 
@@ -14,6 +18,7 @@ with a warning; they never reach the Trainer.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import logging
 import os
@@ -23,6 +28,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.fs as pafs
+
+from recsys_trainer import storage
 from recsys_trainer.distributed import Gang
 
 logger = logging.getLogger("recsys_trainer.data")
@@ -46,11 +54,8 @@ def _sort_key(rel: str) -> tuple[tuple[int, int | str], ...]:
     return tuple(parts)  # type: ignore[arg-type]
 
 
-def _data_files(directory: str, suffixes: Sequence[str]) -> list[str]:
-    return sorted(
-        os.path.join(directory, f) for f in os.listdir(directory)
-        if f.endswith(tuple(suffixes)) and not f.startswith(("_", "."))
-    )
+def _hidden(name: str) -> bool:
+    return name.startswith(("_", "."))
 
 
 def partitioned_windows(
@@ -58,49 +63,107 @@ def partitioned_windows(
     *,
     suffixes: Sequence[str] = DATA_SUFFIXES,
     ready_marker: str | None = None,
+    filesystem: pafs.FileSystem | None = None,
 ) -> list[Window]:
     """Windows of a partitioned directory (``root/k1=v1/k2=v2/*.parquet``), in partition order.
 
     Args:
-        root: the directory.
+        root: the directory: a local path, ``file://``, ``s3://bucket/prefix``, ``gs://``,
+            ``hdfs://`` or any fsspec URL (see ``recsys_trainer.storage``).
         suffixes: file name endings that count as data (files starting with ``_`` or ``.`` never).
         ready_marker: if set (e.g. ``"_SUCCESS"``), a partition is a window only once this file
             exists in it: the writer's signal that the partition is complete (streaming).
+        filesystem: a ``pyarrow.fs`` filesystem to list ``root`` in (instead of the one its URL
+            and the environment select).
+
+    Window files are ``root`` joined with their relative paths (URLs for a URL ``root``): the
+    reader resolves them the same way. Directories starting with ``_`` or ``.`` (e.g.
+    ``_temporary``) are not partitions and are not searched.
     """
-    if not os.path.isdir(root):
+    loc = storage.resolve(root, filesystem)
+    info = storage.file_info(loc)
+    if info.type != pafs.FileType.Directory:
+        storage.check_bucket(loc)
         raise FileNotFoundError(f"window root {root!r} is not a directory.")
-    found: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(("_", "."))]
-        if dirnames:
-            continue  # not a leaf partition
-        rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
-        if rel == ".":
-            continue
-        if ready_marker is not None and ready_marker not in filenames:
-            continue
-        found.append((rel, dirpath))
+    base = loc.path.rstrip("/")
+    files: dict[str, list[str]] = {}  # partition (relative) -> file names
+    subdirs: set[str] = set()  # partitions that have a non-hidden sub-directory
+    for entry in storage.list_tree(loc):
+        parts = entry.path[len(base):].strip("/").split("/")
+        if any(_hidden(p) for p in parts[:-1]):
+            continue  # inside a hidden directory
+        if entry.type == pafs.FileType.Directory:
+            if _hidden(parts[-1]):
+                continue
+            files.setdefault("/".join(parts), [])
+            for i in range(len(parts)):
+                subdirs.add("/".join(parts[:i]))
+        else:
+            files.setdefault("/".join(parts[:-1]), []).append(parts[-1])
+            for i in range(len(parts) - 1):
+                subdirs.add("/".join(parts[:i]))
     out: list[Window] = []
-    for rel, dirpath in sorted(found, key=lambda x: _sort_key(x[0])):
-        files = _data_files(dirpath, suffixes)
-        if not files:
-            logger.warning("window %s (%s) has no data files; skipping it", rel, dirpath)
+    for rel in sorted((r for r in files if r and r not in subdirs), key=_sort_key):
+        names = files[rel]
+        if ready_marker is not None and ready_marker not in names:
             continue
-        out.append(Window(rel, tuple(files)))
+        data = sorted(n for n in names if n.endswith(tuple(suffixes)) and not _hidden(n))
+        if not data:
+            logger.warning("window %s (%s) has no data files; skipping it", rel, loc.join(rel).url)
+            continue
+        out.append(Window(rel, tuple(loc.join(*rel.split("/"), n).url for n in data)))
     return out
 
 
-def glob_windows(patterns: Sequence[str] | Mapping[str, str]) -> list[Window]:
-    """One window per glob pattern, in order (a mapping gives ``{window_id: pattern}``)."""
+def glob_windows(patterns: Sequence[str] | Mapping[str, str], *,
+                 filesystem: pafs.FileSystem | None = None) -> list[Window]:
+    """One window per glob pattern, in order (a mapping gives ``{window_id: pattern}``).
+
+    Local patterns follow ``glob.glob``; a URL pattern (``s3://bucket/dt=*/hour=0[0-5]/*.parquet``)
+    is matched per path component against a listing of the part before its first wildcard
+    (``*``, ``?``, ``[...]`` within a component, ``**`` for any number of components).
+    """
     items = list(patterns.items()) if isinstance(patterns, Mapping) else [(p, p) for p in patterns]
     out: list[Window] = []
     for wid, pattern in items:
-        files = sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+        files = _glob(pattern, filesystem)
         if not files:
             logger.warning("window %s: pattern %r matches no files; skipping it", wid, pattern)
             continue
         out.append(Window(wid, tuple(files)))
     return out
+
+
+def _glob(pattern: str, filesystem: pafs.FileSystem | None) -> list[str]:
+    if filesystem is None and not storage.scheme_of(pattern):
+        return sorted(f for f in glob.glob(pattern) if os.path.isfile(f))
+    parts = pattern.split("/")
+    first = next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts))
+    if first == len(parts):  # no wildcard: the file itself
+        loc = storage.resolve(pattern, filesystem)
+        return [pattern] if storage.file_info(loc).type == pafs.FileType.File else []
+    prefix = "/".join(parts[:first])
+    loc = storage.resolve(prefix, filesystem)
+    if storage.file_info(loc).type != pafs.FileType.Directory:
+        storage.check_bucket(loc)
+        return []
+    base = loc.path.rstrip("/")
+    rest = parts[first:]
+    matched = []
+    for entry in storage.list_tree(loc):
+        rel = entry.path[len(base):].strip("/").split("/")
+        if entry.type == pafs.FileType.File and _match(rel, rest):
+            matched.append(loc.join(*rel).url)
+    return sorted(matched)
+
+
+def _match(parts: list[str], pattern: list[str]) -> bool:
+    """Whether path components match pattern components (``**``: any number of them)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _match(parts[1:], pattern[1:])
 
 
 class StreamingWindows:
@@ -117,6 +180,11 @@ class StreamingWindows:
 
     A window that appears *out of order* (its id sorts before one already yielded, by discovery
     order) is logged and ignored: training has moved past it.
+
+    ``end_marker`` may be a path or URL (``s3://bucket/prefix/_END``); ``filesystem`` is the
+    ``pyarrow.fs`` filesystem to look for it in (default: the one its URL selects). On object
+    storage, ``discover`` is typically ``lambda: partitioned_windows("s3://...",
+    ready_marker="_SUCCESS")``: one listing of the prefix per poll.
     """
 
     def __init__(
@@ -126,6 +194,7 @@ class StreamingWindows:
         end_marker: str | Callable[[], bool],
         poll_interval_s: float = 30.0,
         timeout_s: float = 3600.0,
+        filesystem: pafs.FileSystem | None = None,
     ) -> None:
         if poll_interval_s <= 0:
             raise ValueError(f"`poll_interval_s` must be > 0, but is {poll_interval_s!r}.")
@@ -135,11 +204,12 @@ class StreamingWindows:
         self.end_marker = end_marker
         self.poll_interval_s = poll_interval_s
         self.timeout_s = timeout_s
+        self.filesystem = filesystem
 
     def _ended(self) -> bool:
         if callable(self.end_marker):
             return bool(self.end_marker())
-        return os.path.exists(self.end_marker)
+        return storage.exists(self.end_marker, self.filesystem)
 
     def __iter__(self) -> Iterator[Window]:
         return (w for w in self.polls() if w is not None)
@@ -183,14 +253,16 @@ WindowSource = str | Sequence[str] | Sequence[Window] | Callable[[], Iterable[Wi
 ``Window``, a callable returning windows, or ``StreamingWindows``."""
 
 
-def resolve_windows(source: WindowSource, *, heartbeats: bool = False) -> Iterator[Window | None]:
+def resolve_windows(source: WindowSource, *, heartbeats: bool = False,
+                    filesystem: pafs.FileSystem | None = None) -> Iterator[Window | None]:
     """Iterate the windows of any ``WindowSource`` (lazily for streams and callables).
 
     ``heartbeats=True``: a stream also yields ``None`` each time it polls without finding a
     new window (see ``StreamingWindows.polls``); no other source yields ``None``.
+    ``filesystem``: where a root or glob strings are listed (default: as their URLs select).
     """
     if isinstance(source, str):
-        yield from partitioned_windows(source)
+        yield from partitioned_windows(source, filesystem=filesystem)
     elif isinstance(source, StreamingWindows):
         yield from (source.polls() if heartbeats else source)
     elif callable(source):
@@ -200,7 +272,7 @@ def resolve_windows(source: WindowSource, *, heartbeats: bool = False) -> Iterat
         if all(isinstance(x, Window) for x in items):
             yield from items  # type: ignore[misc]
         elif all(isinstance(x, str) for x in items):
-            yield from glob_windows(items)  # type: ignore[arg-type]
+            yield from glob_windows(items, filesystem=filesystem)  # type: ignore[arg-type]
         else:
             raise TypeError("a window list must hold only Window objects or only glob strings.")
 
@@ -208,14 +280,15 @@ def resolve_windows(source: WindowSource, *, heartbeats: bool = False) -> Iterat
 def describe_source(source: WindowSource) -> str:
     """A stable description of a source for the dataset's resume fingerprint."""
     if isinstance(source, str):
-        return f"partitioned:{os.path.abspath(source)}"
+        return f"partitioned:{source if storage.scheme_of(source) else os.path.abspath(source)}"
     if isinstance(source, StreamingWindows) or callable(source):
         return f"callable:{getattr(source, '__qualname__', type(source).__name__)}"
     items: list[object] = list(source)
     return ",".join(x.id if isinstance(x, Window) else str(x) for x in items)
 
 
-def agreed_windows(source: WindowSource, gang: Gang | None) -> Iterator[Window]:
+def agreed_windows(source: WindowSource, gang: Gang | None,
+                   filesystem: pafs.FileSystem | None = None) -> Iterator[Window]:
     """The windows of ``source`` *as rank 0 lists them*, on every rank of ``gang``.
 
     Listings of shared storage can differ between ranks (a lagging NFS or object-store
@@ -228,12 +301,12 @@ def agreed_windows(source: WindowSource, gang: Gang | None) -> Iterator[Window]:
     heartbeat after every poll (``StreamingWindows.poll_interval_s`` must stay below the
     process group's collective timeout).
 
-    Without a gang, or with one rank, this is ``resolve_windows(source)``.
+    Without a gang, or with one rank, this is ``resolve_windows(source, filesystem=...)``.
     """
     if gang is None or gang.world_size == 1:
-        yield from (w for w in resolve_windows(source) if w is not None)
+        yield from (w for w in resolve_windows(source, filesystem=filesystem) if w is not None)
         return
-    listing = resolve_windows(source, heartbeats=True) if gang.rank == 0 else None
+    listing = resolve_windows(source, heartbeats=True, filesystem=filesystem) if gang.rank == 0 else None
     failure: Exception | None = None
     while True:
         message: tuple[str, Any] = ("end", None)
