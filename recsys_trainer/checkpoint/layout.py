@@ -26,7 +26,6 @@ or not at all when its upload completes: each file is written once under its fin
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 import json
 import logging
 import math
@@ -46,7 +45,7 @@ from typing import Any, Literal
 import pyarrow.fs as pafs
 
 from recsys_trainer.checkpoint.errors import CheckpointError
-from recsys_trainer.storage import Location, resolve, scheme_of
+from recsys_trainer.storage import Location, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -92,19 +91,11 @@ Where = str | Location
 """A local path, a URL (``s3://bucket/prefix``), or a resolved ``Location``."""
 
 
-@functools.lru_cache(maxsize=32)
-def _resolve_url(url: str) -> Location:
-    # Building an S3 filesystem costs ~50 ms (credential and region lookup): once per URL.
-    return resolve(url)
-
-
 def locate(where: Where) -> Location:
     """``where`` as a ``Location`` (paths and URLs are resolved with ``storage.resolve``)."""
     if isinstance(where, Location):
         return where
-    text = os.fspath(where)
-    # Local paths are resolved each time (a relative path depends on the working directory).
-    return resolve(text) if scheme_of(text) in ("", "file") else _resolve_url(text)
+    return resolve(where)  # storage caches the S3 clients it builds
 
 
 def parent(loc: Location) -> Location:
