@@ -20,8 +20,15 @@ concurrently) plus a small DLRM, then:
 Goals (issue 4): async blocks the loop for at most 20% of a sync save; save throughput (bytes
 of all ranks / wall time of the save) is at least 0.6x the measured disk bandwidth.
 
+``--s3`` (issue 13) instead compares object storage with local disk, in one process: it starts
+a local S3 server (SeaweedFS, as the tests do: tests/s3_server.py), and per round makes a sync
+save and a restore (with the CRC check) of the same state to the local directory and to the
+bucket, alternating which goes first. Reported: medians, the ratio S3 / local per round, and the
+server's own limit: one 16 MiB-part upload and one download of as many bytes with pyarrow, i.e.
+what a checkpoint could reach at best through that server.
+
 Usage: python benchmarks/bench_checkpoint.py [--quick] [--rows 1e5 1e6 1e7] [--world-sizes 1 2]
-       [--threads 1 2 4] [--repeats 3] [--dim 16] [--dir /tmp/x] [--json out.json]
+       [--threads 1 2 4] [--repeats 3] [--dim 16] [--dir /tmp/x] [--json out.json] [--s3]
 """
 
 from __future__ import annotations
@@ -174,6 +181,97 @@ def bench(rows: int, dim: int, root: str, threads: list[int], repeats: int,
     return res
 
 
+def object_store_bandwidth(fs: Any, path: str, num_bytes: int) -> tuple[float, float]:
+    """``(upload MB/s, download MB/s)`` of ``num_bytes`` through one pyarrow stream each."""
+    block = os.urandom(16 << 20)
+    n = max(1, -(-num_bytes // (16 << 20)))
+    t0 = time.perf_counter()
+    with fs.open_output_stream(path) as f:
+        for _ in range(n):
+            f.write(block)
+    up = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with fs.open_input_stream(path) as f:
+        while f.read(16 << 20):
+            pass
+    down = time.perf_counter() - t0
+    fs.delete_file(path)
+    mb = n * (16 << 20) / 1e6
+    return mb / up, mb / down
+
+
+def bench_s3(rows: int, dim: int, root: str, repeats: int) -> dict[str, Any]:
+    """Sync save and restore of one state to local disk and to a local S3 server (one process)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    from s3_server import running_s3_server
+
+    feats = ["big", "s0", "s1"]
+    torch.manual_seed(0)
+    model = DLRMClassifier(feats, 4, [rows, 1000, 1000], embedding_dim=dim, dense_arch=(32,),
+                           over_arch=(32, 1))
+    local_dir = os.path.join(root, f"local_{rows}")
+    shutil.rmtree(local_dir, ignore_errors=True)
+    trainer = Trainer(
+        model, TrainingArguments(output_dir=local_dir, train_steps=5, log_steps=10**9,
+                                 resume_from=None, sharding_types={f"t_{f}": "table_wise"
+                                                                   for f in feats}),
+        train_dataset=synthetic_batches(5, 256, feats, 4, 1000, seed=0),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05), add_logger_hook=False,
+    )
+    trainer.train()
+    with running_s3_server(os.path.join(root, f"s3_{rows}")) as server:
+        fs = server.filesystem()
+        prefix = f"{server.bucket}/bench_{rows}"
+        managers = {
+            "local": CheckpointManager(local_dir, max_to_keep=2, async_save=False,
+                                       resume_from=None),
+            "s3": CheckpointManager(prefix, max_to_keep=2, async_save=False, resume_from=None,
+                                    filesystem=fs),
+        }
+        for m in managers.values():
+            m.attach(trainer.state_components())
+        save_s: dict[str, list[float]] = {k: [] for k in managers}
+        load_s: dict[str, list[float]] = {k: [] for k in managers}
+        save_ratio, load_ratio, bw_up, bw_down, disk = [], [], [], [], []
+        step = trainer.state.global_step
+        nbytes = 0
+        for r in range(repeats):
+            order = list(managers) if r % 2 == 0 else list(managers)[::-1]
+            step += 1
+            trainer.state.global_step = step
+            for name in order:
+                mgr = managers[name]
+                path = mgr.save(blocking=True)
+                save_s[name].append(mgr.history[-1].total_s)
+                nbytes = mgr.history[-1].num_bytes
+                t0 = time.perf_counter()
+                mgr.load(path)
+                load_s[name].append(time.perf_counter() - t0)
+            save_ratio.append(save_s["s3"][-1] / save_s["local"][-1])
+            load_ratio.append(load_s["s3"][-1] / load_s["local"][-1])
+            up, down = object_store_bandwidth(fs, f"{prefix}/bandwidth.probe", nbytes)
+            bw_up.append(up)
+            bw_down.append(down)
+            disk.append(disk_bandwidth(local_dir, nbytes))
+        for m in managers.values():
+            m.close()
+    shutil.rmtree(local_dir, ignore_errors=True)
+    return {
+        "rows": rows, "MB": round(nbytes / 1e6, 1),
+        "local_save_s": round(_median(save_s["local"]), 3),
+        "s3_save_s": round(_median(save_s["s3"]), 3),
+        "save_s3_vs_local": round(_median(save_ratio), 2),
+        "local_restore_s": round(_median(load_s["local"]), 3),
+        "s3_restore_s": round(_median(load_s["s3"]), 3),
+        "restore_s3_vs_local": round(_median(load_ratio), 2),
+        "s3_save_MBps": round(nbytes / 1e6 / _median(save_s["s3"]), 1),
+        "server_put_MBps": round(_median(bw_up), 1),
+        "server_get_MBps": round(_median(bw_down), 1),
+        "disk_MBps": round(_median(disk), 1),
+    }
+
+
 def worker(a: argparse.Namespace) -> None:
     from recsys_trainer.distributed import init_distributed, shutdown
 
@@ -201,6 +299,8 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="output directory (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--s3", action="store_true",
+                   help="compare a local S3 server (SeaweedFS) with local disk instead")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -210,6 +310,18 @@ def main() -> None:
     os.makedirs(a.dir, exist_ok=True)
     if a.worker:
         worker(a)
+        return
+    if a.s3:
+        quiet_torchrec()
+        logging.getLogger().setLevel(logging.ERROR)
+        res = [bench_s3(int(r), a.dim, a.dir, a.repeats) for r in a.rows]
+        cols = list(res[0])
+        print("## Checkpoints: local S3 server vs local disk (1 process, sync save + restore; "
+              "medians, ratios within a round)\n")
+        print(markdown_table(cols, [[r[c] for c in cols] for r in res]))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2)
         return
     forwarded = ["--rows", *map(str, a.rows), "--dim", str(a.dim), "--threads",
                  *map(str, a.threads), "--repeats", str(a.repeats), "--first-save-step",

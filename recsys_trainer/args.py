@@ -11,13 +11,18 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from recsys_trainer.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
 from recsys_trainer.periods import Period, one_period
+from recsys_trainer.storage import scheme_of
 from recsys_trainer.validation import check_choice, check_int, check_number, check_type, fail
+
+logger = logging.getLogger(__name__)
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
 NonFiniteLoss = Literal["ignore", "stop", "skip"]
@@ -105,7 +110,14 @@ class TrainingArguments:
     """How to train. All counts are optimizer steps unless the name says otherwise."""
 
     output_dir: str = "output"
-    """Where checkpoints, logs and TensorBoard events go."""
+    """Where checkpoints, logs and TensorBoard events go: a local path, or a URL
+    (``s3://bucket/prefix``, ``gs://``, ``hdfs://``...) for checkpoints on object storage, in
+    which case the hooks' local files go to ``logging_dir`` (docs/checkpoint.md)."""
+
+    logging_dir: str | None = None
+    """A local directory for the hooks' files (TensorBoard events, ``metrics.jsonl``, profiler
+    traces). Default: ``output_dir`` when it is local; when it is a URL, ``./logs/<its bucket
+    and path>`` (these files are appended to while training, which object storage cannot do)."""
 
     train_steps: int | None = None
     """Stop after exactly this many optimizer steps (None: run ``train_epoch`` epochs)."""
@@ -252,6 +264,10 @@ class TrainingArguments:
                      ("error", "restart_window", "next_window"))
         if not isinstance(self.output_dir, str) or not self.output_dir:
             fail("output_dir", "a non-empty path string", self.output_dir)
+        if self.logging_dir is not None and (not isinstance(self.logging_dir, str)
+                                             or scheme_of(self.logging_dir) not in ("", "file")):
+            fail("logging_dir", "a local directory (hooks append to their files there, which "
+                 "object storage cannot do)", self.logging_dir)
         check_type("seed", self.seed, (int,), "an int")
         for table, st in self.sharding_types.items():
             check_choice(f"sharding_types[{table!r}]", st, SHARDING_TYPES, quote=False)
@@ -324,6 +340,19 @@ class TrainingArguments:
                 "`max_non_finite_skips` needs `non_finite_loss` = 'skip', but that is "
                 f"{self.non_finite_loss!r}."
             )
+
+    @property
+    def local_log_dir(self) -> str:
+        """Where hooks write their local files (see ``logging_dir``)."""
+        if self.logging_dir is not None:
+            return self.logging_dir
+        if scheme_of(self.output_dir) in ("", "file"):
+            return self.output_dir.split("://", 1)[-1]
+        local = os.path.join("logs", *self.output_dir.split("://", 1)[1].strip("/").split("/"))
+        logger.warning("output_dir %r is not a local directory: the hooks' files (TensorBoard "
+                       "events, metrics.jsonl, profiler traces) go to the local directory %r; set "
+                       "`logging_dir` to choose another.", self.output_dir, local)
+        return local
 
     def to_jsonable(self) -> dict[str, Any]:
         """The fields as JSON-friendly values (callables and other objects by their repr), as

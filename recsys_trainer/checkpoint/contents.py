@@ -36,7 +36,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.stateful import Stateful
 
 from recsys_trainer.args import name_matches
+from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.storage import Location
 
 EXTRA_FORMAT_VERSION = 1
 MODEL = "model"
@@ -172,12 +174,16 @@ def serialize(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def load_extra(path: str, step: int | None = None) -> dict[str, Any]:
+def load_extra(where: Location, step: int | None = None) -> dict[str, Any]:
     """Read a per-rank extra-state file; a clear ``CheckpointError`` naming it if unreadable."""
+    path = where.url
     try:
+        raw = layout.read_bytes(where)
+        if raw is None:
+            raise FileNotFoundError(f"no such file: {path!r}")
         # Our own file (plain Python containers, numpy RNG state): weights_only would reject
         # numpy's RNG tuple, and the file's integrity is checked against the manifest first.
-        data = torch.load(path, map_location="cpu", weights_only=False)
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001 - any unpickling error means the file is bad
         raise CheckpointError(f"checkpoint step {step}: cannot read {path!r}: {e}", step=step,
                               path=path, kind="corrupt") from e

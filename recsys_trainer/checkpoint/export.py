@@ -11,21 +11,21 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from recsys_trainer.checkpoint import layout
+from recsys_trainer.checkpoint import layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError
 
 
-def saved_keys(ckpt_dir: str) -> dict[str, Any]:
+def saved_keys(ckpt_dir: layout.Where) -> dict[str, Any]:
     """The checkpoint's flattened keys (``model.<param>``, ``optim.state.<param>.<state>``)
     with their DCP metadata (global ``size`` for tensors)."""
+    loc = layout.locate(ckpt_dir)
     try:
-        return dict(dcp.FileSystemReader(ckpt_dir).read_metadata().state_dict_metadata)
+        return dict(writer.storage_reader(loc).read_metadata().state_dict_metadata)
     except Exception as e:  # noqa: BLE001 - unreadable metadata: name the file
-        path = os.path.join(ckpt_dir, ".metadata")
+        path = loc.join(".metadata").url
         raise CheckpointError(f"cannot read DCP metadata {path!r}: {e}", path=path,
                               kind="corrupt") from e
 
@@ -40,37 +40,43 @@ def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_full(ckpt_dir: str, keys: set[str]) -> dict[str, Any]:
+def read_full(ckpt_dir: layout.Where, keys: set[str]) -> dict[str, Any]:
     """Load the given flattened keys whole, in this process only (no collectives, no process
     group needed). Returns ``{flattened key: tensor or object}``."""
+    loc = layout.locate(ckpt_dir)
     sd: dict[str, Any] = {}
     try:
-        _load_state_dict(sd, storage_reader=dcp.FileSystemReader(ckpt_dir),
+        _load_state_dict(sd, storage_reader=writer.storage_reader(loc),
                          planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     except Exception as e:  # noqa: BLE001 - name the checkpoint
-        raise CheckpointError(f"reading {sorted(keys)[:3]}... from checkpoint {ckpt_dir!r} "
-                              f"failed: {e}", path=ckpt_dir, kind="load_failed") from e
+        raise CheckpointError(f"reading {sorted(keys)[:3]}... from checkpoint {loc.url!r} "
+                              f"failed: {e}", path=loc.url, kind="load_failed") from e
     flat = _flatten(sd)
     return {k: flat[k] for k in keys if k in flat}
 
 
-def export_model_state_dict(ckpt_dir: str, out_file: str | None = None, *,
+def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None, *,
                             verify: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict from a committed checkpoint, merged into whole tensors.
+
+    ``ckpt_dir`` is a checkpoint directory: a local path, a URL (``s3://...``) or a
+    ``storage.Location``. It is marked as being read meanwhile (rotation skips it).
 
     Keys are the model's own parameter names (as in ``dmp.state_dict()``: for a model wrapped by
     the Trainer, ``<submodule path>.<param>``). Loads in a plain process, no
     ``torch.distributed`` needed; with ``out_file`` it is also written with ``torch.save``
     (``torch.load(out_file, weights_only=True)`` reads it back), for serving and inspection.
     """
-    manifest = layout.read_manifest(ckpt_dir)
+    loc = layout.locate(ckpt_dir)
+    manifest = layout.read_manifest(loc)
     if manifest is None:
-        layout.info_of(ckpt_dir)  # raises the precise error (missing / not committed)
+        layout.info_of(loc)  # raises the precise error (missing / not committed)
     assert manifest is not None
-    if verify:
-        layout.verify_files(ckpt_dir, manifest, checksums=True)
-    keys = {k for k in saved_keys(ckpt_dir) if k.startswith("model.")}
-    full = read_full(ckpt_dir, keys)
+    with layout.reading(loc):
+        if verify:
+            layout.verify_files(loc, manifest, checksums=True)
+        keys = {k for k in saved_keys(loc) if k.startswith("model.")}
+        full = read_full(loc, keys)
     out = {k[len("model."):]: v for k, v in sorted(full.items()) if isinstance(v, torch.Tensor)}
     if out_file is not None:
         os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)

@@ -15,24 +15,37 @@
 
 A directory without ``COMMITTED`` is incomplete: it is never loaded, and rank 0 removes it.
 Everything here is computed from what is on disk, so it survives restarts.
+
+Where a checkpoint lives is a ``storage.Location`` (any function here also takes a path or URL
+and resolves it). On a local filesystem files are made durable with fsync and published with an
+atomic rename. On object storage (``s3://``...) there is no rename, but an object appears whole
+or not at all when its upload completes: each file is written once under its final name, and
+``COMMITTED`` is the last object written, so the protocol is the same.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import logging
 import math
 import os
+import posixpath
 import re
 import shutil
 import socket
 import time
+import uuid
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pyarrow.fs as pafs
+
 from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.storage import Location, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -66,35 +79,131 @@ class CheckpointInfo:
     epoch: int = 0
     keep: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    location: Location | None = field(default=None, compare=False, repr=False)
+    """Where it is (``path`` is its URL or local path, for messages and for users)."""
+
+    @property
+    def where(self) -> Location:
+        return self.location if self.location is not None else locate(self.path)
+
+
+Where = str | Location
+"""A local path, a URL (``s3://bucket/prefix``), or a resolved ``Location``."""
+
+
+def locate(where: Where) -> Location:
+    """``where`` as a ``Location`` (paths and URLs are resolved with ``storage.resolve``)."""
+    if isinstance(where, Location):
+        return where
+    return resolve(where)  # storage caches the S3 clients it builds
+
+
+def parent(loc: Location) -> Location:
+    return Location(loc.filesystem, posixpath.dirname(loc.path.rstrip("/")),
+                    loc.url.rstrip("/").rsplit("/", 1)[0])
+
+
+def basename(loc: Location) -> str:
+    return posixpath.basename(loc.path.rstrip("/"))
+
+
+def same_place(a: Location, b: Location) -> bool:
+    """Whether two locations name the same directory (same filesystem type, same path)."""
+    return a.filesystem.type_name == b.filesystem.type_name and \
+        a.path.rstrip("/") == b.path.rstrip("/")
+
+
+def _info_of(loc: Location) -> pafs.FileInfo:
+    return loc.filesystem.get_file_info(loc.path)
+
+
+def is_dir(where: Where) -> bool:
+    return _info_of(locate(where)).type == pafs.FileType.Directory
+
+
+def exists(where: Where) -> bool:
+    return _info_of(locate(where)).type != pafs.FileType.NotFound
+
+
+def list_names(where: Where) -> list[str]:
+    """Names of the entries directly under ``where`` (empty if it does not exist)."""
+    loc = locate(where)
+    sel = pafs.FileSelector(loc.path, allow_not_found=True, recursive=False)
+    return sorted(posixpath.basename(i.path.rstrip("/")) for i in loc.filesystem.get_file_info(sel))
+
+
+def read_bytes(where: Where) -> bytes | None:
+    """The content of a file, or None if there is none."""
+    loc = locate(where)
+    try:
+        with loc.filesystem.open_input_stream(loc.path) as f:
+            return bytes(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def write_bytes(where: Where, data: bytes, durable: bool = True) -> None:
+    """Publish ``data`` at ``where`` whole or not at all. Locally: a temporary file, fsync (if
+    ``durable``), atomic rename and directory fsync. On object storage: one upload under the
+    final name (an object becomes visible only once its upload completes)."""
+    loc = locate(where)
+    if loc.is_local:
+        tmp = f"{loc.path}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, loc.path)
+        if durable:
+            fsync_dir(os.path.dirname(loc.path) or ".")
+        return
+    with loc.filesystem.open_output_stream(loc.path) as out:
+        out.write(data)
+
+
+def make_dir(where: Where) -> None:
+    """Create a directory (locally; object stores have none to create)."""
+    loc = locate(where)
+    if loc.is_local:
+        os.makedirs(loc.path, exist_ok=True)
+
+
+def remove_tree(where: Where) -> None:
+    """Delete a directory and everything under it (missing is fine)."""
+    loc = locate(where)
+    if loc.is_local:
+        shutil.rmtree(loc.path, ignore_errors=True)
+    elif exists(loc):
+        loc.filesystem.delete_dir(loc.path)
 
 
 def file_digest(path: str) -> tuple[int, int]:
-    """``(size, crc32)`` of a file. zlib releases the GIL on large buffers, so several files can
-    be hashed in parallel threads."""
+    """``(size, crc32)`` of a local file. zlib releases the GIL on large buffers, so several
+    files can be hashed in parallel threads."""
+    with open(path, "rb") as f:
+        return _digest_stream(f)
+
+
+def digest(where: Where) -> tuple[int, int]:
+    """``(size, crc32)`` of a file on any filesystem (read in 8 MiB pieces)."""
+    loc = locate(where)
+    if loc.is_local:
+        return file_digest(loc.path)
+    with loc.filesystem.open_input_stream(loc.path) as f:
+        return _digest_stream(f)
+
+
+def _digest_stream(f: Any) -> tuple[int, int]:
     crc = 0
     size = 0
-    with open(path, "rb") as f:
-        while True:
-            buf = f.read(_CHUNK)
-            if not buf:
-                break
-            crc = zlib.crc32(buf, crc)
-            size += len(buf)
+    while True:
+        buf = f.read(_CHUNK)
+        if not buf:
+            break
+        crc = zlib.crc32(buf, crc)
+        size += len(buf)
     return size, crc
-
-
-def atomic_write_text(path: str, text: str, durable: bool = True) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half.
-    ``durable``: fsync the file and its directory (not needed for informational files)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        fsync_dir(os.path.dirname(path) or ".")
 
 
 def fsync_dir(path: str) -> None:
@@ -111,14 +220,25 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def probe_writable(directory: str) -> str | None:
-    """None if this process can create ``directory`` and write, fsync and remove a file in it;
+def probe_writable(where: Where) -> str | None:
+    """None if this process can create ``where`` and write, (fsync) and remove a file in it;
     else what failed (e.g. "OSError: [Errno 30] Read-only file system: '...'"). Run at the start
     of training, so a directory that cannot take checkpoints fails the job before any work is
-    lost rather than at the first save."""
-    probe = os.path.join(directory, f".write_probe.{socket.gethostname()}.{os.getpid()}")
+    lost rather than at the first save. On object storage the bucket must already exist (some
+    servers create a bucket on the first upload, which would hide a mistyped name)."""
+    loc = locate(where)
+    name = f".write_probe.{socket.gethostname()}.{os.getpid()}"
     try:
-        os.makedirs(directory, exist_ok=True)
+        if not loc.is_local:
+            bucket = loc.path.strip("/").split("/", 1)[0]
+            if loc.filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
+                return (f"the bucket {bucket!r} of {loc.url!r} does not exist (or these "
+                        "credentials cannot see it); create it or fix the URL")
+            write_bytes(loc.join(name), b"probe\n")
+            loc.filesystem.delete_file(loc.join(name).path)
+            return None
+        os.makedirs(loc.path, exist_ok=True)
+        probe = os.path.join(loc.path, name)
         with open(probe, "wb") as f:
             f.write(b"probe\n")
             f.flush()
@@ -129,130 +249,216 @@ def probe_writable(directory: str) -> str | None:
     return None
 
 
-def read_manifest(ckpt_dir: str) -> dict[str, Any] | None:
+def read_manifest(ckpt_dir: Where) -> dict[str, Any] | None:
     """The commit manifest of ``ckpt_dir``, or None if it is not committed (or unreadable)."""
     try:
-        with open(os.path.join(ckpt_dir, MARKER), encoding="utf-8") as f:
-            data = json.load(f)
+        raw = read_bytes(locate(ckpt_dir).join(MARKER))
+        data = json.loads(raw) if raw is not None else None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and "step" in data else None
 
 
-def is_committed(ckpt_dir: str) -> bool:
+def is_committed(ckpt_dir: Where) -> bool:
     return read_manifest(ckpt_dir) is not None
 
 
-def _info(path: str, manifest: dict[str, Any]) -> CheckpointInfo:
+def _info(loc: Location, manifest: dict[str, Any]) -> CheckpointInfo:
     return CheckpointInfo(
         step=int(manifest["step"]),
-        path=path,
+        path=loc.url,
         commit_time=float(manifest.get("commit_time", 0.0)),
         world_size=int(manifest.get("world_size", 1)),
         epoch=int(manifest.get("epoch", 0)),
-        keep=os.path.exists(os.path.join(path, KEEP_FILE)),
+        keep=exists(loc.join(KEEP_FILE)),
         metrics={k: float(v) for k, v in (manifest.get("metrics") or {}).items()},
+        location=loc,
     )
 
 
-def list_committed(output_dir: str) -> list[CheckpointInfo]:
+def _step_dirs(output_dir: Where) -> list[tuple[int, Location]]:
+    loc = locate(output_dir)
+    sel = pafs.FileSelector(loc.path, allow_not_found=True, recursive=False)
+    out = []
+    for entry in loc.filesystem.get_file_info(sel):
+        name = posixpath.basename(entry.path.rstrip("/"))
+        step = parse_step(name)
+        if step is not None and entry.type == pafs.FileType.Directory:
+            out.append((step, loc.join(name)))
+    return sorted(out, key=lambda x: x[0])
+
+
+def list_committed(output_dir: Where) -> list[CheckpointInfo]:
     """Committed checkpoints under ``output_dir``, oldest first (by step, numerically)."""
     out: list[CheckpointInfo] = []
-    try:
-        names = os.listdir(output_dir)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        step = parse_step(name)
-        path = os.path.join(output_dir, name)
-        if step is None or not os.path.isdir(path):
-            continue
-        manifest = read_manifest(path)
+    for step, loc in _step_dirs(output_dir):
+        manifest = read_manifest(loc)
         if manifest is not None and int(manifest["step"]) == step:
-            out.append(_info(path, manifest))
-    return sorted(out, key=lambda i: i.step)
-
-
-def list_incomplete(output_dir: str) -> list[str]:
-    """Checkpoint directories under ``output_dir`` without a commit marker."""
-    try:
-        names = os.listdir(output_dir)
-    except FileNotFoundError:
-        return []
-    out = []
-    for name in sorted(names):
-        path = os.path.join(output_dir, name)
-        if parse_step(name) is not None and os.path.isdir(path) and not is_committed(path):
-            out.append(path)
+            out.append(_info(loc, manifest))
     return out
 
 
-def latest_committed(output_dir: str) -> CheckpointInfo | None:
+def list_incomplete(output_dir: Where) -> list[Location]:
+    """Checkpoint directories under ``output_dir`` without a commit marker."""
+    return [loc for _, loc in _step_dirs(output_dir) if not is_committed(loc)]
+
+
+def latest_committed(output_dir: Where) -> CheckpointInfo | None:
     found = list_committed(output_dir)
     return found[-1] if found else None
 
 
-def info_of(ckpt_dir: str) -> CheckpointInfo:
+def info_of(ckpt_dir: Where) -> CheckpointInfo:
     """The ``CheckpointInfo`` of a committed checkpoint directory; ``CheckpointError`` if it is
     missing or was never committed."""
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"checkpoint directory {ckpt_dir!r} does not exist.", path=ckpt_dir,
+    loc = locate(ckpt_dir)
+    if not is_dir(loc):
+        raise CheckpointError(f"checkpoint directory {loc.url!r} does not exist.", path=loc.url,
                               kind="missing")
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(loc)
     if manifest is None:
         raise CheckpointError(
-            f"checkpoint {ckpt_dir!r} has no {MARKER} marker: its save never completed (or the "
+            f"checkpoint {loc.url!r} has no {MARKER} marker: its save never completed (or the "
             f"marker is unreadable); it cannot be loaded. Resume from an older committed "
             f"checkpoint (see {INDEX} in the output directory).",
-            path=ckpt_dir, kind="incomplete",
+            path=loc.url, kind="incomplete",
         )
-    return _info(ckpt_dir, manifest)
+    return _info(loc, manifest)
 
 
-def verify_files(ckpt_dir: str, manifest: dict[str, Any], checksums: bool = True) -> None:
+def verify_files(ckpt_dir: Where, manifest: dict[str, Any], checksums: bool = True) -> None:
     """Check every file the manifest lists: present, same size, and (optionally) same CRC32.
 
     Raises ``CheckpointError`` naming the first file at fault.
     """
     step = manifest.get("step")
-    for name, meta in sorted((manifest.get("files") or {}).items()):
-        path = os.path.join(ckpt_dir, name)
-        if not os.path.exists(path):
+    loc = locate(ckpt_dir)
+    names = sorted((manifest.get("files") or {}).items())
+    # One listing gives every size (one request on object storage, not one per file).
+    sizes = {posixpath.basename(i.path): i.size for i in loc.filesystem.get_file_info(
+        pafs.FileSelector(loc.path, allow_not_found=True)) if i.type == pafs.FileType.File}
+    for name, meta in names:
+        path = loc.join(name).url
+        if name not in sizes:
             raise CheckpointError(f"checkpoint step {step}: file {path!r} is missing.",
                                   step=step, path=path, kind="corrupt")
-        size = os.path.getsize(path)
-        if size != meta["size"]:
+        if sizes[name] != meta["size"]:
             raise CheckpointError(
-                f"checkpoint step {step}: file {path!r} is {size} bytes, but {meta['size']} were "
-                f"written (truncated or overwritten). Delete this checkpoint directory to fall "
-                f"back to an older one.", step=step, path=path, kind="corrupt",
+                f"checkpoint step {step}: file {path!r} is {sizes[name]} bytes, but "
+                f"{meta['size']} were written (truncated or overwritten). Delete this checkpoint "
+                f"directory to fall back to an older one.", step=step, path=path, kind="corrupt",
             )
-        if checksums and "crc32" in meta:
-            _, crc = file_digest(path)
-            if crc != meta["crc32"]:
-                raise CheckpointError(
-                    f"checkpoint step {step}: file {path!r} fails its CRC32 check (corrupt). "
-                    f"Delete this checkpoint directory to fall back to an older one.",
-                    step=step, path=path, kind="corrupt",
-                )
+    if not checksums:
+        return
+    # On object storage every read waits for the server: fetch the files concurrently (zlib and
+    # pyarrow's reads release the GIL). Locally one file at a time, as the disk prefers.
+    with_crc = [(n, m) for n, m in names if "crc32" in m]
+    workers = 1 if loc.is_local else min(8, max(1, len(with_crc)))
+    with cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-verify") as pool:
+        crcs = list(pool.map(lambda nm: digest(loc.join(nm[0]))[1], with_crc))
+    for (name, meta), crc in zip(with_crc, crcs, strict=True):
+        path = loc.join(name).url
+        if crc != meta["crc32"]:
+            raise CheckpointError(
+                f"checkpoint step {step}: file {path!r} fails its CRC32 check (corrupt). "
+                f"Delete this checkpoint directory to fall back to an older one.",
+                step=step, path=path, kind="corrupt",
+            )
 
 
-def write_index(output_dir: str, infos: Sequence[CheckpointInfo]) -> None:
+def write_index(output_dir: Where, infos: Sequence[CheckpointInfo]) -> None:
     """Rewrite ``checkpoints.json``: the committed checkpoints, newest last (informational;
     readers trust the markers, not this file)."""
     doc = {
         "format_version": FORMAT_VERSION,
-        "latest": os.path.basename(infos[-1].path) if infos else None,
+        "latest": basename(infos[-1].where) if infos else None,
         "checkpoints": [
-            {"step": i.step, "dir": os.path.basename(i.path), "epoch": i.epoch,
+            {"step": i.step, "dir": basename(i.where), "epoch": i.epoch,
              "world_size": i.world_size, "keep": i.keep, "metrics": i.metrics,
              "committed_at": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(i.commit_time))}
             for i in infos
         ],
     }
     # Informational (readers trust the markers): atomic, but not worth two fsyncs per save.
-    atomic_write_text(os.path.join(output_dir, INDEX), json.dumps(doc, indent=2) + "\n",
-                      durable=False)
+    write_bytes(locate(output_dir).join(INDEX), (json.dumps(doc, indent=2) + "\n").encode(),
+                durable=False)
+
+
+def resolve_checkpoint(where: Where, what: str) -> CheckpointInfo:
+    """A committed checkpoint named by ``where``: a checkpoint directory (``step_<N>``, or any
+    directory with a marker), or an output directory (its newest committed checkpoint).
+    ``what`` names the setting in errors (e.g. "`resume_from`")."""
+    loc = locate(where)
+    if parse_step(basename(loc)) is not None or exists(loc.join(MARKER)):
+        return info_of(loc)
+    if not is_dir(loc):
+        raise CheckpointError(f"{what} is {loc.url!r}, which does not exist.", path=loc.url,
+                              kind="missing")
+    found = latest_committed(loc)
+    if found is None:
+        raise CheckpointError(f"{what} is {loc.url!r}, which holds no committed checkpoint.",
+                              path=loc.url, kind="missing")
+    return found
+
+
+# ---------------------------------------------------------------------------- reader leases
+
+READING_PREFIX = "READING."
+READ_LEASE_MAX_AGE_S = 24 * 3600.0
+"""A reader lease older than this is ignored (a reader on another host that died)."""
+
+
+@contextmanager
+def reading(where: Where) -> Iterator[None]:
+    """Mark a checkpoint as being read while the block runs: rotation (of any job) skips a
+    checkpoint with a live ``READING.<host>.<pid>.<id>`` object in it. Best effort: a reader
+    that may not write there reads without one (with a warning). After the lease is written,
+    the marker is checked again, so a rotation that got there first is an error naming the
+    checkpoint rather than files vanishing mid-read."""
+    loc = locate(where)
+    lease = loc.join(f"{READING_PREFIX}{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        write_bytes(lease, json.dumps({"time": time.time()}).encode(), durable=False)
+    except OSError as e:
+        logger.warning("cannot mark %s as being read (%s): a rotation by a job saving there could "
+                       "delete it while it is read", loc.url, e)
+        lease = None  # type: ignore[assignment]
+    try:
+        if lease is not None and not is_committed(loc):
+            raise CheckpointError(f"checkpoint {loc.url!r} was rotated away (or never committed) "
+                                  "before it could be read; use a newer one.", path=loc.url,
+                                  kind="missing")
+        yield
+    finally:
+        if lease is not None:
+            try:
+                lease.filesystem.delete_file(lease.path)
+            except OSError as e:
+                logger.warning("could not remove the read lease %s: %s", lease.url, e)
+
+
+def has_readers(where: Where) -> bool:
+    """Whether a live reader lease is in the checkpoint (see ``reading``)."""
+    loc = locate(where)
+    for name in list_names(loc):
+        if not name.startswith(READING_PREFIX):
+            continue
+        parts = name[len(READING_PREFIX):].rsplit(".", 2)
+        if len(parts) == 3 and parts[0] == socket.gethostname() and parts[1].isdigit():
+            try:
+                os.kill(int(parts[1]), 0)
+            except ProcessLookupError:
+                continue  # a reader on this host that is gone
+            except PermissionError:
+                pass
+        try:
+            raw = read_bytes(loc.join(name))
+            age = time.time() - float(json.loads(raw or b"{}").get("time", 0.0))
+        except (OSError, ValueError, AttributeError):
+            age = 0.0
+        if age < READ_LEASE_MAX_AGE_S:
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -300,15 +506,20 @@ def select_to_delete(
     return [i for i in ordered if i.step not in keep]
 
 
-def remove_checkpoint(path: str) -> bool:
+def remove_checkpoint(where: Where) -> bool:
     """Delete a checkpoint directory: the marker first, so a half-deleted directory reads as
     incomplete and is never loaded. A failure is logged, not raised; returns success."""
+    loc = locate(where)
     try:
-        marker = os.path.join(path, MARKER)
-        if os.path.exists(marker):
-            os.remove(marker)
-        shutil.rmtree(path)
+        marker = loc.join(MARKER)
+        if exists(marker):
+            loc.filesystem.delete_file(marker.path)
+        if loc.is_local:
+            shutil.rmtree(loc.path)
+        else:
+            loc.filesystem.delete_dir(loc.path)
         return True
     except OSError as e:
-        logger.warning("could not delete checkpoint %s: %s (will retry at the next rotation)", path, e)
+        logger.warning("could not delete checkpoint %s: %s (will retry at the next rotation)",
+                       loc.url, e)
         return False

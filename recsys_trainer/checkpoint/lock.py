@@ -7,6 +7,16 @@ and there is no stale lock to detect or clean up by hand. The file's content nam
 (host, pid, start time, torchrun's run id) for the refusal message; the file itself stays on
 disk after a release (removing it would let two processes hold locks on two different files).
 On a filesystem without file locks (some FUSE mounts) the lock is skipped with a warning.
+
+Object storage has no locks: :class:`LeaseLock` replaces ``flock`` there with a lease, a
+``LOCK`` object naming its holder that the holder rewrites every ``ttl_s / 4`` seconds. A lease
+whose last renewal is older than ``ttl_s``, or whose holder is a process on this host that no
+longer exists, is stale and is taken over. Two jobs that start within the same second can both
+write the object; the later write wins, the earlier job reads back the other's token before it
+trains and is refused, and a job that finds its lease taken over later (by a renewal that finds
+another token) fails its next save instead of writing next to the other job.
+
+``lock_for(location)`` picks the right one.
 """
 
 from __future__ import annotations
@@ -18,6 +28,11 @@ import json
 import logging
 import os
 import socket
+import threading
+import time
+import uuid
+
+from recsys_trainer.storage import Location
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +45,8 @@ class OutputDirLock:
     def __init__(self, output_dir: str) -> None:
         self.path = os.path.join(output_dir, LOCK_FILE)
         self._fd: int | None = None
+        self.lost: str | None = None
+        """Never set: an OS lock cannot be taken over (see ``LeaseLock.lost``)."""
 
     @property
     def held(self) -> bool:
@@ -70,6 +87,121 @@ class OutputDirLock:
             fd, self._fd = self._fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
+
+
+class LeaseLock:
+    """The lock of one ``output_dir`` on object storage (see the module docstring). Same
+    interface as :class:`OutputDirLock`, plus ``lost``: why the lease was lost, if it was."""
+
+    SETTLE_S = 0.5
+    """Wait between writing the lease and reading it back (lets a racing writer land first)."""
+
+    def __init__(self, output_dir: Location, ttl_s: float = 60.0) -> None:
+        self.location = output_dir.join(LOCK_FILE)
+        self.path = self.location.url
+        self.ttl_s = ttl_s
+        self._token: str | None = None
+        self._owner: dict[str, object] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost: str | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._token is not None
+
+    def _read(self) -> dict[str, object] | None:
+        fs = self.location.filesystem
+        try:
+            with fs.open_input_stream(self.location.path) as f:
+                data = json.loads(bytes(f.read()))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write(self) -> None:
+        self._owner["renewed"] = time.time()
+        with self.location.filesystem.open_output_stream(self.location.path) as out:
+            out.write((json.dumps(self._owner) + "\n").encode())
+
+    def _stale(self, o: dict[str, object]) -> bool:
+        renewed = o.get("renewed")
+        if not isinstance(renewed, int | float) or time.time() - renewed > self.ttl_s:
+            return True
+        pid = o.get("pid")
+        if o.get("host") == socket.gethostname() and isinstance(pid, int):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True  # its process is gone (killed): the lease cannot be renewed
+            except PermissionError:
+                return False
+        return False
+
+    def acquire(self, world_size: int) -> str | None:
+        """Take the lease; None on success, else a description of the job holding it."""
+        if self._token is not None:
+            return None
+        current = self._read()
+        if current and not self._stale(current):
+            return _describe(json.dumps(current).encode()) + \
+                f" (its lease is renewed every {self.ttl_s / 4:.0f} s and expires {self.ttl_s:.0f} s after the last renewal)"
+        if current:
+            logger.warning("taking over the stale lease %s of %s", self.path,
+                           _describe(json.dumps(current).encode()))
+        token = uuid.uuid4().hex
+        self._owner = {
+            "host": socket.gethostname(), "pid": os.getpid(), "world_size": world_size,
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "token": token,
+        }
+        self._write()
+        time.sleep(self.SETTLE_S)
+        now = self._read() or {}
+        if now.get("token") != token:
+            return _describe(json.dumps(now).encode())
+        self._token = token
+        self.lost = None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._renew, daemon=True, name="ckpt-lease")
+        self._thread.start()
+        return None
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_s / 4):
+            try:
+                now = self._read() or {}
+                if now.get("token") != self._token:
+                    self.lost = (f"the lease {self.path} was taken over by "
+                                 f"{_describe(json.dumps(now).encode())}")
+                    return
+                self._write()
+            except OSError as e:  # transient: try again at the next period
+                logger.warning("could not renew the lease %s: %s", self.path, e)
+
+    def release(self) -> None:
+        """End the lease (idempotent): delete the object if it is still this job's."""
+        if self._token is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            if (self._read() or {}).get("token") == self._token:
+                self.location.filesystem.delete_file(self.location.path)
+        except OSError as e:
+            logger.warning("could not delete the lease %s: %s (it expires by itself)", self.path, e)
+        self._token = None
+
+
+def lock_for(output_dir: Location, lease_ttl_s: float = 60.0) -> OutputDirLock | LeaseLock:
+    """``flock`` on a local ``output_dir``, a lease on object storage."""
+    if output_dir.is_local:
+        return OutputDirLock(output_dir.path)
+    return LeaseLock(output_dir, ttl_s=lease_ttl_s)
 
 
 def _describe(content: bytes) -> str:

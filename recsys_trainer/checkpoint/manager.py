@@ -33,8 +33,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
-import os
-import shutil
 import socket
 import time
 import zlib
@@ -42,6 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -55,7 +54,7 @@ from recsys_trainer.args import (
 )
 from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError, describe_failure, only_os_errors
-from recsys_trainer.checkpoint.lock import OutputDirLock
+from recsys_trainer.checkpoint.lock import lock_for
 from recsys_trainer.checkpoint.model_bank import warm_start
 from recsys_trainer.distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
@@ -64,6 +63,7 @@ from recsys_trainer.distributed import (
     ProcessGroupGang,
     new_gloo_group,
 )
+from recsys_trainer.storage import Location, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,9 @@ class CheckpointManager:
     """Saves, rotates and restores checkpoints of named ``Stateful`` components.
 
     Args:
-        output_dir: where ``step_<N>/`` directories and ``checkpoints.json`` live.
+        output_dir: where ``step_<N>/`` directories and ``checkpoints.json`` live: a local path
+            or a URL (``s3://bucket/prefix``, ``gs://``, ``hdfs://``...; see docs/checkpoint.md,
+            "Object storage").
         save_steps / save_every_n_rows / save_every_n_windows / save_every_n_epochs: periodic
             triggers (rows: the ``rows_seen`` counter, the same on every rank).
         save_end: save when training ends (once: not again if that step was just saved).
@@ -118,6 +120,10 @@ class CheckpointManager:
         gang: the control collectives of saves and loads; by default (at ``attach``) a new gloo
             group over all ranks, or a ``FakeGang`` without ``torch.distributed``.
         collective_timeout_s: how long the default gang's collectives wait for other ranks.
+        filesystem: a ``pyarrow.fs.FileSystem`` that ``output_dir`` (and paths given to
+            ``save``, ``load`` and ``resume_from``) are paths in, instead of resolving them.
+        lease_ttl_s: on object storage, how long ``output_dir``'s lease outlives its last
+            renewal (renewed every quarter of it; see ``checkpoint.lock.LeaseLock``).
 
     The Trainer builds one with ``from_args`` unless given one, and ``attach``es its components.
     Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods.
@@ -146,8 +152,12 @@ class CheckpointManager:
         reshard_data_position: ReshardDataPosition = "error",
         gang: Gang | None = None,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+        filesystem: pafs.FileSystem | None = None,
+        lease_ttl_s: float = 60.0,
     ) -> None:
         self.output_dir = output_dir
+        self._filesystem = filesystem
+        self._out = self._locate(output_dir)
         self.save_steps = save_steps
         self.save_every_n_rows = save_every_n_rows
         self.save_every_n_windows = save_every_n_windows
@@ -164,7 +174,7 @@ class CheckpointManager:
         self.reshard_data_position = reshard_data_position
         self._gang = gang
         self.collective_timeout_s = collective_timeout_s
-        self._lock = OutputDirLock(output_dir)
+        self._lock = lock_for(self._out, lease_ttl_s)
         self._components: contents.Components = {}
         self._listener: CheckpointListener = lambda _event, _path: None
         self._run_args: dict[str, Any] = {}
@@ -223,6 +233,12 @@ class CheckpointManager:
         if listener is not None:
             self._listener = listener
 
+    def _locate(self, path: str | Location) -> Location:
+        if isinstance(path, Location):
+            return path
+        return resolve(path, self._filesystem) if self._filesystem is not None \
+            else layout.locate(path)
+
     @property
     def gang(self) -> Gang:
         if self._gang is None:
@@ -248,9 +264,13 @@ class CheckpointManager:
             return None
         self._resume_done = True
         if gang.rank == 0 and self._pending is None:
-            for path in layout.list_incomplete(self.output_dir):
-                logger.warning("removing incomplete checkpoint %s (its save never committed)", path)
-                shutil.rmtree(path, ignore_errors=True)
+            for loc in layout.list_incomplete(self._out):
+                logger.warning("removing incomplete checkpoint %s (its save never committed)",
+                               loc.url)
+                try:
+                    layout.remove_tree(loc)
+                except OSError as e:  # it is never loaded anyway; try again at the next start
+                    logger.warning("could not remove %s: %s", loc.url, e)
         source = self._resolve_resume_source()
         # Every rank must load the same checkpoint: agree (one tiny collective).
         local = source.step if source is not None else -1
@@ -279,7 +299,7 @@ class CheckpointManager:
         if not self._will_save():
             return
         gang = self.gang
-        problem = layout.probe_writable(self.output_dir)
+        problem = layout.probe_writable(self._out)
         holder = None
         if problem is None and gang.rank == 0:
             try:
@@ -295,15 +315,20 @@ class CheckpointManager:
         if unwritable:
             raise CheckpointError(
                 f"`output_dir` {self.output_dir!r} is not writable: {'; '.join(unwritable)}. "
-                "Checkpoints could not be saved there, so training did not start. Fix its "
-                "permissions or mount, or choose another output_dir.",
+                "Checkpoints could not be saved there, so training did not start. "
+                + ("Fix its permissions or mount" if self._out.is_local else
+                   "Fix the bucket name, the credentials or the endpoint (AWS_* environment "
+                   "variables, or the filesystem's own config)")
+                + ", or choose another output_dir.",
                 path=self.output_dir, kind="unwritable")
+        how = ("an OS file lock that ends with that process, however it ends: it cannot go "
+               "stale") if self._out.is_local else \
+            ("a lease object that its job renews; it expires by itself when that job is gone")
         raise CheckpointError(
             f"`output_dir` {self.output_dir!r} is in use by {holders[0]}. Two jobs saving into "
             "one output_dir skip each other's steps as already saved and resume from each "
             "other's state. Wait for that job to end, or use another output_dir. (Its lock, "
-            f"{self._lock.path}, is an OS file lock that ends with that process, however it "
-            "ends: it cannot go stale.)", path=self.output_dir, kind="locked")
+            f"{self._lock.path}, is {how}.)", path=self.output_dir, kind="locked")
 
     def _will_save(self) -> bool:
         triggers = (self.save_steps, self.save_every_n_rows, self.save_every_n_windows,
@@ -320,9 +345,9 @@ class CheckpointManager:
         if not self._will_save():
             return
         start = contents.counters(self._components)["global_step"]
-        mine = os.path.abspath(source.path) if source is not None else None
-        foreign = [i.step for i in layout.list_committed(self.output_dir)
-                   if i.step >= start and os.path.abspath(i.path) != mine]
+        foreign = [i.step for i in layout.list_committed(self._out)
+                   if i.step >= start and not (source is not None and
+                                               layout.same_place(i.where, source.where))]
         if foreign:
             raise CheckpointError(
                 f"`output_dir` {self.output_dir!r} holds committed checkpoints at steps "
@@ -399,15 +424,16 @@ class CheckpointManager:
         """
         self.gang  # noqa: B018 - raises when nothing is attached
         step = int(contents.counters(self._components)["global_step"])
-        path = path or os.path.join(self.output_dir, layout.step_dir_name(step))
+        loc = self._locate(path) if path else self._out.join(layout.step_dir_name(step))
+        path = loc.url
         if self._pending is not None and self._pending.path == path:
             return path
         self.wait()
-        if layout.is_committed(path):
+        if layout.is_committed(loc):
             logger.info("checkpoint %s is already committed; not saving step %d again", path, step)
             return path
         blocking = (not self.async_save) if blocking is None else blocking
-        self._save(step, path, blocking)
+        self._save(step, loc, blocking)
         return path
 
     def wait(self) -> None:
@@ -439,7 +465,7 @@ class CheckpointManager:
         position, RNG, hook states. Works across world sizes and sharding plans (the data
         position is remapped per ``reshard_data_position``). All ranks call this together."""
         self.wait()
-        info = layout.info_of(path)
+        info = layout.info_of(self._locate(path))
         self._load(info, strict=strict)
         self._listener("after_load_checkpoint", path)
 
@@ -450,7 +476,8 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ internals: save
 
-    def _save(self, step: int, path: str, blocking: bool) -> None:
+    def _save(self, step: int, loc: Location, blocking: bool) -> None:
+        path = loc.url
         self._listener("before_save_checkpoint", path)
         t0 = time.perf_counter()
         gang, comps = self.gang, self._components
@@ -473,7 +500,7 @@ class CheckpointManager:
             try:
                 # The loop is blocked: DCP may write straight from the live tensors (exact views
                 # spare it a clone of every table that is a view of a fused buffer).
-                pending.future.set_result(self._write(path, writer.exact_views(tensors), extra,
+                pending.future.set_result(self._write(loc, writer.exact_views(tensors), extra,
                                                       base))
             except BaseException as e:
                 pending.future.set_exception(e)
@@ -485,7 +512,7 @@ class CheckpointManager:
         staged = self._stage(tensors)
         if self._executor is None:
             self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        future = self._executor.submit(self._write, path, staged, extra, base)
+        future = self._executor.submit(self._write, loc, staged, extra, base)
         stats.blocked_s = time.perf_counter() - t0
         self._pending = _Pending(step, path, future, stats, started=t0)
 
@@ -505,7 +532,7 @@ class CheckpointManager:
         self._staging_cache = _create_cpu_state_dict(tensors, pin_memory=torch.cuda.is_available())
         return _copy_state_dict(tensors, self._staging_cache)
 
-    def _write(self, path: str, tensors: dict[str, Any], extra: bytes,
+    def _write(self, loc: Location, tensors: dict[str, Any], extra: bytes,
                base: dict[str, Any]) -> dict[str, Any]:
         """Write and commit one checkpoint (all ranks; collectives on the manager's gang).
 
@@ -514,13 +541,18 @@ class CheckpointManager:
         would wait there until the group's timeout, and the group's later collectives would be
         out of step). DCP itself makes every rank raise when one rank fails inside it."""
         gang = self.gang
-        rank, step = gang.rank, base["step"]
+        rank, step, path = gang.rank, base["step"], loc.url
         local_error: str | None = None
         if rank == 0:
             try:
-                if os.path.isdir(path) and not layout.is_committed(path):
-                    shutil.rmtree(path)  # a crashed earlier attempt at this step
-                os.makedirs(path, exist_ok=True)
+                if self._lock.lost:
+                    raise CheckpointError(
+                        f"{self._lock.lost}: another job is saving into {self.output_dir!r}; "
+                        "this job stops saving there. Use one output_dir per job.",
+                        path=self.output_dir, kind="locked")
+                if layout.is_dir(loc) and not layout.is_committed(loc):
+                    layout.remove_tree(loc)  # a crashed earlier attempt at this step
+                layout.make_dir(loc)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 local_error = f"{type(e).__name__}: {e}"
         # Instead of a barrier: the directory exists (or every rank learns it does not).
@@ -529,7 +561,7 @@ class CheckpointManager:
         # CRC32s are computed while DCP writes (helper threads overlap them with the write
         # syscalls), so there is no read-back pass; each DCP thread fsyncs its own file once.
         with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-crc") as crc:
-            storage = writer.HashingFileSystemWriter(path, thread_count=threads, pool=crc,
+            storage = writer.HashingFileSystemWriter(loc, thread_count=threads, pool=crc,
                                                      sync_files=True)
             dcp.save(tensors, storage_writer=storage, process_group=gang.group)
         # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
@@ -537,21 +569,16 @@ class CheckpointManager:
         files: dict[str, Any] = {}
         try:
             extra_name = contents.extra_file_name(rank)
-            tmp = os.path.join(path, extra_name + ".tmp")
-            with open(tmp, "wb") as f:
-                f.write(extra)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(path, extra_name))
-            mine = [extra_name] + sorted(n for n in os.listdir(path)
-                                         if n.startswith(f"__{rank}_") and n.endswith(".distcp"))
+            layout.write_bytes(loc.join(extra_name), extra)
+            mine = [extra_name] + [n for n in layout.list_names(loc)
+                                   if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
             if rank == 0:
                 mine.append(".metadata")
             digests = storage.digests
             digests[extra_name] = (len(extra), zlib.crc32(extra))
             for n in mine:  # anything written other than through the writer: hash it from disk
                 if n not in digests:
-                    digests[n] = layout.file_digest(os.path.join(path, n))
+                    digests[n] = layout.digest(loc.join(n))
             files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             local_error = f"{type(e).__name__}: {e}"
@@ -561,7 +588,7 @@ class CheckpointManager:
         error: str | None = "; ".join(errors) if errors else None
         if rank == 0 and error is None:
             try:
-                manifest = self._commit(path, base, [part for part, _ in gathered])
+                manifest = self._commit(loc, base, [part for part, _ in gathered])
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error = f"{type(e).__name__}: {e}"
         # Every rank learns whether the commit happened (no rank hangs if rank 0 failed).
@@ -569,7 +596,7 @@ class CheckpointManager:
         if error is not None:
             raise CheckpointError(f"committing checkpoint step {step} at {path!r} failed: {error}",
                                   step=step, path=path, kind="save_failed")
-        if rank == 0 and os.path.dirname(os.path.abspath(path)) == os.path.abspath(self.output_dir):
+        if rank == 0 and layout.same_place(layout.parent(loc), self._out):
             self._rotate(just_committed=step)
         return manifest
 
@@ -580,28 +607,34 @@ class CheckpointManager:
             raise CheckpointError(f"saving checkpoint step {step} at {path!r} failed: "
                                   + "; ".join(bad), step=step, path=path, kind="save_failed")
 
-    def _commit(self, path: str, base: dict[str, Any], gathered: list[dict[str, Any]]) -> dict[str, Any]:
+    def _commit(self, loc: Location, base: dict[str, Any],
+                gathered: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0, after every rank's files are known complete: ``args.json``, then the marker
+        (the last object of the checkpoint), then the index."""
         files: dict[str, Any] = {}
         for part in gathered:
             files.update(part)
-        layout.atomic_write_text(os.path.join(path, "args.json"),
-                                 json.dumps(base["args"], indent=2, sort_keys=True) + "\n")
+        # Locally, args.json's fsync of the directory also makes every rank's file entries
+        # durable (their files were fsynced by the writers) before the marker exists.
+        layout.write_bytes(loc.join("args.json"),
+                           (json.dumps(base["args"], indent=2, sort_keys=True) + "\n").encode())
         manifest = {
             "format_version": layout.FORMAT_VERSION,
             **{k: v for k, v in base.items() if k != "args"},
             "commit_time": time.time(),
             "files": files,
         }
-        layout.atomic_write_text(os.path.join(path, layout.MARKER),
-                                 json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        parent = os.path.dirname(os.path.abspath(path))
-        # The step directory's own entry in output_dir must be durable before rotation may
-        # delete older checkpoints: otherwise a power loss could leave neither.
-        layout.fsync_dir(parent)
+        layout.write_bytes(loc.join(layout.MARKER),
+                           (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        parent = layout.parent(loc)
+        if parent.is_local:
+            # The step directory's own entry in output_dir must be durable before rotation may
+            # delete older checkpoints: otherwise a power loss could leave neither.
+            layout.fsync_dir(parent.path)
         try:
             layout.write_index(parent, layout.list_committed(parent))
         except OSError as e:  # the index is informational; the marker is what counts
-            logger.warning("could not update %s: %s", os.path.join(parent, layout.INDEX), e)
+            logger.warning("could not update %s: %s", parent.join(layout.INDEX).url, e)
         return manifest
 
     def _rotate(self, just_committed: int) -> None:
@@ -609,19 +642,20 @@ class CheckpointManager:
         when ``output_dir`` holds newer steps (e.g. from an earlier run this one did not resume
         from): it is this run's latest state. A failure is logged; the commit stands."""
         try:
-            infos = layout.list_committed(self.output_dir)
+            infos = layout.list_committed(self._out)
             protected = {s for s in (self._resumed_step, just_committed) if s is not None}
-            doomed = layout.select_to_delete(infos, self.policy, protected)
+            doomed = [i for i in layout.select_to_delete(infos, self.policy, protected)
+                      if not layout.has_readers(i.where)]  # never under a reader
         except Exception as e:  # noqa: BLE001 - rotation tries again after the next commit
             logger.warning("checkpoint rotation failed: %s", e)
             return
         deleted = False
         for info in doomed:
             logger.info("rotating out checkpoint %s", info.path)
-            deleted |= layout.remove_checkpoint(info.path)
+            deleted |= layout.remove_checkpoint(info.where)
         if deleted:
             try:
-                layout.write_index(self.output_dir, layout.list_committed(self.output_dir))
+                layout.write_index(self._out, layout.list_committed(self._out))
             except OSError as e:
                 logger.warning("could not update the checkpoint index: %s", e)
 
@@ -652,34 +686,29 @@ class CheckpointManager:
         if src is None:
             return None
         if src == "auto":
-            return layout.latest_committed(self.output_dir)
-        if layout.parse_step(os.path.basename(os.path.normpath(src))) is not None or \
-                os.path.exists(os.path.join(src, layout.MARKER)):
-            return layout.info_of(src)
-        if os.path.isdir(src):
-            found = layout.latest_committed(src)
-            if found is None:
-                raise CheckpointError(f"`resume_from` is {src!r}, which holds no committed "
-                                      "checkpoint.", path=src, kind="missing")
-            return found
-        raise CheckpointError(f"`resume_from` is {src!r}, which does not exist.", path=src,
-                              kind="missing")
+            return layout.latest_committed(self._out)
+        return layout.resolve_checkpoint(self._locate(src), "`resume_from`")
 
     def _load(self, info: layout.CheckpointInfo, strict: bool) -> None:
-        path, step = info.path, info.step
+        with layout.reading(info.where):
+            self._load_read(info, strict)
+
+    def _load_read(self, info: layout.CheckpointInfo, strict: bool) -> None:
+        path, step, loc = info.path, info.step, info.where
         gang, comps = self.gang, self._components
-        manifest = layout.read_manifest(path) or {}
-        layout.verify_files(path, manifest, checksums=self.verify_checksums)
+        manifest = layout.read_manifest(loc) or {}
+        layout.verify_files(loc, manifest, checksums=self.verify_checksums)
         same_world = info.world_size == gang.world_size
         src_rank = gang.rank if same_world else 0
-        extra = contents.load_extra(os.path.join(path, contents.extra_file_name(src_rank)), step)
+        extra = contents.load_extra(loc.join(contents.extra_file_name(src_rank)), step)
 
         contents.init_optimizer_state(comps)
         target = contents.tensor_state(comps, lambda _k: True)
-        self._check_keys(target, path, step, strict)
-        target = self._restrict_to_checkpoint(target, path)
+        saved = set(writer.storage_reader(loc).read_metadata().state_dict_metadata)
+        self._check_keys(target, saved, path, step, strict)
+        target = self._restrict_to_checkpoint(target, saved)
         try:
-            dcp.load(target, storage_reader=dcp.FileSystemReader(path), process_group=gang.group)
+            dcp.load(target, storage_reader=writer.storage_reader(loc), process_group=gang.group)
         except Exception as e:
             raise CheckpointError(f"loading checkpoint step {step} from {path!r} failed: {e}",
                                   step=step, path=path, kind="load_failed") from e
@@ -700,10 +729,10 @@ class CheckpointManager:
         logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
                     info.world_size)
 
-    def _check_keys(self, target: dict[str, Any], path: str, step: int, strict: bool) -> None:
+    def _check_keys(self, target: dict[str, Any], saved: set[str], path: str, step: int,
+                    strict: bool) -> None:
         """Strict loading: every state the trainer has must be in the checkpoint, unless this
         run's filters leave it out of checkpoints, and the checkpoint holds nothing else."""
-        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
         missing = [f"model.{k}" for k in target["model"]
                    if f"model.{k}" not in saved and self.key_filter(k)]
         for pk, entry in target["optim"]["state"].items():
@@ -728,8 +757,7 @@ class CheckpointManager:
                 kind="mismatch")
 
     @staticmethod
-    def _restrict_to_checkpoint(target: dict[str, Any], path: str) -> dict[str, Any]:
-        saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    def _restrict_to_checkpoint(target: dict[str, Any], saved: set[str]) -> dict[str, Any]:
         model = {k: v for k, v in target["model"].items() if f"model.{k}" in saved}
         optim_state = {}
         for pk, entry in target["optim"]["state"].items():

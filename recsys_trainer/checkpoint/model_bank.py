@@ -20,7 +20,6 @@ lr scheduler and dense lr), ``data`` (data position and dataset state). Sources 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,23 +28,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from recsys_trainer.args import ModelBankSource
-from recsys_trainer.checkpoint import contents, layout
+from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 from recsys_trainer.distributed import Gang
 
 logger = logging.getLogger(__name__)
 
-
-def _resolve(path: str) -> layout.CheckpointInfo:
-    if os.path.exists(os.path.join(path, layout.MARKER)) or \
-            layout.parse_step(os.path.basename(os.path.normpath(path))) is not None:
-        return layout.info_of(path)
-    found = layout.latest_committed(path)
-    if found is None:
-        raise CheckpointError(f"model bank source {path!r} holds no committed checkpoint.",
-                              path=path, kind="missing")
-    return found
 
 
 def _global_size(v: Any) -> tuple[int, ...]:
@@ -80,9 +69,15 @@ def warm_start(components: contents.Components, sources: Sequence[ModelBankSourc
 
 
 def _apply(components: contents.Components, src: ModelBankSource, gang: Gang) -> None:
-    info = _resolve(src.path)
-    manifest = layout.read_manifest(info.path) or {}
-    layout.verify_files(info.path, manifest, checksums=False)
+    info = layout.resolve_checkpoint(src.path, "model bank source")
+    with layout.reading(info.where):
+        _apply_read(components, src, gang, info)
+
+
+def _apply_read(components: contents.Components, src: ModelBankSource, gang: Gang,
+                info: layout.CheckpointInfo) -> None:
+    manifest = layout.read_manifest(info.where) or {}
+    layout.verify_files(info.where, manifest, checksums=False)
     meta = saved_keys(info.path)
     target: dict[str, Any] = {}
     overlap: list[tuple[str, Any]] = []
@@ -137,7 +132,7 @@ def _apply(components: contents.Components, src: ModelBankSource, gang: Gang) ->
     if target:
         try:
             # Flat fqn keys: DCP flattens nested dicts to the same dotted names.
-            dcp.load(target, storage_reader=dcp.FileSystemReader(info.path),
+            dcp.load(target, storage_reader=writer.storage_reader(info.where),
                      process_group=gang.group)
         except Exception as e:
             raise CheckpointError(f"model bank: loading from {info.path!r} failed: {e}",
@@ -145,7 +140,7 @@ def _apply(components: contents.Components, src: ModelBankSource, gang: Gang) ->
     for fqn, live in overlap:
         # Row counts differ: read the source tensor whole on this rank and copy the overlap
         # into the local shards (a one-off cost of warm starting).
-        _copy_overlap(live, read_full(info.path, {fqn})[fqn])
+        _copy_overlap(live, read_full(info.where, {fqn})[fqn])
     _apply_extra(components, src, info, gang)
     logger.info("model bank: initialised %d entries (+%d resized) from %s", len(target),
                 len(overlap), info.path)
@@ -159,7 +154,7 @@ def _apply_extra(components: contents.Components, src: ModelBankSource,
         return
     same_world = info.world_size == gang.world_size
     rank = gang.rank if same_world else 0
-    extra = contents.load_extra(os.path.join(info.path, contents.extra_file_name(rank)), info.step)
+    extra = contents.load_extra(info.where.join(contents.extra_file_name(rank)), info.step)
     ts = extra[contents.COUNTERS]
     if want_counters:
         contents.set_counters(components, {"global_step": ts["global_step"], "epoch": ts["epoch"]})

@@ -23,7 +23,8 @@ def _clean(v: Any) -> Any:
 
 
 class JsonlMetricsHook(IntervalReporter):
-    """Appends records to ``path`` (default ``<output_dir>/metrics.jsonl``) on rank 0; add it on
+    """Appends records to ``path`` (default ``<output_dir>/metrics.jsonl``, or under
+    ``args.logging_dir`` when ``output_dir`` is on object storage) on rank 0; add it on
     every rank (the train loss is averaged over ranks with one small all-reduce per report).
 
     Record types (every record has ``type``, ``step`` and ``time``, a Unix timestamp):
@@ -53,7 +54,7 @@ class JsonlMetricsHook(IntervalReporter):
             return
         if self._file is None:
             if self._path is None:
-                self._path = os.path.join(trainer.args.output_dir, "metrics.jsonl")
+                self._path = os.path.join(trainer.args.local_log_dir, "metrics.jsonl")
             os.makedirs(os.path.dirname(os.path.abspath(self._path)), exist_ok=True)
             self._file = open(self._path, "a", encoding="utf-8")  # noqa: SIM115 - closed in end()
         record = {"type": record.pop("type"), "step": trainer.state.global_step, "time": time.time(), **record}

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 
 def default_tensorboard_dir(trainer: Trainer) -> str:
-    """``<output_dir>/tensorboard``: where ``TensorBoardHook`` and ``ProfilerHook`` write."""
-    return os.path.join(trainer.args.output_dir, "tensorboard")
+    """``<output_dir>/tensorboard``: where ``TensorBoardHook`` and ``ProfilerHook`` write (under
+    ``args.logging_dir`` instead when ``output_dir`` is on object storage)."""
+    return os.path.join(trainer.args.local_log_dir, "tensorboard")
 
 
 class TensorBoardHook(IntervalReporter):
