@@ -100,7 +100,9 @@ class SmokeTest:
         self.output_dir = output_dir
         self.running = False
         self.report: dict[str, Any] = {}
-        """What ran: steps, eval batches, the checkpoint, seconds per phase."""
+        """What ran: steps, eval rows, the checkpoint, seconds per phase."""
+        self.eval_metrics: dict[str, float] = {}
+        """The ``evaluate`` phase's metrics (what ``Trainer.evaluate()`` returns in test mode)."""
 
     def run(self, trainer: _Trainer) -> dict[str, Any]:
         """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``."""
@@ -118,6 +120,7 @@ class SmokeTest:
                 t0 = time.perf_counter()
                 metrics = trainer.evaluate()
                 seconds[phase] = time.perf_counter() - t0
+                self.eval_metrics = metrics
                 self.report["eval_samples"] = metrics["num_samples"]
             phase = "save"
             t0 = time.perf_counter()

@@ -373,7 +373,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
         if self.smoke is not None and not self.smoke.running:
-            return self.smoke.run(self).get("eval", {})
+            self.smoke.run(self)
+            return self.smoke.eval_metrics
         with self._top_level():
             return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
 

@@ -188,3 +188,18 @@ def test_a_model_class_from_a_test_module_trains_under_torchrun_on_2_ranks(tmp_p
                        capture_output=True, text=True, timeout=240, env=env(), cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     _check_run(tmp_path, p.stdout, 2)
+
+
+def test_the_custom_model_example_config_loads_and_builds_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "examples"))  # as PYTHONPATH=examples does
+    cfg = load_config(str(REPO / "examples/configs/custom_model.yaml"))
+    model = cfg.model.build()
+    assert type(model).__name__ == "WideAndDeep"
+    assert cfg.args.log_period.unit == "rows" and cfg.args.save_every_n_rows == 100_000
+    # Its tables fit the data's feature spec (the check the Trainer makes when it is built).
+    from recsys_trainer.sharding import check_data_fits_model
+
+    class _Data:
+        features = cfg.data.feature_spec()  # type: ignore[union-attr]
+
+    check_data_fits_model(model, (_Data(), None))

@@ -34,6 +34,7 @@ def test_smoke_mode_trains_evaluates_saves_and_resumes_outside_output_dir(tmp_pa
     report = trainer.smoke.report if trainer.smoke is not None else {}
     assert report["checkpoint_step"] == 2 and report["steps"] == 3  # 2, saved, loaded, +1
     assert report["eval_samples"] == 32  # eval_steps=1: one batch of 32 rows
+    assert trainer.evaluate()["num_samples"] == 32  # evaluate() runs the phases too
     assert set(report["seconds"]) == {"train", "evaluate", "save", "resume"}
     assert not out.exists(), "the smoke test wrote into output_dir"
     assert not os.path.exists(smoke_dir), "the smoke test left its directory behind"
