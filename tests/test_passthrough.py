@@ -74,7 +74,7 @@ def test_padding_batches_carry_no_passthrough(tmp_path) -> None:
     write_scoring_windows(str(tmp_path), [[2]])
     ds = ParquetWindowDataset(str(tmp_path), scoring_spec(), batch_size=4)
     # Rank 0 of 2 with no rows left while the other rank still has data: it pads.
-    it = SyncedIterator(iter([]), FakeGang(0, 2, peer_max=[[0, 1, 0, 0], [1, 0, 0, 0]]), pad=True,
+    it = SyncedIterator(iter([]), FakeGang(0, 2, peer_max=[[0, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]), pad=True,
                         padding_batch=ds.padding_batch)
     pad = next(it)
     assert it.last_was_padding and pad.passthrough == {} and pad.num_real_rows() == 0
