@@ -165,6 +165,32 @@ def test_resume_with_per_table_optimizers_is_bitwise_identical_on_2_ranks(tmp_pa
     assert [r["equal"] for r in results] == ["yes", "yes"]
 
 
+def test_per_table_lrs_are_logged_in_the_log_line_jsonl_and_records(tmp_path: Any, caplog: Any) -> None:
+    """A run with mixed sparse lrs has no single ``sparse_lr``: the logs name each table's."""
+    import logging
+
+    from recsys_trainer.hooks import JsonlMetricsHook, LoggerHook
+    from recsys_trainer.hooks.jsonl import read_jsonl
+
+    t = _trainer(str(tmp_path), ROWWISE, {"t_a": SGD}, train_steps=4)
+    logger_hook, jsonl = LoggerHook(every=2), JsonlMetricsHook(every=2)
+    t.add_hook(logger_hook)
+    t.add_hook(jsonl)
+    with caplog.at_level(logging.INFO, logger="recsys_trainer"):
+        t.train()
+    train = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["type"] == "train"]
+    assert len(train) == 2
+    assert all(r["sparse_lr"] is None and r["sparse_lrs"] == {"t_a": 0.5, "t_b": 0.05} for r in train)
+    assert "lr dense 0.1 sparse 0.05 (t_b), 0.5 (t_a)" in caplog.text
+    assert logger_hook.records[-1]["sparse_lr/t_a"] == 0.5 and "sparse_lr" not in logger_hook.records[-1]
+    # One lr for every table: one number, as before.
+    same = _trainer(str(tmp_path / "same"), ROWWISE, train_steps=2)
+    same.add_hook(JsonlMetricsHook(every=2))
+    same.train()
+    rec = [r for r in read_jsonl(str(tmp_path / "same" / "metrics.jsonl")) if r["type"] == "train"][0]
+    assert rec["sparse_lr"] == pytest.approx(0.05) and "sparse_lrs" not in rec
+
+
 def test_table_optimizer_keys_resolve_exact_name_first_then_first_matching_glob() -> None:
     a, b, c = SparseOptimizer("sgd", 1.0), SparseOptimizer("sgd", 2.0), SparseOptimizer("sgd", 3.0)
     got = resolve_table_optimizers(["t_user", "t_user_hist", "t_item"], c,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from recsys_trainer.hooks._interval import IntervalStats
 from recsys_trainer.hooks.base import Hook, StepOutput
+from recsys_trainer.optimizers import describe_lrs
 from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
@@ -17,7 +18,9 @@ logger = logging.getLogger("recsys_trainer")
 
 class LoggerHook(Hook):
     """Logs ``step, loss, samples/s, dense lr, sparse lr`` every ``every`` steps (default:
-    ``args.log_steps``) on rank 0, plus each evaluation's metrics.
+    ``args.log_steps``) on rank 0, plus each evaluation's metrics. With per-table sparse lrs
+    (``Trainer(table_optimizers=...)``) the line shows each lr and its tables, and ``records``
+    hold ``sparse_lr/<table>``.
 
     Samples/s counts the global batch (this rank's samples times world size). The loss shown is
     rank 0's mean over the logged interval; reading it is a device sync, done only here.
@@ -49,6 +52,8 @@ class LoggerHook(Hook):
         sparse_lr = trainer.sparse_lr()
         if sparse_lr is not None:
             rec["sparse_lr"] = sparse_lr
+        else:
+            rec.update({f"sparse_lr/{t}": lr for t, lr in trainer.sparse_lrs().items()})
         self.records.append(rec)
         if trainer.is_rank_zero:
             logger.info(
@@ -58,7 +63,7 @@ class LoggerHook(Hook):
                 loss,
                 sps,
                 rec["dense_lr"],
-                f"{sparse_lr:.3g}" if sparse_lr is not None else "per table",
+                f"{sparse_lr:.3g}" if sparse_lr is not None else describe_lrs(trainer.sparse_lrs()),
             )
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
