@@ -32,6 +32,7 @@ from recsys_trainer.data.criteo_synthetic import (
 )
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
+from recsys_trainer.hooks import LambdaHook
 from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.ranking_models import DINClassifier, MMoEClassifier
@@ -216,3 +217,74 @@ def test_the_example_yaml_trains_its_model_by_import_path_through_the_cli(config
     assert "rank 0/1 done: global_step=15" in p.stdout, p.stdout[-2000:]  # 5 windows x 3 steps
     metric = "auc/like" if config == "multitask_behaviour" else "auc"
     assert f"| {metric} " in p.stderr + p.stdout
+
+
+def _din_trainer(root: str, meta: dict[str, Any], out: str, train_steps: int, hooks: Any = (),
+                 **args: Any) -> Trainer:
+    model, spec = _model("din", meta)
+    windows = partitioned_windows(root)
+    return Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=out, log_steps=10**6, train_steps=train_steps,
+                               pipeline="sparse_dist", **args),
+        train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=256, shuffle=True, seed=3),
+        dense_optimizers=(lambda params: torch.optim.Adam(params, lr=5e-3), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
+        hooks=list(hooks), add_logger_hook=False,
+    )
+
+
+def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Model weights (whole, 1 rank) and both optimizers' state tensors."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    def whole(t: Any) -> torch.Tensor:
+        if isinstance(t, ShardedTensor):
+            return torch.cat([s.tensor.reshape(-1) for s in t.local_shards()]).clone()
+        return t.detach().reshape(-1).clone()
+
+    out = {f"model.{k}": whole(v) for k, v in trainer.model.state_dict().items()}
+    for pk, entry in trainer.optimizer.state_dict()["state"].items():
+        for sk, v in entry.items():
+            if isinstance(v, torch.Tensor | ShardedTensor):
+                out[f"optim.{pk}.{sk}"] = whole(v)
+    return out
+
+
+def test_a_din_checkpoint_resumes_bitwise_and_exports_a_servable_item_table(behaviour_log, tmp_path) -> None:
+    """The sequence table (an EmbeddingCollection, shared by candidate and history) and its
+    row-wise Adagrad state go through a checkpoint: a run stopped at step 5 and resumed to 10
+    equals a straight run bitwise, and the exported state dict loads into a plain (unsharded)
+    DINClassifier that scores a batch exactly as the trained model does."""
+    from recsys_trainer.checkpoint.export import export_model_state_dict
+
+    root, meta = behaviour_log
+    straight = _din_trainer(root, meta, str(tmp_path / "straight"), 10)
+    straight.train()
+    cut = str(tmp_path / "cut")
+    _din_trainer(root, meta, cut, 5, save_steps=5).train()
+    steps: list[int] = []
+    resumed = _din_trainer(root, meta, cut, 10, save_end=True,
+                           hooks=[LambdaHook(after_step=lambda t, out: steps.append(t.state.global_step))])
+    initial = _state(resumed)["model.items.embeddings.t_item.weight"]
+    resumed.train()
+    assert steps == [6, 7, 8, 9, 10], "resumed from step 5"
+    a, b = _state(straight), _state(resumed)
+    assert any(".items." in k and "momentum1" in k for k in a), sorted(a)  # the EC's Adagrad state
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    assert not torch.equal(initial, b["model.items.embeddings.t_item.weight"])  # the table trained
+
+    exported = export_model_state_dict(os.path.join(cut, "step_00000010"))
+    item_key = "items.embeddings.t_item.weight"
+    assert exported[item_key].shape == (NUM_ITEMS, 16)
+    plain = DINClassifier(DIN_COLUMNS, 13, num_items=NUM_ITEMS, max_len=MAX_LEN, num_embeddings=NUM_EMB,
+                          attention_arch=(16,), over_arch=(32, 1), dense_log1p=True, table_device="cpu")
+    plain.load_state_dict(exported, strict=True)
+    batch = _batch([5, 7, 1999], [[5, 6], [], list(range(MAX_LEN))])
+    resumed.model.eval()
+    plain.eval()
+    with torch.no_grad():
+        trained = resumed.model(batch)[1]
+        served = plain(batch)[1]
+    torch.testing.assert_close(served, trained, rtol=0, atol=1e-6)
