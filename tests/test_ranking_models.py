@@ -288,3 +288,35 @@ def test_a_din_checkpoint_resumes_bitwise_and_exports_a_servable_item_table(beha
         trained = resumed.model(batch)[1]
         served = plain(batch)[1]
     torch.testing.assert_close(served, trained, rtol=0, atol=1e-6)
+
+
+def test_din_scores_offline_with_sequence_features_and_passthrough_columns_in_one_spec(
+        behaviour_log, tmp_path) -> None:
+    """``predict`` on a spec with sequence features *and* passthrough columns (the raw history
+    list among them): each row's score next to its own raw ids, equal to the model's output on
+    the same rows read without passthrough."""
+    import pyarrow.parquet as pq
+
+    from recsys_trainer.predict import read_predictions
+
+    root, meta = behaviour_log
+    trainer = _din_trainer(root, meta, str(tmp_path / "out"), 3)
+    trainer.train()
+    _, spec = _model("din", meta)
+    last = partitioned_windows(root)[-1:]
+    with_ids = dataclasses.replace(spec, passthrough=["hist_item", "item", "label"])
+    summary = trainer.predict(ParquetWindowDataset(last, with_ids, batch_size=1000), str(tmp_path / "scores"),
+                              output_names=["p_click"])
+    scores = read_predictions(str(tmp_path / "scores"))
+    assert scores.num_rows == 8000 and summary is not None
+    raw = pq.read_table(list(Path(root).glob("*/hour=02/*.parquet")))
+    assert scores.column("hist_item").to_pylist() == raw.column("hist_item").to_pylist()  # untruncated, raw
+    assert scores.column("item").to_pylist() == raw.column("item").to_pylist()
+    trainer.model.eval()
+    plain = ParquetWindowDataset(last, spec, batch_size=1000)
+    plain.setup(0, 1)
+    with torch.no_grad():
+        expected = torch.cat([torch.sigmoid(trainer.model(b)[1]) for w in plain.window_ids()
+                              for b in plain.iter_window(w)])
+    assert scores.column("label").to_pylist() == raw.column("label").to_pylist()
+    torch.testing.assert_close(torch.tensor(scores.column("p_click").to_numpy()), expected, rtol=0, atol=1e-6)
