@@ -257,6 +257,16 @@ def test_an_embedding_dim_not_a_multiple_of_4_is_refused_at_construction_naming_
         Trainer(Bias(), TrainingArguments(output_dir=str(tmp_path)), add_logger_hook=False)
 
 
+def test_a_sequence_table_dim_not_a_multiple_of_4_is_refused_at_construction_too(tmp_path: Any) -> None:
+    """EmbeddingCollection (``batch.sequence``) tables go through the same FBGEMM kernels."""
+    from recsys_trainer.ranking_models import DINClassifier
+
+    with pytest.raises(ValueError, match=r"embedding table 't_a' has embedding_dim=6, .* \(2 such "
+                                         r"table\(s\): 't_a'=6, 't_item'=6\)\. Give it embedding_dim=8"):
+        Trainer(DINClassifier(["a"], 13, num_items=100, embedding_dim=6, num_embeddings=10),
+                TrainingArguments(output_dir=str(tmp_path)), add_logger_hook=False)
+
+
 # ---------------------------------------------------------------------------- shared tables
 
 class SharedItems(nn.Module):
