@@ -121,21 +121,6 @@ def resolve_table_optimizers(
     return out
 
 
-def describe_lrs(lrs: Mapping[str, float], names_per_lr: int = 3) -> str:
-    """Per-table lrs for a log line, grouped by value (most tables first): ``"0.05 (25
-    tables), 0.005 (t_user)"``; one lr for every table is just that number."""
-    groups: dict[float, list[str]] = {}
-    for table, lr in sorted(lrs.items()):
-        groups.setdefault(lr, []).append(table)
-    if len(groups) == 1:
-        return f"{next(iter(groups)):.3g}"
-    parts = []
-    for lr, tables in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
-        who = ", ".join(tables) if len(tables) <= names_per_lr else f"{len(tables)} tables"
-        parts.append(f"{lr:.3g} ({who})")
-    return ", ".join(parts)
-
-
 def dense_parameters(dmp: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Parameters with no in-backward (fused) optimizer: exactly the dense optimizer's share."""
     out = []

@@ -3,17 +3,32 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from recsys_trainer.hooks._interval import IntervalStats
 from recsys_trainer.hooks.base import Hook, StepOutput
-from recsys_trainer.optimizers import describe_lrs
 from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger("recsys_trainer")
+
+
+def describe_lrs(lrs: Mapping[str, float], names_per_lr: int = 3) -> str:
+    """Per-table lrs for a log line, grouped by value (most tables first): ``"0.05 (25
+    tables), 0.005 (t_user)"``; one lr for every table is just that number."""
+    groups: dict[float, list[str]] = {}
+    for table, lr in sorted(lrs.items()):
+        groups.setdefault(lr, []).append(table)
+    if len(groups) == 1:
+        return f"{next(iter(groups)):.3g}"
+    parts = []
+    for lr, tables in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
+        who = ", ".join(tables) if len(tables) <= names_per_lr else f"{len(tables)} tables"
+        parts.append(f"{lr:.3g} ({who})")
+    return ", ".join(parts)
 
 
 class LoggerHook(Hook):
