@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 from dist_utils import run_distributed
+from test_checkpoint_trainer import local
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
@@ -235,19 +237,12 @@ def _din_trainer(root: str, meta: dict[str, Any], out: str, train_steps: int, ho
 
 
 def _state(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """Model weights (whole, 1 rank) and both optimizers' state tensors."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    def whole(t: Any) -> torch.Tensor:
-        if isinstance(t, ShardedTensor):
-            return torch.cat([s.tensor.reshape(-1) for s in t.local_shards()]).clone()
-        return t.detach().reshape(-1).clone()
-
-    out = {f"model.{k}": whole(v) for k, v in trainer.model.state_dict().items()}
+    """This rank's part of the model weights and of both optimizers' state tensors."""
+    out = {f"model.{k}": local(v).clone() for k, v in trainer.model.state_dict().items()}
     for pk, entry in trainer.optimizer.state_dict()["state"].items():
         for sk, v in entry.items():
             if isinstance(v, torch.Tensor | ShardedTensor):
-                out[f"optim.{pk}.{sk}"] = whole(v)
+                out[f"optim.{pk}.{sk}"] = local(v).clone()
     return out
 
 
@@ -320,3 +315,34 @@ def test_din_scores_offline_with_sequence_features_and_passthrough_columns_in_on
                               for b in plain.iter_window(w)])
     assert scores.column("label").to_pylist() == raw.column("label").to_pylist()
     torch.testing.assert_close(torch.tensor(scores.column("p_click").to_numpy()), expected, rtol=0, atol=1e-6)
+
+
+def _din_resume_worker(root: str, meta: dict[str, Any], out: str) -> dict[str, Any]:
+    rank = os.environ.get("RANK", "0")
+    straight = _din_trainer(root, meta, os.path.join(out, "straight", rank), 8)
+    straight.train()
+    cut = os.path.join(out, "cut")  # one checkpoint directory for both ranks
+    _din_trainer(root, meta, cut, 4, save_steps=4).train()
+    steps: list[int] = []
+    resumed = _din_trainer(root, meta, cut, 8, save_end=True,
+                           hooks=[LambdaHook(after_step=lambda t, o: steps.append(t.state.global_step))])
+    resumed.train()
+    a, b = _state(straight), _state(resumed)
+    return {"differ": sorted(k for k in a if k not in b or not torch.equal(a[k], b[k])),
+            "keys_equal": a.keys() == b.keys(), "steps": steps,
+            "item_shard": b["model.items.embeddings.t_item.weight"]}
+
+
+@pytest.mark.distributed
+def test_a_din_checkpoint_resumes_bitwise_on_two_gloo_ranks_and_exports_the_whole_item_table(
+        behaviour_log, tmp_path) -> None:
+    from recsys_trainer.checkpoint.export import export_model_state_dict
+
+    root, meta = behaviour_log
+    results = run_distributed(_din_resume_worker, 2, timeout_s=300, args=(root, meta, str(tmp_path)))
+    for r in results:
+        assert r["keys_equal"] and r["differ"] == [] and r["steps"] == [5, 6, 7, 8], r["differ"]
+    holders = [r["item_shard"] for r in results if r["item_shard"].numel()]
+    assert len(holders) == 1, "table-wise: one rank holds the item table"
+    exported = export_model_state_dict(str(tmp_path / "cut" / "step_00000008"))
+    assert torch.equal(exported["items.embeddings.t_item.weight"].reshape(-1), holders[0])
