@@ -191,6 +191,21 @@ def test_per_table_lrs_are_logged_in_the_log_line_jsonl_and_records(tmp_path: An
     assert rec["sparse_lr"] == pytest.approx(0.05) and "sparse_lrs" not in rec
 
 
+def test_per_table_optimizers_train_under_the_torchrec_pipeline_as_in_the_plain_loop(tmp_path: Any) -> None:
+    """Two optimizer groups (two FBGEMM kernels) under ``TrainPipelineSparseDist``."""
+    runs = {}
+    for pipeline in ("none", "sparse_dist"):
+        t = _trainer(str(tmp_path / pipeline), ROWWISE, {"t_a": SGD}, pipeline=pipeline)
+        before = _local_tables(t)
+        t.train()
+        runs[pipeline] = (before, _local_tables(t), t.state.global_step)
+    (b0, plain, n0), (_, piped, n1) = runs["none"], runs["sparse_dist"]
+    assert n0 == n1 == 6
+    for table in ("t_a", "t_b"):
+        assert not torch.equal(plain[table], b0[table])
+        torch.testing.assert_close(piped[table], plain[table], rtol=0, atol=1e-6)
+
+
 def test_table_optimizer_keys_resolve_exact_name_first_then_first_matching_glob() -> None:
     a, b, c = SparseOptimizer("sgd", 1.0), SparseOptimizer("sgd", 2.0), SparseOptimizer("sgd", 3.0)
     got = resolve_table_optimizers(["t_user", "t_user_hist", "t_item"], c,
