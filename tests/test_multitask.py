@@ -227,6 +227,28 @@ def test_early_stopping_monitors_one_tasks_metric_and_names_them_when_given_the_
         _run(two_task_data, str(tmp_path / "b"), None, more_hooks=(EarlyStoppingHook(metric="auc"),))
 
 
+def test_keep_best_metric_given_a_plain_name_on_a_multi_task_run_warns_naming_the_per_task_ones(
+        tmp_path: Any, caplog: Any) -> None:
+    import logging
+
+    from recsys_trainer.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path), keep_best_metric="auc", keep_best_mode="max")
+    evaluation = {"auc/click": 0.7, "auc/like": 0.8, "num_samples": 10.0}
+    with caplog.at_level(logging.WARNING):
+        manager.record_metrics(evaluation)
+        manager.record_metrics(evaluation)
+    warnings = [r.getMessage() for r in caplog.records if "keep_best_metric" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per run
+    assert "keep_best_metric 'auc' is not in the evaluation metrics" in warnings[0]
+    assert "use one of ['auc/click', 'auc/like']" in warnings[0]
+    caplog.clear()
+    named = CheckpointManager(str(tmp_path / "b"), keep_best_metric="auc/like", keep_best_mode="max")
+    with caplog.at_level(logging.WARNING):
+        named.record_metrics(evaluation)
+    assert "keep_best_metric" not in caplog.text
+
+
 def test_predictions_with_another_number_of_tasks_are_refused_naming_the_tasks(
         two_task_data: str, tmp_path: Any) -> None:
     with pytest.raises(ValueError, match=r"reports 3 tasks \(a, b, c\), but the predictions have "
