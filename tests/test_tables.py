@@ -169,15 +169,22 @@ def test_per_table_lrs_are_logged_in_the_log_line_jsonl_and_records(tmp_path: An
     """A run with mixed sparse lrs has no single ``sparse_lr``: the logs name each table's."""
     import logging
 
-    from recsys_trainer.hooks import JsonlMetricsHook, LoggerHook
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recsys_trainer.hooks import JsonlMetricsHook, LoggerHook, TensorBoardHook
     from recsys_trainer.hooks.jsonl import read_jsonl
 
     t = _trainer(str(tmp_path), ROWWISE, {"t_a": SGD}, train_steps=4)
-    logger_hook, jsonl = LoggerHook(every=2), JsonlMetricsHook(every=2)
-    t.add_hook(logger_hook)
-    t.add_hook(jsonl)
+    logger_hook = LoggerHook(every=2)
+    for hook in (logger_hook, JsonlMetricsHook(every=2), TensorBoardHook(every=2)):
+        t.add_hook(hook)
     with caplog.at_level(logging.INFO, logger="recsys_trainer"):
         t.train()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert {"lr/sparse/t_a", "lr/sparse/t_b"} <= set(events.Tags()["scalars"])
+    assert "lr/sparse" not in events.Tags()["scalars"]
+    assert [e.value for e in events.Scalars("lr/sparse/t_a")] == pytest.approx([0.5, 0.5])
     train = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["type"] == "train"]
     assert len(train) == 2
     assert all(r["sparse_lr"] is None and r["sparse_lrs"] == {"t_a": 0.5, "t_b": 0.05} for r in train)
