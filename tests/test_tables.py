@@ -420,7 +420,7 @@ def test_the_cli_config_takes_table_optimizers_by_name_or_glob(tmp_path: Any) ->
                         "--args.train_steps", "3", "--run=train"],
                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "sparse per table" in p.stderr
+    assert "lr dense 0.01 sparse 0.2 (t_cat_2, t_cat_3), 0.05 (t_cat_1), 0.5 (t_cat_0)" in p.stderr
 
 
 def test_resuming_with_another_optimizer_for_a_table_is_refused_naming_its_state(tmp_path: Any) -> None:
