@@ -346,3 +346,24 @@ def test_a_din_checkpoint_resumes_bitwise_on_two_gloo_ranks_and_exports_the_whol
     assert len(holders) == 1, "table-wise: one rank holds the item table"
     exported = export_model_state_dict(str(tmp_path / "cut" / "step_00000008"))
     assert torch.equal(exported["items.embeddings.t_item.weight"].reshape(-1), holders[0])
+
+
+def test_a_din_warm_starts_from_a_checkpoint_through_the_model_bank_item_table_included(
+        behaviour_log, tmp_path) -> None:
+    """The path docs/tables.md gives for changing a table's optimizer: a new run whose tables and
+    dense weights (the EmbeddingCollection's item table among them) come from the checkpoint."""
+    root, meta = behaviour_log
+    first = _din_trainer(root, meta, str(tmp_path / "first"), 3, save_end=True)
+    first.train()
+    trained = _state(first)
+    warm = _din_trainer(root, meta, str(tmp_path / "warm"), 3, resume_from=None,
+                        model_bank=[{"path": str(tmp_path / "first")}])
+    cold = _state(warm)
+    warm.resume()
+    loaded = _state(warm)
+    models = sorted(k for k in trained if k.startswith("model."))
+    assert "model.items.embeddings.t_item.weight" in models
+    assert not torch.equal(cold["model.items.embeddings.t_item.weight"],
+                           trained["model.items.embeddings.t_item.weight"])
+    assert [k for k in models if not torch.equal(loaded[k], trained[k])] == []
+    assert warm.state.global_step == 0  # weights only: a new run
