@@ -222,7 +222,7 @@ def test_the_example_yaml_trains_its_model_by_import_path_through_the_cli(config
 
 
 def _din_trainer(root: str, meta: dict[str, Any], out: str, train_steps: int, hooks: Any = (),
-                 **args: Any) -> Trainer:
+                 table_optimizers: Any = None, **args: Any) -> Trainer:
     model, spec = _model("din", meta)
     windows = partitioned_windows(root)
     return Trainer(
@@ -231,7 +231,7 @@ def _din_trainer(root: str, meta: dict[str, Any], out: str, train_steps: int, ho
                                pipeline="sparse_dist", **args),
         train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=256, shuffle=True, seed=3),
         dense_optimizers=(lambda params: torch.optim.Adam(params, lr=5e-3), None),
-        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05), table_optimizers=table_optimizers,
         hooks=list(hooks), add_logger_hook=False,
     )
 
@@ -367,3 +367,16 @@ def test_a_din_warm_starts_from_a_checkpoint_through_the_model_bank_item_table_i
                            trained["model.items.embeddings.t_item.weight"])
     assert [k for k in models if not torch.equal(loaded[k], trained[k])] == []
     assert warm.state.global_step == 0  # weights only: a new run
+
+
+def test_a_per_table_optimizer_reaches_the_sequence_table(behaviour_log, tmp_path) -> None:
+    """``table_optimizers`` names EmbeddingCollection tables too: the DIN's item table trains by
+    plain SGD (no optimizer state) while the pooled tables keep row-wise Adagrad."""
+    root, meta = behaviour_log
+    t = _din_trainer(root, meta, str(tmp_path), 3, table_optimizers={"t_item": SparseOptimizer("sgd", lr=0.3)})
+    before = _state(t)["model.items.embeddings.t_item.weight"]
+    t.train()
+    assert t.sparse_lrs() == {"t_C1": 0.05, "t_C2": 0.05, "t_C3": 0.05, "t_C4": 0.05, "t_item": 0.3}
+    state = sorted(k for e in t.optimizer.sparse_state.state_dict()["state"].values() for k in e)
+    assert state == ["t_C1.momentum1", "t_C2.momentum1", "t_C3.momentum1", "t_C4.momentum1"]
+    assert not torch.equal(before, _state(t)["model.items.embeddings.t_item.weight"])
