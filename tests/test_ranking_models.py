@@ -380,3 +380,29 @@ def test_a_per_table_optimizer_reaches_the_sequence_table(behaviour_log, tmp_pat
     state = sorted(k for e in t.optimizer.sparse_state.state_dict()["state"].values() for k in e)
     assert state == ["t_C1.momentum1", "t_C2.momentum1", "t_C3.momentum1", "t_C4.momentum1"]
     assert not torch.equal(before, _state(t)["model.items.embeddings.t_item.weight"])
+
+
+def test_an_mmoe_scores_offline_one_probability_column_per_task(behaviour_log, tmp_path) -> None:
+    from recsys_trainer.predict import read_predictions
+
+    root, meta = behaviour_log
+    model, spec = _model("mmoe", meta)
+    windows = partitioned_windows(root)
+    trainer = Trainer(model, TrainingArguments(output_dir=str(tmp_path / "out"), train_steps=2, log_steps=10**6),
+                      train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=256),
+                      dense_optimizers=(lambda params: torch.optim.Adam(params, lr=5e-3), None),
+                      sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05), add_logger_hook=False)
+    trainer.train()
+    scored = dataclasses.replace(spec, passthrough=["row_id"])
+    trainer.predict(ParquetWindowDataset(windows[-1:], scored, batch_size=1000), str(tmp_path / "scores"))
+    scores = read_predictions(str(tmp_path / "scores"))
+    assert scores.column_names == ["window", "row_id", "label", "like"]
+    assert scores.num_rows == 8000
+    plain = ParquetWindowDataset(windows[-1:], spec, batch_size=1000)
+    plain.setup(0, 1)
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = torch.cat([torch.sigmoid(trainer.model(b)[1]) for w in plain.window_ids()
+                              for b in plain.iter_window(w)])
+    for t, task in enumerate(["label", "like"]):
+        torch.testing.assert_close(torch.tensor(scores.column(task).to_numpy()), expected[:, t], rtol=0, atol=1e-6)
