@@ -132,6 +132,15 @@ def test_bucketize_matches_numpy_digitize_and_nulls_take_null_id() -> None:
     assert b3.sparse.values().tolist() == [1, 5] and b3.sparse.lengths().tolist() == [1, 0, 1]
 
 
+@pytest.mark.parametrize("column", [pa.array([0.5, 1.5, float("nan")]),
+                                    pa.array([[0.5], [1.5, 2.5], [3.0, float("nan")]], pa.list_(pa.float64()))])
+def test_a_nan_to_bucketize_is_a_data_error_naming_row_and_column(column: pa.Array) -> None:
+    spec = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="a", column="x", num_embeddings=3,
+                                                           boundaries=[1.0, 2.0])])
+    with pytest.raises(DataError, match=r"row 2, column 'x': value NaN cannot be bucketized \(1 such "):
+        spec.decode(pa.table({"y": [0.0] * 3, "x": column}))
+
+
 def test_div_mod_and_hash_of_integer_columns_match_numpy() -> None:
     rng = np.random.default_rng(2)
     ts = rng.integers(-10**9, 10**10, size=777)

@@ -110,7 +110,8 @@ def _spec() -> FeatureSpec:
                                              SparseFeature(name="item", num_embeddings=ROWS)])
 
 
-def _run(data: str, out: str, tasks: list[str] | None, pipeline: str = "none") -> dict[str, Any]:
+def _run(data: str, out: str, tasks: list[str] | None, pipeline: str = "none",
+         more_hooks: tuple[Any, ...] = ()) -> dict[str, Any]:
     windows = partitioned_windows(data)
     rows: list[dict[str, Any]] = []
 
@@ -132,7 +133,7 @@ def _run(data: str, out: str, tasks: list[str] | None, pipeline: str = "none") -
         eval_dataset=ParquetWindowDataset(windows[2:], _spec(), batch_size=48),
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=0.05), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
-        hooks=[hook, LambdaHook(after_step=record("train"), after_eval_step=record("eval"))],
+        hooks=[hook, LambdaHook(after_step=record("train"), after_eval_step=record("eval")), *more_hooks],
         add_logger_hook=False)
     trainer.train()
     final = trainer.evaluate()
@@ -211,6 +212,41 @@ def test_explicit_task_names_override_the_feature_spec_and_one_task_keeps_plain_
     trainer.train()
     assert hook.tasks is None and set(trainer.evaluate()) >= {"auc"}
     assert not any("/" in k for rep in hook.reports for k in rep.values)
+
+
+def test_early_stopping_monitors_one_tasks_metric_and_names_them_when_given_the_plain_name(
+        two_task_data: str, tmp_path: Any) -> None:
+    from recsys_trainer.hooks import EarlyStoppingHook
+
+    stopper = EarlyStoppingHook(metric="auc/like", patience=1)
+    r = _run(two_task_data, str(tmp_path / "a"), None, more_hooks=(stopper,))
+    assert stopper.best == r["final"]["auc/like"]
+    with pytest.raises(KeyError, match=r"metric 'auc' is not in the evaluation metrics .* with several "
+                                       r"tasks each metric is reported per task: monitor one of "
+                                       r"\['auc/click', 'auc/like'\]"):
+        _run(two_task_data, str(tmp_path / "b"), None, more_hooks=(EarlyStoppingHook(metric="auc"),))
+
+
+def test_keep_best_metric_given_a_plain_name_on_a_multi_task_run_warns_naming_the_per_task_ones(
+        tmp_path: Any, caplog: Any) -> None:
+    import logging
+
+    from recsys_trainer.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path), keep_best_metric="auc", keep_best_mode="max")
+    evaluation = {"auc/click": 0.7, "auc/like": 0.8, "num_samples": 10.0}
+    with caplog.at_level(logging.WARNING):
+        manager.record_metrics(evaluation)
+        manager.record_metrics(evaluation)
+    warnings = [r.getMessage() for r in caplog.records if "keep_best_metric" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per run
+    assert "keep_best_metric 'auc' is not in the evaluation metrics" in warnings[0]
+    assert "use one of ['auc/click', 'auc/like']" in warnings[0]
+    caplog.clear()
+    named = CheckpointManager(str(tmp_path / "b"), keep_best_metric="auc/like", keep_best_mode="max")
+    with caplog.at_level(logging.WARNING):
+        named.record_metrics(evaluation)
+    assert "keep_best_metric" not in caplog.text
 
 
 def test_predictions_with_another_number_of_tasks_are_refused_naming_the_tasks(

@@ -165,6 +165,54 @@ def test_resume_with_per_table_optimizers_is_bitwise_identical_on_2_ranks(tmp_pa
     assert [r["equal"] for r in results] == ["yes", "yes"]
 
 
+def test_per_table_lrs_are_logged_in_the_log_line_jsonl_and_records(tmp_path: Any, caplog: Any) -> None:
+    """A run with mixed sparse lrs has no single ``sparse_lr``: the logs name each table's."""
+    import logging
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recsys_trainer.hooks import JsonlMetricsHook, LoggerHook, TensorBoardHook
+    from recsys_trainer.hooks.jsonl import read_jsonl
+
+    t = _trainer(str(tmp_path), ROWWISE, {"t_a": SGD}, train_steps=4)
+    logger_hook = LoggerHook(every=2)
+    for hook in (logger_hook, JsonlMetricsHook(every=2), TensorBoardHook(every=2)):
+        t.add_hook(hook)
+    with caplog.at_level(logging.INFO, logger="recsys_trainer"):
+        t.train()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert {"lr/sparse/t_a", "lr/sparse/t_b"} <= set(events.Tags()["scalars"])
+    assert "lr/sparse" not in events.Tags()["scalars"]
+    assert [e.value for e in events.Scalars("lr/sparse/t_a")] == pytest.approx([0.5, 0.5])
+    train = [r for r in read_jsonl(str(tmp_path / "metrics.jsonl")) if r["type"] == "train"]
+    assert len(train) == 2
+    assert all(r["sparse_lr"] is None and r["sparse_lrs"] == {"t_a": 0.5, "t_b": 0.05} for r in train)
+    assert "lr dense 0.1 sparse 0.05 (t_b), 0.5 (t_a)" in caplog.text
+    assert logger_hook.records[-1]["sparse_lr/t_a"] == 0.5 and "sparse_lr" not in logger_hook.records[-1]
+    # One lr for every table: one number, as before.
+    same = _trainer(str(tmp_path / "same"), ROWWISE, train_steps=2)
+    same.add_hook(JsonlMetricsHook(every=2))
+    same.train()
+    rec = [r for r in read_jsonl(str(tmp_path / "same" / "metrics.jsonl")) if r["type"] == "train"][0]
+    assert rec["sparse_lr"] == pytest.approx(0.05) and "sparse_lrs" not in rec
+
+
+def test_per_table_optimizers_train_under_the_torchrec_pipeline_as_in_the_plain_loop(tmp_path: Any) -> None:
+    """Two optimizer groups (two FBGEMM kernels) under ``TrainPipelineSparseDist``."""
+    runs = {}
+    for pipeline in ("none", "sparse_dist"):
+        t = _trainer(str(tmp_path / pipeline), ROWWISE, {"t_a": SGD}, pipeline=pipeline)
+        before = _local_tables(t)
+        t.train()
+        runs[pipeline] = (before, _local_tables(t), t.state.global_step)
+    (b0, plain, n0), (_, piped, n1) = runs["none"], runs["sparse_dist"]
+    assert n0 == n1 == 6
+    for table in ("t_a", "t_b"):
+        assert not torch.equal(plain[table], b0[table])
+        torch.testing.assert_close(piped[table], plain[table], rtol=0, atol=1e-6)
+
+
 def test_table_optimizer_keys_resolve_exact_name_first_then_first_matching_glob() -> None:
     a, b, c = SparseOptimizer("sgd", 1.0), SparseOptimizer("sgd", 2.0), SparseOptimizer("sgd", 3.0)
     got = resolve_table_optimizers(["t_user", "t_user_hist", "t_item"], c,
@@ -229,6 +277,16 @@ def test_an_embedding_dim_not_a_multiple_of_4_is_refused_at_construction_naming_
                                          rf"FBGEMM's table-batched kernels need a multiple of 4 .* "
                                          rf"Give it embedding_dim={want} and use its first {dim}"):
         Trainer(Bias(), TrainingArguments(output_dir=str(tmp_path)), add_logger_hook=False)
+
+
+def test_a_sequence_table_dim_not_a_multiple_of_4_is_refused_at_construction_too(tmp_path: Any) -> None:
+    """EmbeddingCollection (``batch.sequence``) tables go through the same FBGEMM kernels."""
+    from recsys_trainer.ranking_models import DINClassifier
+
+    with pytest.raises(ValueError, match=r"embedding table 't_a' has embedding_dim=6, .* \(2 such "
+                                         r"table\(s\): 't_a'=6, 't_item'=6\)\. Give it embedding_dim=8"):
+        Trainer(DINClassifier(["a"], 13, num_items=100, embedding_dim=6, num_embeddings=10),
+                TrainingArguments(output_dir=str(tmp_path)), add_logger_hook=False)
 
 
 # ---------------------------------------------------------------------------- shared tables
@@ -362,7 +420,7 @@ def test_the_cli_config_takes_table_optimizers_by_name_or_glob(tmp_path: Any) ->
                         "--args.train_steps", "3", "--run=train"],
                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "sparse per table" in p.stderr
+    assert "lr dense 0.01 sparse 0.2 (t_cat_2, t_cat_3), 0.05 (t_cat_1), 0.5 (t_cat_0)" in p.stderr
 
 
 def test_resuming_with_another_optimizer_for_a_table_is_refused_naming_its_state(tmp_path: Any) -> None:

@@ -189,6 +189,7 @@ class CheckpointManager:
         """Train windows finished in this run (saved; drives ``save_every_n_windows``)."""
         self.last_metrics: dict[str, float] = {}
         """The latest evaluation metrics (recorded in the next checkpoint's manifest)."""
+        self._warned_best_missing = False
         self.history: list[SaveStats] = []
         """Stats of every committed save of this manager."""
 
@@ -250,6 +251,17 @@ class CheckpointManager:
         """Remember the latest evaluation metrics (the next checkpoint records them, for
         ``keep_best_metric``)."""
         self.last_metrics = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+        metric = self.policy.keep_best_metric
+        if metric is not None and metric not in self.last_metrics and not self._warned_best_missing:
+            # Not an error: an evaluation may lack the metric now and then; but a name that never
+            # matches (a typo, or "auc" on a multi-task run) would silently keep no best.
+            self._warned_best_missing = True
+            per_task = sorted(k for k in self.last_metrics if k.startswith(f"{metric}/"))
+            logger.warning(
+                "keep_best_metric %r is not in the evaluation metrics %s, so no checkpoint is "
+                "kept as the best by it%s.", metric, sorted(self.last_metrics),
+                f"; with several tasks each metric is reported per task: use one of {per_task}"
+                if per_task else "")
 
     # ------------------------------------------------------------------ triggers (the loop's)
 

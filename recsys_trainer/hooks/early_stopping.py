@@ -67,9 +67,12 @@ class EarlyStoppingHook(Hook):
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         if self.metric not in metrics:
+            per_task = sorted(k for k in metrics if k.startswith(f"{self.metric}/"))
+            fix = (f"with several tasks each metric is reported per task: monitor one of {per_task}"
+                   if per_task else "add the hook that computes it (before this one)")
             raise KeyError(
                 f"EarlyStoppingHook: metric {self.metric!r} is not in the evaluation metrics "
-                f"{sorted(metrics)}; add the hook that computes it (before this one)."
+                f"{sorted(metrics)}; {fix}."
             )
         value = float(metrics[self.metric])
         if math.isnan(value):

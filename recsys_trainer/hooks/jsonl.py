@@ -31,7 +31,9 @@ class JsonlMetricsHook(IntervalReporter):
 
     - ``{"type": "train", "epoch", "loss", "samples_per_s", "dense_lr", "sparse_lr",
       "data_wait_s", "forward_backward_s", "optimizer_s"}`` every ``every`` steps (default
-      ``args.log_steps``) and at the end of training for a partial interval;
+      ``args.log_steps``) and at the end of training for a partial interval. With per-table
+      sparse lrs (``Trainer(table_optimizers=...)``) ``sparse_lr`` is null and
+      ``"sparse_lrs": {table: lr}`` holds them;
     - ``{"type": "metrics", "mode", "scope", "window_id", "window_index", <metric>: value...}``
       for each ``MetricReportHook`` report;
     - ``{"type": "eval", <key>: value...}``: each evaluation's ``metrics`` dict.
@@ -62,8 +64,10 @@ class JsonlMetricsHook(IntervalReporter):
         self._file.flush()
 
     def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
+        sparse_lr = trainer.sparse_lr()
+        lrs = {} if sparse_lr is not None else {"sparse_lrs": trainer.sparse_lrs()}
         self._write(trainer, {"type": "train", "epoch": trainer.state.epoch, **vals,
-                              "dense_lr": trainer.dense_lr(), "sparse_lr": trainer.sparse_lr()})
+                              "dense_lr": trainer.dense_lr(), "sparse_lr": sparse_lr, **lrs})
 
     def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
         self._write(trainer, {"type": "metrics", "mode": report.mode, "scope": report.scope,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from recsys_trainer.hooks._interval import IntervalStats
@@ -15,9 +16,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger("recsys_trainer")
 
 
+def describe_lrs(lrs: Mapping[str, float], names_per_lr: int = 3) -> str:
+    """Per-table lrs for a log line, grouped by value (most tables first): ``"0.05 (25
+    tables), 0.005 (t_user)"``; one lr for every table is just that number."""
+    groups: dict[float, list[str]] = {}
+    for table, lr in sorted(lrs.items()):
+        groups.setdefault(lr, []).append(table)
+    if len(groups) == 1:
+        return f"{next(iter(groups)):.3g}"
+    parts = []
+    for lr, tables in sorted(groups.items(), key=lambda g: (-len(g[1]), g[0])):
+        who = ", ".join(tables) if len(tables) <= names_per_lr else f"{len(tables)} tables"
+        parts.append(f"{lr:.3g} ({who})")
+    return ", ".join(parts)
+
+
 class LoggerHook(Hook):
     """Logs ``step, loss, samples/s, dense lr, sparse lr`` every ``every`` steps (default:
-    ``args.log_steps``) on rank 0, plus each evaluation's metrics.
+    ``args.log_steps``) on rank 0, plus each evaluation's metrics. With per-table sparse lrs
+    (``Trainer(table_optimizers=...)``) the line shows each lr and its tables, and ``records``
+    hold ``sparse_lr/<table>``.
 
     Samples/s counts the global batch (this rank's samples times world size). The loss shown is
     rank 0's mean over the logged interval; reading it is a device sync, done only here.
@@ -49,6 +67,8 @@ class LoggerHook(Hook):
         sparse_lr = trainer.sparse_lr()
         if sparse_lr is not None:
             rec["sparse_lr"] = sparse_lr
+        else:
+            rec.update({f"sparse_lr/{t}": lr for t, lr in trainer.sparse_lrs().items()})
         self.records.append(rec)
         if trainer.is_rank_zero:
             logger.info(
@@ -58,7 +78,7 @@ class LoggerHook(Hook):
                 loss,
                 sps,
                 rec["dense_lr"],
-                f"{sparse_lr:.3g}" if sparse_lr is not None else "per table",
+                f"{sparse_lr:.3g}" if sparse_lr is not None else describe_lrs(trainer.sparse_lrs()),
             )
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:

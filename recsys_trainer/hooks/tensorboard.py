@@ -28,7 +28,7 @@ class TensorBoardHook(IntervalReporter):
     Tags (x axis: global step unless said otherwise):
 
     - ``train/loss`` (mean over ranks and steps of the interval), ``perf/samples_per_s`` (global),
-      ``lr/dense``, ``lr/sparse``;
+      ``lr/dense``, ``lr/sparse`` (``lr/sparse/<table>`` with per-table lrs);
     - ``time/data_wait_s``, ``time/forward_backward_s``, ``time/optimizer_s``: rank 0's mean
       seconds per step over the interval (``Trainer.timings``);
     - ``checkpoint/save_s``: from ``before_save_checkpoint`` to ``after_save_checkpoint`` (for
@@ -78,6 +78,9 @@ class TensorBoardHook(IntervalReporter):
         sparse_lr = trainer.sparse_lr()
         if sparse_lr is not None:
             self._scalar(trainer, "lr/sparse", sparse_lr, step)
+        else:  # per-table lrs (Trainer(table_optimizers=...))
+            for table, lr in trainer.sparse_lrs().items():
+                self._scalar(trainer, f"lr/sparse/{table}", lr, step)
         for k in ("data_wait_s", "forward_backward_s", "optimizer_s"):
             self._scalar(trainer, f"time/{k}", vals[k], step)
 
