@@ -270,8 +270,8 @@ class Trainer:
         self.smoke: SmokeTest | None = None
         """With ``args.smoke_test``: train/evaluate run the smoke test instead (``smoke``)."""
         if a.smoke_test:
-            self.smoke = SmokeTest(smoke_directory(self.gang))
-            self.args = smoke_arguments(a, self.smoke.output_dir)
+            self.smoke = SmokeTest(smoke_directory(self.gang, a.output_dir))
+            self.args = smoke_arguments(a, self.smoke.output_dir, self.smoke.logging_dir)
             checkpointer = None  # a given one saves into its own output_dir: never in test mode
         # Attached on every rank (the default creates its own gloo group: a collective). It
         # resumes, saves on the configured triggers, and serves save/load_checkpoint.

@@ -4,6 +4,7 @@ passthrough columns of windows in a bucket reaching hooks."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -108,3 +109,56 @@ def test_passthrough_columns_of_windows_in_a_bucket_reach_the_hooks(
     trainer = make_trainer(train=ds, hooks=[hook], output_dir=str(tmp_path / "out"), resume_from=None)
     trainer.train()
     assert sorted(hook.ids) == all_ids
+
+
+def _smoke_in_bucket(out: str, tmp_root: str) -> dict[str, Any]:
+    import tempfile
+
+    from helpers import batches, make_trainer
+
+    # Each rank its own $TMPDIR, as on two nodes that share no disk.
+    own = os.path.join(tmp_root, f"node{os.environ['RANK']}")
+    os.makedirs(own)
+    tempfile.tempdir = own
+    trainer = make_trainer(train=batches(4), eval_=batches(2, seed=1), output_dir=out, smoke_test=True)
+    smoke_dir = trainer.args.output_dir
+    trainer.train()
+    assert trainer.smoke is not None
+    return {"dir": smoke_dir, "steps": trainer.smoke.report["steps"], "left": os.listdir(own)}
+
+
+@pytest.mark.distributed
+def test_smoke_mode_with_output_dir_in_a_bucket_saves_and_resumes_there_without_a_shared_tmpdir(
+        s3_server: S3Server, tmp_path: Any) -> None:
+    out = s3_server.url("seam_smoke", "job")
+    r0, r1 = run_distributed(_smoke_in_bucket, 2, TIMEOUT, args=(out, str(tmp_path)), env=s3_server.env())
+    # The save and resume went through the job's own bucket, in a prefix both ranks agree on...
+    assert r0["dir"] == r1["dir"] and r0["dir"].startswith(f"{out}/_smoke-")
+    assert r0["steps"] == r1["steps"] == 3
+    # ...which is gone afterwards, as are the ranks' local log directories.
+    assert _keys(s3_server, "seam_smoke") == []
+    assert r0["left"] == r1["left"] == []
+
+
+def test_the_cli_smoke_flag_on_a_config_whose_data_and_output_dir_are_in_a_bucket(
+        s3_server: S3Server, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+    from data_utils import write_windows
+    from test_cli_components import custom, env
+
+    write_windows(str(tmp_path / "data"), [[40, 24], [32]])
+    upload_dir(s3_server.filesystem(), str(tmp_path / "data"), f"{s3_server.bucket}/seam_cli_smoke/data")
+    raw = custom(tmp_path, run="train_and_evaluate")
+    raw["args"]["output_dir"] = s3_server.url("seam_cli_smoke", "out")
+    raw["data"]["root"] = s3_server.url("seam_cli_smoke", "data")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(tmp_path / "c.yaml"), "--smoke"],
+                       capture_output=True, text=True, timeout=200, cwd=tmp_path,
+                       env={**env(), **s3_server.env(), "TMPDIR": str(tmp_path)}, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    assert "rank 0/1 smoke test passed: {" in p.stdout and "'checkpoint_step': 2" in p.stdout
+    assert _keys(s3_server, "seam_cli_smoke/out") == []  # nothing left in the job's output_dir
+    assert sorted(os.listdir(tmp_path)) == ["c.yaml", "data", "log.rank0.json"]  # no ./logs, no temp dir
