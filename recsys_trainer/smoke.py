@@ -9,7 +9,10 @@ configured job, and reports the first that fails (``SmokeTestError`` names it an
 2. ``evaluate``: one eval batch, when there is an eval dataset;
 3. ``save``: one checkpoint, committed (every rank's files, then the marker);
 4. ``resume``: that checkpoint loaded back into every component, then one more train step from
-   the restored data position.
+   the restored data position;
+5. ``predict``: when the job is ``Trainer.predict`` (``run: predict``), one batch per rank of the
+   first window scored and committed into the temporary directory (never the job's scores
+   directory).
 
 Everything is written to a fresh temporary directory, removed at the end, never among
 ``output_dir``'s checkpoints (a ``checkpointer`` passed to the Trainer is not used). Where
@@ -32,6 +35,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from recsys_trainer.args import TrainingArguments
@@ -45,7 +49,7 @@ logger = logging.getLogger("recsys_trainer")
 SMOKE_TRAIN_STEPS = 2
 """Optimizer steps of the ``train`` phase (one more runs after the resume)."""
 
-PHASES = ("train", "evaluate", "save", "resume")
+PHASES = ("train", "evaluate", "save", "resume", "predict")
 
 
 class SmokeTestError(RuntimeError):
@@ -124,9 +128,14 @@ class SmokeTest:
         """What ran: steps, eval rows, the checkpoint, seconds per phase."""
         self.eval_metrics: dict[str, float] = {}
         """The ``evaluate`` phase's metrics (what ``Trainer.evaluate()`` returns in test mode)."""
+        self.predict_summary: Any = None
+        """The ``predict`` phase's ``PredictSummary`` (what ``Trainer.predict()`` returns)."""
 
-    def run(self, trainer: _Trainer) -> dict[str, Any]:
-        """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``."""
+    def run(self, trainer: _Trainer, predict: Callable[[str], Any] | None = None) -> dict[str, Any]:
+        """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``.
+
+        ``predict(output_dir)``: the ``predict`` phase (``Trainer.predict`` in test mode), scoring
+        into ``output_dir`` and returning its ``PredictSummary``."""
         self.running = True
         t_all = time.perf_counter()
         seconds: dict[str, float] = {}
@@ -166,6 +175,12 @@ class SmokeTest:
                     raise RuntimeError(f"training after the resume ended at step "
                                        f"{trainer.state.global_step}, not {saved_step + 1}")
             seconds[phase] = time.perf_counter() - t0
+            if predict is not None:
+                phase = "predict"
+                t0 = time.perf_counter()
+                self.predict_summary = predict(f"{self.output_dir.rstrip('/')}/predictions")
+                self.report["predicted_rows"] = self.predict_summary.rows_written
+                seconds[phase] = time.perf_counter() - t0
             trainer.gang.barrier()  # every rank is done with the directory before it goes
         except SmokeTestError:
             raise

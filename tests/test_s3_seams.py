@@ -162,3 +162,42 @@ def test_the_cli_smoke_flag_on_a_config_whose_data_and_output_dir_are_in_a_bucke
     assert "rank 0/1 smoke test passed: {" in p.stdout and "'checkpoint_step': 2" in p.stdout
     assert _keys(s3_server, "seam_cli_smoke/out") == []  # nothing left in the job's output_dir
     assert sorted(os.listdir(tmp_path)) == ["c.yaml", "data", "log.rank0.json"]  # no ./logs, no temp dir
+
+
+def test_run_predict_with_a_model_by_import_path_scores_into_a_bucket_and_its_smoke_test_does_not(
+        s3_server: S3Server, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+    import subprocess
+    import sys
+
+    import yaml
+    from test_cli_components import custom, env
+
+    from recsys_trainer.predict import read_predictions
+
+    raw = custom(tmp_path, run="train")  # 2 windows of 64 and 32 rows, ConcatMLP by import path
+    raw["args"].update(save_end=True, resume_from="auto")
+    raw["predict"] = {"output_dir": s3_server.url("seam_cli_predict", "scores")}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+
+    def cli(*extra: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(tmp_path / "c.yaml"), *extra],
+                           capture_output=True, text=True, timeout=200, cwd=tmp_path,
+                           env={**env(), **s3_server.env(), "TMPDIR": str(tmp_path)}, check=False)
+        assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+        return p.stdout
+
+    assert "global_step=5" in cli()
+    # The test mode of the scoring job: its phases plus one scored batch, all in a temporary
+    # directory; the job's scores directory stays empty.
+    out = cli("--run", "predict", "--smoke")
+    assert re.search(r"smoke test passed: \{.*'predicted_rows': 8\b", out), out
+    assert _keys(s3_server, "seam_cli_predict") == []
+    # The scoring job itself: the trained checkpoint, every row into the bucket.
+    out = cli("--run", "predict")
+    assert "global_step=5 " in out and "predicted_rows=96" in out
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    got = read_predictions(s3_server.url("seam_cli_predict", "scores"))
+    assert got.num_rows == 96 and set(got["window"].to_pylist()) == {"hour=00", "hour=01"}
+    assert all(0.0 < p < 1.0 for p in got["y"].to_pylist())
