@@ -201,3 +201,25 @@ def test_run_predict_with_a_model_by_import_path_scores_into_a_bucket_and_its_sm
     got = read_predictions(s3_server.url("seam_cli_predict", "scores"))
     assert got.num_rows == 96 and set(got["window"].to_pylist()) == {"hour=00", "hour=01"}
     assert all(0.0 < p < 1.0 for p in got["y"].to_pylist())
+
+
+def test_save_periods_in_rows_with_checkpoints_in_a_bucket_resume_the_row_count(
+        s3_server: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from helpers import batches, make_trainer
+
+    from recsys_trainer.checkpoint import layout
+
+    monkeypatch.chdir(tmp_path)  # hooks' local files go under ./logs/<bucket>/<prefix>
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    out = s3_server.url("seam_rows", "job")
+    first = make_trainer(train=batches(10, batch_size=32), output_dir=out, save_every_n_rows=150,
+                         max_to_keep=10, resume_from="auto")
+    first.train()
+    assert [c.step for c in layout.list_committed(out)] == [5, 10]  # 160 and 320 rows
+    more = make_trainer(train=batches(10, batch_size=32), output_dir=out, save_every_n_rows=150,
+                        max_to_keep=10, train_epoch=2, resume_from="auto")
+    more.train()
+    # rows_seen came back from the bucket: the next saves fall at 480 and 608 rows (450, 600).
+    assert more.state.rows_seen == 640
+    assert [c.step for c in layout.list_committed(out)] == [5, 10, 15, 19]
