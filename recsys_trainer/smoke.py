@@ -154,6 +154,13 @@ class SmokeTest:
                 self.report["eval_samples"] = metrics["num_samples"]
             phase = "save"
             t0 = time.perf_counter()
+            # The real job probes output_dir at its start; here no periodic save is set, so the
+            # manager skips that probe: run it (an object store may create a mistyped bucket on
+            # the first upload, which would let the save pass).
+            problems = trainer.gang.all_gather_object(layout.probe_writable(self.output_dir))
+            failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+            if failed:
+                raise RuntimeError(f"{self.output_dir!r} is not writable ({'; '.join(failed)})")
             saved_step = trainer.state.global_step
             path = trainer.save_checkpoint()
             if not layout.is_committed(path):

@@ -163,6 +163,15 @@ def test_the_cli_smoke_flag_on_a_config_whose_data_and_output_dir_are_in_a_bucke
     assert _keys(s3_server, "seam_cli_smoke/out") == []  # nothing left in the job's output_dir
     assert sorted(os.listdir(tmp_path)) == ["c.yaml", "data", "log.rank0.json"]  # no ./logs, no temp dir
 
+    # An output_dir the long job could not write to fails the smoke test, naming the bucket.
+    raw["args"]["output_dir"] = "s3://no-such-bucket-smoke/out"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(tmp_path / "c.yaml"), "--smoke"],
+                       capture_output=True, text=True, timeout=200, cwd=tmp_path,
+                       env={**env(), **s3_server.env(), "TMPDIR": str(tmp_path)}, check=False)
+    assert p.returncode == 1, p.stdout + p.stderr[-4000:]
+    assert "smoke test FAILED in phase 'save'" in p.stderr and "'no-such-bucket-smoke'" in p.stderr, p.stderr[-3000:]
+
 
 def test_run_predict_with_a_model_by_import_path_scores_into_a_bucket_and_its_smoke_test_does_not(
         s3_server: S3Server, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
