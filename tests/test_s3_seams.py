@@ -1,6 +1,9 @@
 """The production data paths together, against a real S3 server (SeaweedFS on 127.0.0.1, the
-``s3_server`` fixture): scoring windows read from a bucket into a bucket on 2 ranks, and
-passthrough columns of windows in a bucket reaching hooks."""
+``s3_server`` fixture): scoring windows read from a bucket into a bucket on 2 ranks; passthrough
+columns of windows in a bucket reaching hooks; the test mode with data and output_dir in a bucket
+(2 ranks without a shared TMPDIR, the CLI, a missing bucket); ``run: predict`` with a model by
+import path scoring into a bucket, and its test mode; save periods in rows with checkpoints in a
+bucket."""
 
 from __future__ import annotations
 
