@@ -6,9 +6,11 @@ Benchmarks (run in this order, those present): ``bench_trainer.py`` (Trainer ove
 hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows, batch size,
 memory), ``bench_data.py`` (reader throughput), ``bench_checkpoint.py`` (save/restore),
 ``bench_predict.py`` (offline scoring vs evaluation),
-``bench_storage.py`` (the reader over a local S3 server vs local disk).
+``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
+--s3`` (checkpoints in a local S3 server vs local disk).
 
-The contract with a benchmark script: it runs with no arguments; it accepts ``--quick`` if its
+The contract with a benchmark script: it runs with the arguments ``BENCHMARKS`` gives it (none
+for most; a script with several modes is listed once per mode); it accepts ``--quick`` if its
 ``--help`` mentions it (otherwise ``QUICK_FALLBACK`` names smaller settings from its own
 options, used only if its ``--help`` lists them); it prints its results to stdout. Output with
 markdown tables or headings (lines starting with ``|`` or ``#``) is merged as is; anything else
@@ -28,14 +30,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-BENCHMARKS = {
-    "trainer": "bench_trainer.py",
-    "scaling": "bench_scaling.py",
-    "data": "bench_data.py",
-    "checkpoint": "bench_checkpoint.py",
-    "predict": "bench_predict.py",
-    "storage": "bench_storage.py",
+BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "trainer": ("bench_trainer.py", ()),
+    "scaling": ("bench_scaling.py", ()),
+    "data": ("bench_data.py", ()),
+    "checkpoint": ("bench_checkpoint.py", ()),
+    "predict": ("bench_predict.py", ()),
+    "storage": ("bench_storage.py", ()),
+    "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
 }
+"""Name (for ``--only``) -> (script in benchmarks/, the arguments that select its mode)."""
 
 # For scripts without --quick: smaller settings from their own options.
 QUICK_FALLBACK = {
@@ -70,9 +74,11 @@ def as_markdown(output: str) -> str:
     return f"```text\n{text}\n```"
 
 
-def run_one(name: str, script: str, quick: bool, timeout_s: float) -> tuple[str, bool, float]:
-    """Run one benchmark; returns (markdown section, ok, seconds)."""
-    args = script_args(script, quick)
+def run_one(name: str, script: str, quick: bool, timeout_s: float,
+            mode: tuple[str, ...] = ()) -> tuple[str, bool, float]:
+    """Run one benchmark (``mode``: its ``BENCHMARKS`` arguments); returns (markdown section,
+    ok, seconds)."""
+    args = [*mode, *script_args(script, quick)]
     cmd = [sys.executable, script, *args]
     t0 = time.perf_counter()
     try:
@@ -125,16 +131,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     timeout = a.timeout or (240 if a.quick else 900)
     sections, ok_all = [header(a.quick)], True
-    for name, file in BENCHMARKS.items():
+    for name, (file, mode) in BENCHMARKS.items():
         if a.only and name not in a.only:
             continue
         script = os.path.join(HERE, file)
         if not os.path.exists(script):
             print(f"run_all: {file} not present, skipped", file=sys.stderr)
             continue
-        print(f"run_all: {file} ...", file=sys.stderr, flush=True)
-        section, ok, took = run_one(name, script, a.quick, timeout)
-        print(f"run_all: {file} {'ok' if ok else 'FAILED'} in {took:.0f} s", file=sys.stderr, flush=True)
+        label = " ".join([file, *mode])
+        print(f"run_all: {label} ...", file=sys.stderr, flush=True)
+        section, ok, took = run_one(name, script, a.quick, timeout, mode)
+        print(f"run_all: {label} {'ok' if ok else 'FAILED'} in {took:.0f} s", file=sys.stderr, flush=True)
         sections.append(section)
         ok_all &= ok
     doc = "\n\n".join(sections) + "\n"

@@ -22,6 +22,7 @@ asks every rank to stop at the next fetch, and every rank raises naming that ran
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -104,22 +105,24 @@ Forward = Callable[[Batch], tuple[torch.Tensor, Any]]
 
 
 def predict(forward: Forward, dataset: WindowedDataset, gang: Gang, device: torch.device,
-            options: PredictOptions, filesystem: pafs.FileSystem | None = None) -> PredictSummary:
+            options: PredictOptions, filesystem: pafs.FileSystem | None = None, *,
+            max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
     """Score every window of ``dataset`` into ``options.output_dir``; all ranks call this.
 
     ``forward(batch)`` returns ``(loss, outputs)`` under ``torch.no_grad`` (the Trainer's
-    forward: autocast included). ``dataset`` is set up for this rank.
+    forward: autocast included). ``dataset`` is set up for this rank. ``max_windows`` and
+    ``max_batches`` (per window, per rank) cut the run short: the test mode's ``predict`` phase.
     """
     t0 = time.perf_counter()
     root = resolve(options.output_dir, filesystem)
     summary = PredictSummary()
-    for window_id in dataset.window_ids():
+    for window_id in itertools.islice(dataset.window_ids(), max_windows):
         out = root.join(*window_dir(window_id))
         if _committed(out, gang):
             summary.windows_skipped.append(window_id)
             continue
         _clear(out, gang)
-        result = _score_window(forward, dataset, window_id, gang, device, out, options)
+        result = _score_window(forward, dataset, window_id, gang, device, out, options, max_batches)
         summary.rows_written += _commit(out, window_id, result, gang)
         summary.windows_written.append(window_id)
     summary.seconds = time.perf_counter() - t0
@@ -195,18 +198,22 @@ class _PartResult:
 
 
 def _score_window(forward: Forward, dataset: WindowedDataset, window_id: str, gang: Gang,
-                  device: torch.device, out: Location, options: PredictOptions) -> _PartResult:
-    """Score this rank's rows of one window into its part file."""
+                  device: torch.device, out: Location, options: PredictOptions,
+                  max_batches: int | None = None) -> _PartResult:
+    """Score this rank's rows of one window (at most ``max_batches`` forwards) into its part
+    file."""
     names = _default_names(dataset, options)
     writer = _PartWriter(out.join(part_name(gang.rank, gang.world_size)), options, names)
     it = SyncedIterator(dataset.iter_window(window_id), gang, pad=True,
                         padding_batch=dataset.padding_batch,
                         local_flags=lambda: (writer.error is not None, False))
     try:
-        for raw in it:
+        for n, raw in enumerate(it, 1):
             _, outputs = forward(raw.to(device, non_blocking=True))
             if not it.last_was_padding:
                 writer.write(raw, outputs)
+            if max_batches is not None and n >= max_batches:
+                break  # every rank at the same forward: they advance in lockstep
     finally:
         it.close()
         writer.close()

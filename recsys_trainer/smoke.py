@@ -9,12 +9,19 @@ configured job, and reports the first that fails (``SmokeTestError`` names it an
 2. ``evaluate``: one eval batch, when there is an eval dataset;
 3. ``save``: one checkpoint, committed (every rank's files, then the marker);
 4. ``resume``: that checkpoint loaded back into every component, then one more train step from
-   the restored data position.
+   the restored data position;
+5. ``predict``: when the job is ``Trainer.predict`` (``run: predict``), one batch per rank of the
+   first window scored and committed into the temporary directory (never the job's scores
+   directory).
 
-Everything is written to a fresh temporary directory (``tempfile``: ``$TMPDIR``, made by rank 0
-and checked on every rank), never to ``output_dir`` (a ``checkpointer`` passed to the Trainer is
-not used), and removed at the end. ``output_dir``'s
-checkpoints are not resumed from (``resume_from`` is ignored); ``model_bank`` warm-starts still
+Everything is written to a fresh temporary directory, removed at the end, never among
+``output_dir``'s checkpoints (a ``checkpointer`` passed to the Trainer is not used). Where
+``output_dir`` is a local path, that directory is ``tempfile``'s (``$TMPDIR``, made by rank 0 and
+checked on every rank). Where it is on object storage (``s3://...``), it is a new prefix
+``_smoke-<random>`` inside ``output_dir``: the save and resume then go through the same bucket,
+credentials and commit protocol as the real job's, and ranks on different nodes need no shared
+disk (checkpoint listings only see ``step_<N>`` directories, so the prefix is never resumed
+from). ``output_dir``'s checkpoints are not resumed from (``resume_from`` is ignored); ``model_bank`` warm-starts still
 run, as in the real job. The periodic log/eval/save settings are replaced: the hooks log every
 step, nothing is saved but phase 3.
 """
@@ -27,19 +34,22 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.distributed import Gang
+from recsys_trainer.storage import resolve
 
 logger = logging.getLogger("recsys_trainer")
 
 SMOKE_TRAIN_STEPS = 2
 """Optimizer steps of the ``train`` phase (one more runs after the resume)."""
 
-PHASES = ("train", "evaluate", "save", "resume")
+PHASES = ("train", "evaluate", "save", "resume", "predict")
 
 
 class SmokeTestError(RuntimeError):
@@ -50,8 +60,17 @@ class SmokeTestError(RuntimeError):
         self.phase = phase
 
 
-def smoke_directory(gang: Gang) -> str:
-    """A new temporary directory every rank sees (rank 0 makes it; all check it)."""
+SMOKE_PREFIX = "_smoke-"
+"""Name prefix of the smoke test's directory inside an ``output_dir`` on object storage."""
+
+
+def smoke_directory(gang: Gang, output_dir: str | None = None) -> str:
+    """A new temporary directory every rank sees: ``output_dir/_smoke-<random>`` where
+    ``output_dir`` is on object storage, else one under ``$TMPDIR`` (rank 0 makes it; all check
+    it)."""
+    if output_dir is not None and not resolve(output_dir).is_local:
+        name = gang.broadcast_object(f"{SMOKE_PREFIX}{uuid.uuid4().hex[:12]}" if gang.rank == 0 else None)
+        return f"{output_dir.rstrip('/')}/{name}"
     path = gang.broadcast_object(tempfile.mkdtemp(prefix="recsys-smoke-") if gang.rank == 0 else None)
     seen = gang.all_gather_object(os.path.isdir(path))
     missing = [r for r, ok in enumerate(seen) if not ok]
@@ -62,10 +81,12 @@ def smoke_directory(gang: Gang) -> str:
     return path
 
 
-def smoke_arguments(args: TrainingArguments, output_dir: str) -> TrainingArguments:
-    """``args`` for the smoke test: its own output dir, a few steps, no periodic saves."""
+def smoke_arguments(args: TrainingArguments, output_dir: str,
+                    logging_dir: str | None = None) -> TrainingArguments:
+    """``args`` for the smoke test: its own output and logging dirs, a few steps, no periodic
+    saves."""
     return dataclasses.replace(
-        args, output_dir=output_dir, train_steps=SMOKE_TRAIN_STEPS, train_epoch=1, eval_steps=1,
+        args, output_dir=output_dir, logging_dir=logging_dir, train_steps=SMOKE_TRAIN_STEPS, train_epoch=1, eval_steps=1,
         save_steps=None, save_every_n_rows=None, save_every_n_windows=None,
         save_every_n_epochs=None, save_end=False, resume_from=None, keep_every_n_hours=None,
         keep_best_metric=None, log_steps=1, log_every_n_rows=None, eval_every_n_steps=None,
@@ -98,14 +119,23 @@ class SmokeTest:
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
+        self.logging_dir = output_dir if resolve(output_dir).is_local else \
+            tempfile.mkdtemp(prefix="recsys-smoke-logs-")
+        """The hooks' local files (a local ``output_dir`` holds them itself; one on object
+        storage cannot, so each rank gets a local temporary directory, removed at the end)."""
         self.running = False
         self.report: dict[str, Any] = {}
         """What ran: steps, eval rows, the checkpoint, seconds per phase."""
         self.eval_metrics: dict[str, float] = {}
         """The ``evaluate`` phase's metrics (what ``Trainer.evaluate()`` returns in test mode)."""
+        self.predict_summary: Any = None
+        """The ``predict`` phase's ``PredictSummary`` (what ``Trainer.predict()`` returns)."""
 
-    def run(self, trainer: _Trainer) -> dict[str, Any]:
-        """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``."""
+    def run(self, trainer: _Trainer, predict: Callable[[str], Any] | None = None) -> dict[str, Any]:
+        """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``.
+
+        ``predict(output_dir)``: the ``predict`` phase (``Trainer.predict`` in test mode), scoring
+        into ``output_dir`` and returning its ``PredictSummary``."""
         self.running = True
         t_all = time.perf_counter()
         seconds: dict[str, float] = {}
@@ -124,6 +154,13 @@ class SmokeTest:
                 self.report["eval_samples"] = metrics["num_samples"]
             phase = "save"
             t0 = time.perf_counter()
+            # The real job probes output_dir at its start; here no periodic save is set, so the
+            # manager skips that probe: run it (an object store may create a mistyped bucket on
+            # the first upload, which would let the save pass).
+            problems = trainer.gang.all_gather_object(layout.probe_writable(self.output_dir))
+            failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+            if failed:
+                raise RuntimeError(f"{self.output_dir!r} is not writable ({'; '.join(failed)})")
             saved_step = trainer.state.global_step
             path = trainer.save_checkpoint()
             if not layout.is_committed(path):
@@ -145,6 +182,12 @@ class SmokeTest:
                     raise RuntimeError(f"training after the resume ended at step "
                                        f"{trainer.state.global_step}, not {saved_step + 1}")
             seconds[phase] = time.perf_counter() - t0
+            if predict is not None:
+                phase = "predict"
+                t0 = time.perf_counter()
+                self.predict_summary = predict(f"{self.output_dir.rstrip('/')}/predictions")
+                self.report["predicted_rows"] = self.predict_summary.rows_written
+                seconds[phase] = time.perf_counter() - t0
             trainer.gang.barrier()  # every rank is done with the directory before it goes
         except SmokeTestError:
             raise
@@ -154,7 +197,9 @@ class SmokeTest:
             self.running = False
             trainer.checkpointer.close()
             if trainer.is_rank_zero:
-                shutil.rmtree(self.output_dir, ignore_errors=True)
+                remove_smoke_directory(self.output_dir)
+            if self.logging_dir != self.output_dir:
+                shutil.rmtree(self.logging_dir, ignore_errors=True)
         self.report.update(steps=trainer.state.global_step, checkpoint_step=saved_step,
                            seconds={k: round(v, 3) for k, v in seconds.items()},
                            total_s=round(time.perf_counter() - t_all, 3))
@@ -163,5 +208,20 @@ class SmokeTest:
         return self.report
 
 
-__all__ = ["PHASES", "SMOKE_TRAIN_STEPS", "SmokeTest", "SmokeTestError", "smoke_arguments",
+def remove_smoke_directory(path: str) -> None:
+    """Delete the smoke test's directory, local or on object storage; a failure is logged, not
+    raised (the phases' outcome is what the user asked about)."""
+    loc = resolve(path)
+    if loc.is_local:
+        shutil.rmtree(loc.path, ignore_errors=True)
+        return
+    try:
+        loc.filesystem.delete_dir(loc.path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("smoke test: could not remove %s: %s", loc.url, exc)
+
+
+__all__ = ["PHASES", "SMOKE_PREFIX", "SMOKE_TRAIN_STEPS", "SmokeTest", "SmokeTestError", "smoke_arguments",
            "smoke_directory"]

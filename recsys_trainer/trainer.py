@@ -47,6 +47,7 @@ On an exception: on_exception(exc), then end, then the exception propagates.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import math
@@ -270,8 +271,8 @@ class Trainer:
         self.smoke: SmokeTest | None = None
         """With ``args.smoke_test``: train/evaluate run the smoke test instead (``smoke``)."""
         if a.smoke_test:
-            self.smoke = SmokeTest(smoke_directory(self.gang))
-            self.args = smoke_arguments(a, self.smoke.output_dir)
+            self.smoke = SmokeTest(smoke_directory(self.gang, a.output_dir))
+            self.args = smoke_arguments(a, self.smoke.output_dir, self.smoke.logging_dir)
             checkpointer = None  # a given one saves into its own output_dir: never in test mode
         # Attached on every rank (the default creates its own gloo group: a collective). It
         # resumes, saves on the configured triggers, and serves save/load_checkpoint.
@@ -378,7 +379,6 @@ class Trainer:
         with self._top_level():
             return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
 
-    @torch.no_grad()
     def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
                 output_names: Sequence[str] | None = None,
                 rows_per_row_group: int = PredictOptions.rows_per_row_group,
@@ -398,10 +398,23 @@ class Trainer:
             raise ValueError("`dataset` is None; pass the data to score to predict(...).")
         ds.setup(self.rank, self.world_size)
         ds.set_gang(self.gang)
+        if self.smoke is not None and not self.smoke.running:
+            # Test mode: the phases, then one batch of the first window scored into the smoke
+            # directory (never into `output_dir`, never the whole data).
+            self.smoke.run(self, predict=lambda out: self._predict(
+                ds, dataclasses.replace(options, output_dir=out), None, max_windows=1, max_batches=1))
+            assert self.smoke.predict_summary is not None
+            return self.smoke.predict_summary
+        return self._predict(ds, options, filesystem)
+
+    @torch.no_grad()
+    def _predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
+                 max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
         with self._top_level():
             self.state.mode = "predict"
             self.model.eval()
-            return predict(self._forward, ds, self.gang, self.device, options, filesystem)
+            return predict(self._forward, ds, self.gang, self.device, options, filesystem,
+                           max_windows=max_windows, max_batches=max_batches)
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``
