@@ -9,6 +9,7 @@ import torch
 from helpers import Recorder, batches, make_trainer, tiny_model
 
 from recsys_trainer import (
+    Hook,
     LambdaHook,
     SparseOptimizer,
     Trainer,
@@ -482,3 +483,20 @@ def test_a_dynamic_table_takes_any_raw_id_so_its_feature_bound_is_not_checked() 
     check_data_fits_model(model, [_parquet_data([("user", ID_SPACE), ("item", ID_SPACE)])])
     with pytest.raises(ValueError, match=r"\['item'\] missing"):
         check_data_fits_model(model, [_parquet_data([("user", ID_SPACE)])])
+
+
+def test_a_misspelled_event_method_is_refused_naming_the_event_it_resembles() -> None:
+    class Typo(Hook):
+        def after_train_step(self, trainer, output) -> None:  # type: ignore[no-untyped-def]
+            raise AssertionError("never called: not an event")
+
+    class Helper(Hook):
+        def after_step(self, trainer, output) -> None:  # type: ignore[no-untyped-def]
+            self._after_reporting()
+
+        def _after_reporting(self) -> None:
+            pass
+
+    with pytest.raises(TypeError, match=r"Typo defines after_train_step\(\).*'after_step'"):
+        HookList([Typo()])
+    assert HookList([Helper()]).has("after_step")

@@ -7,6 +7,7 @@ The event order is written out in ``Trainer``'s docstring and the README.
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,6 +186,26 @@ class Hook:
         """Restore what ``state_dict`` returned."""
 
 
+_EVENT_PREFIXES = ("before_", "after_", "on_")
+
+
+def check_event_names(hook: Hook) -> None:
+    """Refuse a public method that reads like an event but is not one (``after_train_step``,
+    ``on_step_end``): the Trainer would never call it, and the hook would silently do nothing."""
+    for cls in type(hook).__mro__:
+        if cls is Hook or not issubclass(cls, Hook):
+            continue
+        for name, value in vars(cls).items():
+            if callable(value) and name.startswith(_EVENT_PREFIXES) and name not in EVENTS:
+                close = difflib.get_close_matches(name, EVENTS, n=3, cutoff=0.6)
+                hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+                raise TypeError(
+                    f"hook {type(hook).__name__} defines {name}(), which is not a Trainer event, "
+                    f"so it would never be called.{hint} The events are: {', '.join(EVENTS)}. "
+                    "A helper method of the hook can keep its name with a leading underscore."
+                )
+
+
 def overridden_events(hook: Hook) -> set[str]:
     """The events ``hook`` handles (so the dispatcher can skip the rest for free): those its
     class overrides, or what the hook's ``handled_events()`` says (e.g. ``LambdaHook``)."""
@@ -212,6 +233,7 @@ class HookList:
     def add(self, hook: Hook) -> None:
         if not isinstance(hook, Hook):
             raise TypeError(f"hooks must be recsys_trainer.Hook instances, got {type(hook).__name__}.")
+        check_event_names(hook)
         self._hooks.append(hook)
         for e in overridden_events(hook):
             self._by_event[e].append(hook)
