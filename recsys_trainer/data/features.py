@@ -490,11 +490,13 @@ class FeatureSpec:
         """
         return self.decode_chunk(table).batch(0, table.num_rows)
 
-    def decode_chunk(self, table: pa.Table) -> DecodedChunk:
+    def decode_chunk(self, table: pa.Table, batch_rows: int | None = None) -> DecodedChunk:
         """Decode many rows at once into numpy columns; ``.batch(lo, hi)`` then cuts batches.
 
         Decoding several batches' rows in one go pays the per-feature Python overhead once per
-        chunk instead of once per batch (the reader decodes ~16k rows at a time).
+        chunk instead of once per batch (the reader decodes ~16k rows at a time). With
+        ``batch_rows``, the batches ``[i * batch_rows, (i + 1) * batch_rows)`` (no rows
+        dropped) share the chunk's memory instead of copying it.
         """
         n = table.num_rows
         src_rows = n
@@ -517,16 +519,16 @@ class FeatureSpec:
             table = table.take(pa.array(keep))
             labels = labels[keep]
             try:
-                return self._decode_kept(table, src_rows, labels, kept_cum)
+                return self._decode_kept(table, src_rows, labels, kept_cum, batch_rows)
             except _RowError as exc:
                 if exc.row is None:
                     raise
                 # A row of the kept rows: name it by its row in ``table`` (the source).
                 raise _RowError(exc.detail, column=exc.column, row=int(keep[exc.row])) from None
-        return self._decode_kept(table, src_rows, labels, kept_cum)
+        return self._decode_kept(table, src_rows, labels, kept_cum, batch_rows)
 
     def _decode_kept(self, table: pa.Table, src_rows: int, labels: np.ndarray,
-                     kept_cum: np.ndarray | None) -> DecodedChunk:
+                     kept_cum: np.ndarray | None, batch_rows: int | None = None) -> DecodedChunk:
         """``decode_chunk`` after NaN-label rows were dropped (``_RowError.row`` counts the
         rows of ``table``)."""
         n = table.num_rows
@@ -590,7 +592,7 @@ class FeatureSpec:
             # The common case (e.g. Criteo): every key has exactly one id per row. All keys go
             # into one [num_keys, rows] int64 matrix, hashed in one in-place pass.
             return DecodedChunk(values=[], lengths=[], id_weights=None,
-                                ids=self._regular_ids(table, n), **chunk)  # type: ignore[arg-type]
+                                ids=self._regular_ids(table, n, batch_rows), **chunk)  # type: ignore[arg-type]
         for s in self.sparse:
             ids, lens = self._jagged(s, table)
             values.append(ids)
@@ -631,36 +633,60 @@ class FeatureSpec:
                 return False
         return True
 
-    def _regular_ids(self, table: pa.Table, n: int) -> np.ndarray:
-        """``[num_keys, n]`` int64 ids of sparse features with one id per row.
+    def _regular_ids(self, table: pa.Table, n: int, batch_rows: int | None = None) -> np.ndarray:
+        """``[blocks, num_keys, batch_rows]`` int64 ids of sparse features with one id per row:
+        block ``i`` holds rows ``[i * batch_rows, (i + 1) * batch_rows)`` key-major, which is
+        exactly a batch's KJT values (a view, no copy); the last block's unused tail is
+        garbage. Without ``batch_rows`` one block holds all ``n`` rows.
 
-        Same ids as ``_jagged`` feature by feature: integers are copied into the matrix once
-        (int64), the hashed rows are mixed in place in cache-sized blocks (no full-size
+        Same ids as ``_jagged`` feature by feature: integers are copied into the blocks once
+        (int64), the hashed keys are mixed in place in cache-sized blocks (no full-size
         temporaries) and reduced modulo each table's size in the same pass. String columns are
         hashed one by one: concatenating them into one ``stable_hash_strings`` call was measured
         slower (its per-byte temporaries outgrow the cache). Transformed features (and those
         with nulls) go through ``_jagged``.
         """
-        ids = np.empty((len(self.sparse), n), dtype=np.int64)
+        k = len(self.sparse)
+        bs = min(batch_rows or n, n) or 1
+        full, tail = divmod(n, bs)
+        ids = np.empty((full + (tail > 0), k, bs), dtype=np.int64)
         u = ids.view(np.uint64)
+
+        def put(j: int, vals: np.ndarray) -> None:
+            """Logical row ``j`` (all ``n`` rows of key ``j``) into the blocks."""
+            if full:
+                np.copyto(ids[:full, j], vals[:full * bs].reshape(full, bs), casting="unsafe")
+            if tail:
+                np.copyto(ids[full, j, :tail], vals[full * bs:], casting="unsafe")
+
         to_hash: list[int] = []
         for j, s in enumerate(self.sparse):
             col = _combine(table.column(s.source))
             if _transformed(s) or col.null_count:
-                ids[j] = self._jagged(s, table)[0]
+                put(j, self._jagged(s, table)[0])
                 continue
             if _is_str(col.type):
-                u[j] = _mod_inplace(stable_hash_strings(col), s.num_embeddings)
+                put(j, _mod_inplace(stable_hash_strings(col), s.num_embeddings).view(np.int64))
                 continue
-            row = ids[j]
-            np.copyto(row, col.to_numpy(zero_copy_only=False), casting="unsafe")
+            vals = col.to_numpy(zero_copy_only=False)
             if s.hash:
+                put(j, vals)
                 to_hash.append(j)
-            elif n and (int(row.min()) < 0 or int(row.max()) >= s.num_embeddings):
-                self._out_of_range(s, row, np.ones(n, dtype=np.int32))
-        # Runs of consecutive hashed rows are one contiguous block of the matrix: one pass each.
+                continue
+            row = np.empty(n, dtype=np.int64)
+            np.copyto(row, vals, casting="unsafe")
+            if n and (int(row.min()) < 0 or int(row.max()) >= s.num_embeddings):
+                row = self._out_of_range(s, row, np.ones(n, dtype=np.int32))
+            put(j, row)
+        # Runs of consecutive hashed keys are one contiguous block of each batch block (of the
+        # whole buffer when every key is hashed): one pass each.
         for a, b in _runs(to_hash):
-            _hash_mod_rows_inplace(u[a:b], [self.sparse[j].num_embeddings for j in range(a, b)])
+            sizes = [self.sparse[j].num_embeddings for j in range(a, b)]
+            if (a, b) == (0, k) and len(set(sizes)) == 1:
+                _mix64_inplace(u.reshape(-1), sizes[0])
+                continue
+            for blk in u:
+                _hash_mod_rows_inplace(blk[a:b], sizes)
         return ids
 
     def _jagged(self, s: _IdFeature, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -881,8 +907,8 @@ def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str
 class DecodedChunk:
     """Decoded rows as numpy columns; ``batch(lo, hi)`` cuts source rows ``[lo, hi)``.
 
-    Sparse ids are either ``ids`` (``[num_keys, rows]``: every key has exactly one id per row,
-    no id weights) or, in general, per-key flat ``values`` / ``lengths`` / ``id_weights``.
+    Sparse ids are either ``ids`` (``[blocks, num_keys, block_rows]``, see
+    ``FeatureSpec._regular_ids``: every key has exactly one id per row, no id weights) or, in general, per-key flat ``values`` / ``lengths`` / ``id_weights``.
     Sequence ids are per-key flat ``seq_values`` / ``seq_lengths`` (keys ``seq_keys``).
     """
 
@@ -917,12 +943,13 @@ class DecodedChunk:
         n = hi - lo
         labels = self.labels[lo:hi]
         if self.ids is not None:
-            # One copy gives the key-major values; every length is 1. (numpy, not torch.ones:
-            # torch's intra-op thread pool costs milliseconds per call on a busy host.)
+            # A whole block is the key-major values as they are; every length is 1. (numpy,
+            # not torch.ones: torch's intra-op thread pool costs milliseconds per call on a
+            # busy host.)
             k = len(self.keys)
             kjt = KeyedJaggedTensor(
                 keys=self.keys,
-                values=torch.from_numpy(self.ids[:, lo:hi].copy().reshape(-1)),
+                values=torch.from_numpy(self._block_ids(lo, hi)),
                 lengths=torch.from_numpy(np.ones(k * n, dtype=np.int32)),
                 stride=n,
                 length_per_key=[n] * k,
@@ -932,15 +959,29 @@ class DecodedChunk:
             kjt = _jagged_kjt(self.keys, self.values, self.lengths, self.offsets, self.id_weights, lo, hi)
         else:
             kjt = KeyedJaggedTensor.empty(values_dtype=torch.int64)
+        # Views of the chunk's arrays (contiguous row ranges; each batch has its own rows).
         return Batch(
-            dense=torch.from_numpy(self.dense[lo:hi].copy()),
+            dense=torch.from_numpy(self.dense[lo:hi]),
             sparse=kjt,
-            labels=torch.from_numpy(labels[:, 0].copy() if self.single_label else labels.copy()),
-            weights=None if self.weights is None else torch.from_numpy(self.weights[lo:hi].copy()),
+            labels=torch.from_numpy(labels[:, 0] if self.single_label else labels),
+            weights=None if self.weights is None else torch.from_numpy(self.weights[lo:hi]),
             passthrough={c: a.slice(lo, n) for c, a in self.passthrough.items()},
             sequence=_jagged_kjt(self.seq_keys, self.seq_values, self.seq_lengths, self.seq_offsets,
                                  None, lo, hi) if self.seq_keys else None,
         )
+
+
+    def _block_ids(self, lo: int, hi: int) -> np.ndarray:
+        """Key-major flat ids of kept rows ``[lo, hi)``: a view when they are one whole block."""
+        assert self.ids is not None
+        bs = self.ids.shape[2]
+        first, last = lo // bs, -(-hi // bs)
+        if hi - lo == bs and lo % bs == 0:
+            return self.ids[first].reshape(-1)
+        if hi == lo:
+            return np.empty(0, dtype=np.int64)
+        parts = [self.ids[b, :, max(lo - b * bs, 0):min(hi - b * bs, bs)] for b in range(first, last)]
+        return np.concatenate(parts, axis=1).reshape(-1)
 
 
 def _jagged_kjt(keys: list[str], values: list[np.ndarray], lengths: list[np.ndarray],
@@ -949,13 +990,20 @@ def _jagged_kjt(keys: list[str], values: list[np.ndarray], lengths: list[np.ndar
     """Rows ``[lo, hi)`` of per-key flat ids as one key-major KJT (one concatenate per field)."""
     bounds = [(int(o[lo]), int(o[hi])) for o in offsets]
     per_key = [b - a for a, b in bounds]
+
+    def cat(parts: list[np.ndarray]) -> torch.Tensor:
+        # One key's rows are a contiguous range of its arrays: a view, no copy (unless it is
+        # Arrow's read-only memory, which a tensor must not alias).
+        if len(parts) == 1 and parts[0].flags.writeable:
+            return torch.from_numpy(parts[0])
+        return torch.from_numpy(np.concatenate(parts))
+
     return KeyedJaggedTensor(
         keys=keys,
-        values=torch.from_numpy(np.concatenate(
-            [v[a:b] for v, (a, b) in zip(values, bounds, strict=True)])),
-        lengths=torch.from_numpy(np.concatenate([x[lo:hi] for x in lengths])),
-        weights=None if weights is None else torch.from_numpy(np.concatenate(
-            [w[a:b] for w, (a, b) in zip(weights, bounds, strict=True)])),
+        values=cat([v[a:b] for v, (a, b) in zip(values, bounds, strict=True)]),
+        lengths=cat([x[lo:hi] for x in lengths]),
+        weights=None if weights is None else cat(
+            [w[a:b] for w, (a, b) in zip(weights, bounds, strict=True)]),
         stride=hi - lo,
         length_per_key=per_key,
         offset_per_key=np.concatenate([[0], np.cumsum(per_key)]).astype(np.int64).tolist(),
