@@ -11,6 +11,7 @@ from recsys_trainer.data.features import (
     DataError,
     DenseFeature,
     FeatureSpec,
+    SequenceFeature,
     SparseFeature,
     stable_hash_ints,
     stable_hash_strings,
@@ -214,3 +215,36 @@ def test_invalid_feature_declarations_are_refused_when_declared(make, message) -
     with pytest.raises(ValueError) as e:
         make()
     assert message in str(e.value)
+
+
+def test_chunk_batches_are_the_rows_own_batches_and_independent_of_each_other() -> None:
+    # decode_chunk(batch_rows=k) lays the ids out batch-major so whole batches are views: any
+    # range of rows (whole batch, the short tail, across blocks) must equal decoding those rows
+    # alone, and writing into one batch must not change another.
+    rng = np.random.default_rng(3)
+    n = 11
+    table = pa.table({
+        "label": rng.integers(0, 2, n).astype(np.float32), "d": rng.random(n).astype(np.float32),
+        "a": rng.integers(0, 10**9, n), "b": rng.integers(0, 50, n), "c": rng.integers(0, 10**9, n),
+        "hist": pa.array([list(range(i)) for i in range(n)], pa.list_(pa.int64())),
+    })
+    spec = FeatureSpec(labels=["label"], dense=["d"],
+                       sparse=[SparseFeature(name="a", num_embeddings=97, hash=True),
+                               SparseFeature(name="b", num_embeddings=50),
+                               SparseFeature(name="c", num_embeddings=13, hash=True)],
+                       sequence=[SequenceFeature(name="hist", num_embeddings=7, hash=True, max_len=3)])
+    chunk = spec.decode_chunk(table, batch_rows=4)
+    for lo, hi in [(0, 4), (4, 8), (8, 11), (2, 7), (3, 11), (5, 5)]:
+        got, want = chunk.batch(lo, hi), spec.decode(table.slice(lo, hi - lo))
+        assert torch.equal(got.sparse.values(), want.sparse.values()), (lo, hi)
+        assert torch.equal(got.sparse.lengths(), want.sparse.lengths())
+        assert torch.equal(got.dense, want.dense) and torch.equal(got.labels, want.labels)
+        assert got.sequence is not None and want.sequence is not None
+        assert torch.equal(got.sequence.values(), want.sequence.values())
+    first, second = chunk.batch(0, 4), chunk.batch(4, 8)
+    before = [second.sparse.values().clone(), second.dense.clone(), second.labels.clone()]
+    first.sparse.values().add_(1)
+    first.dense.add_(1)
+    first.labels.add_(1)
+    assert torch.equal(second.sparse.values(), before[0])
+    assert torch.equal(second.dense, before[1]) and torch.equal(second.labels, before[2])
