@@ -385,6 +385,8 @@ class CheckpointManager:
         """After each optimizer step: commit a finished async save; ``save_steps`` or
         ``save_every_n_rows``."""
         self._poll()
+        if self.save_steps is None and self.save_every_n_rows is None:
+            return  # no step or row trigger: skip reading the counters after every step
         counters = contents.counters(self._components)
         rows, rows_before = counters.get("rows_seen", 0), self._rows_at_last_step
         self._rows_at_last_step = rows
