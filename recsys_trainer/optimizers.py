@@ -103,7 +103,9 @@ def resolve_table_optimizers(
     for key, spec in per_table.items():
         if not isinstance(spec, SparseOptimizer):
             raise ValueError(f"`table_optimizers[{key!r}]` must be a SparseOptimizer, but is {spec!r}.")
-        if not any(fnmatch.fnmatchcase(t, key) for t in tables):
+        # An exact name is a dict hit (shard_model passes the Trainer's resolved map back in:
+        # one exact key per table, which would otherwise cost tables^2 fnmatch calls).
+        if key not in out and not any(fnmatch.fnmatchcase(t, key) for t in tables):
             unused.append(key)
     if unused:
         raise ValueError(
