@@ -115,6 +115,16 @@ TableInit = Callable[[torch.Tensor], torch.Tensor | None]
 torchrec's ``EmbeddingBagConfig.init_fn``, which the sharded tables call on each shard."""
 
 
+def init_last_bias(module: nn.Module, rate: float, what: str) -> None:
+    """Start the logit of ``module``'s last ``nn.Linear`` at the base rate ``rate`` instead of
+    0.5 (rare labels otherwise spend their first steps unlearning the bias)."""
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"{what} must be in (0, 1), but is {rate!r}.")
+    last = [m for m in module.modules() if isinstance(m, nn.Linear)][-1]
+    with torch.no_grad():
+        last.bias.fill_(math.log(rate / (1.0 - rate)))
+
+
 def uniform_init(bound: float) -> TableInit:
     """U(-bound, bound). torchrec's default is ``uniform_init(sqrt(1 / num_embeddings))``."""
     return functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
@@ -195,13 +205,9 @@ class DLRMClassifier(nn.Module):
             over_arch_layer_sizes=list(over_arch),
         )
         if prior_ctr is not None:
-            if not 0.0 < prior_ctr < 1.0:
-                raise ValueError(f"`prior_ctr` must be in (0, 1), but is {prior_ctr!r}.")
             # Start at the base rate instead of 0.5: with rare clicks (CTR ~0.5%) the first
             # windows' log loss is otherwise dominated by unlearning the bias.
-            last = [m for m in self.dlrm.over_arch.modules() if isinstance(m, nn.Linear)][-1]
-            with torch.no_grad():
-                last.bias.fill_(math.log(prior_ctr / (1.0 - prior_ctr)))
+            init_last_bias(self.dlrm.over_arch, prior_ctr, "`prior_ctr`")
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense

@@ -41,7 +41,7 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import Gang
-from recsys_trainer.storage import Location, resolve
+from recsys_trainer.storage import Location, resolve, storage_error
 from recsys_trainer.validation import check_choice, check_int, check_type
 
 logger = logging.getLogger("recsys_trainer")
@@ -157,15 +157,17 @@ def part_name(rank: int, world_size: int) -> str:
 # ---------------------------------------------------------------------- per window
 
 
-def _on_rank_zero(gang: Gang, action: Callable[[], Any], what: str) -> Any:
+def _on_rank_zero(gang: Gang, action: Callable[[], Any], verb: str, url: str, note: str = "") -> Any:
     """``action()`` on rank 0, its result on every rank; a storage error is raised on every rank
-    (the others would otherwise wait in the next collective for a rank that is gone)."""
+    (the others would otherwise wait in the next collective for a rank that is gone), worded
+    by ``storage.storage_error`` (``cannot {verb} {url}: ...``, with its advice for a denied,
+    missing or unreachable store), then ``note``."""
     result, error = None, None
     if gang.rank == 0:
         try:
             result = action()
         except (OSError, pa.ArrowException) as exc:
-            error = f"rank 0 cannot {what}: {type(exc).__name__}: {exc}"
+            error = f"rank 0 {storage_error(exc, url, verb)}{note}"
     result, error = gang.broadcast_object((result, error))
     if error is not None:
         raise OSError(f"predict: {error}")
@@ -177,7 +179,7 @@ def _committed(out: Location, gang: Gang) -> bool:
     marker = out.join(MARKER)
     return bool(_on_rank_zero(
         gang, lambda: out.filesystem.get_file_info(marker.path).type == pafs.FileType.File,
-        f"look for {marker.url}"))
+        "look for", marker.url))
 
 
 def _clear(out: Location, gang: Gang) -> None:
@@ -187,7 +189,7 @@ def _clear(out: Location, gang: Gang) -> None:
         out.filesystem.create_dir(out.path, recursive=True)
         out.filesystem.delete_dir_contents(out.path, missing_dir_ok=True)
 
-    _on_rank_zero(gang, clear, f"prepare the output directory {out.url}")
+    _on_rank_zero(gang, clear, "prepare the output directory", out.url)
 
 
 @dataclass
@@ -236,8 +238,8 @@ def _commit(out: Location, window_id: str, mine: _PartResult, gang: Gang) -> int
         with out.filesystem.open_output_stream(out.join(MARKER).path) as f:
             f.write(json.dumps(marker, indent=1).encode())
 
-    _on_rank_zero(gang, write_marker, f"write {out.join(MARKER).url} (the window is not "
-                                      "committed; a re-run redoes it)")
+    _on_rank_zero(gang, write_marker, "write", out.join(MARKER).url,
+                  " (the window is not committed; a re-run redoes it)")
     return total
 
 

@@ -12,7 +12,6 @@ Tables are created on the meta device; ``DistributedModelParallel`` materialises
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +21,12 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.models import make_tables, multi_task_bce_with_logits, weighted_bce_with_logits
+from recsys_trainer.models import (
+    init_last_bias,
+    make_tables,
+    multi_task_bce_with_logits,
+    weighted_bce_with_logits,
+)
 
 
 def mlp(sizes: Sequence[int]) -> nn.Sequential:
@@ -31,16 +35,6 @@ def mlp(sizes: Sequence[int]) -> nn.Sequential:
     for a, b in zip(sizes[:-1], sizes[1:], strict=True):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers)
-
-
-def _last_linear_bias(module: nn.Module, rate: float, what: str) -> None:
-    """Start a logit at a base rate instead of 0.5 (rare labels otherwise spend their first
-    steps unlearning the bias)."""
-    if not 0.0 < rate < 1.0:
-        raise ValueError(f"{what} must be in (0, 1), but is {rate!r}.")
-    last = [m for m in module.modules() if isinstance(m, nn.Linear)][-1]
-    with torch.no_grad():
-        last.bias.fill_(math.log(rate / (1.0 - rate)))
 
 
 def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int) -> None:
@@ -149,7 +143,7 @@ class DINClassifier(nn.Module):
         # Positions 0..max_len-1, to mask the padding of shorter histories (not saved).
         self.register_buffer("positions", torch.arange(max_len), persistent=False)
         if prior_ctr is not None:
-            _last_linear_bias(self.over_arch, prior_ctr, "`prior_ctr`")
+            init_last_bias(self.over_arch, prior_ctr, "`prior_ctr`")
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[B]`` click logits."""
@@ -233,7 +227,7 @@ class MMoEClassifier(nn.Module):
             if len(prior_rates) != len(self.tasks):
                 raise ValueError(f"`prior_rates` must hold one rate per task {self.tasks}, but is {prior_rates!r}.")
             for tower, rate, task in zip(self.towers, prior_rates, self.tasks, strict=True):
-                _last_linear_bias(tower, rate, f"the prior rate of task {task!r}")
+                init_last_bias(tower, rate, f"the prior rate of task {task!r}")
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[B, T]`` logits, one column per task."""
