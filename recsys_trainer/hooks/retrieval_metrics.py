@@ -1,0 +1,200 @@
+"""``RetrievalMetricHook``: full-corpus Recall@K, NDCG@K and HitRate@K of a retrieval model,
+exact across ranks (``recsys_trainer.retrieval.metrics`` has the math and the sharded top-K).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
+from recsys_trainer.retrieval.metrics import METRICS, Jagged, full_corpus_metrics
+from recsys_trainer.retrieval.models import find_retrieval_model
+
+if TYPE_CHECKING:
+    from recsys_trainer.batch import Batch
+    from recsys_trainer.trainer import Trainer
+
+logger = logging.getLogger("recsys_trainer")
+
+
+class RetrievalMetricHook(Hook):
+    """Recall@K, NDCG@K and HitRate@K of every evaluation, over the whole item corpus.
+
+    During evaluation it keeps, for every real row (weight > 0; padding batches are skipped),
+    the model's query embedding and target item (``outputs["query"]``, ``outputs["target"]``)
+    and, with ``exclude_history``, the row's history (``outputs["history_lengths"]``,
+    ``outputs["history_ids"]``). After the evaluation the corpus (item ids ``[0,
+    model.num_items)``) is embedded once by the model's item tower, sharded over the ranks, and
+    every query is scored against all of it (``retrieval.metrics.full_corpus_metrics``).
+
+    Queries:
+
+    * by default every eval row is a query with one target, the item that followed
+      (next-item evaluation; recall and hit rate coincide);
+    * with ``user_fn`` (``Batch -> int64 [B]`` user ids) and ``time_fn`` (``Batch -> [B]`` an
+      order, e.g. a timestamp), the rows of one user are one query: the embedding and history
+      of the user's earliest row, and the set of all the user's target items in the evaluation
+      (the items of the eval period, predicted from the state before it).
+
+    The values (``recall@10``, ``ndcg@10``, ``hitrate@10``, ... and ``num_queries``) are added
+    to ``evaluate()``'s metrics (with ``prefix``) and sent to every hook's ``on_metrics`` as a
+    ``MetricReport("eval", "eval", ...)`` (so ``JsonlMetricsHook`` and ``TensorBoardHook``
+    record them and ``EarlyStoppingHook`` can watch ``recall@50``).
+
+    Args:
+        k: cut-offs (each >= 1).
+        exclude_history: never return an item of the query's history.
+        metrics: which of ``recall``, ``ndcg``, ``hitrate`` to report.
+        query_chunk_size / corpus_chunk_size: queries scored per step (bounds memory together
+            with ``retrieval.metrics.sharded_top_k``'s block size) and corpus items per
+            item-tower call.
+
+    Cost per evaluation: the item tower over the corpus (split over the ranks) and
+    ``num_queries x num_items`` dot products (split over the ranks); see docs/retrieval.md.
+    """
+
+    def __init__(
+        self,
+        k: Sequence[int] = (10, 50, 100),
+        *,
+        exclude_history: bool = False,
+        user_fn: Callable[[Batch], torch.Tensor] | None = None,
+        time_fn: Callable[[Batch], torch.Tensor] | None = None,
+        metrics: Sequence[str] = METRICS,
+        prefix: str = "",
+        log: bool = True,
+        query_chunk_size: int = 1024,
+        corpus_chunk_size: int = 65_536,
+    ) -> None:
+        ks = [k] if isinstance(k, int) else list(k)
+        if not ks or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in ks):
+            raise ValueError(f"`k` must be a list of ints >= 1, but is {k!r}.")
+        unknown = sorted(set(metrics) - set(METRICS))
+        if unknown or not metrics:
+            raise ValueError(f"unknown metrics {unknown or list(metrics)}; choose from {', '.join(METRICS)}.")
+        if (user_fn is None) != (time_fn is None):
+            raise ValueError("`user_fn` and `time_fn` go together: a user's query is its earliest "
+                             "row, by time_fn.")
+        for name, v in (("query_chunk_size", query_chunk_size), ("corpus_chunk_size", corpus_chunk_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"`{name}` must be an int >= 1, but is {v!r}.")
+        self.ks = sorted(set(ks))
+        self.exclude_history = exclude_history
+        self._user_fn, self._time_fn = user_fn, time_fn
+        self._metrics = tuple(metrics)
+        self._prefix, self._log = prefix, log
+        self._query_chunk, self._corpus_chunk = query_chunk_size, corpus_chunk_size
+        self.reports: list[MetricReport] = []
+        self._rows: list[dict[str, Any]] = []
+
+    def before_evaluate(self, trainer: Trainer) -> None:
+        self._rows = []
+
+    def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
+        if output.is_padding:
+            return
+        for mb in output.micro_batches:
+            self._rows.append(self._take(mb.batch, mb.outputs))
+
+    def _take(self, batch: Batch, outputs: Any) -> dict[str, Any]:
+        """The rows of one batch that count (weight > 0): query, target, history, user, time."""
+        if not isinstance(outputs, dict) or "query" not in outputs or "target" not in outputs:
+            raise TypeError(
+                "RetrievalMetricHook needs the model's forward to return (loss, outputs) with "
+                "outputs['query'] [B, D] and outputs['target'] [B] (TwoTowerModel, SASRecModel), "
+                f"but the outputs are {type(outputs).__name__}"
+                f"{' with keys ' + str(sorted(outputs)) if isinstance(outputs, dict) else ''}.")
+        query, target = outputs["query"], outputs["target"].reshape(-1)
+        keep = torch.ones(query.shape[0], dtype=torch.bool, device=query.device) \
+            if batch.weights is None else batch.weights.to(query.device) > 0
+        row: dict[str, Any] = {"query": query[keep].float(), "target": target[keep].to(torch.int64)}
+        if self.exclude_history:
+            if "history_lengths" not in outputs or "history_ids" not in outputs:
+                raise TypeError("exclude_history=True needs outputs['history_lengths'] and "
+                                "outputs['history_ids'] from the model's forward.")
+            hist = Jagged(outputs["history_lengths"].to(torch.int64), outputs["history_ids"].to(torch.int64))
+            kept = keep[hist.row_index()] if hist.values.numel() else keep[:0]
+            row["history"] = Jagged(hist.lengths[keep], hist.values[kept])
+        if self._user_fn is not None and self._time_fn is not None:
+            row["user"] = self._user_fn(batch).reshape(-1)[keep.cpu()].cpu().to(torch.int64)
+            row["time"] = self._time_fn(batch).reshape(-1)[keep.cpu()].cpu().to(torch.float64)
+        return row
+
+    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        model = find_retrieval_model(trainer.model)
+        dim = None
+        if self._rows:
+            dim = self._rows[0]["query"].shape[1]
+        # A rank without rows still takes part in every collective (with empty tensors).
+        dims = [d for d in trainer.gang.all_gather_object(dim) if d is not None]
+        if not dims:
+            raise ValueError("RetrievalMetricHook: the evaluation had no rows on any rank.")
+        device = trainer.device
+        rows = self._rows
+        query = torch.cat([r["query"] for r in rows]) if rows else torch.zeros(0, dims[0], device=device)
+        target = Jagged.one_per_row(torch.cat([r["target"] for r in rows]) if rows
+                                    else torch.zeros(0, dtype=torch.int64, device=device))
+        history = None
+        if self.exclude_history:
+            history = Jagged.cat([r["history"] for r in rows]) if rows else Jagged.empty(0, device)
+        if self._user_fn is not None:
+            query, target, history = self._per_user(trainer, rows, query, target, history)
+        values = full_corpus_metrics(
+            model, query.to(device), target, self.ks, exclude=history, device=device,
+            query_chunk_size=self._query_chunk, corpus_chunk_size=self._corpus_chunk,
+            group=trainer.process_group)
+        kept = {name: v for name, v in values.items()
+                if name == "num_queries" or name.split("@")[0] in self._metrics}
+        self._rows = []
+        for name, v in kept.items():
+            metrics[self._prefix + name] = v
+        report = MetricReport("eval", "eval", trainer.state.global_step, kept)
+        self.reports.append(report)
+        if self._log and trainer.is_rank_zero:
+            shown = " | ".join(f"{k} {v:.5g}" for k, v in kept.items())
+            logger.info("eval retrieval metrics [full corpus of %d items] @ step %d | %s",
+                        model.num_items, report.step, shown)
+        trainer.hooks.fire("on_metrics", trainer, report)
+
+    def _per_user(self, trainer: Trainer, rows: list[dict[str, Any]], query: torch.Tensor,
+                  target: Jagged, history: Jagged | None) -> tuple[torch.Tensor, Jagged, Jagged | None]:
+        """One query per user: its earliest row's embedding and history; all its targets."""
+        user = torch.cat([r["user"] for r in rows]).numpy() if rows else np.zeros(0, np.int64)
+        time = torch.cat([r["time"] for r in rows]).numpy() if rows else np.zeros(0, np.float64)
+        tgt = target.values.cpu().numpy()
+        gathered = trainer.gang.all_gather_object((user, time, tgt))
+        rank = trainer.rank
+        all_user = np.concatenate([g[0] for g in gathered])
+        all_time = np.concatenate([g[1] for g in gathered])
+        all_tgt = np.concatenate([g[2] for g in gathered])
+        owner = np.concatenate([np.full(len(g[0]), r) for r, g in enumerate(gathered)])
+        local = np.concatenate([np.arange(len(g[0])) for g in gathered])
+        # The earliest row of each user (ties: the first in rank order) is its query.
+        order = np.lexsort((np.arange(len(all_user)), all_time, all_user))
+        first = order[np.r_[True, all_user[order][1:] != all_user[order][:-1]]] if len(order) else order
+        mine = first[owner[first] == rank]
+        by_user = {}
+        if len(all_user):
+            srt = np.argsort(all_user, kind="stable")
+            uniq, starts = np.unique(all_user[srt], return_index=True)
+            ends = np.r_[starts[1:], len(srt)]
+            by_user = {int(u): all_tgt[srt[s:e]] for u, s, e in zip(uniq, starts, ends, strict=True)}
+        sel = torch.as_tensor(local[mine], dtype=torch.int64)
+        sets = [np.unique(by_user[int(all_user[i])]) for i in mine]
+        dev = target.values.device
+        new_target = Jagged(torch.as_tensor([len(s) for s in sets], dtype=torch.int64, device=dev),
+                            torch.as_tensor(np.concatenate(sets) if sets else np.zeros(0, np.int64),
+                                            dtype=torch.int64, device=dev))
+        new_history = None
+        if history is not None:
+            parts = [history.rows(int(i), int(i) + 1) for i in sel]
+            new_history = Jagged.cat(parts) if parts else Jagged.empty(0, dev)
+        return query[sel.to(query.device)], new_target, new_history
+
+
+__all__ = ["RetrievalMetricHook"]

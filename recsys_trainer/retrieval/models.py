@@ -1,0 +1,669 @@
+"""Retrieval (candidate generation) models: a two-tower model and a SASRec-style sequential one.
+
+Both follow the model contract (README): ``forward(batch)`` returns ``(loss, outputs)`` with a
+functional, padding-safe loss (``retrieval.losses``), and take their ids from
+``batch.sequence`` (an ``EmbeddingCollection``) and ``batch.sparse`` (an
+``EmbeddingBagCollection``). Each has **one item table** (``t_<item_feature>``) read by the
+candidate item and by the history, so both towers embed items in one space; tables are on the
+meta device and sharded by DMP.
+
+``outputs`` is the dict a ``RetrievalModel`` gives its evaluation (``RetrievalMetricHook``):
+``query [B, D]`` (the user embedding), ``target [B]`` (the item that followed), and
+``history_lengths [B]`` / ``history_ids`` (the items already seen, for "exclude the history").
+``item_embeddings(ids)`` embeds any items (the corpus, in evaluation and export); under DMP
+every rank calls it together (the sharded table lookup is a collective).
+
+Negatives (``loss=`` / ``num_uniform_negatives=``): ``"in_batch"`` uses the other rows'
+items, plus ``num_uniform_negatives`` items drawn uniformly from the corpus (*mixed*
+negatives), with the logQ correction from a streaming ``ItemFrequencyEstimator`` (a module of
+the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the other ranks' items
+(an all-gather with gradients through this rank's part). ``"sampled"`` is a sampled softmax
+against the uniform negatives only. Uniformly sampled ids are looked up in the same call as the
+batch (one more row of the sequence KJT), so the item table is read once per step.
+
+The data-dependent parts (checks, collectives with per-rank sizes, the assembled lookup) are
+``torch.fx`` leaves: TorchRec's ``pipeline="sparse_dist"`` traces the forward. The item table
+is pipelined when it reads ``batch.sequence`` unchanged (in-batch negatives only); with
+uniform negatives its input is assembled in the forward and TorchRec runs that lookup
+unpipelined (same results, less overlap).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.ranking_models import mlp
+from recsys_trainer.retrieval import collectives
+from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
+from recsys_trainer.retrieval.losses import (
+    check_temperature,
+    expected_candidate_log_q,
+    in_batch_softmax_loss,
+    sampled_softmax_loss,
+)
+
+LossKind = Literal["in_batch", "sampled"]
+
+
+@runtime_checkable
+class RetrievalModel(Protocol):
+    """What ``RetrievalMetricHook`` and ``export_item_embeddings`` need from a model: the
+    corpus size (item ids ``[0, num_items)``) and the item tower. ``forward(batch)`` returns
+    ``(loss, outputs)`` with at least ``outputs["query"]`` and ``outputs["target"]``."""
+
+    num_items: int
+
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` embeddings of item ids ``[n]`` (a collective under DMP)."""
+        ...
+
+
+def find_retrieval_model(model: nn.Module) -> RetrievalModel:
+    """The ``RetrievalModel`` inside ``model`` (a DMP's ``module``, a DDP's ``module``, or
+    ``model`` itself); a ``TypeError`` naming what is missing otherwise."""
+    seen: nn.Module | None = model
+    for _ in range(4):
+        if isinstance(seen, RetrievalModel):
+            return seen
+        seen = getattr(seen, "module", None)
+        if not isinstance(seen, nn.Module):
+            break
+    raise TypeError(
+        f"{type(model).__name__} is not a retrieval model: full-corpus evaluation and export need "
+        "a model with `num_items` and `item_embeddings(ids) -> [n, D]` (TwoTowerModel, "
+        "SASRecModel, or your own), reached directly or through DMP's `.module`.")
+
+
+# ----------------------------------------------------------------------------- item catalog
+
+
+def load_item_catalog(source: str | os.PathLike[str] | Mapping[str, Any], id_column: str,
+                      columns: Sequence[str], num_items: int) -> dict[str, torch.Tensor]:
+    """``{column: int64 [num_items]}``: each item's side-feature id, from a parquet file (or a
+    mapping of arrays) with ``id_column`` and ``columns``. Every item id in ``[0, num_items)``
+    must appear exactly once: an item without side features could not be embedded."""
+    if isinstance(source, Mapping):
+        table = {k: np.asarray(v) for k, v in source.items()}
+        where = "the item catalog"
+    else:
+        import pyarrow.parquet as pq
+
+        where = f"item catalog {os.fspath(source)!r}"
+        read = pq.read_table(source, columns=[id_column, *columns])
+        table = {c: read.column(c).to_numpy() for c in read.column_names}
+    missing = [c for c in (id_column, *columns) if c not in table]
+    if missing:
+        raise ValueError(f"{where} lacks column(s) {missing}; it has {sorted(table)}.")
+    ids = table[id_column].astype(np.int64)
+    if len(ids) != num_items or not np.array_equal(np.sort(ids), np.arange(num_items)):
+        raise ValueError(
+            f"{where} must list every item id in [0, {num_items}) exactly once (column "
+            f"{id_column!r}), but has {len(ids)} rows with {len(np.unique(ids))} distinct ids in "
+            f"[{ids.min() if len(ids) else 0}, {ids.max() if len(ids) else 0}].")
+    order = np.argsort(ids)
+    return {c: torch.from_numpy(table[c].astype(np.int64)[order].copy()) for c in columns}
+
+
+# ----------------------------------------------------------------------------- fx leaves
+
+
+def check_one_id_per_row(lengths: torch.Tensor, feature: str) -> None:
+    """Refuse a target feature without exactly one id per row (CPU: naming the row; CUDA: an
+    asynchronous device assert)."""
+    ok = (lengths == 1).all()
+    if lengths.is_cuda:
+        torch._assert_async(ok, "the target item feature must have exactly one id per row")
+        return
+    if not bool(ok):
+        row = int(torch.nonzero(lengths != 1)[0, 0])
+        raise ValueError(
+            f"the target item feature {feature!r} must have exactly one id per row, but row {row} "
+            f"of the batch has {int(lengths[row])}. Read it from a scalar column with no nulls.")
+
+
+def check_history_lengths(lengths: torch.Tensor, max_len: int, feature: str) -> None:
+    """Refuse histories longer than the model's ``max_len`` (padding would keep the oldest)."""
+    ok = (lengths <= max_len).all()
+    if lengths.is_cuda:
+        torch._assert_async(ok, "a history is longer than the model's max_len")
+        return
+    if not bool(ok):
+        row = int(torch.nonzero(lengths > max_len)[0, 0])
+        raise ValueError(
+            f"row {row} of the batch has a {feature!r} history of {int(lengths[row])} ids, more "
+            f"than the model's max_len={max_len}. Give the SequenceFeature max_len={max_len} "
+            "(the reader keeps the most recent ids) or build the model with a larger max_len.")
+
+
+def check_sequence_keys(sequence: KeyedJaggedTensor | None, expected: list[str]) -> None:
+    """The batch's sequence keys must be the model's, in its order: a sharded table fixes its
+    feature order at its first input, and the model's own lookups (negatives, the corpus) use
+    this order."""
+    if sequence is None:
+        raise ValueError(
+            f"this retrieval model reads batch.sequence (keys {expected}), but the batch has none: "
+            "declare them as FeatureSpec(sequence=[SequenceFeature(...), ...]).")
+    if list(sequence.keys()) != expected:
+        raise ValueError(
+            f"batch.sequence has keys {list(sequence.keys())}, but the model reads {expected} in "
+            f"this order: declare FeatureSpec(sequence=[...]) in the order {expected}.")
+
+
+def with_extra_row(sequence: KeyedJaggedTensor, extra: Mapping[str, torch.Tensor]) -> KeyedJaggedTensor:
+    """``sequence`` with one more row holding ``extra[key]`` ids for the keys given (none for
+    the others): ids the model looks up in the same call as the batch (uniform negatives)."""
+    values, lengths = [], []
+    for key, jt in zip(sequence.keys(), sequence.split([1] * len(sequence.keys())), strict=True):
+        ids = extra.get(key)
+        v = jt.values()
+        ln = jt.lengths()
+        if ids is None:
+            values.append(v)
+            lengths.append(torch.cat([ln, ln.new_zeros(1)]))
+        else:
+            values.append(torch.cat([v, ids.to(v.dtype)]))
+            lengths.append(torch.cat([ln, ln.new_full((1,), ids.numel())]))
+    return KeyedJaggedTensor.from_lengths_sync(keys=sequence.keys(), values=torch.cat(values),
+                                               lengths=torch.cat(lengths))
+
+
+def items_only_input(keys: list[str], item_ids: Mapping[str, torch.Tensor]) -> KeyedJaggedTensor:
+    """A sequence KJT with the model's ``keys`` where each key in ``item_ids`` holds one id per
+    row and the others none: the item tower's input for items outside a batch (the corpus)."""
+    n = next(iter(item_ids.values())).numel()
+    values, lengths = [], []
+    for key in keys:
+        ids = item_ids.get(key)
+        if ids is None:
+            lengths.append(torch.zeros(n, dtype=torch.int32))
+        else:
+            values.append(ids.to(torch.int64).cpu())
+            lengths.append(torch.ones(n, dtype=torch.int32))
+    device = next(iter(item_ids.values())).device
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
+        lengths=torch.cat(lengths)).to(device)
+
+
+def gather_candidates(items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                      cross_rank: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The in-batch candidates: this rank's, or every rank's (this rank's slice keeps its
+    gradient). Returns ``(items, ids, valid, offset of this rank's rows)``."""
+    if not cross_rank:
+        return items, ids, valid, 0
+    all_items, offset = collectives.all_gather_with_local_grad(items)
+    meta, _ = collectives.all_gather_rows(torch.stack([ids.to(torch.int64), valid.to(torch.int64)], 1))
+    return all_items, meta[:, 0], meta[:, 1] > 0, offset
+
+
+def count_items(estimator: ItemFrequencyEstimator, ids: torch.Tensor, valid: torch.Tensor,
+                gathered: bool) -> None:
+    """Count a training step's positive items of *every* rank (so all ranks' estimators stay
+    identical): ``ids``/``valid`` are every rank's when ``gathered``, else this rank's."""
+    mine = ids[valid]
+    if not gathered:
+        mine, _ = collectives.all_gather_rows(mine)
+    estimator.update(mine)
+
+
+def candidate_log_q(estimator: ItemFrequencyEstimator, ids: torch.Tensor, num_in_batch: torch.Tensor,
+                    num_uniform: int, num_items: int) -> torch.Tensor:
+    """logQ of ``ids`` as candidates: ``num_in_batch`` frequency-drawn plus ``num_uniform``
+    uniform draws (``losses.expected_candidate_log_q``)."""
+    return expected_candidate_log_q(estimator.probability(ids), num_in_batch, num_uniform, num_items)
+
+
+for _leaf in ("check_one_id_per_row", "check_history_lengths", "check_sequence_keys",
+              "with_extra_row", "items_only_input", "gather_candidates", "count_items",
+              "candidate_log_q"):
+    torch.fx.wrap(_leaf)
+
+
+# ----------------------------------------------------------------------------- shared parts
+
+
+def tower(sizes: Sequence[int]) -> nn.Sequential:
+    """Linear + ReLU through ``sizes[:-1]``, then a final Linear without activation (the
+    embedding)."""
+    if len(sizes) < 2:
+        raise ValueError(f"a tower needs an input and an output width, but has sizes {list(sizes)}.")
+    return nn.Sequential(mlp(sizes[:-1]), nn.Linear(sizes[-2], sizes[-1]))
+
+
+class _RetrievalBase(nn.Module):
+    """The item table, the negatives and the loss the two models share."""
+
+    def __init__(self, *, num_items: int, item_feature: str, history_feature: str | None,
+                 max_len: int, embedding_dim: int, side_tables: Mapping[str, int],
+                 loss: LossKind, num_uniform_negatives: int, temperature: float,
+                 log_q_correction: bool, cross_rank_negatives: bool,
+                 frequency_buckets: int | None, frequency_hashes: int,
+                 frequency_half_life_steps: float | None, item_init_max: float | None,
+                 table_device: str) -> None:
+        super().__init__()
+        if not isinstance(num_items, int) or num_items < 2:
+            raise ValueError(f"`num_items` must be an int >= 2, but is {num_items!r}.")
+        if not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"`max_len` must be an int >= 1, but is {max_len!r}.")
+        if loss not in ("in_batch", "sampled"):
+            raise ValueError(f"`loss` must be 'in_batch' or 'sampled', but is {loss!r}.")
+        if not isinstance(num_uniform_negatives, int) or num_uniform_negatives < 0:
+            raise ValueError(f"`num_uniform_negatives` must be an int >= 0, but is {num_uniform_negatives!r}.")
+        if loss == "sampled" and num_uniform_negatives < 1:
+            raise ValueError("loss='sampled' draws its negatives uniformly from the corpus: give "
+                             "`num_uniform_negatives` >= 1 (e.g. 1024).")
+        if loss == "sampled" and cross_rank_negatives:
+            raise ValueError("`cross_rank_negatives` extends the in-batch negatives; loss='sampled' "
+                             "has none. Use loss='in_batch'.")
+        check_temperature(temperature)
+        self.num_items, self.item_feature, self.history_feature = num_items, item_feature, history_feature
+        self.max_len, self.loss_kind = max_len, loss
+        self.num_uniform_negatives, self.temperature = num_uniform_negatives, float(temperature)
+        self.log_q_correction, self.cross_rank_negatives = log_q_correction, cross_rank_negatives
+        item_features = [item_feature] + ([history_feature] if history_feature else [])
+        if len(set(item_features) | set(side_tables)) != len(item_features) + len(side_tables):
+            raise ValueError(f"feature names must be distinct, but are {item_features} and "
+                             f"{sorted(side_tables)}.")
+        init = {} if item_init_max is None else {
+            "weight_init_min": -item_init_max, "weight_init_max": item_init_max}
+        tables = [EmbeddingConfig(name=f"t_{item_feature}", embedding_dim=embedding_dim,
+                                  num_embeddings=num_items, feature_names=item_features, **init)]
+        tables += [EmbeddingConfig(name=f"t_{name}", embedding_dim=embedding_dim,
+                                   num_embeddings=rows, feature_names=[name])
+                   for name, rows in side_tables.items()]
+        self.sequence_keys = [*item_features, *side_tables]
+        """The keys of ``batch.sequence`` the model reads, in this order."""
+        self.items = EmbeddingCollection(tables=tables, device=torch.device(table_device))
+        self.frequency = ItemFrequencyEstimator(
+            frequency_buckets if frequency_buckets is not None else num_items,
+            frequency_hashes, frequency_half_life_steps)
+        """Streaming item frequencies for the logQ correction (saved with the model)."""
+        self.register_buffer("positions", torch.arange(max_len + 1), persistent=False)
+
+    positions: torch.Tensor
+
+    def _uniform_negatives(self, device: torch.device) -> torch.Tensor | None:
+        if self.num_uniform_negatives == 0:
+            return None
+        # The global torch RNG: the Trainer seeds and checkpoints it (bitwise resume).
+        return torch.randint(0, self.num_items, (self.num_uniform_negatives,)).to(device)
+
+    def _lookup(self, batch: Batch, extra: Mapping[str, torch.Tensor]) -> dict[str, JaggedTensor]:
+        """One item-table call for the batch's sequence keys (and ``extra`` ids in one more row)."""
+        check_sequence_keys(batch.sequence, self.sequence_keys)
+        kjt = batch.sequence if not extra else with_extra_row(batch.sequence, extra)
+        out = self.items(kjt)
+        # Index by key (a sharded collection's output is a lazy dict: no `in`, no iteration).
+        return {k: out[k] for k in self.sequence_keys}
+
+    def _history(self, seq: dict[str, JaggedTensor], batch_size: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(embeddings [B, L, E], ids [B, L] (0 = padding), lengths [B])`` of the history,
+        oldest first, left-aligned."""
+        assert self.history_feature is not None
+        jt = seq[self.history_feature]
+        lengths = jt.lengths()[:batch_size]
+        check_history_lengths(lengths, self.max_len, self.history_feature)
+        emb = JaggedTensor(values=jt.values(), lengths=lengths).to_padded_dense(self.max_len)
+        return emb, lengths, jt.values()
+
+    def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
+              weights: torch.Tensor | None, negatives: torch.Tensor | None,
+              negative_ids: torch.Tensor | None) -> torch.Tensor:
+        """The configured loss of ``query [B, D]`` against ``items [B, D]`` (the positives)."""
+        valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
+        cand, cand_ids, cand_valid, offset = gather_candidates(
+            items, item_ids, valid, self.cross_rank_negatives and self.loss_kind == "in_batch")
+        if self.training:
+            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        s = self.num_uniform_negatives
+        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
+        log_q = neg_log_q = None
+        if self.log_q_correction:
+            log_q = candidate_log_q(self.frequency, cand_ids, num_in_batch, s, self.num_items)
+            if negative_ids is not None:
+                neg_log_q = candidate_log_q(self.frequency, negative_ids, num_in_batch, s, self.num_items)
+        if self.loss_kind == "sampled":
+            assert negatives is not None and negative_ids is not None
+            return sampled_softmax_loss(query, items, item_ids, negatives, negative_ids, weights,
+                                        temperature=self.temperature, positive_log_q=log_q,
+                                        negative_log_q=neg_log_q)
+        item_weights = cand_valid.to(query.dtype)
+        return in_batch_softmax_loss(
+            query, cand, cand_ids, weights, temperature=self.temperature, positive_offset=offset,
+            item_weights=item_weights, item_log_q=log_q, negatives=negatives,
+            negative_ids=negative_ids, negative_log_q=neg_log_q)
+
+
+# ----------------------------------------------------------------------------- two-tower
+
+
+class TwoTowerModel(_RetrievalBase):
+    """A two-tower retrieval model (DSSM / YouTube-DNN style) over sharded tables.
+
+    * User tower: the pooled user features (``batch.sparse``, one table ``t_<name>`` each, in
+      an ``EmbeddingBagCollection``) and the mean of the history items (``history_feature``,
+      looked up in the item table), through an MLP to ``tower_dims[-1]``.
+    * Item tower: the item's embedding (``item_feature``, the item table) and its side
+      features (``item_side_features``: ``{name: rows}``, one id per row, in
+      ``batch.sequence``; for items outside a batch they come from ``item_catalog``), through
+      an MLP to the same width.
+    * Score: the dot product of the two, L2-normalised when ``normalize`` (then cosine), over
+      ``temperature``; loss and negatives as in the module docstring.
+
+    The ``FeatureSpec`` that feeds it: ``sparse=[SparseFeature(name=f) for f in
+    user_features]``, ``sequence=[SequenceFeature(name=item_feature, num_embeddings=num_items),
+    SequenceFeature(name=history_feature, num_embeddings=num_items, max_len=max_len), *one
+    SequenceFeature per side feature]``, in the order of ``sequence_keys``.
+
+    Args:
+        user_features: pooled user features (``batch.sparse`` keys).
+        num_items: rows of the item table; the corpus is item ids ``[0, num_items)``.
+        user_num_embeddings: rows per user table (one int or one per feature).
+        item_side_features: ``{feature: rows}`` of item side features.
+        item_catalog: a parquet file (or mapping of arrays) with ``item_id_column`` and one
+            column per side feature, listing every item once (``load_item_catalog``); needed
+            with side features.
+        history_feature: the history key, or None for a user tower without history.
+        tower_dims: hidden widths and the output width of both towers.
+    """
+
+    catalog: dict[str, torch.Tensor]
+
+    def __init__(
+        self,
+        user_features: Sequence[str],
+        *,
+        num_items: int,
+        user_num_embeddings: int | Sequence[int] = 10_000,
+        item_feature: str = "item",
+        history_feature: str | None = "hist_item",
+        item_side_features: Mapping[str, int] | None = None,
+        item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+        item_id_column: str = "item_id",
+        max_len: int = 50,
+        embedding_dim: int = 32,
+        tower_dims: Sequence[int] = (64, 32),
+        normalize: bool = True,
+        temperature: float = 0.05,
+        loss: LossKind = "in_batch",
+        num_uniform_negatives: int = 0,
+        log_q_correction: bool = True,
+        cross_rank_negatives: bool = False,
+        frequency_buckets: int | None = None,
+        frequency_hashes: int = 1,
+        frequency_half_life_steps: float | None = 1000.0,
+        item_init_max: float | None = None,
+        table_device: str = "meta",
+    ) -> None:
+        side = dict(item_side_features or {})
+        super().__init__(
+            num_items=num_items, item_feature=item_feature, history_feature=history_feature,
+            max_len=max_len, embedding_dim=embedding_dim, side_tables=side, loss=loss,
+            num_uniform_negatives=num_uniform_negatives, temperature=temperature,
+            log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
+            frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
+            frequency_half_life_steps=frequency_half_life_steps, item_init_max=item_init_max,
+            table_device=table_device)
+        self.user_features = list(user_features)
+        if isinstance(user_features, str) or len(set(self.user_features)) != len(self.user_features):
+            raise ValueError(f"`user_features` must be a list of distinct feature names, but is {user_features!r}.")
+        if not self.user_features and history_feature is None:
+            raise ValueError("the user tower needs user features, a history feature, or both.")
+        self.side_features = list(side)
+        self.normalize = normalize
+        self.users: EmbeddingBagCollection | None = None
+        if self.user_features:
+            sizes = ([int(user_num_embeddings)] * len(self.user_features)
+                     if isinstance(user_num_embeddings, int) else [int(n) for n in user_num_embeddings])
+            if len(sizes) != len(self.user_features):
+                raise ValueError(f"`user_num_embeddings` must be one int or one per user feature "
+                                 f"{self.user_features}, but is {user_num_embeddings!r}.")
+            self.users = EmbeddingBagCollection(tables=[
+                EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n,
+                                   feature_names=[f])
+                for f, n in zip(self.user_features, sizes, strict=True)],
+                device=torch.device(table_device))
+        dims = list(tower_dims)
+        user_in = embedding_dim * (len(self.user_features) + (history_feature is not None))
+        self.user_tower = tower([user_in, *dims])
+        self.item_tower = tower([embedding_dim * (1 + len(side)), *dims])
+        if side and item_catalog is None:
+            raise ValueError(f"item side features {self.side_features} need `item_catalog` (each "
+                             "item's side-feature ids) to embed items outside a batch.")
+        catalog = load_item_catalog(item_catalog, item_id_column, self.side_features, num_items) if side else {}
+        for name, ids in catalog.items():
+            if int(ids.min()) < 0 or int(ids.max()) >= side[name]:
+                raise ValueError(f"item catalog column {name!r} holds ids outside [0, {side[name]}).")
+            self.register_buffer(f"catalog_{name}", ids, persistent=False)
+
+    def _catalog(self, name: str) -> torch.Tensor:
+        return getattr(self, f"catalog_{name}")  # type: ignore[no-any-return]
+
+    def _item_vectors(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
+        parts = [seq[self.item_feature].values()[rows]]
+        parts += [seq[name].values()[rows] for name in self.side_features]
+        out = self.item_tower(torch.cat(parts, dim=1))
+        return F.normalize(out, dim=-1) if self.normalize else out
+
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` item-tower embeddings of item ids ``[n]`` (side features from the
+        catalog). Under DMP every rank calls this together."""
+        feats = {self.item_feature: ids}
+        feats.update({name: self._catalog(name)[ids.to(self._catalog(name).device)]
+                      for name in self.side_features})
+        seq = self.items(items_only_input(self.sequence_keys, feats))
+        return self._item_vectors({k: seq[k] for k in self.sequence_keys}, slice(None))
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        b = batch.labels.shape[0]
+        neg_ids = self._uniform_negatives(batch.labels.device)
+        extra: dict[str, torch.Tensor] = {}
+        if neg_ids is not None:
+            extra[self.item_feature] = neg_ids
+            extra.update({name: self._catalog(name)[neg_ids] for name in self.side_features})
+        seq = self._lookup(batch, extra)
+        cand = seq[self.item_feature]
+        check_one_id_per_row(cand.lengths()[:b], self.item_feature)
+        target = cand.values()  # ids: the KJT's values, one per row (then the negatives)
+        target_ids = batch.sequence[self.item_feature].values() if batch.sequence is not None else target
+        user_parts = []
+        if self.users is not None:
+            user_parts.append(self.users(batch.sparse).values())
+        outputs: dict[str, torch.Tensor] = {}
+        if self.history_feature is not None:
+            hist, lengths, hist_ids = self._history(seq, b)
+            mask = (self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)).to(hist.dtype)
+            mean = (hist * mask.unsqueeze(-1)).sum(1) / lengths.clamp_min(1).unsqueeze(1).to(hist.dtype)
+            user_parts.append(mean)
+            outputs["history_lengths"] = lengths
+            outputs["history_ids"] = batch.sequence[self.history_feature].values() \
+                if batch.sequence is not None else hist_ids
+        query = self.user_tower(torch.cat(user_parts, dim=1))
+        if self.normalize:
+            query = F.normalize(query, dim=-1)
+        items = self._item_vectors(seq, slice(0, b))
+        negatives = self._item_vectors(seq, slice(b, None)) if neg_ids is not None else None
+        loss = self._loss(query, items, target_ids, batch.weights, negatives, neg_ids)
+        outputs["query"] = query.detach()
+        outputs["target"] = target_ids
+        return loss, outputs
+
+
+# ----------------------------------------------------------------------------- SASRec
+
+
+class SASRecModel(_RetrievalBase):
+    """A SASRec-style sequential retrieval model (Kang & McAuley, 2018): a causal transformer
+    over the history, trained to predict the next item at every position.
+
+    The input of a row is ``[BOS, h_1, ..., h_n]`` (the history, oldest first, embedded by the
+    item table, plus learned positions); the output at position ``p`` is the query for the item
+    that followed ``h_p``: ``h_{p+1}``, and the row's target item (``item_feature``) after the
+    last. With ``all_positions`` every position is a training query (SASRec's objective),
+    otherwise only the last. The loss scores each query against its positive and shared
+    negatives: the batch's target items and ``num_uniform_negatives`` uniform items, with the
+    logQ correction (``loss="in_batch"``; ``"sampled"``: the uniform items only). In evaluation
+    the query is the output after the last history item. The item tower is the item table
+    itself (L2-normalised when ``normalize``), shared by input and output (as in SASRec).
+
+    The ``FeatureSpec`` that feeds it: ``sequence=[SequenceFeature(name=item_feature,
+    num_embeddings=num_items), SequenceFeature(name=history_feature, num_embeddings=num_items,
+    max_len=max_len)]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_items: int,
+        item_feature: str = "item",
+        history_feature: str = "hist_item",
+        max_len: int = 50,
+        embedding_dim: int = 32,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        dropout: float = 0.1,
+        all_positions: bool = True,
+        normalize: bool = True,
+        temperature: float = 0.05,
+        loss: LossKind = "in_batch",
+        num_uniform_negatives: int = 256,
+        log_q_correction: bool = True,
+        cross_rank_negatives: bool = False,
+        frequency_buckets: int | None = None,
+        frequency_hashes: int = 1,
+        frequency_half_life_steps: float | None = 1000.0,
+        item_init_max: float | None = None,
+        table_device: str = "meta",
+    ) -> None:
+        super().__init__(
+            num_items=num_items, item_feature=item_feature, history_feature=history_feature,
+            max_len=max_len, embedding_dim=embedding_dim, side_tables={}, loss=loss,
+            num_uniform_negatives=num_uniform_negatives, temperature=temperature,
+            log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
+            frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
+            frequency_half_life_steps=frequency_half_life_steps, item_init_max=item_init_max,
+            table_device=table_device)
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"`num_layers` must be an int >= 1, but is {num_layers!r}.")
+        if not isinstance(num_heads, int) or num_heads < 1 or embedding_dim % num_heads:
+            raise ValueError(f"`num_heads` must divide embedding_dim={embedding_dim}, but is {num_heads!r}.")
+        self.all_positions, self.normalize = all_positions, normalize
+        self.bos = nn.Parameter(torch.zeros(embedding_dim).normal_(0, 0.02))
+        self.position_embedding = nn.Embedding(max_len + 1, embedding_dim)
+        nn.init.normal_(self.position_embedding.weight, 0, 0.02)
+        layer = nn.TransformerEncoderLayer(embedding_dim, num_heads, dim_feedforward=2 * embedding_dim,
+                                           dropout=dropout, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+        self.final_norm = nn.LayerNorm(embedding_dim)
+        causal = torch.triu(torch.full((max_len + 1, max_len + 1), -math.inf), diagonal=1)
+        self.register_buffer("causal_mask", causal, persistent=False)
+
+    causal_mask: torch.Tensor
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        return F.normalize(x, dim=-1) if self.normalize else x
+
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` embeddings of item ids ``[n]`` (the item table). Under DMP every rank
+        calls this together."""
+        seq = self.items(items_only_input(self.sequence_keys, {self.item_feature: ids}))
+        return self._out(seq[self.item_feature].values())
+
+    def encode(self, history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B, L + 1, D]`` outputs for ``[BOS, history]`` (``history [B, L, D]``, left-
+        aligned; positions after ``lengths`` are padding, which the causal mask keeps out of
+        every real position's view)."""
+        b = history.shape[0]
+        x = torch.cat([self.bos.expand(b, 1, -1), history], dim=1)
+        x = x + self.position_embedding(self.positions).unsqueeze(0)
+        return self.final_norm(self.encoder(x, mask=self.causal_mask, is_causal=True))
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        b = batch.labels.shape[0]
+        neg_ids = self._uniform_negatives(batch.labels.device)
+        seq = self._lookup(batch, {self.item_feature: neg_ids} if neg_ids is not None else {})
+        cand = seq[self.item_feature]
+        check_one_id_per_row(cand.lengths()[:b], self.item_feature)
+        assert batch.sequence is not None and self.history_feature is not None
+        target_ids = batch.sequence[self.item_feature].values()
+        hist, lengths, _ = self._history(seq, b)
+        hist_ids_jt = batch.sequence[self.history_feature]
+        out = self.encode(hist, lengths)  # [B, L+1, D]
+        last = out[torch.arange(b, device=out.device), lengths.long()]  # after the last item
+        query = self._out(last)
+        target_emb = self._out(cand.values()[:b])
+        negatives = self._out(cand.values()[b:]) if neg_ids is not None else None
+        weights = batch.weights
+        if self.all_positions:
+            # Positions 0..n-1 predict h_1..h_n; position n (the last) predicts the target.
+            valid = self.positions.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L+1]: p < n
+            hist_ids = JaggedTensor(values=hist_ids_jt.values(), lengths=lengths).to_padded_dense(
+                self.max_len, padding_value=0)
+            pos_q = self._out(out[:, :-1][valid[:, :-1]])
+            pos_items = self._out(hist[valid[:, :-1]])
+            pos_ids = hist_ids[valid[:, :-1]]
+            row = torch.arange(b, device=out.device).unsqueeze(1).expand(b, self.max_len)[valid[:, :-1]]
+            pos_w = None if weights is None else weights[row]
+            loss = self._sequence_loss(
+                torch.cat([pos_q, query]), torch.cat([pos_items, target_emb]),
+                torch.cat([pos_ids, target_ids]),
+                None if weights is None else torch.cat([pos_w, weights]),  # type: ignore[list-item]
+                target_emb, target_ids, weights, negatives, neg_ids)
+        else:
+            loss = self._loss(query, target_emb, target_ids, weights, negatives, neg_ids)
+        outputs = {"query": query.detach(), "target": target_ids, "history_lengths": lengths,
+                   "history_ids": hist_ids_jt.values()}
+        return loss, outputs
+
+    def _sequence_loss(self, queries: torch.Tensor, positives: torch.Tensor, positive_ids: torch.Tensor,
+                       weights: torch.Tensor | None, row_items: torch.Tensor, row_ids: torch.Tensor,
+                       row_weights: torch.Tensor | None, negatives: torch.Tensor | None,
+                       negative_ids: torch.Tensor | None) -> torch.Tensor:
+        """Every position's query against its positive and the shared negatives: the batch's
+        target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
+        uniform ones."""
+        valid = torch.ones_like(row_ids, dtype=torch.bool) if row_weights is None else row_weights > 0
+        cand, cand_ids, cand_valid, _ = gather_candidates(
+            row_items, row_ids, valid, self.cross_rank_negatives and self.loss_kind == "in_batch")
+        if self.training:
+            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        s = self.num_uniform_negatives
+        in_batch = self.loss_kind == "in_batch"
+        num_in_batch = cand_valid.sum() if in_batch else torch.zeros((), dtype=torch.int64)
+        parts, ids, weights_n = [], [], []
+        if in_batch:
+            parts, ids, weights_n = [cand], [cand_ids], [cand_valid.to(queries.dtype)]
+        if negatives is not None and negative_ids is not None:
+            parts.append(negatives)
+            ids.append(negative_ids)
+            weights_n.append(torch.ones_like(negative_ids, dtype=queries.dtype))
+        neg, neg_ids = torch.cat(parts), torch.cat(ids)
+        pos_log_q = neg_log_q = None
+        if self.log_q_correction:
+            pos_log_q = candidate_log_q(self.frequency, positive_ids, num_in_batch, s, self.num_items)
+            neg_log_q = candidate_log_q(self.frequency, neg_ids, num_in_batch, s, self.num_items)
+        return sampled_softmax_loss(
+            queries, positives, positive_ids, neg, neg_ids, weights, temperature=self.temperature,
+            positive_log_q=pos_log_q, negative_log_q=neg_log_q,
+            negative_weights=torch.cat(weights_n))
+
+
+__all__ = [
+    "RetrievalModel",
+    "SASRecModel",
+    "TwoTowerModel",
+    "find_retrieval_model",
+    "load_item_catalog",
+]
