@@ -1,0 +1,292 @@
+"""Retrieval: losses against hand-written softmaxes, the streaming frequency sketch, the exact
+full-corpus metrics against a brute-force numpy ranking, the models' input checks and padding,
+and the synthetic log's oracle against a brute-force ranking of the whole corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.interactions_synthetic import (
+    InteractionSignal,
+    interaction_features,
+    oracle_ranks,
+    write_dataset,
+)
+from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
+from recsys_trainer.retrieval.losses import (
+    expected_candidate_log_q,
+    in_batch_softmax_loss,
+    sampled_softmax_loss,
+)
+from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics, sharded_top_k
+from recsys_trainer.retrieval.models import SASRecModel, TwoTowerModel
+
+
+def _manual_softmax(logits: np.ndarray, pos: np.ndarray, masked: np.ndarray) -> np.ndarray:
+    z = np.where(masked, -np.inf, logits)
+    z = z - z.max(1, keepdims=True)
+    return -(z[np.arange(len(pos)), pos] - np.log(np.exp(z).sum(1)))
+
+
+def test_in_batch_softmax_with_log_q_masks_repeats_and_padding_rows_and_matches_a_manual_softmax() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, items = torch.randn(5, 8, generator=g), torch.randn(5, 8, generator=g)
+    ids = torch.tensor([3, 7, 3, 9, 4])  # item 3 twice: an accidental hit for rows 0 and 2
+    w = torch.tensor([1.0, 2.0, 1.0, 0.0, 1.0])  # row 3 is padding: no loss, no negative
+    log_q = torch.tensor([0.5, -1.0, 0.5, 2.0, 0.0])
+    loss = in_batch_softmax_loss(q, items, ids, w, temperature=0.5, item_log_q=log_q)
+    logits = (q @ items.t()).numpy() / 0.5 - log_q.numpy()[None, :]
+    masked = (ids.numpy()[None, :] == ids.numpy()[:, None]) | (w.numpy()[None, :] == 0)
+    np.fill_diagonal(masked, False)
+    per_row = _manual_softmax(logits, np.arange(5), masked)
+    wn = w.numpy()
+    expected = (per_row * wn)[wn > 0].sum() / wn.sum()
+    assert float(loss) == pytest.approx(expected, rel=1e-5)
+    # The padding row changes nothing: the same loss without it.
+    keep = torch.tensor([0, 1, 2, 4])
+    alone = in_batch_softmax_loss(q[keep], items[keep], ids[keep], w[keep], temperature=0.5,
+                                  item_log_q=log_q[keep])
+    assert float(alone) == pytest.approx(float(loss), rel=1e-6)
+    # An all-padding batch costs exactly 0, with finite gradients.
+    q.requires_grad_(True)
+    zero = in_batch_softmax_loss(q, items, ids, torch.zeros(5), temperature=0.5)
+    zero.backward()
+    assert float(zero.detach()) == 0.0 and q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_mixed_negatives_and_sampled_softmax_match_manual_softmaxes() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, items, negs = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g), torch.randn(3, 6, generator=g)
+    ids, neg_ids = torch.tensor([1, 2, 3, 4]), torch.tensor([2, 10, 11])  # negative 2 hits row 1
+    lq, nlq = torch.randn(4, generator=g), torch.randn(3, generator=g)
+    mixed = in_batch_softmax_loss(q, items, ids, None, item_log_q=lq, negatives=negs,
+                                  negative_ids=neg_ids, negative_log_q=nlq)
+    cand = torch.cat([items, negs]).numpy()
+    cand_ids = np.r_[ids.numpy(), neg_ids.numpy()]
+    logits = q.numpy() @ cand.T - np.r_[lq.numpy(), nlq.numpy()][None, :]
+    masked = cand_ids[None, :] == ids.numpy()[:, None]
+    masked[np.arange(4), np.arange(4)] = False
+    assert float(mixed) == pytest.approx(_manual_softmax(logits, np.arange(4), masked).mean(), rel=1e-5)
+
+    sampled = sampled_softmax_loss(q, items, ids, negs, neg_ids, torch.tensor([1.0, 1.0, 0.0, 1.0]),
+                                   temperature=0.2, positive_log_q=lq, negative_log_q=nlq)
+    logits = np.c_[(q * items).sum(1).numpy()[:, None] / 0.2 - lq.numpy()[:, None],
+                   q.numpy() @ negs.numpy().T / 0.2 - nlq.numpy()[None, :]]
+    masked = np.c_[np.zeros((4, 1), bool), neg_ids.numpy()[None, :] == ids.numpy()[:, None]]
+    per_row = _manual_softmax(logits, np.zeros(4, int), masked)
+    assert float(sampled) == pytest.approx(per_row[[0, 1, 3]].mean(), rel=1e-5)
+
+
+def test_the_log_q_term_is_the_log_expected_count_of_each_item_in_the_candidate_set() -> None:
+    p = torch.tensor([0.5, 0.1, 0.0], dtype=torch.float64)
+    out = expected_candidate_log_q(p, 100, num_uniform=50, corpus_size=10)
+    assert torch.allclose(out, torch.log(torch.tensor([55.0, 15.0, 5.0])))
+
+
+def test_frequency_sketch_counts_exactly_decays_by_its_half_life_and_resumes_bitwise() -> None:
+    est = ItemFrequencyEstimator(10, half_life_steps=None)
+    est.update(torch.tensor([1, 1, 2, 5]))
+    est.update(torch.tensor([1, 5]))
+    assert est.probability(torch.tensor([1, 2, 5, 7])).tolist() == [0.5, pytest.approx(1 / 6), pytest.approx(2 / 6), 0.0]
+    decayed = ItemFrequencyEstimator(10, half_life_steps=2.0)
+    decayed.update(torch.tensor([3]))
+    decayed.update(torch.tensor([4]))
+    decayed.update(torch.tensor([4]))
+    # item 3 was counted 2 updates ago (weight 1/2), item 4 at weights 1/sqrt(2) and 1
+    p3, p4 = decayed.probability(torch.tensor([3, 4])).tolist()
+    assert p3 / p4 == pytest.approx(0.5 / (1 + 2 ** -0.5))
+    # Count-min with hashed ids: never below the true count, equal where buckets do not collide.
+    sketch = ItemFrequencyEstimator(64, num_hashes=3, half_life_steps=None, seed=1)
+    ids = torch.randint(0, 10**12, (200,), generator=torch.Generator().manual_seed(3))
+    stream = torch.cat([ids[:20].repeat(5), ids])
+    sketch.update(stream)
+    true = torch.tensor([(stream == i).sum() for i in ids[:20]], dtype=torch.float64) / len(stream)
+    est_p = sketch.probability(ids[:20])
+    assert (est_p >= true - 1e-12).all() and (est_p <= true * 3).all()
+    # The state is the module's buffers: a copy restored from them continues identically.
+    copy = ItemFrequencyEstimator(64, num_hashes=3, half_life_steps=None, seed=1)
+    copy.load_state_dict(sketch.state_dict())
+    for s in (sketch, copy):
+        s.update(ids[:7])
+    assert torch.equal(sketch.counts, copy.counts) and torch.equal(sketch.total, copy.total)
+    with pytest.raises(ValueError, match="num_buckets"):
+        ItemFrequencyEstimator(0)
+
+
+class _TableModel(torch.nn.Module):
+    """A fixed item table as a RetrievalModel (the metric code needs only ``item_embeddings``)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.table = table
+        self.num_items = table.shape[0]
+        self.calls = 0
+
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.table[ids]
+
+
+def brute_force_metrics(queries: np.ndarray, corpus: np.ndarray, targets: list[list[int]],
+                        exclude: list[list[int]] | None, ks: list[int]) -> dict[str, float]:
+    """Recall/NDCG/HitRate@k by ranking the whole corpus for each query, in float64 numpy."""
+    scores = queries.astype(np.float64) @ corpus.astype(np.float64).T
+    out = {f"{m}@{k}": 0.0 for k in ks for m in ("recall", "ndcg", "hitrate")}
+    n = 0
+    for i, tgt in enumerate(targets):
+        t = set(tgt)
+        if not t:
+            continue
+        n += 1
+        s = scores[i].copy()
+        if exclude is not None:
+            s[list(exclude[i])] = -np.inf
+        order = [j for j in np.argsort(-s, kind="stable") if np.isfinite(s[j])]
+        for k in ks:
+            top = order[:k]
+            hits = [r for r, j in enumerate(top) if j in t]
+            out[f"recall@{k}"] += len(hits) / len(t)
+            out[f"hitrate@{k}"] += float(bool(hits))
+            idcg = sum(1 / np.log2(r + 2) for r in range(min(len(t), k)))
+            out[f"ndcg@{k}"] += sum(1 / np.log2(r + 2) for r in hits) / idcg
+    return {name: v / n for name, v in out.items()} | {"num_queries": float(n)}
+
+
+def test_full_corpus_metrics_equal_a_brute_force_ranking_with_exclusions_and_several_targets() -> None:
+    rng = np.random.default_rng(0)
+    corpus = rng.normal(size=(300, 8)).astype(np.float32)
+    queries = rng.normal(size=(37, 8)).astype(np.float32)
+    targets = [list(rng.choice(300, size=rng.integers(0, 4), replace=True)) for _ in range(37)]
+    history = [list(rng.choice(300, size=rng.integers(0, 30), replace=False)) for _ in range(37)]
+    ks = [1, 5, 20]
+
+    def jag(rows: list[list[int]]) -> Jagged:
+        return Jagged(torch.tensor([len(r) for r in rows]), torch.tensor([i for r in rows for i in r], dtype=torch.int64))
+
+    model = _TableModel(torch.from_numpy(corpus))
+    # Small chunks: several item-tower calls and score blocks must merge to the same top K.
+    got = full_corpus_metrics(model, torch.from_numpy(queries), jag(targets), ks, exclude=jag(history),
+                              query_chunk_size=8, corpus_chunk_size=64)
+    expected = brute_force_metrics(queries, corpus, targets, history, ks)
+    assert model.calls == 5
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert got[name] == pytest.approx(expected[name], abs=1e-12), name
+    # Recall and hit rate differ with several targets; without exclusions the top 5 differs.
+    assert got["recall@5"] != got["hitrate@5"]
+    plain = full_corpus_metrics(model, torch.from_numpy(queries), jag(targets), ks)
+    assert plain == pytest.approx(brute_force_metrics(queries, corpus, targets, None, ks))
+    top_scores, top_ids = sharded_top_k(torch.from_numpy(queries), torch.from_numpy(corpus), 0, 5)
+    brute = np.argsort(-(queries @ corpus.T), axis=1, kind="stable")[:, :5]
+    assert np.array_equal(top_ids.numpy(), brute)
+
+
+def _tt_batch(items: list[int], hist: list[list[int]], weights: list[float] | None = None,
+              keys: tuple[str, ...] = ("item", "hist_item", "item_cat")) -> Batch:
+    b = len(items)
+    per_key = {"item": ([[i] for i in items]), "hist_item": hist, "item_cat": [[i % 3] for i in items]}
+    lists = [per_key[k] for k in keys]
+    return Batch(
+        dense=torch.zeros(b, 0),
+        sparse=KeyedJaggedTensor.from_lengths_sync(
+            keys=["user_id"], values=torch.arange(b), lengths=torch.ones(b, dtype=torch.int32)),
+        labels=torch.ones(b),
+        weights=None if weights is None else torch.tensor(weights),
+        sequence=KeyedJaggedTensor.from_lengths_sync(
+            keys=list(keys), values=torch.tensor([i for rows in lists for r in rows for i in r], dtype=torch.int64),
+            lengths=torch.tensor([len(r) for rows in lists for r in rows], dtype=torch.int32)))
+
+
+def _two_tower(**kw: object) -> TwoTowerModel:
+    torch.manual_seed(0)
+    catalog = {"item_id": np.arange(20), "item_cat": np.arange(20) % 3}
+    return TwoTowerModel(["user_id"], num_items=20, user_num_embeddings=10, max_len=4,
+                         item_side_features={"item_cat": 3}, item_catalog=catalog, embedding_dim=8,
+                         tower_dims=(16, 8), table_device="cpu", **kw)  # type: ignore[arg-type]
+
+
+def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_its_item_tower() -> None:
+    model = _two_tower(num_uniform_negatives=4)
+    batch = _tt_batch([1, 2, 3], [[4, 5], [], [6, 7, 8, 9]])
+    loss, out = model(batch)
+    assert torch.isfinite(loss) and out["query"].shape == (3, 8) and out["target"].tolist() == [1, 2, 3]
+    assert out["history_lengths"].tolist() == [2, 0, 4] and out["history_ids"].tolist() == [4, 5, 6, 7, 8, 9]
+    padded_loss, _ = model(batch.as_padding())
+    assert float(padded_loss) == 0.0
+    # The item tower on a batch's candidates equals item_embeddings() on their ids (catalog).
+    model.eval()
+    _, out = model(batch)
+    seq = model.items(batch.sequence)
+    items = model._item_vectors({k: seq[k] for k in model.sequence_keys}, slice(0, 3))
+    assert torch.allclose(items, model.item_embeddings(torch.tensor([1, 2, 3])), atol=1e-6)
+    with pytest.raises(ValueError, match=r"in the order \['item', 'hist_item', 'item_cat'\]"):
+        model(_tt_batch([1], [[2]], keys=("hist_item", "item", "item_cat")))
+    with pytest.raises(ValueError, match="history of 5 ids, more than the model's max_len=4"):
+        model(_tt_batch([1], [[2, 3, 4, 5, 6]]))
+    with pytest.raises(ValueError, match="need `item_catalog`"):
+        TwoTowerModel(["u"], num_items=5, item_side_features={"c": 2}, table_device="cpu")
+    with pytest.raises(ValueError, match="every item id in \\[0, 20\\) exactly once"):
+        TwoTowerModel(["u"], num_items=20, item_side_features={"item_cat": 3}, table_device="cpu",
+                      item_catalog={"item_id": np.arange(19), "item_cat": np.zeros(19, int)})
+    with pytest.raises(ValueError, match="num_uniform_negatives"):
+        _two_tower(loss="sampled")
+
+
+def test_sasrec_queries_see_only_the_past_and_padding_rows_cost_nothing() -> None:
+    torch.manual_seed(0)
+    model = SASRecModel(num_items=20, max_len=5, embedding_dim=8, num_uniform_negatives=3,
+                        dropout=0.0, table_device="cpu")
+    batch = _tt_batch([1, 2], [[3, 4, 5], [6]], keys=("item", "hist_item"))
+    loss, out = model(batch)
+    assert torch.isfinite(loss) and out["query"].shape == (2, 8)
+    assert float(model(batch.as_padding())[0]) == 0.0
+    model.eval()
+    # Causal: the query after [3, 4] is the same whatever follows it in a longer history.
+    short = model(_tt_batch([1], [[3, 4]], keys=("item", "hist_item")))[1]["query"]
+    hist = model.items(_tt_batch([1], [[3, 4, 9]], keys=("item", "hist_item")).sequence)["hist_item"]
+    full = model.encode(hist.to_padded_dense(5), torch.tensor([3]))
+    assert torch.allclose(F.normalize(model.final_norm.weight.new_tensor(0.0) + full[0, 2], dim=-1),
+                          short[0], atol=1e-5)
+
+
+def test_the_oracle_rank_of_every_event_equals_a_brute_force_ranking_of_the_corpus(tmp_path: Path) -> None:
+    signal = InteractionSignal.make(num_users=200, num_items=400, num_clusters=8, max_len=6)
+    meta = write_dataset(tmp_path, hours=2, rows_per_hour=1500, signal=signal, ks=(5,))
+    assert set(meta["per_window"]) == {"dt=2026-11-20/hour=00", "dt=2026-11-20/hour=01"}
+    table = pq.read_table(next(tmp_path.glob("dt=*/hour=01/part-0.parquet")))
+    users, items = table.column("user_id").to_numpy(), table.column("item").to_numpy()
+    hist = table.column("hist_item").combine_chunks()
+    lengths, ids = np.diff(hist.offsets.to_numpy()), hist.flatten().to_numpy()
+    # Each row's history is the user's previous items, most recent last.
+    seen: dict[int, list[int]] = {}
+    for t in pq.read_table(next(tmp_path.glob("dt=*/hour=00/part-0.parquet"))).to_pylist() + table.to_pylist():
+        assert t["hist_item"] == seen.get(t["user_id"], [])[-6:]
+        seen.setdefault(t["user_id"], []).append(t["item"])
+    offsets = np.r_[0, np.cumsum(lengths)]
+    last = np.where(lengths > 0, ids[np.maximum(offsets[1:] - 1, 0)], -1)
+    p = signal.next_item_probability(users, last)
+    assert np.allclose(p.sum(1), 1.0)
+    for exclude in (False, True):
+        q = p.copy()
+        if exclude:
+            q[np.repeat(np.arange(len(q)), lengths), ids] = -1.0
+        target = q[np.arange(len(q)), items]
+        brute = np.where(target < 0, signal.num_items, (q > target[:, None] * (1 + 1e-9)).sum(1))
+        assert np.array_equal(oracle_ranks(signal, users, items, lengths, ids, exclude), brute)
+    key = "oracle_exclude_history" if False else "oracle"
+    ranks = oracle_ranks(signal, users, items, lengths, ids)
+    assert meta["per_window"]["dt=2026-11-20/hour=01"][key]["recall@5"] == pytest.approx((ranks < 5).mean())
+    catalog = pq.read_table(tmp_path / "_items.parquet")
+    assert catalog.column("item_id").to_pylist() == list(range(400))
+    assert json.loads((tmp_path / "_signal.json").read_text())["num_items"] == 400
+    spec = interaction_features(meta)
+    assert [q.name for q in spec.sequence] == ["item", "hist_item", "item_cat"]

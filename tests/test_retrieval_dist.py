@@ -1,0 +1,168 @@
+"""Retrieval on two real gloo ranks: the cross-rank in-batch softmax against the one-process
+softmax over the same rows, the frequency sketch kept identical on both ranks, and the
+full-corpus metrics of a sharded two-tower model (per row and per user, history excluded)
+against a brute-force numpy ranking of the same embeddings."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_retrieval import brute_force_metrics
+
+from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer.data.interactions_synthetic import InteractionSignal, interaction_features, write_dataset
+from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.windows import partitioned_windows
+from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
+from recsys_trainer.retrieval.losses import in_batch_softmax_loss
+from recsys_trainer.retrieval.models import TwoTowerModel, count_items, find_retrieval_model, gather_candidates
+
+B, D = 6, 8
+
+
+def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two ranks' rows: queries, items, item ids (repeats across ranks), weights (padding)."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 2, 8, 9, 1, 10])
+    w = torch.tensor([1.0] * 9 + [0.0, 0.0, 2.0])  # rank 1 holds two padding rows
+    return torch.randn(2 * B, D, generator=g), torch.randn(2 * B, D, generator=g), ids, w
+
+
+def _worker(root: str, out: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from recsys_trainer.distributed import init_distributed
+
+    init_distributed("cpu")
+    rank = dist.get_rank()
+    # 1. The cross-rank option on fixed rows (each rank holds half).
+    q, items, ids, w = _rows()
+    mine = slice(rank * B, (rank + 1) * B)
+    q_r, items_r = q[mine].clone().requires_grad_(True), items[mine].clone().requires_grad_(True)
+    cand, cand_ids, cand_valid, offset = gather_candidates(items_r, ids[mine], w[mine] > 0, True)
+    loss = in_batch_softmax_loss(q_r, cand, cand_ids, w[mine], temperature=0.3, positive_offset=offset,
+                                 item_weights=cand_valid.float())
+    loss.backward()
+    est = ItemFrequencyEstimator(16, half_life_steps=None)
+    count_items(est, ids[mine], w[mine] > 0, gathered=False)
+    part1 = {"loss": float(loss.detach()), "q_grad": q_r.grad, "items_grad": items_r.grad,
+             "counts": est.counts.clone()}
+
+    # 2. A sharded two-tower trained with cross-rank and uniform negatives, then evaluated.
+    import json
+
+    meta = json.loads((Path(root) / "_signal.json").read_text())
+    spec = dataclasses.replace(interaction_features(meta), passthrough=["user_id", "ts"])
+    torch.manual_seed(0)
+    model = TwoTowerModel(["user_id", "segment"], num_items=meta["num_items"],
+                          user_num_embeddings=[meta["num_users"], meta["num_segments"]],
+                          item_side_features={"item_cat": meta["num_clusters"]},
+                          item_catalog=f"{root}/_items.parquet", max_len=meta["max_len"],
+                          embedding_dim=8, tower_dims=(16, 8), cross_rank_negatives=True,
+                          num_uniform_negatives=16)
+    windows = partitioned_windows(root)
+    per_row = RetrievalMetricHook(k=[5, 20], exclude_history=True, log=False)
+    per_user = RetrievalMetricHook(
+        k=[5, 20], log=False, exclude_history=True, prefix="user/",
+        user_fn=lambda b: torch.as_tensor(np.array(b.passthrough["user_id"])),
+        time_fn=lambda b: torch.as_tensor(np.array(b.passthrough["ts"])))
+    seen: list[dict[str, Any]] = []
+
+    def keep(trainer: Trainer, output: Any) -> None:
+        if output.is_padding:
+            return
+        for mb in output.micro_batches:
+            o, b = mb.outputs, mb.batch
+            seen.append({"query": o["query"].clone(), "target": o["target"].clone(),
+                         "lengths": o["history_lengths"].clone(), "ids": o["history_ids"].clone(),
+                         "user": np.asarray(b.passthrough["user_id"]), "ts": np.asarray(b.passthrough["ts"])})
+
+    trainer = Trainer(
+        model, TrainingArguments(output_dir=out, log_steps=10**6),
+        train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=100),
+        eval_dataset=ParquetWindowDataset(windows[1:], spec, batch_size=128),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        hooks=[per_row, per_user, LambdaHook(after_eval_step=keep)], add_logger_hook=False)
+    trainer.train()
+    metrics = trainer.evaluate()
+    retrieval = find_retrieval_model(trainer.model)
+    with torch.no_grad():  # a collective: the item table is sharded
+        corpus = retrieval.item_embeddings(torch.arange(meta["num_items"]))
+    freq = trainer.model.module.frequency
+    return {**part1, "metrics": metrics, "seen": seen, "corpus": corpus.numpy(),
+            "freq": (freq.counts.clone(), freq.total.clone(), int(freq.step)),
+            "steps": trainer.state.global_step}
+
+
+def _per_user(rows: list[dict[str, Any]]) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
+    """Each user's earliest row's query and history, and all the user's targets."""
+    query = np.concatenate([r["query"].numpy() for r in rows])
+    target = np.concatenate([r["target"].numpy() for r in rows])
+    user = np.concatenate([r["user"] for r in rows])
+    ts = np.concatenate([r["ts"] for r in rows])
+    hist = [h for r in rows for h in np.split(r["ids"].numpy(), np.cumsum(r["lengths"].numpy())[:-1])]
+    q, t, e = [], [], []
+    for u in np.unique(user):
+        idx = np.flatnonzero(user == u)
+        first = idx[np.argmin(ts[idx])]
+        q.append(query[first])
+        t.append(sorted(set(target[idx].tolist())))
+        e.append(hist[first].tolist())
+    return np.stack(q), t, e
+
+
+@pytest.mark.distributed
+def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_process_and_brute_force(tmp_path) -> None:
+    root = tmp_path / "data"
+    signal = InteractionSignal.make(num_users=150, num_items=300, num_clusters=6, max_len=8)
+    write_dataset(root, hours=2, rows_per_hour=700, signal=signal, ks=(5,))
+    r0, r1 = run_distributed(_worker, 2, timeout_s=300, args=(str(root), str(tmp_path / "out")))
+
+    # The cross-rank loss: each rank's rows against all 12 candidates, i.e. one process's
+    # in-batch softmax over the 12 rows, split by rank (weighted by the ranks' row weights).
+    q, items, ids, w = _rows()
+    q, items = q.requires_grad_(True), items.requires_grad_(True)
+    full = in_batch_softmax_loss(q, items, ids, w, temperature=0.3)
+    full.backward()
+    w0, w1 = float(w[:B].sum()), float(w[B:].sum())
+    assert (w0 * r0["loss"] + w1 * r1["loss"]) / (w0 + w1) == pytest.approx(float(full.detach()), rel=1e-6)
+    # Gradients reach the queries as in one process (scaled by each rank's share of the weight).
+    assert q.grad is not None
+    assert torch.allclose(r0["q_grad"] * w0 / (w0 + w1), q.grad[:B], atol=1e-6)
+    assert torch.allclose(r1["q_grad"] * w1 / (w0 + w1), q.grad[B:], atol=1e-6)
+    # ... and only through this rank's own items: no gradient for another rank's copy.
+    assert r0["items_grad"].abs().sum() > 0 and r1["items_grad"][3:5].abs().sum() == 0
+    # Both ranks count every rank's real items, identically.
+    expected = torch.bincount(ids[w > 0], minlength=16).to(torch.float64)
+    assert torch.equal(r0["counts"][0], expected) and torch.equal(r1["counts"][0], expected)
+
+    # The trained model's frequency sketches are identical on both ranks (checkpoints hold one).
+    for a, b in zip(r0["freq"], r1["freq"], strict=True):
+        assert (a == b) if isinstance(a, int) else torch.equal(a, b)
+    assert r0["freq"][2] == r0["steps"] > 1  # one update per step
+    # Exact metrics: both ranks report the same values, equal to ranking the whole corpus.
+    assert r0["metrics"] == r1["metrics"]
+    assert np.allclose(r0["corpus"], r1["corpus"])
+    rows = r0["seen"] + r1["seen"]
+    assert r0["seen"] and r1["seen"]  # each rank evaluated part of the rows
+    queries = np.concatenate([r["query"].numpy() for r in rows])
+    targets = [[int(t)] for r in rows for t in r["target"].numpy()]
+    history = [h.tolist() for r in rows for h in np.split(r["ids"].numpy(), np.cumsum(r["lengths"].numpy())[:-1])]
+    expected_rows = brute_force_metrics(queries, r0["corpus"], targets, history, [5, 20])
+    assert expected_rows["num_queries"] == r0["metrics"]["num_samples"]
+    uq, ut, ue = _per_user(rows)
+    expected_users = brute_force_metrics(uq, r0["corpus"], ut, ue, [5, 20])
+    for name, value in expected_rows.items():
+        assert r0["metrics"][name] == pytest.approx(value, abs=1e-9), name
+    for name, value in expected_users.items():
+        assert r0["metrics"]["user/" + name] == pytest.approx(value, abs=1e-9), name
+    assert expected_users["num_queries"] < expected_rows["num_queries"]
+    assert expected_users["recall@20"] != expected_users["hitrate@20"]
