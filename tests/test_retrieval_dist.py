@@ -16,13 +16,22 @@ from dist_utils import run_distributed
 from test_retrieval import brute_force_metrics
 
 from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.interactions_synthetic import InteractionSignal, interaction_features, write_dataset
+from recsys_trainer.data.interactions_synthetic import (
+    InteractionSignal,
+    interaction_features,
+    write_dataset,
+)
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
 from recsys_trainer.retrieval.losses import in_batch_softmax_loss
-from recsys_trainer.retrieval.models import TwoTowerModel, count_items, find_retrieval_model, gather_candidates
+from recsys_trainer.retrieval.models import (
+    TwoTowerModel,
+    count_items,
+    find_retrieval_model,
+    gather_candidates,
+)
 
 B, D = 6, 8
 

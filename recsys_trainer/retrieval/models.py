@@ -225,7 +225,15 @@ def candidate_log_q(estimator: ItemFrequencyEstimator, ids: torch.Tensor, num_in
     return expected_candidate_log_q(estimator.probability(ids), num_in_batch, num_uniform, num_items)
 
 
-for _leaf in ("check_one_id_per_row", "check_history_lengths", "check_sequence_keys",
+def retrieval_step(model: Any, batch: Batch, seq: Any, pooled: Any,
+                   neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Everything of a retrieval model's forward after its table lookups: towers, loss and
+    outputs (``model._step``). One ``torch.fx`` leaf: the loss's collectives, frequency updates
+    and masks depend on data."""
+    return model._step(batch, seq, pooled, neg_ids)  # type: ignore[no-any-return]
+
+
+for _leaf in ("retrieval_step", "check_one_id_per_row", "check_history_lengths", "check_sequence_keys",
               "with_extra_row", "items_only_input", "gather_candidates", "count_items",
               "candidate_log_q"):
     torch.fx.wrap(_leaf)
@@ -300,23 +308,39 @@ class _RetrievalBase(nn.Module):
         # The global torch RNG: the Trainer seeds and checkpoints it (bitwise resume).
         return torch.randint(0, self.num_items, (self.num_uniform_negatives,)).to(device)
 
-    def _lookup(self, batch: Batch, extra: Mapping[str, torch.Tensor]) -> dict[str, JaggedTensor]:
-        """One item-table call for the batch's sequence keys (and ``extra`` ids in one more row)."""
+    def _negative_features(self, neg_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ids a uniform negative adds to the lookup: its item id (and side features)."""
+        return {self.item_feature: neg_ids}
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # Only the table lookups happen here (TorchRec's pipeline traces this far); the rest
+        # is one fx leaf, ``retrieval_step``.
         check_sequence_keys(batch.sequence, self.sequence_keys)
-        kjt = batch.sequence if not extra else with_extra_row(batch.sequence, extra)
-        out = self.items(kjt)
+        neg_ids = self._uniform_negatives(batch.labels.device)
+        kjt = batch.sequence if neg_ids is None else with_extra_row(
+            batch.sequence, self._negative_features(neg_ids))
+        seq = self.items(kjt)
+        users = getattr(self, "users", None)
+        pooled = users(batch.sparse) if users is not None else None
+        return retrieval_step(self, batch, seq, pooled, neg_ids)
+
+    def _step(self, batch: Batch, seq: dict[str, JaggedTensor], pooled: Any,
+              neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _by_key(self, out: Any) -> dict[str, JaggedTensor]:
         # Index by key (a sharded collection's output is a lazy dict: no `in`, no iteration).
         return {k: out[k] for k in self.sequence_keys}
 
-    def _history(self, seq: dict[str, JaggedTensor], batch_size: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(embeddings [B, L, E], ids [B, L] (0 = padding), lengths [B])`` of the history,
-        oldest first, left-aligned."""
+    def _history(self, seq: dict[str, JaggedTensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(embeddings [B, L, E], lengths [B])`` of the history, oldest first, left-aligned
+        (the lookup's extra row of negatives, if any, has no history and is cut off)."""
         assert self.history_feature is not None
         jt = seq[self.history_feature]
         lengths = jt.lengths()[:batch_size]
         check_history_lengths(lengths, self.max_len, self.history_feature)
         emb = JaggedTensor(values=jt.values(), lengths=lengths).to_padded_dense(self.max_len)
-        return emb, lengths, jt.values()
+        return emb, lengths
 
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
@@ -353,8 +377,10 @@ class TwoTowerModel(_RetrievalBase):
     """A two-tower retrieval model (DSSM / YouTube-DNN style) over sharded tables.
 
     * User tower: the pooled user features (``batch.sparse``, one table ``t_<name>`` each, in
-      an ``EmbeddingBagCollection``) and the mean of the history items (``history_feature``,
-      looked up in the item table), through an MLP to ``tower_dims[-1]``.
+      an ``EmbeddingBagCollection``), the mean of the history items (``history_feature``,
+      looked up in the item table) and, with ``recent_items=r``, the last ``r`` history items
+      one by one (zeros where the history is shorter; YouTube-DNN's "last watched"), through
+      an MLP to ``tower_dims[-1]``.
     * Item tower: the item's embedding (``item_feature``, the item table) and its side
       features (``item_side_features``: ``{name: rows}``, one id per row, in
       ``batch.sequence``; for items outside a batch they come from ``item_catalog``), through
@@ -376,6 +402,8 @@ class TwoTowerModel(_RetrievalBase):
             column per side feature, listing every item once (``load_item_catalog``); needed
             with side features.
         history_feature: the history key, or None for a user tower without history.
+        recent_items: how many of the most recent history items the user tower also sees
+            individually (0: the mean only, an order-free user tower).
         tower_dims: hidden widths and the output width of both towers.
     """
 
@@ -393,6 +421,7 @@ class TwoTowerModel(_RetrievalBase):
         item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
         item_id_column: str = "item_id",
         max_len: int = 50,
+        recent_items: int = 0,
         embedding_dim: int = 32,
         tower_dims: Sequence[int] = (64, 32),
         normalize: bool = True,
@@ -423,6 +452,11 @@ class TwoTowerModel(_RetrievalBase):
             raise ValueError("the user tower needs user features, a history feature, or both.")
         self.side_features = list(side)
         self.normalize = normalize
+        if not isinstance(recent_items, int) or not 0 <= recent_items <= max_len or (
+                recent_items and history_feature is None):
+            raise ValueError(f"`recent_items` must be an int in [0, max_len={max_len}] (0 without a "
+                             f"history feature), but is {recent_items!r}.")
+        self.recent_items = recent_items
         self.users: EmbeddingBagCollection | None = None
         if self.user_features:
             sizes = ([int(user_num_embeddings)] * len(self.user_features)
@@ -436,7 +470,7 @@ class TwoTowerModel(_RetrievalBase):
                 for f, n in zip(self.user_features, sizes, strict=True)],
                 device=torch.device(table_device))
         dims = list(tower_dims)
-        user_in = embedding_dim * (len(self.user_features) + (history_feature is not None))
+        user_in = embedding_dim * (len(self.user_features) + (history_feature is not None) + recent_items)
         self.user_tower = tower([user_in, *dims])
         self.item_tower = tower([embedding_dim * (1 + len(side)), *dims])
         if side and item_catalog is None:
@@ -466,30 +500,36 @@ class TwoTowerModel(_RetrievalBase):
         seq = self.items(items_only_input(self.sequence_keys, feats))
         return self._item_vectors({k: seq[k] for k in self.sequence_keys}, slice(None))
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _negative_features(self, neg_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        feats = {self.item_feature: neg_ids}
+        feats.update({name: self._catalog(name)[neg_ids] for name in self.side_features})
+        return feats
+
+    def _step(self, batch: Batch, seq_out: Any, pooled: Any,
+              neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert batch.sequence is not None
         b = batch.labels.shape[0]
-        neg_ids = self._uniform_negatives(batch.labels.device)
-        extra: dict[str, torch.Tensor] = {}
-        if neg_ids is not None:
-            extra[self.item_feature] = neg_ids
-            extra.update({name: self._catalog(name)[neg_ids] for name in self.side_features})
-        seq = self._lookup(batch, extra)
+        seq = self._by_key(seq_out)
         cand = seq[self.item_feature]
         check_one_id_per_row(cand.lengths()[:b], self.item_feature)
-        target = cand.values()  # ids: the KJT's values, one per row (then the negatives)
-        target_ids = batch.sequence[self.item_feature].values() if batch.sequence is not None else target
+        target_ids = batch.sequence[self.item_feature].values()
         user_parts = []
-        if self.users is not None:
-            user_parts.append(self.users(batch.sparse).values())
+        if pooled is not None:
+            user_parts.append(pooled.values())
         outputs: dict[str, torch.Tensor] = {}
         if self.history_feature is not None:
-            hist, lengths, hist_ids = self._history(seq, b)
+            hist, lengths = self._history(seq, b)
             mask = (self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)).to(hist.dtype)
             mean = (hist * mask.unsqueeze(-1)).sum(1) / lengths.clamp_min(1).unsqueeze(1).to(hist.dtype)
             user_parts.append(mean)
+            if self.recent_items:
+                # The j-th most recent item sits at index length - 1 - j (left-aligned history).
+                back = lengths.unsqueeze(1) - 1 - self.positions[: self.recent_items].unsqueeze(0)
+                recent = torch.gather(hist, 1, back.clamp_min(0).unsqueeze(-1).expand(-1, -1, hist.shape[-1]))
+                recent = recent * (back >= 0).unsqueeze(-1).to(hist.dtype)
+                user_parts.append(recent.flatten(1))
             outputs["history_lengths"] = lengths
-            outputs["history_ids"] = batch.sequence[self.history_feature].values() \
-                if batch.sequence is not None else hist_ids
+            outputs["history_ids"] = batch.sequence[self.history_feature].values()
         query = self.user_tower(torch.cat(user_parts, dim=1))
         if self.normalize:
             query = F.normalize(query, dim=-1)
@@ -590,15 +630,15 @@ class SASRecModel(_RetrievalBase):
         x = x + self.position_embedding(self.positions).unsqueeze(0)
         return self.final_norm(self.encoder(x, mask=self.causal_mask, is_causal=True))
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _step(self, batch: Batch, seq_out: Any, pooled: Any,
+              neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert batch.sequence is not None and self.history_feature is not None
         b = batch.labels.shape[0]
-        neg_ids = self._uniform_negatives(batch.labels.device)
-        seq = self._lookup(batch, {self.item_feature: neg_ids} if neg_ids is not None else {})
+        seq = self._by_key(seq_out)
         cand = seq[self.item_feature]
         check_one_id_per_row(cand.lengths()[:b], self.item_feature)
-        assert batch.sequence is not None and self.history_feature is not None
         target_ids = batch.sequence[self.item_feature].values()
-        hist, lengths, _ = self._history(seq, b)
+        hist, lengths = self._history(seq, b)
         hist_ids_jt = batch.sequence[self.history_feature]
         out = self.encode(hist, lengths)  # [B, L+1, D]
         last = out[torch.arange(b, device=out.device), lengths.long()]  # after the last item
