@@ -290,3 +290,13 @@ def test_the_oracle_rank_of_every_event_equals_a_brute_force_ranking_of_the_corp
     assert json.loads((tmp_path / "_signal.json").read_text())["num_items"] == 400
     spec = interaction_features(meta)
     assert [q.name for q in spec.sequence] == ["item", "hist_item", "item_cat"]
+
+
+def test_recent_items_give_the_two_tower_the_order_of_the_history_and_the_mean_alone_does_not() -> None:
+    forward, backward = _tt_batch([1], [[4, 5, 6]]), _tt_batch([1], [[6, 5, 4]])
+    for recent, same in ((0, True), (1, False)):
+        model = _two_tower(recent_items=recent).eval()
+        a, b = model(forward)[1]["query"], model(backward)[1]["query"]
+        assert torch.allclose(a, b, atol=1e-6) == same, recent
+    with pytest.raises(ValueError, match="recent_items"):
+        _two_tower(recent_items=5)  # more than max_len=4

@@ -407,8 +407,6 @@ class TwoTowerModel(_RetrievalBase):
         tower_dims: hidden widths and the output width of both towers.
     """
 
-    catalog: dict[str, torch.Tensor]
-
     def __init__(
         self,
         user_features: Sequence[str],
@@ -473,10 +471,12 @@ class TwoTowerModel(_RetrievalBase):
         user_in = embedding_dim * (len(self.user_features) + (history_feature is not None) + recent_items)
         self.user_tower = tower([user_in, *dims])
         self.item_tower = tower([embedding_dim * (1 + len(side)), *dims])
-        if side and item_catalog is None:
-            raise ValueError(f"item side features {self.side_features} need `item_catalog` (each "
-                             "item's side-feature ids) to embed items outside a batch.")
-        catalog = load_item_catalog(item_catalog, item_id_column, self.side_features, num_items) if side else {}
+        catalog: dict[str, torch.Tensor] = {}
+        if side:
+            if item_catalog is None:
+                raise ValueError(f"item side features {self.side_features} need `item_catalog` "
+                                 "(each item's side-feature ids) to embed items outside a batch.")
+            catalog = load_item_catalog(item_catalog, item_id_column, self.side_features, num_items)
         for name, ids in catalog.items():
             if int(ids.min()) < 0 or int(ids.max()) >= side[name]:
                 raise ValueError(f"item catalog column {name!r} holds ids outside [0, {side[name]}).")

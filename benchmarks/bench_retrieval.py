@@ -1,0 +1,257 @@
+"""Retrieval benchmarks: the step cost of the retrieval losses, and full-corpus evaluation speed.
+
+    python benchmarks/bench_retrieval.py [--quick] [--ranks 1 2] [--part losses eval]
+
+**Losses** (``--part losses``): the Trainer trains ``TwoTowerModel`` (user id and segment plus a
+mean-pooled 1..50-item history; item id and category; 100k items, dim 64) on in-memory batches
+with each loss, interleaved in rounds, against the *same towers with a pointwise loss* (binary
+cross-entropy of each row's positive and of one shuffled in-batch item as its negative), the
+baseline: ``in_batch`` (in-batch softmax with the streaming logQ correction), ``in_batch_no_logq``,
+``mixed`` (+1024 uniform negatives), ``sampled`` (1024 uniform negatives only) and, at 2+ ranks,
+``cross_rank`` (in-batch negatives of every rank). Reported: step time / pointwise step time.
+Goal: <= 1.2x.
+
+**Evaluation** (``--part eval``): ``retrieval.metrics.full_corpus_metrics`` (the item tower over
+the corpus, every query scored against all of it, sharded top-K merged across ranks) for corpus
+sizes from 25k to 400k items, 4096 queries per rank. Reported: queries/s and nanoseconds per
+(query, item) pair. Goal: the cost grows linearly in the corpus (ns per pair flat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+from common import device_name, markdown_table, quiet_torchrec, torchrun
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics
+from recsys_trainer.retrieval.models import TwoTowerModel
+
+NUM_USERS, NUM_CATS, MAX_LEN = 100_000, 100, 50
+LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled", "cross_rank")
+
+
+class PointwiseTwoTower(TwoTowerModel):
+    """The same towers trained pointwise: BCE of (query, positive) as 1 and (query, another
+    row's item) as 0: the baseline the softmax losses are measured against."""
+
+    def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
+              weights: torch.Tensor | None, negatives: torch.Tensor | None,
+              negative_ids: torch.Tensor | None) -> torch.Tensor:
+        from recsys_trainer.models import weighted_bce_with_logits
+
+        pos = (query * items).sum(-1) / self.temperature
+        neg = (query * items.roll(1, 0)).sum(-1) / self.temperature
+        labels = torch.cat([torch.ones_like(pos), torch.zeros_like(neg)])
+        w = None if weights is None else torch.cat([weights, weights])
+        return weighted_bce_with_logits(torch.cat([pos, neg]), labels, w)
+
+
+def model_for(variant: str, num_items: int, table_device: str = "meta") -> TwoTowerModel:
+    kw: dict[str, Any] = {}
+    if variant == "in_batch_no_logq":
+        kw["log_q_correction"] = False
+    elif variant == "mixed":
+        kw["num_uniform_negatives"] = 1024
+    elif variant == "sampled":
+        kw.update(loss="sampled", num_uniform_negatives=1024)
+    elif variant == "cross_rank":
+        kw["cross_rank_negatives"] = True
+    cls = PointwiseTwoTower if variant == "pointwise" else TwoTowerModel
+    catalog = {"item_id": torch.arange(num_items).numpy(), "item_cat": (torch.arange(num_items) % NUM_CATS).numpy()}
+    return cls(["user_id", "segment"], num_items=num_items, user_num_embeddings=[NUM_USERS, NUM_CATS],
+               item_side_features={"item_cat": NUM_CATS}, item_catalog=catalog, max_len=MAX_LEN,
+               embedding_dim=64, tower_dims=(128, 64), table_device=table_device, **kw)
+
+
+def make_batches(n: int, batch_size: int, num_items: int, seed: int) -> list[Batch]:
+    """Rows with a Zipf-popular item, its category, a 1..50-item history and a user."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, num_items + 1, dtype=torch.float64)
+    popularity = 1.0 / ranks
+    out = []
+    for _ in range(n):
+        item = torch.multinomial(popularity, batch_size, replacement=True, generator=g)
+        lens = torch.randint(1, MAX_LEN + 1, (batch_size,), generator=g, dtype=torch.int32)
+        hist = torch.multinomial(popularity, int(lens.sum()), replacement=True, generator=g)
+        ones = torch.ones(batch_size, dtype=torch.int32)
+        user = torch.randint(0, NUM_USERS, (batch_size,), generator=g)
+        out.append(Batch(
+            dense=torch.zeros(batch_size, 0),
+            sparse=KeyedJaggedTensor(keys=["user_id", "segment"], values=torch.cat([user, user % NUM_CATS]),
+                                     lengths=torch.cat([ones, ones]), stride=batch_size),
+            labels=torch.ones(batch_size),
+            sequence=KeyedJaggedTensor(keys=["item", "hist_item", "item_cat"],
+                                       values=torch.cat([item, hist, item % NUM_CATS]),
+                                       lengths=torch.cat([ones, lens, ones]), stride=batch_size)))
+    return out
+
+
+def trainer_run(model: torch.nn.Module, batches: list[Batch], device: torch.device) -> Any:
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="bench_retrieval_"),
+                               train_epoch=10**9, train_steps=1, log_steps=10**9,
+                               resume_from=None, device=device.type),
+        train_dataset=lambda: itertools.cycle(batches),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-3), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
+        add_logger_hook=False)
+
+    def run(n: int) -> None:
+        trainer.args.train_steps = trainer.state.global_step + n
+        trainer.train()
+
+    return run
+
+
+def losses_worker(a: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from recsys_trainer.distributed import init_distributed
+
+    info = init_distributed(a.device)
+    variants = [v for v in a.variants if v != "cross_rank" or info.world_size > 1]
+    batches = make_batches(4, a.batch_size, a.num_items, seed=info.rank)
+    runs = {}
+    for v in variants:
+        torch.manual_seed(0)
+        runs[v] = trainer_run(model_for(v, a.num_items), batches, info.device)
+        runs[v](a.warmup)
+    seconds = {v: 0.0 for v in variants}
+    rounds: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(a.rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            runs[v](a.steps)
+            dist.barrier()
+            took = time.perf_counter() - t0
+            seconds[v] += took
+            rounds[v].append(took)
+    return {"world_size": info.world_size, "device": device_name(info.device),
+            "step_s": {v: seconds[v] / (a.steps * a.rounds) for v in variants}, "rounds": rounds}
+
+
+def eval_worker(a: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from recsys_trainer.distributed import init_distributed
+
+    info = init_distributed(a.device)
+    out = {}
+    for n in a.corpus:
+        torch.manual_seed(0)  # the same (unsharded) towers on every rank: the corpus is split
+        model = model_for("in_batch", n, table_device=info.device.type).eval()
+        g = torch.Generator().manual_seed(info.rank)
+        queries = torch.nn.functional.normalize(torch.randn(a.queries, 64, generator=g), dim=-1)
+        targets = Jagged.one_per_row(torch.randint(0, n, (a.queries,), generator=g))
+        full_corpus_metrics(model, queries[:64], targets.rows(0, 64), [10, 100])  # warm up
+        times = []
+        for _ in range(a.eval_repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                full_corpus_metrics(model, queries, targets, [10, 50, 100])
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        out[n] = min(times)
+    return {"world_size": info.world_size, "device": device_name(info.device), "seconds": out,
+            "queries_per_rank": a.queries}
+
+
+def worker(a: argparse.Namespace) -> None:
+    quiet_torchrec()
+    torch.set_flush_denormal(True)
+    result = losses_worker(a) if a.part == "losses" else eval_worker(a)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(a.out, "w") as f:
+            json.dump(result, f)
+    from recsys_trainer.distributed import shutdown
+
+    shutdown()
+
+
+def report_losses(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    rows = []
+    for res in results:
+        base = res["step_s"]["pointwise"]
+        for v, s in res["step_s"].items():
+            r = res["rounds"][v]
+            rows.append([res["world_size"], v, f"{s * 1000:.1f}", f"{s / base:.2f}",
+                         f"{max(r) / min(r):.2f}"])
+    return "\n".join([
+        "## Retrieval losses: step cost", "",
+        f"TwoTowerModel, {a.num_items:,} items, dim 64, towers (128, 64), batch {a.batch_size}/rank, "
+        f"{a.rounds} interleaved rounds x {a.steps} steps after {a.warmup} warm-up, on "
+        f"{results[0]['device']}", "",
+        markdown_table(["ranks", "loss", "ms/step", "x pointwise", "round spread"], rows), "",
+        "Goal: each softmax loss <= 1.2x the pointwise step of the same towers."])
+
+
+def report_eval(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
+    rows = []
+    for res in results:
+        q = res["queries_per_rank"] * res["world_size"]
+        for n, s in sorted(res["seconds"].items(), key=lambda kv: int(kv[0])):
+            rows.append([res["world_size"], f"{int(n):,}", f"{s:.2f}", f"{q / s:,.0f}",
+                         f"{s / (q * int(n)) * 1e9:.2f}"])
+    return "\n".join([
+        "## Full-corpus evaluation", "",
+        f"`full_corpus_metrics`: item tower over the corpus + every query against every item, "
+        f"top-100 merged across ranks; {a.queries} queries per rank, best of {a.eval_repeats}, on "
+        f"{results[0]['device']}", "",
+        markdown_table(["ranks", "corpus", "seconds", "queries/s", "ns per (query, item)"], rows), "",
+        "Goal: linear in the corpus (ns per pair flat as the corpus grows)."])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer steps (~2-4 min)")
+    p.add_argument("--part", nargs="+", default=["losses", "eval"], choices=["losses", "eval"])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--num-items", type=int, default=100_000)
+    p.add_argument("--batch-size", type=int, default=1024, help="per rank")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=list(LOSS_VARIANTS), choices=LOSS_VARIANTS)
+    p.add_argument("--corpus", type=int, nargs="+", default=[25_000, 100_000, 400_000])
+    p.add_argument("--queries", type=int, default=4096, help="eval queries per rank")
+    p.add_argument("--eval-repeats", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.batch_size, a.steps, a.rounds, a.warmup = min(a.batch_size, 512), min(a.steps, 8), 2, 3
+        a.corpus, a.queries, a.eval_repeats = [c for c in a.corpus if c <= 100_000], 1024, 1
+    if a.worker:
+        a.part = a.part[0]
+        worker(a)
+        return
+    common = [f"--num-items={a.num_items}", f"--batch-size={a.batch_size}", f"--warmup={a.warmup}",
+              f"--steps={a.steps}", f"--rounds={a.rounds}", f"--queries={a.queries}",
+              f"--eval-repeats={a.eval_repeats}", f"--device={a.device}",
+              "--variants", *a.variants, "--corpus", *map(str, a.corpus)]
+    sections = []
+    for part in a.part:
+        results = [torchrun(os.path.abspath(__file__), n, ["--part", part, *common], a.timeout)
+                   for n in a.ranks]
+        sections.append(report_losses(results, a) if part == "losses" else report_eval(results, a))
+    print("\n\n".join(sections))
+
+
+if __name__ == "__main__":
+    main()
