@@ -300,3 +300,21 @@ def test_recent_items_give_the_two_tower_the_order_of_the_history_and_the_mean_a
         assert torch.allclose(a, b, atol=1e-6) == same, recent
     with pytest.raises(ValueError, match="recent_items"):
         _two_tower(recent_items=5)  # more than max_len=4
+
+
+def test_the_metric_hook_names_what_a_model_lacks_for_full_corpus_evaluation() -> None:
+    from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+    from recsys_trainer.retrieval.models import find_retrieval_model
+
+    with pytest.raises(TypeError, match=r"need a model with `num_items` and `item_embeddings\(ids\)"):
+        find_retrieval_model(torch.nn.Linear(2, 2))
+    model = _two_tower()
+    assert find_retrieval_model(model) is model
+    hook = RetrievalMetricHook(k=[5])
+    batch = _tt_batch([1], [[2]])
+    with pytest.raises(TypeError, match=r"outputs\['query'\] \[B, D\] and outputs\['target'\]"):
+        hook._take(batch, torch.zeros(1))
+    with pytest.raises(ValueError, match="`k` must be a list of ints >= 1"):
+        RetrievalMetricHook(k=[0])
+    with pytest.raises(ValueError, match="`user_fn` and `time_fn` go together"):
+        RetrievalMetricHook(user_fn=lambda b: b.labels)

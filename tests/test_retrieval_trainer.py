@@ -120,6 +120,9 @@ def test_the_item_export_holds_every_item_tower_embedding_once(log, tmp_path) ->
     (tmp_path / "items" / "_SUCCESS").unlink()  # an export that never committed is refused
     with pytest.raises(FileNotFoundError, match="no committed item-embedding export"):
         read_item_embeddings(str(tmp_path / "items"))
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(RuntimeError, match=r"item-embedding export failed on rank 0: .*a_file/items"):
+        export_item_embeddings(trainer.model, str(tmp_path / "a_file" / "items"), gang=trainer.gang)
 
 
 def _default_size_log(root: Path) -> None:

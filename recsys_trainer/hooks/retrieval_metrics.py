@@ -93,6 +93,7 @@ class RetrievalMetricHook(Hook):
         self._rows: list[dict[str, Any]] = []
 
     def before_evaluate(self, trainer: Trainer) -> None:
+        find_retrieval_model(trainer.model)  # a model without an item tower: say so before the pass
         self._rows = []
 
     def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
