@@ -159,15 +159,15 @@ def main() -> None:
             print(f"{name}: {trainer.state.global_step} steps in {time.perf_counter() - t0:.0f} s")
     assert trainer is not None
     if trainer.is_rank_zero:
-        for k in KS:
-            print(f"oracle recall@{k} {oracle[f'recall@{k}']:.4f}")
+        print("oracle " + " ".join(f"{name} {v:.4f}" for name, v in oracle.items()))
         for name, evals in results.items():
             per_epoch = " ".join(f"{e['recall@50']:.4f}" for e in evals)
             last = evals[-1]
             print(f"{name:9s} recall@50 per epoch: {per_epoch}")
+            ratio = (f" = {last['recall@50'] / oracle['recall@50']:.3f}x the oracle's recall@50"
+                     if "recall@50" in oracle else "")
             print(f"{name:9s} final recall@10 {last['recall@10']:.4f} recall@50 {last['recall@50']:.4f} "
-                  f"ndcg@50 {last['ndcg@50']:.4f} recall@100 {last['recall@100']:.4f} = "
-                  f"{last['recall@50'] / oracle['recall@50']:.3f}x the oracle's recall@50 "
+                  f"ndcg@50 {last['ndcg@50']:.4f} recall@100 {last['recall@100']:.4f}{ratio} "
                   f"({trainer.world_size} rank(s), {len(evals)} epoch(s))")
     if a.export:
         export = export_item_embeddings(trainer.model, a.export, gang=trainer.gang,

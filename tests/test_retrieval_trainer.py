@@ -130,7 +130,7 @@ def _default_size_log(root: Path) -> None:
     write_dataset(root, hours=3, rows_per_hour=1200, signal=InteractionSignal.make(), ks=(50,))
 
 
-def test_the_example_yaml_trains_a_two_tower_through_the_cli(tmp_path: Path) -> None:
+def test_the_example_yaml_passes_the_smoke_test_through_the_cli(tmp_path: Path) -> None:
     _default_size_log(tmp_path / "data" / "interactions")
     yaml_path = REPO / "examples" / "configs" / "two_tower_interactions.yaml"
     windows = [f"data/interactions/dt=*/hour=0{h}/*.parquet" for h in range(3)]
@@ -140,11 +140,10 @@ def test_the_example_yaml_trains_a_two_tower_through_the_cli(tmp_path: Path) -> 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     smoke = subprocess.run([*base, "--smoke"], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path, env=env)
+    # The test mode: 2 train steps, 1 eval batch scored against the whole corpus, a save and a
+    # resume, on the config's model, data and hook.
     assert smoke.returncode == 0, smoke.stdout + smoke.stderr[-4000:]
-    run = subprocess.run(base, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
-    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
-    assert "rank 0/1 done: global_step=6" in run.stdout, run.stdout[-2000:]  # 2 windows x 3 steps
-    assert "| recall@50 " in run.stderr + run.stdout
+    assert "| recall@50 " in smoke.stderr + smoke.stdout, (smoke.stdout + smoke.stderr)[-3000:]
 
 
 def test_the_example_exports_the_items_and_a_faiss_index_of_them_returns_the_exact_top_k(tmp_path: Path) -> None:

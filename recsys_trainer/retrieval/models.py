@@ -305,8 +305,11 @@ class _RetrievalBase(nn.Module):
     def _uniform_negatives(self, device: torch.device) -> torch.Tensor | None:
         if self.num_uniform_negatives == 0:
             return None
-        # The global torch RNG: the Trainer seeds and checkpoints it (bitwise resume).
-        return torch.randint(0, self.num_items, (self.num_uniform_negatives,)).to(device)
+        # Training draws from the global torch RNG, which the Trainer seeds and checkpoints
+        # (bitwise resume); evaluation from a fixed generator, so that evaluating never moves
+        # the training's random stream.
+        gen = None if self.training else torch.Generator().manual_seed(0)
+        return torch.randint(0, self.num_items, (self.num_uniform_negatives,), generator=gen).to(device)
 
     def _negative_features(self, neg_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         """The ids a uniform negative adds to the lookup: its item id (and side features)."""
