@@ -16,8 +16,9 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
 - ``two_tower``: ``retrieval.TwoTowerModel``: user id and segment, the mean of the history and
   its most recent item (user tower), item id and category (item tower), in-batch softmax with
   the logQ correction;
-- ``sasrec``: ``retrieval.SASRecModel``: a causal transformer over the last 20 history items,
-  next-item loss at every position against the batch's items plus 256 uniformly sampled ones.
+- ``sasrec``: ``retrieval.SASRecModel``: a causal transformer (one layer, dim 32) over the
+  history, next-item loss at the last 10 positions of each row against the batch's items plus
+  128 uniformly sampled ones.
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
 ``--faiss`` then builds an exact faiss index (``IndexFlatIP``) from the export, searches it with
@@ -65,12 +66,10 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
             num_uniform_negatives=a.uniform_negatives, log_q_correction=not a.no_log_q,
             cross_rank_negatives=a.cross_rank)
     else:
-        # The reader keeps each history's last --sasrec-max-len items.
-        spec = interaction_features(dict(meta, max_len=a.sasrec_max_len), user_features=False,
-                                    item_side_features=False)
-        model = SASRecModel(num_items=meta["num_items"], max_len=a.sasrec_max_len, embedding_dim=64,
-                            num_layers=2, num_heads=2, dropout=0.1, temperature=0.05,
-                            num_uniform_negatives=max(a.uniform_negatives, 256),
+        spec = interaction_features(meta, user_features=False, item_side_features=False)
+        model = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=32,
+                            num_layers=1, num_heads=2, dropout=0.1, temperature=0.05,
+                            train_positions=10, num_uniform_negatives=max(a.uniform_negatives, 128),
                             log_q_correction=not a.no_log_q, cross_rank_negatives=a.cross_rank)
     return model, spec
 
@@ -129,7 +128,6 @@ def main() -> None:
     p.add_argument("--models", nargs="+", choices=["two_tower", "sasrec"], default=["two_tower"])
     p.add_argument("--epochs", type=int, default=1, help="passes over the train windows")
     p.add_argument("--batch-size", type=int, default=512, help="rows per rank per step")
-    p.add_argument("--sasrec-max-len", type=int, default=20, help="history items SASRec reads")
     p.add_argument("--lr", type=float, default=2e-3, help="dense Adam lr")
     p.add_argument("--sparse-lr", type=float, default=0.05, help="row-wise Adagrad lr of the tables")
     p.add_argument("--shuffle", action="store_true", help="shuffle the rows within each window")

@@ -143,12 +143,19 @@ def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_pro
     full.backward()
     w0, w1 = float(w[:B].sum()), float(w[B:].sum())
     assert (w0 * r0["loss"] + w1 * r1["loss"]) / (w0 + w1) == pytest.approx(float(full.detach()), rel=1e-6)
-    # Gradients reach the queries as in one process (scaled by each rank's share of the weight).
+    # Gradients reach the queries as in one process (scaled by each rank's share of the weight),
+    # and each rank's items get every rank's gradient: one process summing the ranks' losses.
     assert q.grad is not None
     assert torch.allclose(r0["q_grad"] * w0 / (w0 + w1), q.grad[:B], atol=1e-6)
     assert torch.allclose(r1["q_grad"] * w1 / (w0 + w1), q.grad[B:], atol=1e-6)
-    # ... and only through this rank's own items: no gradient for another rank's copy.
-    assert r0["items_grad"].abs().sum() > 0 and r1["items_grad"][3:5].abs().sum() == 0
+    items2 = items.detach().clone().requires_grad_(True)
+    per_rank = [in_batch_softmax_loss(q.detach()[r * B:(r + 1) * B], items2, ids, w[r * B:(r + 1) * B],
+                                      temperature=0.3, positive_offset=r * B, item_weights=w)
+                for r in range(2)]
+    (per_rank[0] + per_rank[1]).backward()
+    assert items2.grad is not None
+    assert torch.allclose(torch.cat([r0["items_grad"], r1["items_grad"]]), items2.grad, atol=1e-6)
+    assert r1["items_grad"][3:5].abs().sum() == 0  # rank 1's padding rows: never a candidate
     # Both ranks count every rank's real items, identically.
     expected = torch.bincount(ids[w > 0], minlength=16).to(torch.float64)
     assert torch.equal(r0["counts"][0], expected) and torch.equal(r1["counts"][0], expected)

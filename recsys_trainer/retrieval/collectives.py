@@ -11,6 +11,8 @@ forward (the functions are called as ``collectives.<name>`` so that the wrapping
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -50,24 +52,46 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None = None,
     return torch.cat([o[:n] for o, n in zip(out, sizes, strict=True)]), sizes
 
 
-def all_gather_with_local_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None,
-                               ) -> tuple[torch.Tensor, int]:
-    """Every rank's rows of ``x`` concatenated in rank order, where this rank's slice *is*
-    ``x`` (gradients flow into it) and the other ranks' slices are constants; also the offset
-    of this rank's slice. Each rank's loss thus trains only its own rows (as in CLIP-style
-    training with ``local_loss``): no collective runs in backward."""
+class _GatherRows(torch.autograd.Function):
+    """All-gather of equal-shaped ``[m, ...]`` tensors whose backward hands each rank the sum of
+    every rank's gradient for its own rows (an all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        rank, size = world(group)
+        ctx.group, ctx.rank, ctx.rows = group, rank, x.shape[0]
+        out = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(out, x.contiguous(), group=group)
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank * ctx.rows:(ctx.rank + 1) * ctx.rows], None
+
+
+def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None,
+                         ) -> tuple[torch.Tensor, int]:
+    """Every rank's rows of ``x`` concatenated in rank order, and the offset of this rank's
+    rows. Differentiable like one process holding all rows: in backward each rank's ``x``
+    receives the gradient of *every* rank's loss with respect to its rows (one all-reduce in
+    backward, so every rank must run backward, as data-parallel training does anyway). With the
+    data-parallel mean over ranks this is the gradient of one global batch."""
     rank, size = world(group)
     if size == 1:
         return x, 0
-    gathered, sizes = all_gather_rows(x, group)
-    start = sum(sizes[:rank])
-    out = torch.cat([gathered[:start], x, gathered[start + x.shape[0]:]])
-    return out, start
+    sizes = all_gather_sizes(x.shape[0], x.device, group)
+    longest = max(sizes)
+    padded = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+    full = _GatherRows.apply(padded, group)
+    out = torch.cat([full[r * longest:r * longest + n] for r, n in enumerate(sizes)])
+    return out, sum(sizes[:rank])
 
 
 torch.fx.wrap("all_gather_sizes")
 torch.fx.wrap("all_gather_rows")
-torch.fx.wrap("all_gather_with_local_grad")
+torch.fx.wrap("all_gather_with_grad")
 
 
-__all__ = ["all_gather_rows", "all_gather_sizes", "all_gather_with_local_grad", "world"]
+__all__ = ["all_gather_rows", "all_gather_sizes", "all_gather_with_grad", "world"]

@@ -16,9 +16,9 @@ every rank calls it together (the sharded table lookup is a collective).
 Negatives (``loss=`` / ``num_uniform_negatives=``): ``"in_batch"`` uses the other rows'
 items, plus ``num_uniform_negatives`` items drawn uniformly from the corpus (*mixed*
 negatives), with the logQ correction from a streaming ``ItemFrequencyEstimator`` (a module of
-the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the other ranks' items
-(an all-gather with gradients through this rank's part). ``"sampled"`` is a sampled softmax
-against the uniform negatives only. Uniformly sampled ids are looked up in the same call as the
+the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the other ranks'
+items (an all-gather whose backward returns every rank's gradient to each rank's items).
+``"sampled"`` is a sampled softmax against the uniform negatives only. Uniformly sampled ids are looked up in the same call as the
 batch (one more row of the sequence KJT), so the item table is read once per step.
 
 The data-dependent parts (checks, collectives with per-rank sizes, the assembled lookup) are
@@ -199,11 +199,11 @@ def items_only_input(keys: list[str], item_ids: Mapping[str, torch.Tensor]) -> K
 
 def gather_candidates(items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
                       cross_rank: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The in-batch candidates: this rank's, or every rank's (this rank's slice keeps its
-    gradient). Returns ``(items, ids, valid, offset of this rank's rows)``."""
+    """The in-batch candidates: this rank's, or every rank's (differentiable: every rank's loss
+    reaches every rank's items). Returns ``(items, ids, valid, offset of this rank's rows)``."""
     if not cross_rank:
         return items, ids, valid, 0
-    all_items, offset = collectives.all_gather_with_local_grad(items)
+    all_items, offset = collectives.all_gather_with_grad(items)
     meta, _ = collectives.all_gather_rows(torch.stack([ids.to(torch.int64), valid.to(torch.int64)], 1))
     return all_items, meta[:, 0], meta[:, 1] > 0, offset
 
@@ -554,8 +554,8 @@ class SASRecModel(_RetrievalBase):
     The input of a row is ``[BOS, h_1, ..., h_n]`` (the history, oldest first, embedded by the
     item table, plus learned positions); the output at position ``p`` is the query for the item
     that followed ``h_p``: ``h_{p+1}``, and the row's target item (``item_feature``) after the
-    last. With ``all_positions`` every position is a training query (SASRec's objective),
-    otherwise only the last. The loss scores each query against its positive and shared
+    last. Every position is a training query (SASRec's objective), or with ``train_positions=t``
+    the last ``t`` of each row (``1``: the target only; fewer queries, a cheaper loss). The loss scores each query against its positive and shared
     negatives: the batch's target items and ``num_uniform_negatives`` uniform items, with the
     logQ correction (``loss="in_batch"``; ``"sampled"``: the uniform items only). In evaluation
     the query is the output after the last history item. The item tower is the item table
@@ -577,7 +577,7 @@ class SASRecModel(_RetrievalBase):
         num_layers: int = 2,
         num_heads: int = 2,
         dropout: float = 0.1,
-        all_positions: bool = True,
+        train_positions: int | None = None,
         normalize: bool = True,
         temperature: float = 0.05,
         loss: LossKind = "in_batch",
@@ -602,7 +602,9 @@ class SASRecModel(_RetrievalBase):
             raise ValueError(f"`num_layers` must be an int >= 1, but is {num_layers!r}.")
         if not isinstance(num_heads, int) or num_heads < 1 or embedding_dim % num_heads:
             raise ValueError(f"`num_heads` must divide embedding_dim={embedding_dim}, but is {num_heads!r}.")
-        self.all_positions, self.normalize = all_positions, normalize
+        if train_positions is not None and (not isinstance(train_positions, int) or train_positions < 1):
+            raise ValueError(f"`train_positions` must be an int >= 1 or None, but is {train_positions!r}.")
+        self.train_positions, self.normalize = train_positions, normalize
         self.bos = nn.Parameter(torch.zeros(embedding_dim).normal_(0, 0.02))
         self.position_embedding = nn.Embedding(max_len + 1, embedding_dim)
         nn.init.normal_(self.position_embedding.weight, 0, 0.02)
@@ -649,23 +651,20 @@ class SASRecModel(_RetrievalBase):
         target_emb = self._out(cand.values()[:b])
         negatives = self._out(cand.values()[b:]) if neg_ids is not None else None
         weights = batch.weights
-        if self.all_positions:
-            # Positions 0..n-1 predict h_1..h_n; position n (the last) predicts the target.
-            valid = self.positions.unsqueeze(0) < lengths.unsqueeze(1)  # [B, L+1]: p < n
-            hist_ids = JaggedTensor(values=hist_ids_jt.values(), lengths=lengths).to_padded_dense(
-                self.max_len, padding_value=0)
-            pos_q = self._out(out[:, :-1][valid[:, :-1]])
-            pos_items = self._out(hist[valid[:, :-1]])
-            pos_ids = hist_ids[valid[:, :-1]]
-            row = torch.arange(b, device=out.device).unsqueeze(1).expand(b, self.max_len)[valid[:, :-1]]
-            pos_w = None if weights is None else weights[row]
-            loss = self._sequence_loss(
-                torch.cat([pos_q, query]), torch.cat([pos_items, target_emb]),
-                torch.cat([pos_ids, target_ids]),
-                None if weights is None else torch.cat([pos_w, weights]),  # type: ignore[list-item]
-                target_emb, target_ids, weights, negatives, neg_ids)
-        else:
-            loss = self._loss(query, target_emb, target_ids, weights, negatives, neg_ids)
+        # Positions 0..n-1 predict h_1..h_n; position n (after the last item) the target.
+        valid = self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]: p < n
+        if self.train_positions is not None:  # only the last t positions (the target's included)
+            first = lengths.unsqueeze(1) + 1 - self.train_positions
+            valid = valid & (self.positions[: self.max_len].unsqueeze(0) >= first)
+        hist_ids = JaggedTensor(values=hist_ids_jt.values(), lengths=lengths).to_padded_dense(
+            self.max_len, padding_value=0)
+        row = torch.arange(b, device=out.device).unsqueeze(1).expand(b, self.max_len)[valid]
+        loss = self._sequence_loss(
+            torch.cat([self._out(out[:, :-1][valid]), query]),
+            torch.cat([self._out(hist[valid]), target_emb]),
+            torch.cat([hist_ids[valid], target_ids]),
+            None if weights is None else torch.cat([weights[row], weights]),
+            target_emb, target_ids, weights, negatives, neg_ids)
         outputs = {"query": query.detach(), "target": target_ids, "history_lengths": lengths,
                    "history_ids": hist_ids_jt.values()}
         return loss, outputs
