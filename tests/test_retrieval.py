@@ -51,6 +51,22 @@ def test_in_batch_softmax_with_log_q_masks_repeats_and_padding_rows_and_matches_
     wn = w.numpy()
     expected = (per_row * wn)[wn > 0].sum() / wn.sum()
     assert float(loss) == pytest.approx(expected, rel=1e-5)
+    # Without accidental-hit removal only the padding candidate is masked.
+    plain = in_batch_softmax_loss(q, items, ids, w, temperature=0.5, item_log_q=log_q,
+                                  remove_accidental_hits=False)
+    pad_only = np.repeat(w.numpy()[None, :] == 0, 5, axis=0)
+    np.fill_diagonal(pad_only, False)
+    per_row = _manual_softmax(logits, np.arange(5), pad_only)
+    assert float(plain) == pytest.approx((per_row * wn)[wn > 0].sum() / wn.sum(), rel=1e-5)
+    # More candidates than queries (another rank's items around this rank's, positives at an
+    # offset): the query weights are not candidate weights, only accidental hits are masked.
+    wider = in_batch_softmax_loss(q[1:4], items, ids, w[1:4], temperature=0.5, positive_offset=1,
+                                  item_log_q=log_q)
+    hits = ids.numpy()[None, :] == ids.numpy()[1:4, None]
+    hits[np.arange(3), np.arange(1, 4)] = False
+    per_row = _manual_softmax(logits[1:4], np.arange(1, 4), hits)
+    w3 = wn[1:4]
+    assert float(wider) == pytest.approx((per_row * w3)[w3 > 0].sum() / w3.sum(), rel=1e-5)
     # The padding row changes nothing: the same loss without it.
     keep = torch.tensor([0, 1, 2, 4])
     alone = in_batch_softmax_loss(q[keep], items[keep], ids[keep], w[keep], temperature=0.5,

@@ -103,34 +103,36 @@ def in_batch_softmax_loss(
     Returns the weighted mean loss (0 for an all-zero-weight batch).
     """
     check_temperature(temperature)
-    b, c = query.shape[0], items.shape[0]
-    positive = torch.arange(b, device=query.device) + positive_offset
-    logits = query @ items.t() / temperature
+    b = query.shape[0]
+    rows = torch.arange(b, device=query.device)
+    positive = rows + positive_offset
+    scaled = query / temperature  # [B, D]: cheaper than dividing the [B, C] logits
+    logits = scaled @ items.t()
     if item_log_q is not None:
         logits = logits - item_log_q.to(logits.dtype)
     candidate_ids = item_ids
-    if item_weights is None and weights is not None and c == b:
+    if item_weights is None and weights is not None and items.shape[0] == b:
         item_weights = weights
     valid = None if item_weights is None else item_weights > 0
     if negatives is not None:
         if negative_ids is None:
             raise ValueError("`negatives` need `negative_ids` (for accidental hits).")
-        neg_logits = query @ negatives.t() / temperature
+        neg_logits = scaled @ negatives.t()
         if negative_log_q is not None:
             neg_logits = neg_logits - negative_log_q.to(neg_logits.dtype)
         logits = torch.cat([logits, neg_logits], dim=1)
         candidate_ids = torch.cat([item_ids, negative_ids])
         if valid is not None:
             valid = torch.cat([valid, torch.ones_like(negative_ids, dtype=torch.bool)])
-    columns = torch.arange(logits.shape[1], device=query.device)
-    is_positive = columns[None, :] == positive[:, None]
-    masked = torch.zeros_like(is_positive)
-    if valid is not None:
-        masked = masked | ~valid[None, :]
+    masked = None
     if remove_accidental_hits:
-        pos_ids = item_ids[positive]
-        masked = masked | (candidate_ids[None, :] == pos_ids[:, None])
-    return _softmax_loss(logits, positive, masked & ~is_positive, weights)
+        masked = candidate_ids[None, :] == item_ids[positive][:, None]
+    if valid is not None:
+        invalid = ~valid[None, :]
+        masked = invalid.expand(b, -1).clone() if masked is None else masked | invalid
+    if masked is not None:
+        masked[rows, positive] = False  # never a row's own positive
+    return _softmax_loss(logits, positive, masked, weights)
 
 
 def sampled_softmax_loss(
@@ -164,19 +166,22 @@ def sampled_softmax_loss(
     Returns the weighted mean loss (0 for an all-zero-weight batch).
     """
     check_temperature(temperature)
-    pos = (query * positives).sum(-1, keepdim=True) / temperature
-    neg = query @ negatives.t() / temperature
+    scaled = query / temperature
+    pos = (scaled * positives).sum(-1, keepdim=True)
+    neg = scaled @ negatives.t()
     if positive_log_q is not None:
         pos = pos - positive_log_q.to(pos.dtype)[:, None]
     if negative_log_q is not None:
         neg = neg - negative_log_q.to(neg.dtype)[None, :]
-    masked = torch.zeros(neg.shape, dtype=torch.bool, device=neg.device)
-    if negative_weights is not None:
-        masked = masked | ~(negative_weights > 0)[None, :]
+    masked = None
     if remove_accidental_hits:
-        masked = masked | (negative_ids[None, :] == positive_ids[:, None])
+        masked = negative_ids[None, :] == positive_ids[:, None]
+    if negative_weights is not None:
+        invalid = ~(negative_weights > 0)[None, :]
+        masked = invalid if masked is None else masked | invalid
     logits = torch.cat([pos, neg], dim=1)
-    masked = torch.cat([torch.zeros_like(masked[:, :1]), masked], dim=1)
+    if masked is not None:
+        masked = torch.cat([torch.zeros_like(masked[:, :1]), masked.expand(neg.shape)], dim=1)
     positive = torch.zeros(query.shape[0], dtype=torch.int64, device=query.device)
     return _softmax_loss(logits, positive, masked, weights)
 
