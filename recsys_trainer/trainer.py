@@ -69,6 +69,7 @@ from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
     WindowedDataset,
+    WindowPairing,
     as_windowed,
     nothing_to_train_error,
 )
@@ -480,9 +481,12 @@ class Trainer:
                 if with_eval and eval_ds is not None and self._is_windowed(eval_ds)
                 else None
             )
+            pairing = WindowPairing()
             for index, window_id in enumerate(windows):
                 listed += 1
                 eval_id = next(eval_windows, None) if eval_windows is not None else None
+                if eval_windows is not None:
+                    pairing.check(window_id, eval_id)  # a shifted pair is an error, not a wrong eval
                 if index < st.window_index:
                     continue  # trained before the checkpoint this run resumed from
                 st.window_index = index
