@@ -264,7 +264,10 @@ class ParquetWindowDataset(WindowedDataset):
             pieces, rows = _skip(pieces, skip_batches * self.batch_size)
         if total == 0:
             self.stats.empty_windows += 1
-            logger.warning("window %s has no rows (files: %d); skipping it", window_id, len(window.files))
+            # Not skipped: the window still takes its place (an eval window evaluates as 0 rows), so
+            # train/eval pairs keep their ids.
+            logger.warning("window %s has no rows (files: %d): it is read as 0 rows", window_id,
+                           len(window.files))
         return WindowIterator(self, pieces, rows, window_id, discard=replay)
 
     def padding_batch(self) -> Batch | None:
