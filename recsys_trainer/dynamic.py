@@ -229,10 +229,11 @@ class DynamicMCHModule(MCHManagedCollisionModule):
       from the *first* batch (its ids x ``eviction_interval`` x 1.25) and silently drops the
       ids that do not fit, so a short first batch starved admission for the whole run. Here the
       first batch only sets the initial size, and the buffers grow (at least doubling) when an
-      interval brings more ids. Memory: 8 bytes per id held, twice for the policies that keep a
-      last-access time (``distance_lfu``, ``lru``); at most twice the ids one interval brings
-      to this rank (below ``eviction_interval x gradient_accumulation_steps x`` the ids of one
-      micro-batch of all ranks together);
+      interval brings more ids. Memory: 8 bytes per id held, twice that for the policies that
+      keep a last-access time (``distance_lfu``, ``lru``), for the larger of torchrec's first
+      size and twice the most ids one interval brought to this rank (at most
+      ``eviction_interval x gradient_accumulation_steps x`` the ids of one micro-batch of all
+      ranks together);
     * passes counted in optimizer steps: a training forward ends a step unless
       ``closes_step`` is False (``StepBoundaries`` sets it for the other micro-batches of an
       accumulated step); the pass runs in the forward that ends every ``eviction_interval``-th
