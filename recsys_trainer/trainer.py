@@ -197,7 +197,7 @@ class Trainer:
         self.precision = Precision(a.mixed_precision, cuda=cuda,
                                    gradient_accumulation_steps=a.gradient_accumulation_steps)
         info = init_distributed(self.args.device, self.args.collective_timeout_s)
-        default_logging(info.rank)  # INFO lines on rank 0's stderr unless logging is configured
+        default_logging(info.rank)  # rank 0's INFO lines visible without a logging set-up
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
         configure_cpu_threads(info.local_world_size)
