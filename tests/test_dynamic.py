@@ -217,6 +217,18 @@ def test_eviction_interval_counts_optimizer_steps_under_gradient_accumulation(
     assert passes == [0, 1, 1, 2, 2, 3]
     # Free slots abound: the pass closing step 6 admitted every id, the last micro-batch's too.
     assert set(resident_ids(t, "t_u")[0].tolist()) == seen_ids(raw, "u")
+    # The schedule is checkpointed in steps; a checkpoint from before (no step keys) counted
+    # forwards, which were steps without accumulation.
+    from recsys_trainer.dynamic import DynamicTablesState
+
+    state = DynamicTablesState(t.model, 1)
+    saved = state.state_dict()
+    assert (saved["tables"]["t_u"]["steps"], saved["tables"]["t_u"]["current_iter"]) == (6, 9)
+    for st in saved["tables"].values():
+        del st["steps"], st["last_pass_step"]
+    state.load_state_dict(saved)
+    m: Any = mc_modules(t.model)["t_u"]
+    assert (m._steps, m._last_pass_step) == (9, 9)
 
 
 # -------------------------------------------------------------------------- two ranks
