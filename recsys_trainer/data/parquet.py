@@ -42,8 +42,10 @@ import pyarrow.parquet as pq
 from recsys_trainer import storage
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature, _RowError
+from recsys_trainer.data.errors import DataError, _RowError
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_choice, check_int, check_type
