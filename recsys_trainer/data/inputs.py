@@ -101,6 +101,12 @@ class _IdFeature:
     null_id: int | None = None
     """The id a null value (a null scalar, or a null element inside a list) gets; None: a null
     scalar has no id (an empty bag) and a null inside a list is an error. Not hashed."""
+    on_all_null: Literal["error", "warn"] = "error"
+    """A file in which an id column holds no value in any row (every value null; for a list
+    column, every list null or empty): raise ``DataError`` naming the file and column (usually
+    the data changed upstream: a renamed, dropped or unjoined column written as nulls), or log a
+    warning and read the file (its rows get ``null_id``, or no id). The reader checks each
+    file's footer statistics (files written without statistics are not checked)."""
 
     def __post_init__(self) -> None:
         kind = type(self).__name__.replace("Feature", "").lower()
@@ -161,6 +167,9 @@ class _IdFeature:
             if self.hash is False:
                 raise ValueError(f"{where} crosses columns, which is always hashed; `hash=False` "
                                  "does not apply.")
+        if self.on_all_null not in ("error", "warn"):
+            raise ValueError(f"`on_all_null` of {where} must be 'error' or 'warn', but is "
+                             f"{self.on_all_null!r}.")
         if self.null_id is not None and not (isinstance(self.null_id, int) and not isinstance(
                 self.null_id, bool) and 0 <= self.null_id < n):
             raise ValueError(f"`null_id` of {where} must be None or an int in [0, {n}), but is "

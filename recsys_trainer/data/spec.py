@@ -28,7 +28,7 @@ stable hash in ``hashing.py``; ``features.py`` gathers the public names.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -201,9 +201,13 @@ class FeatureSpec:
                     file=file, column=col,
                 )
             if not ok:
+                t = schema.field(col).type
+                why = (" (every value is null, so the file was written without the column's "
+                       "type, e.g. by pandas from a column of None); write it with its type"
+                       if pa.types.is_null(t) else "")
                 raise DataError(
-                    f"the declared {what} column must be {_EXPECTED[what]}, but is "
-                    f"{schema.field(col).type}.", file=file, column=col,
+                    f"the declared {what} column must be {_EXPECTED[what]}, but is {t}{why}.",
+                    file=file, column=col,
                 )
 
         def typ(col: str) -> pa.DataType | None:
@@ -244,6 +248,39 @@ class FeatureSpec:
                     and (_is_list(wt) == _is_list(t)),
                     "sparse weight",
                 )
+
+    def check_ids_present(self, valueless: Collection[str], schema: pa.Schema, num_rows: int,
+                          file: str) -> list[str]:
+        """Refuse a file whose id column holds no value in any of its ``num_rows`` rows.
+
+        ``valueless``: the columns of ``file`` (of type ``schema``) without a value in any row
+        (for a list column: no element), as its footer tells. Raises ``DataError`` naming the
+        file and the first such id column whose feature has ``on_all_null="error"``; returns one
+        warning per feature with ``on_all_null="warn"`` (the reader logs them). Nulls in some rows
+        only are fine (they are empty bags, or ``null_id``)."""
+        warnings: list[str] = []
+        if num_rows == 0:
+            return warnings
+        for s in self.id_features:
+            for c in s.sources:
+                if c not in valueless:
+                    continue
+                listed = c in schema.names and _is_list(schema.field(c).type)
+                kind = type(s).__name__
+                then = ("would train on no id in any of them" if listed or s.null_id is None
+                        else f"every row would take null_id {s.null_id}")
+                message = (
+                    f"the id column has no value in any of the file's {num_rows} rows ("
+                    f"{'every list is null or empty, or holds only nulls' if listed else 'every value is null'}"
+                    f"): {kind.replace('Feature', '').lower()} feature {s.name!r} {then}. This "
+                    "usually means the data changed upstream (a column renamed, dropped or not "
+                    "joined, written as nulls): fix the data; if the column may be empty in a "
+                    f"whole file, set {kind}(name={s.name!r}, on_all_null='warn')."
+                )
+                if s.on_all_null == "error":
+                    raise DataError(message, file=file, column=c)
+                warnings.append(str(DataError(message, file=file, column=c)))
+        return warnings
 
     def unify_columns(self, tables: list[pa.Table]) -> list[pa.Table]:
         """Tables (files of one window) about to be decoded together, with every declared column
