@@ -27,6 +27,8 @@ from recsys_trainer.data.hashing import (
 )
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature, _IdFeature
 
+_INT64_MAX = 2**63 - 1
+
 
 def _not_a_list(s: SequenceFeature, t: pa.DataType) -> str:
     return (f"sequence feature {s.name!r} has max_len={s.max_len}, so its column must be a list "
@@ -88,7 +90,7 @@ def _regular_ids(sparse: Sequence[SparseFeature], table: pa.Table, n: int,
         row = np.empty(n, dtype=np.int64)
         np.copyto(row, vals, casting="unsafe")
         if n and (int(row.min()) < 0 or int(row.max()) >= s.num_embeddings):
-            row = _out_of_range(s, row, np.ones(n, dtype=np.int32))
+            row = _out_of_range(s, row, np.ones(n, dtype=np.int32), vals)
         put(j, row)
     # Runs of consecutive hashed keys are one contiguous block of each batch block (of the
     # whole buffer when every key is hashed): one pass each.
@@ -127,9 +129,10 @@ def _jagged(s: _IdFeature, table: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return _ids(s, flat, lens), lens
 
 
-def _out_of_range(s: _IdFeature, ids: np.ndarray, lens: np.ndarray) -> np.ndarray:
+def _out_of_range(s: _IdFeature, ids: np.ndarray, lens: np.ndarray, raw: np.ndarray) -> np.ndarray:
     """Unhashed ids known to have some outside ``[0, num_embeddings)``: hash them in place
-    (``on_out_of_range="hash"``) or raise naming the first one."""
+    (``on_out_of_range="hash"``) or raise naming the first one as ``raw`` (the column's values
+    as stored, before the int64 cast and ``div``) holds it, with a fix that exists for it."""
     n_emb = s.num_embeddings
     bad = (ids < 0) | (ids >= n_emb)
     if s.on_out_of_range == "hash":
@@ -137,12 +140,22 @@ def _out_of_range(s: _IdFeature, ids: np.ndarray, lens: np.ndarray) -> np.ndarra
         return ids
     k = int(np.flatnonzero(bad)[0])
     kind = "SequenceFeature" if isinstance(s, SequenceFeature) else "SparseFeature"
-    raise _RowError(
-        f"id {int(ids[k])} is outside the table [0, {n_emb}) ({int(bad.sum())} such ids "
-        f"in this batch); raise num_embeddings, or set {kind}(name={s.name!r}, "
-        "on_out_of_range='hash') or hash=True.",
-        column=s.source, row=_row_of(lens, k),
-    )
+    stored = raw[k].item()  # a uint64 id >= 2**63 as written, not its int64 wrap
+    this = f"id {stored}" if s.div is None else f"value {stored} (id {int(ids[k])} after div={s.div})"
+    count = f"{int(bad.sum())} such ids in this batch"
+    hash_it = (f"set {kind}(name={s.name!r}, hash=True) to hash every id into [0, {n_emb}), or "
+               "on_out_of_range='hash' to hash only the ids outside it")
+    if stored > _INT64_MAX:
+        why = f": it is above 2**63 - 1, int64's largest value, and ids are int64 ({count}); {hash_it}."
+    elif ids[k] < 0:
+        why = (f": it is negative, and no table row is ({count}); {hash_it}, or take ids modulo "
+               f"the table size (mod={n_emb}).")
+    elif n_emb < _INT64_MAX:
+        why = f" ({count}); raise num_embeddings, or {hash_it}."
+    else:
+        why = f" ({count}); {hash_it}."
+    raise _RowError(f"{this} is outside the table [0, {n_emb}){why}", column=s.source,
+                    row=_row_of(lens, k))
 
 
 def _ids(s: _IdFeature, flat: pa.Array, lens: np.ndarray) -> np.ndarray:
@@ -174,7 +187,8 @@ def _ids(s: _IdFeature, flat: pa.Array, lens: np.ndarray) -> np.ndarray:
     elif _is_str(flat.type):
         ids = _mod_inplace(stable_hash_strings(flat), n_emb).view(np.int64)
     else:
-        ids = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        raw = flat.to_numpy(zero_copy_only=False)
+        ids = raw.astype(np.int64, copy=False)
         if s.div is not None:
             ids = np.floor_divide(ids, s.div)
         if s.mod is not None:
@@ -184,7 +198,7 @@ def _ids(s: _IdFeature, flat: pa.Array, lens: np.ndarray) -> np.ndarray:
             _mix64_inplace(h, n_emb)
             ids = h.view(np.int64)
         elif len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n_emb):
-            ids = _out_of_range(s, ids.copy(), lens)
+            ids = _out_of_range(s, ids.copy(), lens, raw)
     if nulls is not None:
         ids = np.where(nulls, np.int64(null_id), ids)
     return ids
