@@ -28,9 +28,10 @@ stable hash in ``hashing.py``; ``features.py`` gathers the public names.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import dataclasses
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -369,8 +370,10 @@ class FeatureSpec:
                 row, j = (int(x[0]) for x in np.nonzero(outside))
                 raise _RowError(
                     f"label {labels[row, j]:g} is outside label_range [{lo:g}, {hi:g}] "
-                    f"({int(outside.any(axis=1).sum())} such row(s) in this batch); fix the data "
-                    "or the FeatureSpec's label_range.", column=self.labels[j], row=row,
+                    f"({int(outside.any(axis=1).sum())} such row(s) in this batch); fix the data, "
+                    "or the range: FeatureSpec(label_range=...), which, when unset, is the model's "
+                    "label_range under the Trainer ([0, 1] for the bundled models' logistic loss).",
+                    column=self.labels[j], row=row,
                 )
         dense = np.empty((n, self.num_dense), dtype=np.float32)
         for j, d in enumerate(self.dense_features):
@@ -465,6 +468,20 @@ _EXPECTED = {
     "integer id": "an integer, or a list of integers (div/mod apply to integers)",
     "crossed": "a scalar integer or string (lists are not crossed)",
 }
+
+
+def apply_label_range(datasets: Iterable[Any], label_range: tuple[float, float] | None) -> None:
+    """Give ``label_range`` (the labels the model's loss accepts, e.g. ``(0, 1)`` for a logistic
+    loss) to each dataset whose ``FeatureSpec`` sets none: its reader then refuses a label outside
+    it with a ``DataError`` naming the column, file and row, on every rank, where the loss would
+    refuse it on one rank naming only the value. A range the spec sets is kept. Datasets without
+    a spec (plain iterables of ``Batch``) are left as they are."""
+    if label_range is None:
+        return
+    for ds in datasets:
+        spec = getattr(ds, "features", None)
+        if isinstance(spec, FeatureSpec) and spec.label_range is None:
+            ds.features = dataclasses.replace(spec, label_range=label_range)
 
 
 def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str, int | None]],
