@@ -268,8 +268,12 @@ class FeatureSpec:
                     continue
                 listed = c in schema.names and _is_list(schema.field(c).type)
                 kind = type(s).__name__
-                then = ("would train on no id in any of them" if listed or s.null_id is None
-                        else f"every row would take null_id {s.null_id}")
+                if s.null_id is None:
+                    then = "would train on no id in any of them"
+                elif listed:
+                    then = f"would train on no id, or only null_id {s.null_id}, in any of them"
+                else:
+                    then = f"every row would take null_id {s.null_id}"
                 message = (
                     f"the id column has no value in any of the file's {num_rows} rows ("
                     f"{'every list is null or empty, or holds only nulls' if listed else 'every value is null'}"
