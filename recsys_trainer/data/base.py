@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
 
