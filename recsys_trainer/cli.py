@@ -108,10 +108,14 @@ def build_trainer(cfg: RunConfig, needs: Sequence[str] = ()) -> Any:
     import torch.distributed as dist
 
     from recsys_trainer.distributed import init_distributed
+    from recsys_trainer.rng import seed_everything
     from recsys_trainer.trainer import Trainer
 
     # Start the group first: the datasets are per rank.
     init_distributed(cfg.args.device, cfg.args.collective_timeout_s)
+    # Seed before anything is built: the model's dense layers are initialised in its constructor
+    # (the Trainer seeds again only once it gets the model), and a dataset by `class` may draw.
+    seed_everything(cfg.args.seed)
     train, held_out = build_datasets(cfg, dist.get_rank())
     for which in needs:
         if (train if which == "train" else held_out) is None:
