@@ -144,8 +144,9 @@ def _train(trainer: Any, cfg: RunConfig) -> RunResult:
 
 def _load_trained(trainer: Any, cfg: RunConfig) -> None:
     # Evaluate or score a trained model: the checkpoint `args.resume_from` names ("auto": the
-    # newest committed one in output_dir), loaded on every rank as a resumed training would.
-    trainer.resume()
+    # newest committed one in output_dir that verifies). Only the model and what it needs: the
+    # data section may differ from training's (eval data, batch size, passthrough columns).
+    trainer.resume(mode="scoring")
     if trainer.state.global_step == 0 and trainer.is_rank_zero and not cfg.args.smoke_test:
         logging.getLogger("recsys_trainer").warning(
             "run: %s found no checkpoint to load (args.resume_from=%r, output_dir=%r): "
