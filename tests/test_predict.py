@@ -191,6 +191,25 @@ def test_run_predict_scores_the_eval_data_with_the_newest_checkpoint_of_a_cli_tr
     assert trained["y"].to_pylist() != untrained["y"].to_pylist()
 
 
+def test_scoring_restores_the_trained_model_whatever_the_data_section_of_training_was(
+        tmp_path: Path) -> None:
+    """A ``train_and_evaluate`` checkpoint holds both datasets' positions, tied to their
+    configuration; ``resume(mode="scoring")`` restores the model (and the step) only, so
+    scoring data with another batch size, seed and passthrough columns is fine."""
+    data = tmp_path / "data"
+    write_scoring_windows(str(data), [[20], [12]])
+    trained = make_trainer(_ds(data, spec={"passthrough": []}), _ds(data, spec={"passthrough": []}),
+                           output_dir=str(tmp_path / "ckpt"), save_end=True, resume_from=None)
+    trained.train_and_evaluate()
+    expected = trained.evaluate()
+    scorer = make_trainer(None, _ds(data, batch_size=16, seed=5), output_dir=str(tmp_path / "ckpt"))
+    scorer.resume(mode="scoring")
+    assert scorer.state.global_step == trained.state.global_step > 0
+    got = scorer.evaluate()
+    assert got["num_samples"] == expected["num_samples"] == 32
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+
+
 def test_run_predict_without_a_predict_section_is_a_config_error_naming_it() -> None:
     from recsys_trainer.config import ConfigError, RunConfig
 
