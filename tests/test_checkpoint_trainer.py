@@ -436,9 +436,11 @@ def test_auto_resume_with_no_checkpoint_that_verifies_is_an_error_not_a_fresh_st
     open(shard, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=r"no committed checkpoint in .* verifies.*step 2 "
                                               r"\(rank 0: .*CRC32"):
-        build(out, RowWindows(), train_steps=3).train()
-    # A run that does not save there leaves it where it is.
+        build(out, RowWindows(), train_steps=3, save_steps=2).train()
+    # Nothing to fall back to: nothing is moved aside, so a restart meets the same error
+    # instead of an output_dir that looks empty.
     assert committed_steps(out) == [2]
+    assert not [n for n in os.listdir(out) if layout.QUARANTINE_INFIX in n]
 
 
 def test_a_checkpoint_that_fails_verification_on_another_rank_is_skipped_on_every_rank(

@@ -330,33 +330,36 @@ class CheckpointManager:
             self._verify_everywhere(source, verify=False)  # only the agreement on the step
             return source
         candidates = layout.list_committed(self._out)
-        skipped: list[str] = []
+        skipped: list[tuple[layout.CheckpointInfo, str]] = []
         for info in [*reversed(candidates), None]:
             failures = self._verify_everywhere(info)
             if info is None:
                 break
             if not failures:
+                # Moved aside only now that there is one to fall back to: with none, a restart
+                # must meet the same error, not an output_dir that looks empty.
+                for bad, why in skipped:
+                    moved = self._quarantine(bad, why) if may_quarantine else None
+                    logger.warning(
+                        "checkpoint step %d at %s fails verification, so it is not resumed "
+                        "from: %s. %s", bad.step, bad.path, why,
+                        f"It is kept for inspection at {moved}." if moved else
+                        "It is left where it is (this run does not save into its directory).")
                 if skipped:
                     logger.warning("resuming from %s (step %d), the newest checkpoint that "
                                    "verifies", info.path, info.step)
                 return info
             # The facts only: the advice in the message is for a load that has no fallback.
-            why = "; ".join(f"rank {r}: {msg.replace(layout.UNUSABLE_ADVICE, '').strip()}"
-                            for r, msg, _, _ in failures)
-            moved = self._quarantine(info, why) if may_quarantine else None
-            logger.warning(
-                "checkpoint step %d at %s fails verification, so it is not resumed from: %s "
-                "%s", info.step, info.path, why,
-                f"It is kept for inspection at {moved}." if moved else
-                "It is left where it is (this run does not save into its directory).")
-            skipped.append(f"step {info.step} ({why})")
+            skipped.append((info, "; ".join(
+                f"rank {r}: {msg.replace(layout.UNUSABLE_ADVICE, '').strip().rstrip('.')}"
+                for r, msg, _, _ in failures)))
         if not skipped:
             return None
         raise CheckpointError(
             f"no committed checkpoint in {self.output_dir!r} verifies, so there is nothing to "
-            f"resume from: {'; '.join(skipped)}. Repair or move them out of the output "
-            f"directory, or set resume_from=None to start from scratch.",
-            path=self.output_dir, kind="corrupt")
+            f"resume from: {'; '.join(f'step {i.step} ({why})' for i, why in skipped)}. Repair "
+            "them, or move them out of the output directory to start from scratch there (or "
+            "use another output_dir).", path=self.output_dir, kind="corrupt")
 
     def _verify_everywhere(self, info: layout.CheckpointInfo | None,
                            verify: bool = True) -> list[tuple[int, str, str | None, str]]:
