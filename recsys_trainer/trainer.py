@@ -376,7 +376,8 @@ class Trainer:
             self._train(with_eval=False)
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
+        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics. To evaluate
+        a trained model, ``resume(mode="scoring")`` first."""
         if self.smoke is not None and not self.smoke.running:
             self.smoke.run(self)
             return self.smoke.eval_metrics

@@ -424,6 +424,8 @@ def test_auto_resume_falls_back_past_a_checkpoint_missing_a_shard_and_moves_it_a
         build(str(tmp_path / "strict"), RowWindows(), train_steps=12, resume_from=kept).train()
     assert e.value.path == os.path.join(kept, os.path.basename(lost)) and e.value.kind == "corrupt"
     assert "Load an older one by its path" in str(e.value) and "resume_from='auto'" in str(e.value)
+    with pytest.raises(CheckpointError, match=r"is missing: its COMMITTED manifest lists it"):
+        build(str(tmp_path / "strict"), RowWindows(), resume_from=kept).resume(mode="scoring")
 
 
 def test_auto_resume_with_no_checkpoint_that_verifies_is_an_error_not_a_fresh_start(

@@ -285,7 +285,8 @@ class CheckpointManager:
             if source is not None:
                 logger.info("loading the model of %s (step %d) for scoring", source.path,
                             source.step)
-                self._load_and_notify(source, mode="scoring", verified=True)
+                self._load_and_notify(source, mode="scoring",
+                                      verified=self.resume_from == "auto")
             elif self.model_bank:
                 warm_start(self._components, self.model_bank, gang)
             return source
