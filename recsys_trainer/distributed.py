@@ -14,9 +14,12 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import json
 import logging
 import os
 import socket
+import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -270,7 +273,13 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             if use_cuda:
                 torch.cuda.set_device(cuda_index)
-            dist.init_process_group(backend=backend, timeout=timeout)
+            store = attempt_store(timeout_s)
+            if store is None:
+                dist.init_process_group(backend=backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend=backend, store=store, timeout=timeout,
+                                        rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -295,6 +304,70 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
         device=dev,
         initialized_by_us=initialized_by_us,
     )
+
+
+_ATTEMPT_STORE_KEY = "recsys_trainer/attempt_store"
+"""The key, in torchrun's agent store, under which rank 0 publishes its attempt's store."""
+_NONCE_KEY = "recsys_trainer/nonce"
+_PROBE_S = 1.0
+"""How long a rank tries to reach a published store before it reads the key again (a store
+that no longer exists refuses the connection at once; the client retries until this)."""
+
+
+def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store | None:
+    """A store of this attempt's own for the process groups, under torchrun; None elsewhere.
+
+    Why: torchrun's agent hosts one TCPStore for the whole job (``TORCHELASTIC_USE_AGENT_STORE``,
+    torch's default with the c10d rendezvous and ``--standalone``) and keeps it across
+    ``--max-restarts`` restarts, and torch's ``env://`` rendezvous puts no attempt prefix on its
+    keys ("a new TCPStore for every retry", which this agent does not do). Gloo's rendezvous
+    keys (each rank's listening address, per process group) of the dead attempt are still in the
+    store when the next attempt starts, so a rank that reads its peer's address before that peer
+    has written its new one connects to the dead attempt: ``Gloo connectFullMesh failed ...
+    Connection refused`` when nothing listens there any more, or a wait in
+    ``Pair::waitUntilConnected`` that lasts the whole timeout when the port has been reused.
+    Which rank comes first is a race (import and start-up times), so it failed in some runs only.
+    A prefix per ``TORCHELASTIC_RESTART_COUNT`` is not enough: that count is per agent, and
+    agents of a multi-node job restart their workers with different counts (a node that only
+    saw another node rejoin does not count a restart).
+
+    So rank 0 starts a new TCPStore (a port the OS picks) for every attempt and publishes its
+    address with a random nonce in the agent's store; the other ranks read the address and use
+    the store only once it holds that nonce, reading the key again (every ``_PROBE_S``) while
+    it still names a store of a dead attempt. Nothing of an earlier attempt can be read: every
+    key the process groups use lives in a store that did not exist before this attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                            wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        own.set(_NONCE_KEY, nonce)
+        agent.set(_ATTEMPT_STORE_KEY, json.dumps({"host": host, "port": own.port, "nonce": nonce}))
+        return own
+    deadline = time.monotonic() + timeout_s
+    while True:
+        published = json.loads(agent.get(_ATTEMPT_STORE_KEY))  # waits for rank 0's first one
+        try:
+            store = dist.TCPStore(published["host"], int(published["port"]), world_size,
+                                  is_master=False, timeout=datetime.timedelta(seconds=_PROBE_S))
+            if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == published["nonce"]:
+                store.set_timeout(timeout)
+                return store
+        except RuntimeError:  # DistNetworkError / DistStoreError: a store of a dead attempt
+            pass
+        if time.monotonic() > deadline:
+            raise PeerLostError(
+                f"rank {rank}: rank 0 did not start this attempt's store within "
+                f"collective_timeout_s={timeout_s:g} s ({_ATTEMPT_STORE_KEY} in torchrun's store "
+                f"at {host}:{port} still names {published['host']}:{published['port']}); check "
+                "rank 0's log.", reason="timeout")
+        time.sleep(0.1)
 
 
 def new_control_group(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.ProcessGroup | None:

@@ -1,0 +1,276 @@
+"""Preemption in one process: a real SIGTERM/SIGINT to this process while training stops after
+the step in progress, saves that step (draining an async save in flight first), raises
+``Preempted`` (exit code 128 + signal), and a rerun resumes bitwise equal to an uninterrupted
+run, every row trained once: mid-window, during an evaluation, at a window change. A save that
+misses the grace period ends the process with the previous checkpoint intact. The 2-rank runs
+under torchrun (SIGTERM to the agent, a killed rank with --max-restarts) are in
+test_recovery_dist.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_checkpoint_trainer import (
+    FEATS,
+    NUM_DENSE,
+    ROWS,
+    RowRecorder,
+    RowWindows,
+    _slow_writes,
+    assert_bitwise_equal,
+    committed_steps,
+    snapshot,
+)
+
+from recsys_trainer import Hook, LambdaHook, Preempted, SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer.checkpoint import layout
+from recsys_trainer.hooks.base import StepOutput
+from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.preemption import DUPLICATE_WINDOW_S, PreemptionWatcher
+
+pytestmark = pytest.mark.timeout(300)
+
+TESTS = Path(__file__).resolve().parent
+
+
+def build(output_dir: str, hooks: list[Hook] | None = None, eval_windows: int = 0,
+          **args: Any) -> Trainer:
+    """The tiny DLRM of test_checkpoint_trainer on 3 windows of 8 batches (and eval windows)."""
+    torch.manual_seed(0)
+    model = DLRMClassifier(FEATS, NUM_DENSE, ROWS, embedding_dim=8, dense_arch=(16,),
+                           over_arch=(16, 1))
+    args.setdefault("log_steps", 1000)
+    return Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=output_dir, **args),
+        train_dataset=RowWindows(num_windows=3),
+        eval_dataset=RowWindows(num_windows=3, batches_per_window=3, seed=5) if eval_windows else None,
+        hooks=hooks or [],
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2),
+                          lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        add_logger_hook=False,
+    )
+
+
+class Events(Hook):
+    """The events that end a run, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.preemption: Any = None
+
+    def after_train(self, trainer: Trainer) -> None:
+        self.events.append("after_train")
+
+    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+        self.events.append("on_exception")
+
+    def on_preempt(self, trainer: Trainer, preemption: Any) -> None:
+        self.events.append("on_preempt")
+        self.preemption = preemption
+
+    def end(self, trainer: Trainer) -> None:
+        self.events.append(f"end:{trainer.state.stop_reason}")
+
+
+def signal_self(signum: int = signal.SIGTERM) -> None:
+    os.kill(os.getpid(), signum)
+
+
+def run_preempted(trainer: Trainer, with_eval: bool = False) -> Preempted:
+    with pytest.raises(Preempted) as info:
+        trainer.train_and_evaluate() if with_eval else trainer.train()
+    return info.value
+
+
+def full_run(tmp_path: Path, with_eval: bool = False, **args: Any) -> tuple[Trainer, RowRecorder]:
+    rec = RowRecorder()
+    t = build(str(tmp_path / "full"), [rec], eval_windows=3 if with_eval else 0, **args)
+    t.train_and_evaluate() if with_eval else t.train()
+    return t, rec
+
+
+def resume_and_compare(tmp_path: Path, out: str, first: RowRecorder, with_eval: bool = False,
+                       hooks: list[Hook] | None = None, **args: Any) -> RowRecorder:
+    """Rerun the same command in ``out``; the model equals the uninterrupted one bit for bit and
+    every row was trained exactly once over both runs."""
+    full, full_rec = full_run(tmp_path, with_eval, **args)
+    second = RowRecorder()
+    resumed = build(out, [second, *(hooks or [])], eval_windows=3 if with_eval else 0, **args)
+    resumed.train_and_evaluate() if with_eval else resumed.train()
+    assert resumed.state.global_step == full.state.global_step
+    assert_bitwise_equal(snapshot(resumed), snapshot(full))
+    rows = first.rows + second.rows
+    assert sorted(rows) == sorted(full_rec.rows) and len(set(rows)) == len(rows)
+    return second
+
+
+def test_sigterm_during_an_async_save_drains_it_then_saves_the_stopped_step_and_resumes_bitwise(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    log: list[tuple[str, int, float]] = []
+    _slow_writes(monkeypatch, 0.4, log)
+    in_flight_at_signal: list[bool] = []
+
+    def after_step(trainer: Trainer, output: StepOutput) -> None:
+        if trainer.state.global_step == 5:
+            in_flight_at_signal.append(trainer.checkpointer.in_flight)
+            signal_self()  # step 4's save is still being written
+
+    out = str(tmp_path / "cut")
+    first, events = RowRecorder(), Events()
+    handler_before = signal.getsignal(signal.SIGTERM)
+    t = build(out, [first, events, LambdaHook(after_step=after_step)], save_steps=4,
+              train_steps=20)
+    preempted = run_preempted(t)
+    assert in_flight_at_signal == [True]
+    # Every step after the signal's step is lost; both the drained and the stopped step commit.
+    assert preempted.code == 143 and preempted.preemption.step == 5
+    assert committed_steps(out) == [4, 5] and t.state.global_step == 5
+    p = preempted.preemption
+    assert p.signal == "SIGTERM" and p.committed and p.checkpoint.endswith("step_00000005")
+    assert p.seconds_to_commit is not None and p.seconds_to_commit < 25
+    assert events.events == ["on_preempt", "end:preempted by SIGTERM"]
+    assert events.preemption is p and t.preemption is p
+    # The output_dir lock is released and the previous signal handler is back.
+    assert not t.checkpointer._lock.held
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    second = resume_and_compare(tmp_path, out, first, train_steps=20)
+    assert ("loaded", "step_00000005") in second.events
+
+
+def test_sigint_during_an_evaluation_abandons_it_and_the_rerun_evaluates_that_window_again(
+        tmp_path: Path) -> None:
+    evaluated: list[tuple[str, str]] = []
+
+    def before_window(trainer: Trainer, window_id: str) -> None:
+        evaluated.append((trainer.state.mode, window_id))
+
+    def after_eval_step(trainer: Trainer, output: StepOutput) -> None:
+        if trainer.state.window_id == "w1" and output.step == 2:
+            signal_self(signal.SIGINT)
+
+    out = str(tmp_path / "cut")
+    first, events = RowRecorder(), Events()
+    t = build(out, [first, events, LambdaHook(before_window=before_window,
+                                              after_eval_step=after_eval_step)],
+              eval_windows=3, save_every_n_windows=1)
+    preempted = run_preempted(t, with_eval=True)
+    assert preempted.code == 130 and preempted.preemption.signal == "SIGINT"
+    # Stopped inside eval window w1, after the 16 steps of train windows w0 and w1; the saved
+    # position is still window w1 (its train batches done), so its evaluation comes again.
+    assert preempted.preemption.step == 16 and committed_steps(out) == [8, 16]
+    assert events.events == ["on_preempt", "end:preempted by SIGINT"]
+    manifest = layout.read_manifest(layout.locate(os.path.join(out, "step_00000016")))
+    assert manifest is not None
+    position = manifest["trainer_state"]
+    assert (position["window_index"], position["batches_in_window"], position["window_id"]) == \
+        (1, 8, "w1")
+    assert [w for mode, w in evaluated if mode == "eval"] == ["w0", "w1"]
+    evaluated.clear()
+    resume_and_compare(tmp_path, out, first, with_eval=True, save_every_n_windows=1,
+                       hooks=[LambdaHook(before_window=before_window)])
+    assert [w for mode, w in evaluated if mode == "eval"] == ["w1", "w2"]
+
+
+def test_sigterm_at_a_window_change_stops_before_the_new_windows_first_step(
+        tmp_path: Path) -> None:
+    def before_window(trainer: Trainer, window_id: str) -> None:
+        if trainer.state.mode == "train" and window_id == "w2":
+            signal_self()
+
+    out = str(tmp_path / "cut")
+    first = RowRecorder()
+    t = build(out, [first, LambdaHook(before_window=before_window)], save_steps=5,
+              async_save=False)
+    preempted = run_preempted(t)
+    assert preempted.preemption.step == 16 and committed_steps(out) == [5, 10, 15, 16]
+    assert (t.state.window_index, t.state.batches_in_window) == (2, 0)
+    resume_and_compare(tmp_path, out, first, save_steps=5, async_save=False)
+
+
+def test_a_run_that_saves_nothing_stops_on_the_signal_and_says_nothing_was_saved(
+        tmp_path: Path) -> None:
+    def after_step(trainer: Trainer, output: StepOutput) -> None:
+        if trainer.state.global_step == 3:
+            signal_self()
+
+    t = build(str(tmp_path), [LambdaHook(after_step=after_step)])
+    preempted = run_preempted(t)
+    assert preempted.code == 143 and preempted.preemption.step == 3
+    assert not preempted.preemption.committed and "no save trigger" in str(preempted.preemption.error)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_that_misses_the_grace_period_ends_the_process_and_keeps_the_previous_checkpoint(
+        tmp_path: Path) -> None:
+    # In a subprocess: the process ends with os._exit while the write is still going on.
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(TESTS)!r})
+        from test_preemption import build
+        from recsys_trainer import LambdaHook
+        from recsys_trainer.checkpoint import CheckpointManager
+
+        real = CheckpointManager._write
+        def slow(self, loc, *a, **kw):
+            if loc.url.endswith("step_00000005"):
+                time.sleep(30)
+            return real(self, loc, *a, **kw)
+        CheckpointManager._write = slow
+
+        def after_step(trainer, output):
+            if trainer.state.global_step == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+        t = build({str(tmp_path / "out")!r}, [LambdaHook(after_step=after_step)], save_steps=4,
+                  train_steps=20, preemption_grace_s=1.5)
+        t.train()
+        print("NOT REACHED")
+    """)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 143, p.stdout + p.stderr[-3000:]
+    assert "NOT REACHED" not in p.stdout
+    assert "PreemptionError" in p.stderr and "did not commit in time" in p.stderr
+    assert time.monotonic() - t0 < 60
+    out = str(tmp_path / "out")
+    assert committed_steps(out) == [4]
+    assert not layout.is_committed(layout.locate(os.path.join(out, "step_00000005")))
+
+
+def test_a_second_signal_is_the_same_preemption_when_it_comes_at_once_and_ends_the_process_later(
+        ) -> None:
+    killed: list[int] = []
+    watcher = PreemptionWatcher(kill=killed.append)
+    previous = signal.getsignal(signal.SIGTERM)
+    with watcher.watching():
+        signal_self()
+        signal_self()  # e.g. Slurm's SIGTERM and the one torchrun's agent forwards
+        assert watcher.signal_name == "SIGTERM" and killed == []
+        assert watcher.received_at is not None
+        watcher.received_at -= DUPLICATE_WINDOW_S + 1  # "much later"
+        signal_self(signal.SIGINT)
+        assert killed == [signal.SIGINT] and watcher.signal_name == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is previous
+    assert not watcher.requested
+
+
+def test_preemption_grace_s_is_validated_and_none_leaves_the_signals_alone(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"`preemption_grace_s` must be a number > 0 or None, but is 0"):
+        TrainingArguments(preemption_grace_s=0)
+    seen: list[Any] = []
+    handler_before = signal.getsignal(signal.SIGTERM)
+    t = build(str(tmp_path), [LambdaHook(after_step=lambda tr, o: seen.append(
+        signal.getsignal(signal.SIGTERM)))], train_steps=1, preemption_grace_s=None)
+    t.train()
+    assert seen == [handler_before]
