@@ -217,7 +217,7 @@ def test_a_save_that_misses_the_grace_period_ends_the_process_and_keeps_the_prev
     script = textwrap.dedent(f"""
         import os, signal, sys, time
         sys.path.insert(0, {str(TESTS)!r})
-        from test_preemption import build
+        from test_recovery import build
         from recsys_trainer import LambdaHook
         from recsys_trainer.checkpoint import CheckpointManager
 
@@ -274,3 +274,28 @@ def test_preemption_grace_s_is_validated_and_none_leaves_the_signals_alone(tmp_p
         signal.getsignal(signal.SIGTERM)))], train_steps=1, preemption_grace_s=None)
     t.train()
     assert seen == [handler_before]
+
+
+def test_a_restarted_torchrun_attempt_takes_over_its_earlier_attempts_lease_at_once(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """On object storage the output_dir lock is a lease. A restart's new rank 0 may run on
+    another host than the dead one, whose lease would otherwise block it for its TTL (60 s):
+    the same torchrun run id means an earlier attempt of this job, which torchrun has stopped."""
+    import json
+
+    from recsys_trainer.checkpoint.lock import LeaseLock
+    from recsys_trainer.storage import resolve
+
+    where = resolve(str(tmp_path))
+    earlier = {"host": "node-b", "pid": 4242, "world_size": 2, "started": "x", "token": "t0",
+               "run_id": "job-7", "renewed": time.time()}
+    with where.filesystem.open_output_stream(where.join("LOCK").path) as f:
+        f.write(json.dumps(earlier).encode())
+    monkeypatch.setattr(LeaseLock, "SETTLE_S", 0.0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-8")
+    holder = LeaseLock(where).acquire(world_size=2)
+    assert holder is not None and "pid 4242 on host node-b (run job-7" in holder
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    lease = LeaseLock(where)
+    assert lease.acquire(world_size=2) is None
+    lease.release()
