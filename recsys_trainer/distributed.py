@@ -12,12 +12,15 @@ play rank k of n, and is the gang of a process without ``torch.distributed``.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import gc
 import json
 import logging
 import os
+import signal
 import socket
+import sys
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -267,6 +270,7 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
                                             os.environ.get("CUDA_VISIBLE_DEVICES"))
     initialized_by_us = False
     _collect_process_groups_at_exit()
+    stop_with_the_agent()
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -368,6 +372,35 @@ def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store
                 f"at {host}:{port} still names {published['host']}:{published['port']}); check "
                 "rank 0's log.", reason="timeout")
         time.sleep(0.1)
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_agent() -> None:
+    """Under torchrun on Linux: have the kernel send this worker SIGTERM when its agent dies.
+
+    A torchrun agent killed outright (SIGKILL, an OOM kill of the agent alone) cannot stop its
+    workers: they were left training unsupervised, holding ``output_dir``'s lock and the
+    devices, and nothing restarted them. With ``PR_SET_PDEATHSIG`` the worker gets SIGTERM
+    instead, which the Trainer treats as a preemption (``recsys_trainer.preemption``): every
+    rank stops after the same step, saves it and exits, and a rerun resumes there. Idempotent;
+    a no-op outside torchrun (``TORCHELASTIC_RUN_ID`` unset) and off Linux.
+    """
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        ok = prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        logger.warning("could not ask to be signalled when torchrun's agent dies (prctl "
+                       "PR_SET_PDEATHSIG failed): if the agent is killed, stop this worker by hand.")
+        return
+    if os.getppid() != agent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def new_control_group(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.ProcessGroup | None:

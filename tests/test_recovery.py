@@ -8,6 +8,7 @@ test_recovery_dist.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -299,3 +300,43 @@ def test_a_restarted_torchrun_attempt_takes_over_its_earlier_attempts_lease_at_o
     lease = LeaseLock(where)
     assert lease.acquire(world_size=2) is None
     lease.release()
+
+
+def test_a_worker_gets_sigterm_when_its_torchrun_agent_is_killed(tmp_path: Path) -> None:
+    """A torchrun agent killed outright used to leave its workers training unsupervised (they
+    kept the lock and finished the run on their own). ``stop_with_the_agent`` (called by
+    ``init_distributed``) has the kernel send them SIGTERM instead: the preemption path."""
+    flag = tmp_path / "got_sigterm"
+    worker = textwrap.dedent(f"""
+        import os, signal, sys, time
+        from recsys_trainer.distributed import stop_with_the_agent
+        signal.signal(signal.SIGTERM, lambda *_: (open({str(flag)!r}, "w").close(), sys.exit(0)))
+        stop_with_the_agent()
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    agent = textwrap.dedent(f"""
+        import subprocess, sys, time
+        w = subprocess.Popen([sys.executable, "-c", {worker!r}], stdout=subprocess.PIPE, text=True)
+        assert w.stdout.readline().strip() == "ready"
+        print(w.pid, flush=True)
+        time.sleep(60)
+    """)
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "job-1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True,
+                            env=env)
+    worker_pid = None
+    try:
+        assert proc.stdout is not None
+        worker_pid = int(proc.stdout.readline())
+        proc.kill()  # SIGKILL: the agent cannot forward anything
+        deadline = time.monotonic() + 30
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert flag.exists(), "the worker was not signalled when its agent died"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        if worker_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker_pid, signal.SIGKILL)
