@@ -277,6 +277,7 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             if use_cuda:
                 torch.cuda.set_device(cuda_index)
+            t0 = time.perf_counter()
             store = attempt_store(timeout_s)
             if store is None:
                 dist.init_process_group(backend=backend, timeout=timeout)
@@ -284,6 +285,9 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
                 dist.init_process_group(backend=backend, store=store, timeout=timeout,
                                         rank=int(os.environ["RANK"]),
                                         world_size=int(os.environ["WORLD_SIZE"]))
+            logger.info("process group formed: rank %d of %d, %s, in %.2f s (torchrun restart "
+                        "%s)", dist.get_rank(), dist.get_world_size(), backend,
+                        time.perf_counter() - t0, os.environ.get("TORCHELASTIC_RESTART_COUNT", "-"))
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
