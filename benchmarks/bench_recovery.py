@@ -182,7 +182,7 @@ def _cli(cfg: Path, *torchrun_args: str) -> list[str]:
             "recsys_trainer", str(cfg)]
 
 
-def restarts(runs: int, steps: int, save_steps: int, seed: int) -> int:
+def restarts(runs: int, steps: int, save_steps: int, seed: int, job_timeout_s: float) -> int:
     """``runs`` jobs under ``--max-restarts=2``, each with rank 1 SIGKILLed at a random step."""
     rng = random.Random(seed)
     tmp = Path(tempfile.mkdtemp(prefix="bench_recovery_"))
@@ -205,8 +205,9 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int) -> int:
         kill_at = rng.randrange(save_steps // 2, steps - save_steps)
         job = Job(_cli(_cli_config(tmp, out, steps, save_steps), "--max-restarts=2"),
                   tmp / f"run{run}.log")
+        t_kill, t_spawn = float("nan"), None
         try:
-            job.wait_for_step(kill_at, 600)
+            job.wait_for_step(kill_at, job_timeout_s)
             victim = job.workers()[1]
             before = {p for p in job.workers().values()}
             t_kill = time.time()
@@ -217,13 +218,13 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int) -> int:
                 if now - before:
                     t_spawn = time.time()
                 time.sleep(0.02)
-            rc = job.wait(600)
+            rc = job.wait(job_timeout_s)
         except (RuntimeError, TimeoutError) as e:
             rc = None
             print(f"run {run}: {e}", file=sys.stderr)
         text = job.text()
         trained = job.steps()
-        last = max(s for t, s in trained if t <= t_kill) if trained else -1
+        last = max((s for t, s in trained if t <= t_kill), default=-1)
         resumes = [(_log_time(t), int(s)) for t, s in _RESUME.findall(text)]
         saw = [(_glog_time(d, h), int(c)) for d, h, c in _AGENT_SAW.findall(text)]
         t_detect = next((t for t, c in saw if c == -9), float("nan"))
@@ -233,6 +234,8 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int) -> int:
         t_formed, group_s = formed[-1] if formed else (float("nan"), float("nan"))
         equal = rc == 0 and _same_model(_newest(out), reference)
         failures += not (rc == 0 and equal)
+        if rc is None:
+            print(f"run {run} hung; its log: {job.log}", file=sys.stderr)
         spawn = t_spawn or float("nan")
         row = {"detect": t_detect - t_kill, "restart": spawn - t_detect,
                "imports": t_formed - group_s - spawn, "groups": group_s,
@@ -456,6 +459,8 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=120)
     r.add_argument("--save-steps", type=int, default=20)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--job-timeout-s", type=float, default=600.0,
+                   help="a job still running after this is killed and counted as hung")
     b = sub.add_parser("repeating", help="N runs of a repeating fault under --max-restarts=2")
     b.add_argument("--runs", type=int, default=5)
     b.add_argument("--bound-s", type=float, default=180.0)
@@ -466,7 +471,7 @@ def main() -> None:
     if a.mode == "faults":
         sys.exit(faults(a.quick, a.save_steps))
     if a.mode == "restarts":
-        sys.exit(restarts(a.runs, a.steps, a.save_steps, a.seed))
+        sys.exit(restarts(a.runs, a.steps, a.save_steps, a.seed, a.job_timeout_s))
     if a.mode == "repeating":
         sys.exit(repeating(a.runs, a.bound_s))
     sys.exit(repro(a.runs, a.timeout_s))
