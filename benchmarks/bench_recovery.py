@@ -31,6 +31,7 @@ groups, building the model and restoring the checkpoint, and the first step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import random
@@ -126,6 +127,10 @@ class Job:
             return None
 
     def kill(self) -> None:
+        # torchrun starts its workers in sessions of their own: kill them by pid first.
+        for pid in self.workers().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
@@ -228,7 +233,7 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int, job_timeout_s: f
         resumes = [(_log_time(t), int(s)) for t, s in _RESUME.findall(text)]
         saw = [(_glog_time(d, h), int(c)) for d, h, c in _AGENT_SAW.findall(text)]
         t_detect = next((t for t, c in saw if c == -9), float("nan"))
-        t_resume, resumed = resumes[-1] if resumes else (float("nan"), -1)
+        t_resume, resumed = resumes[-1] if resumes else (float("nan"), 0)
         t_first = next((t for t, s in trained if t > t_kill and s == resumed + 1), float("nan"))
         formed = [(_log_time(t), float(d)) for t, d, r in _FORMED.findall(text) if r != "0"]
         t_formed, group_s = formed[-1] if formed else (float("nan"), float("nan"))

@@ -14,6 +14,7 @@ Each job has a hard timeout; a test that hangs fails, naming the job's log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -94,6 +95,10 @@ class Job:
             pytest.fail(f"the torchrun job did not end within {timeout_s} s: {self.text()[-4000:]}")
 
     def kill(self) -> None:
+        # torchrun starts its workers in sessions of their own: kill them by pid first.
+        for pid in self.workers().values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the agent and its workers
             self.proc.wait(10)
