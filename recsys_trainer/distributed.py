@@ -317,9 +317,9 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
 _ATTEMPT_STORE_KEY = "recsys_trainer/attempt_store"
 """The key, in torchrun's agent store, under which rank 0 publishes its attempt's store."""
 _NONCE_KEY = "recsys_trainer/nonce"
-_PROBE_S = 1.0
-"""How long a rank tries to reach a published store before it reads the key again (a store
-that no longer exists refuses the connection at once; the client retries until this)."""
+_PROBE_S = 5.0
+"""How long a rank tries to reach a published store that accepts connections before it reads
+the key again."""
 
 
 def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store | None:
@@ -341,8 +341,8 @@ def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store
 
     So rank 0 starts a new TCPStore (a port the OS picks) for every attempt and publishes its
     address with a random nonce in the agent's store; the other ranks read the address and use
-    the store only once it holds that nonce, reading the key again (every ``_PROBE_S``) while
-    it still names a store of a dead attempt. Nothing of an earlier attempt can be read: every
+    the store only once it holds that nonce, reading the key again while it still names a store
+    of a dead attempt (one that refuses connections, or holds another nonce). Nothing of an earlier attempt can be read: every
     key the process groups use lives in a store that did not exist before this attempt.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -361,21 +361,34 @@ def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store
     deadline = time.monotonic() + timeout_s
     while True:
         published = json.loads(agent.get(_ATTEMPT_STORE_KEY))  # waits for rank 0's first one
-        try:
-            store = dist.TCPStore(published["host"], int(published["port"]), world_size,
-                                  is_master=False, timeout=datetime.timedelta(seconds=_PROBE_S))
-            if store.check([_NONCE_KEY]) and store.get(_NONCE_KEY).decode() == published["nonce"]:
-                store.set_timeout(timeout)
-                return store
-        except RuntimeError:  # DistNetworkError / DistStoreError: a store of a dead attempt
-            pass
+        address = (published["host"], int(published["port"]))
+        # A store of a dead attempt refuses the connection at once, where TCPStore's client
+        # would retry until its timeout: ask the OS first.
+        if _accepts_connections(address):
+            try:
+                store = dist.TCPStore(*address, world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=_PROBE_S))
+                if store.check([_NONCE_KEY]) and \
+                        store.get(_NONCE_KEY).decode() == published["nonce"]:
+                    store.set_timeout(timeout)
+                    return store
+            except RuntimeError:  # DistNetworkError / DistStoreError: not this attempt's store
+                pass
         if time.monotonic() > deadline:
             raise PeerLostError(
                 f"rank {rank}: rank 0 did not start this attempt's store within "
                 f"collective_timeout_s={timeout_s:g} s ({_ATTEMPT_STORE_KEY} in torchrun's store "
                 f"at {host}:{port} still names {published['host']}:{published['port']}); check "
                 "rank 0's log.", reason="timeout")
-        time.sleep(0.1)
+        time.sleep(0.05)
+
+
+def _accepts_connections(address: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(address, timeout=_PROBE_S):
+            return True
+    except OSError:
+        return False
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
