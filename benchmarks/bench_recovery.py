@@ -197,7 +197,7 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int, job_timeout_s: f
         print(ref.text()[-3000:])
         return 1
     reference = _newest(ref_out)
-    print(f"# SIGKILL of rank 1 under torchrun --max-restarts=2: {runs} runs\n")
+    print(f"## SIGKILL of rank 1 under torchrun --max-restarts=2: {runs} runs\n")
     print(f"CLI job: 2 ranks, {steps} steps, save_steps={save_steps}; load average at start "
           f"{_load()}\n")
     print("| run | killed after step | resumed from | steps lost | exit | bitwise equal | "
@@ -306,7 +306,7 @@ def repeating(runs: int, bound_s: float) -> int:
     data = tmp / "data"
     _write_rows(data, windows=3, rows=512)
     (data / "hour=01" / "part-1.parquet").write_bytes(b"PAR1 this is not a parquet file")
-    print(f"# A repeating fault (a corrupt file in window 2) under torchrun --max-restarts=2: "
+    print(f"## A repeating fault (a corrupt file in window 2) under torchrun --max-restarts=2: "
           f"{runs} runs\n")
     print(f"load average at start {_load()}\n")
     print("| run | exit | seconds | attempts | named error on the last attempt | committed before / after | all verify |")
@@ -356,7 +356,7 @@ def faults(quick: bool, save_steps: int) -> int:
     total = ref.steps()[-1][1]
     fault_at = total // 2 + save_steps // 3  # mid-window, between two saves
     reference = _newest(ref_out)
-    print("# Progress lost per fault kind (examples/train_dlrm.py, 2 ranks)\n")
+    print("## Progress lost per fault kind (examples/train_dlrm.py, 2 ranks)\n")
     print(f"{hours - 1} train hours x {rows} rows, {total} steps, save_steps={save_steps}, "
           f"async saves; fault at step >= {fault_at}; load average at start {_load()}\n")
     print("| fault | steps lost | fault -> training again s | how it came back | preemption save | exit statuses | final model bitwise equal |")
@@ -432,7 +432,7 @@ def repro(runs: int, timeout_s: float) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench_recovery_repro_"))
     script = tmp / "restart_repro.py"
     script.write_text(_REPRO)
-    print("# Restarted attempts forming their process groups (torchrun --max-restarts=1)\n")
+    print("## Restarted attempts forming their process groups (torchrun --max-restarts=1)\n")
     print("Attempt 0's rank 1 is killed; in attempt 1 rank 0 starts 2 s after rank 1. "
           f"load average {_load()}\n")
     print("| store | run | exit | seconds | what attempt 1 said |")

@@ -7,7 +7,8 @@ hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows,
 memory), ``bench_data.py`` (reader throughput), ``bench_checkpoint.py`` (save/restore),
 ``bench_predict.py`` (offline scoring vs evaluation),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
---s3`` (checkpoints in a local S3 server vs local disk).
+--s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
+lost and time to recover per fault kind, under torchrun).
 
 The contract with a benchmark script: it runs with the arguments ``BENCHMARKS`` gives it (none
 for most; a script with several modes is listed once per mode); it accepts ``--quick`` if its
@@ -38,6 +39,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "predict": ("bench_predict.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
+    "recovery": ("bench_recovery.py", ("faults",)),
 }
 """Name (for ``--only``) -> (script in benchmarks/, the arguments that select its mode)."""
 
