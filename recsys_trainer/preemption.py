@@ -15,9 +15,11 @@ signal; if it cannot, the previous checkpoint stays, the error is logged and the
 at once with the same code.
 
 A second signal within ``DUPLICATE_WINDOW_S`` of the first is the same preemption (Slurm signals
-every process of a job and torchrun forwards its own copy). A later one ends the process at once,
-as the signal would without a handler: a checkpoint being written then is never committed, and
-an uncommitted checkpoint is never loaded, so the previous one stays the newest.
+every process of a job and torchrun forwards its own copy). A later one acts at once as it would
+without the Trainer (the handler installed before ``train()``: SIGTERM's default ends the
+process, Python's SIGINT handler raises ``KeyboardInterrupt``): a checkpoint being written then
+is never committed, and an uncommitted checkpoint is never loaded, so the previous one stays the
+newest.
 """
 
 from __future__ import annotations
@@ -91,17 +93,17 @@ class Preempted(SystemExit):
 
 class PreemptionWatcher:
     """Handles ``PREEMPTION_SIGNALS`` while ``watching()``: the handler records the first signal
-    and its time, nothing else; a later one (after ``DUPLICATE_WINDOW_S``) ends the process at
-    once with the signal's default action. Outside ``watching()`` the previous handlers are in
-    place. Handlers can only be installed from the main thread; elsewhere ``watching()`` logs
-    through ``warn`` and does nothing."""
+    and its time, nothing else; a later one (after ``DUPLICATE_WINDOW_S``) is handed to the
+    handler that was there before (``kill``, for tests, replaces that). Outside ``watching()``
+    the previous handlers are in place. Handlers can only be installed from the main thread;
+    elsewhere ``watching()`` logs through ``warn`` and does nothing."""
 
     def __init__(self, *, kill: Callable[[int], None] | None = None) -> None:
         self.signum: int | None = None
         """The first signal received while watching (None: none yet)."""
         self.received_at: float | None = None
         """``time.monotonic()`` when it arrived."""
-        self._kill = kill if kill is not None else _die_by
+        self._kill = kill if kill is not None else self._as_before
         self._previous: dict[int, Any] = {}
 
     @property
@@ -118,6 +120,11 @@ class PreemptionWatcher:
             self.signum, self.received_at = signum, time.monotonic()
         elif self.received_at is not None and time.monotonic() - self.received_at > DUPLICATE_WINDOW_S:
             self._kill(signum)
+
+    def _as_before(self, signum: int) -> None:
+        """Deliver ``signum`` again, to the handler there was before ``watching()``."""
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        os.kill(os.getpid(), signum)
 
     @contextmanager
     def watching(self, warn: Callable[[str], None] = lambda _msg: None) -> Iterator[None]:
@@ -150,12 +157,6 @@ def exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
-
-
-def _die_by(signum: int) -> None:
-    """End this process as ``signum`` would without a handler."""
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
 
 
 __all__ = ["DUPLICATE_WINDOW_S", "PREEMPTION_SIGNALS", "Preempted", "Preemption",

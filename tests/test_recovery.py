@@ -264,6 +264,16 @@ def test_a_second_signal_is_the_same_preemption_when_it_comes_at_once_and_ends_t
         assert killed == [signal.SIGINT] and watcher.signal_name == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is previous
     assert not watcher.requested
+    # Without the test's stand-in, the later signal goes to the handler from before: Python's
+    # SIGINT handler raises KeyboardInterrupt (SIGTERM's default would end the process).
+    real = PreemptionWatcher()
+    with pytest.raises(KeyboardInterrupt), real.watching():
+        signal_self(signal.SIGINT)
+        assert real.received_at is not None
+        real.received_at -= DUPLICATE_WINDOW_S + 1
+        signal_self(signal.SIGINT)
+        time.sleep(1)  # the handler runs at the next bytecode boundary
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_preemption_grace_s_is_validated_and_none_leaves_the_signals_alone(tmp_path: Path) -> None:
