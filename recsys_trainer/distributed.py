@@ -347,8 +347,13 @@ def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return _attempt_store(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                          os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
+
+
+def _attempt_store(rank: int, world_size: int, host: str, port: int,
+                   timeout_s: float) -> dist.Store:
+    """``attempt_store`` for this rank, with the agent's store at ``host:port``."""
     timeout = datetime.timedelta(seconds=timeout_s)
     agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if rank == 0:

@@ -350,3 +350,34 @@ def test_a_worker_gets_sigterm_when_its_torchrun_agent_is_killed(tmp_path: Path)
         if worker_pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker_pid, signal.SIGKILL)
+
+
+def test_a_restarted_rank_skips_the_dead_attempts_store_and_joins_rank_0s_new_one() -> None:
+    """The cause of restarted torchrun groups failing to form: the agent's store keeps the dead
+    attempt's keys. Here the agent's store names a store of a dead attempt (nothing listens on
+    its port) when rank 1 starts; rank 0 publishes its new one 1 s later. Rank 1 must end up
+    on rank 0's new store, not fail or wait on the dead one."""
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    from recsys_trainer.distributed import _ATTEMPT_STORE_KEY, _attempt_store, free_port
+
+    agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    agent.set(_ATTEMPT_STORE_KEY, json.dumps({"host": "127.0.0.1", "port": free_port(),
+                                              "nonce": "dead attempt"}))
+    stores: dict[int, Any] = {}
+
+    def rank_0() -> None:
+        time.sleep(1.0)  # a slower start than rank 1's
+        stores[0] = _attempt_store(0, 2, "127.0.0.1", agent.port, timeout_s=30)
+        stores[0].set("written by", "rank 0 of this attempt")
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=rank_0)
+    thread.start()
+    stores[1] = _attempt_store(1, 2, "127.0.0.1", agent.port, timeout_s=30)
+    thread.join()
+    assert stores[1].get("written by") == b"rank 0 of this attempt"
+    assert time.monotonic() - t0 < 10
