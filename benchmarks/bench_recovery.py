@@ -136,6 +136,17 @@ class Job:
             self.proc.wait(10)
 
 
+def _first_attempt_last_step(steps: list[tuple[float, int]]) -> int:
+    """The last step of the first attempt in a log: the steps until they stop increasing (a
+    restarted attempt starts again from its checkpoint's step)."""
+    last = 0
+    for _, s in steps:
+        if s <= last:
+            break
+        last = s
+    return last
+
+
 def _same_model(a_dir: str, b_dir: str) -> bool:
     import torch
 
@@ -367,6 +378,7 @@ def faults(quick: bool, save_steps: int) -> int:
         cmd = _example(out, data, hours, rows, save_steps)
         job = Job(cmd, tmp / f"{out.name}.log")
         job.wait_for_step(fault_at, 1200)
+        workers = list(job.workers().values())
         t_fault = time.time()
         if kind == "SIGTERM to the agent":
             job.proc.send_signal(signal.SIGTERM)
@@ -375,8 +387,13 @@ def faults(quick: bool, save_steps: int) -> int:
         else:
             os.kill(job.proc.pid, signal.SIGKILL)
         rc = job.wait(1200)
+        # A killed agent's workers outlive it (they save their step first): wait for them.
+        deadline = time.monotonic() + 120
+        while any(Path(f"/proc/{w}").exists() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         statuses = [rc]
-        last = max(s for t, s in job.steps() if t <= t_fault)
+        # Steps the faulted attempt trained, those after the fault until the stop included.
+        last = _first_attempt_last_step(job.steps())
         text = job.text()
         save = re.search(r"committed ([\d.]+) s after the signal", text)
         second = job
