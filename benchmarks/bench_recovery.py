@@ -211,7 +211,7 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int, job_timeout_s: f
     print(f"## SIGKILL of rank 1 under torchrun --max-restarts=2: {runs} runs\n")
     print(f"CLI job: 2 ranks, {steps} steps, save_steps={save_steps}; load average at start "
           f"{_load()}\n")
-    print("| run | killed after step | resumed from | steps lost | exit | bitwise equal | "
+    print("| run | last step of the killed attempt | resumed from | steps lost | exit | bitwise equal | "
           "detect s | agent restart s | imports s | groups s | model + resume s | first step s | "
           "fault -> training s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -240,7 +240,7 @@ def restarts(runs: int, steps: int, save_steps: int, seed: int, job_timeout_s: f
             print(f"run {run}: {e}", file=sys.stderr)
         text = job.text()
         trained = job.steps()
-        last = max((s for t, s in trained if t <= t_kill), default=-1)
+        last = _first_attempt_last_step(trained)  # rank 0 may finish a step after the kill
         resumes = [(_log_time(t), int(s)) for t, s in _RESUME.findall(text)]
         saw = [(_glog_time(d, h), int(c)) for d, h, c in _AGENT_SAW.findall(text)]
         t_detect = next((t for t, c in saw if c == -9), float("nan"))
