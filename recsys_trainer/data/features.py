@@ -11,7 +11,8 @@ a table. ``FeatureSpec.decode(table)`` turns an Arrow table (one batch of rows) 
   (defined on the UTF-8 bytes, the same on every machine and Python run) into ``[0, n)``.
   ``list<...>`` columns give several ids per row (jagged); null or empty lists give none;
   ``weight_column`` gives the KJT's weights. Declared transforms (``boundaries``, ``div``/``mod``,
-  ``cross``, ``null_id``) turn raw values into ids on the way.
+  ``cross``, ``null_id``) turn raw values into ids on the way; a ``vocab`` maps them through a
+  vocabulary instead (``recsys_trainer.data.vocab``: entry i -> row i + 1, others -> row 0).
 * sequence: ``Batch.sequence``, one KJT key per ``SequenceFeature`` (unpooled, for an
   ``EmbeddingCollection``), lists cut to their last ``max_len`` ids.
 * labels: ``float32 [B]`` (one label) or ``[B, T]``; NaN/null labels are rejected or dropped.
@@ -35,6 +36,12 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.data.vocab import (
+    VocabArg,
+    check_tables_share_vocabularies,
+    check_vocab,
+    lookup_rows,
+)
 
 
 class DataError(ValueError):
@@ -131,12 +138,14 @@ class _IdFeature:
 
     name: str
     """The KJT key (the embedding table's feature name)."""
-    num_embeddings: int
-    """Size of the table: every id reaching the model is in ``[0, num_embeddings)``."""
+    num_embeddings: int = 0
+    """Size of the table: every id reaching the model is in ``[0, num_embeddings)``. Required,
+    except with a ``vocab`` list or file (then 0, the default, means ``len(vocab) + 1``)."""
     column: str | None = None
     """Source column (default: ``name``; must be None with ``cross``)."""
     hash: bool | None = None
-    """Hash ids into ``[0, num_embeddings)``. None: hash strings, check integers."""
+    """Hash ids into ``[0, num_embeddings)``. None: hash strings, check integers. False: never
+    hash (a string column then needs a ``vocab``)."""
     on_out_of_range: Literal["error", "hash"] = "error"
     """Unhashed integer ids < 0 or >= num_embeddings: raise ``DataError``, or hash them."""
     boundaries: Sequence[float] | None = None
@@ -154,12 +163,22 @@ class _IdFeature:
     null_id: int | None = None
     """The id a null value (a null scalar, or a null element inside a list) gets; None: a null
     scalar has no id (an empty bag) and a null inside a list is an error. Not hashed."""
+    vocab: VocabArg = None
+    """Map ids through a vocabulary: a list of values, a text file (path or URL, one value per
+    line) or ``VocabFromData(...)`` (built from the first training windows, checkpointed; in
+    YAML a mapping of its fields). Entry i is row i + 1; every other value row 0 (OOV). No other
+    transform applies. See ``recsys_trainer.data.vocab``."""
 
     def __post_init__(self) -> None:
         kind = type(self).__name__.replace("Feature", "").lower()
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a {kind} feature's `name` must be a non-empty string, but is {self.name!r}.")
-        n = self.num_embeddings
+        vocab, n = check_vocab(
+            self.vocab, where=f"{kind} feature {self.name!r}", num_embeddings=self.num_embeddings,
+            hash=self.hash, on_out_of_range=self.on_out_of_range, null_id=self.null_id,
+            transforms=[k for k in ("boundaries", "div", "mod", "cross") if getattr(self, k) is not None])
+        object.__setattr__(self, "vocab", vocab)
+        object.__setattr__(self, "num_embeddings", n)
         if not _is_pos_int(n):
             raise ValueError(f"`num_embeddings` of {kind} feature {self.name!r} must be an int >= 1, but is {n!r}.")
         if self.hash not in (None, True, False):
@@ -758,7 +777,12 @@ class FeatureSpec:
                     column=s.source, row=_row_of(lens, k),
                 )
             ids = np.searchsorted(np.asarray(s.boundaries), vals, side="right").astype(np.int64)
+        elif s.vocab is not None:
+            ids = lookup_rows(s.vocab, flat, stable_hash_strings, s.name)
         elif _is_str(flat.type):
+            if s.hash is False:
+                raise DataError(f"feature {s.name!r} sets hash=False, but its column holds strings; "
+                                "give it a `vocab` (or hash=True).", column=s.source)
             ids = _mod_inplace(stable_hash_strings(flat), n_emb).view(np.int64)
         else:
             ids = flat.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
@@ -778,7 +802,8 @@ class FeatureSpec:
 
 
 def _transformed(s: _IdFeature) -> bool:
-    return any(v is not None for v in (s.boundaries, s.div, s.mod, s.cross, s.null_id))
+    return s.hash is False or any(
+        v is not None for v in (s.boundaries, s.div, s.mod, s.cross, s.null_id, s.vocab))
 
 
 def _row_of(lens: np.ndarray, k: int) -> int:
@@ -892,6 +917,8 @@ def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str
                 f"{table!r} is in an EmbeddingBagCollection, which pools Batch.sparse: declare "
                 f"{feature!r} in FeatureSpec(sparse=...), or read it with an EmbeddingCollection."
             )
+    check_tables_share_vocabularies([(f, t) for f, t, _ in (*tables, *sequence_tables)],
+                                    {s.name: s.vocab for s in spec.id_features})
     for feature, table, rows in (*tables, *sequence_tables):
         if rows is not None and bounds[feature] > rows:
             kind = "sparse" if feature in sparse else "sequence"
