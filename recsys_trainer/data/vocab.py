@@ -48,6 +48,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_trainer import storage
+from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_int, fail
 
@@ -383,10 +384,12 @@ def _normalize(vocab: object, where: str) -> Vocabulary | VocabFromData:
             raise ValueError(f"`vocab` of {where} is an empty path; name a vocabulary file.")
         try:
             return Vocabulary.from_file(vocab)
-        except FileNotFoundError:
-            raise ValueError(f"`vocab` of {where} names the file {os.fspath(vocab)!r}, which does "
-                             "not exist; give a path or URL of a text file with one value per "
-                             "line.") from None
+        except OSError as exc:  # StorageError: names the URL and the cause
+            if storage.classify(exc) == "not_found":
+                raise ValueError(f"`vocab` of {where} names the file {os.fspath(vocab)!r}, which "
+                                 "does not exist; give a path or URL of a text file with one value "
+                                 "per line.") from None
+            raise ValueError(f"`vocab` of {where}: {exc}") from exc
         except ValueError as exc:
             raise ValueError(f"`vocab` of {where}: {exc}") from None
     if isinstance(vocab, Mapping):
@@ -767,6 +770,32 @@ class Vocabularies:
             self._install(ds)
 
 
+def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None = None
+                        ) -> dict[str, Vocabulary]:
+    """The vocabularies a committed checkpoint (a ``step_<N>`` directory, or an output directory:
+    its newest) decodes with, ``{feature: Vocabulary}``, for serving its exported tables (see
+    ``checkpoint.export_model_state_dict``). With ``out_dir``, each is also written to
+    ``out_dir/<feature>.txt``, one value per line: ``vocab="out_dir/<feature>.txt"`` maps ids to
+    the same rows in a new run. Reads rank 0's state file; no process group needed."""
+    info = layout.resolve_checkpoint(os.fspath(checkpoint), "`checkpoint`")
+    with layout.reading(info.where):
+        extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)
+    state = extra.get("vocabularies") or {"version": 1, "features": {}}
+    out: dict[str, Vocabulary] = {}
+    for name, saved in sorted(state["features"].items()):
+        cfg, built = _Config.from_saved(saved)
+        vocab = built if built is not None else cfg.vocab
+        if isinstance(vocab, Vocabulary):
+            out[name] = vocab
+    if out_dir is not None:
+        root = storage.resolve(out_dir)
+        with storage.errors_named(root.url, "write"):
+            root.filesystem.create_dir(root.path, recursive=True)
+        for name, vocab in out.items():
+            vocab.write(root.join(f"{name}.txt").url)
+    return out
+
+
 def _count_windows(dataset: VocabDataset, windows: list[str], depth: Mapping[Any, int],
                    columns: Mapping[Any, list[str]]) -> dict[Any, tuple[pa.Array, pa.Array, Kind | None]]:
     """This rank's value counts per vocabulary over its share of the first windows."""
@@ -854,6 +883,7 @@ __all__ = [
     "check_tables_share_vocabularies",
     "check_vocab",
     "column_problem",
+    "export_vocabularies",
     "lookup_rows",
     "vocabulary_capacity",
 ]
