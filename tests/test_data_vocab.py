@@ -356,3 +356,57 @@ def test_vocab_is_settable_from_yaml(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"`vocab` of sparse feature 'genre' is a mapping \(a VocabFromData\) "
                                           r"with unknown key\(s\) \['min_cnt'\]"):
         load_config(str(path))
+
+
+# ---------------------------------------------------------------------- the build, rank by rank
+
+
+class _Columns:
+    """A dataset of one window whose rows (this rank's share) are ``table``."""
+
+    def __init__(self, spec: FeatureSpec, table: pa.Table | Exception) -> None:
+        self.features = spec
+        self.table = table
+        self.installed: dict[str, Vocabulary] = {}
+
+    def window_ids(self) -> Any:
+        yield from ("w0", "w1")
+
+    def read_columns(self, window_id: str, columns: Any) -> Any:
+        if isinstance(self.table, Exception):
+            raise self.table
+        yield self.table.select(list(columns)) if window_id == "w0" else pa.table(
+            {c: pa.array(["late"] * 5) for c in columns})
+
+    def set_vocabularies(self, vocabularies: Any) -> None:
+        self.installed.update(vocabularies)
+
+
+def test_each_rank_counts_its_rows_and_the_merged_counts_decide_the_vocabulary() -> None:
+    from recsys_trainer.data.vocab import Vocabularies
+    from recsys_trainer.distributed import FakeGang
+
+    spec = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="g", num_embeddings=4,
+                                                           vocab=VocabFromData(min_count=2))])
+    mine = pa.table({"g": ["a", "b", "b", None, "c"]})
+    # Rank 1 saw c twice and d once: c (3 in all) beats b (2); a and d (1 each) fall below
+    # min_count; 'late' (window w1) is never counted (windows=1).
+    peer = ("ok", {("feature", "g"): (pa.array(["c", "d"]), pa.array([2, 1], pa.int64()), "string")})
+    vocabs = Vocabularies(FakeGang(rank=0, world_size=2, peer_objects=[[peer]]))
+    ds = _Columns(spec, mine)
+    vocabs.attach(ds)
+    vocabs.build(ds)
+    assert list(vocabs["g"].values) == ["c", "b"]
+    assert ds.installed["g"] is vocabs["g"]
+    # A rank that cannot read makes every rank raise, naming it (after the gather, no hang).
+    failing = Vocabularies(FakeGang(rank=0, world_size=2, peer_objects=[[
+        ("error", "DataError: file x.parquet: cannot read the file")]]))
+    failing.attach(ds)
+    with pytest.raises(ValueError, match=r"building the vocabularies of feature\(s\) \['g'\] from train "
+                                         r"window\(s\) \['w0'\] failed on rank 1: DataError: file x.parquet"):
+        failing.build(ds)
+    broken = _Columns(spec, OSError("disk gone"))
+    local = Vocabularies(FakeGang(rank=1, world_size=2, peer_objects=[[peer]]))
+    local.attach(broken)
+    with pytest.raises(ValueError, match=r"failed on rank 1: OSError: disk gone"):
+        local.build(broken)
