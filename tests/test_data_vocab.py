@@ -6,6 +6,7 @@ process; the 2-rank build and resume are in test_data_vocab_dist.py)."""
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from typing import Any
 
@@ -108,6 +109,8 @@ def test_a_vocabulary_file_maps_like_the_list_and_reads_integers_for_an_integer_
     years = tmp_path / "years.txt"
     years.write_text("1999\n2001")  # no final newline
     assert _decode(SparseFeature(name="yr", vocab=f"file://{years}"), [2001, 5]) == [[2], [0]]
+    # A spec crosses process boundaries (spawned reader processes): pickled, it maps the same.
+    assert _decode(pickle.loads(pickle.dumps(from_file)), ["horror", "x"]) == [[3], [0]]
     # A line that is not an integer cannot map an integer column: named when decoded.
     with pytest.raises(ValueError, match=r"line 1 of the vocabulary file .*genres.txt .* is 'drama', not an integer"):
         _decode(from_file, [1])
@@ -281,6 +284,10 @@ def test_a_resumed_run_restores_the_vocabulary_and_a_changed_configuration_is_re
     table = pq.read_table(data)
     for r, g in zip(table.column("row_id").to_pylist(), table.column("genre").to_pylist(), strict=True):
         assert decoded[r] == [genre_values.index(g) + 1 if g in genre_values else 0]
+    # predict decodes a dataset it was just given with the checkpoint's vocabularies too.
+    summary = scorer.predict(ParquetWindowDataset(data, _vocab_spec(), batch_size=8),
+                             str(tmp_path / "scores"))
+    assert summary.rows_written == table.num_rows
     exported = export_vocabularies(out, str(tmp_path / "vocab"))
     assert sorted(exported) == ["genre", "tags", "year"]
     again = SparseFeature(name="genre", vocab=str(tmp_path / "vocab" / "genre.txt"))
@@ -410,3 +417,19 @@ def test_each_rank_counts_its_rows_and_the_merged_counts_decide_the_vocabulary()
     local.attach(broken)
     with pytest.raises(ValueError, match=r"failed on rank 1: OSError: disk gone"):
         local.build(broken)
+
+
+def test_padding_batches_decode_through_string_and_integer_vocabularies(tmp_path) -> None:
+    # A rank with no eval rows pads with a batch decoded from one made-up row: its ids must be
+    # of the kind each vocabulary maps (a string vocabulary refuses integer ids).
+    (tmp_path / "g.txt").write_text("drama\ncomedy\n")
+    spec = FeatureSpec(labels=["y"], dense=["row_id"],
+                       sparse=[SparseFeature(name="genre", vocab=["drama", "comedy"]),
+                               SparseFeature(name="year", vocab=[1990, 1991]),
+                               SparseFeature(name="g2", column="genre2", vocab=str(tmp_path / "g.txt"))],
+                       sequence=[SequenceFeature(name="hist", vocab=TAGS, max_len=3)])
+    ds = ParquetWindowDataset(str(tmp_path), spec, batch_size=4)
+    pad = ds.padding_batch()
+    assert pad is not None and pad.batch_size == 1
+    assert pad.sparse.values().tolist() == [0, 0, 0] and pad.sequence is not None
+    assert pad.sequence["hist"].values().tolist() == [0]
