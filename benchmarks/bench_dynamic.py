@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dynamic.py [--rows 2000] [--ids-per-row 5] [--steps 600] [--seed 3]
         [--hashed-rows N]   # default: as many rows as fit in the dynamic table's bytes
+        [--first-batch-rows N]  # the first training batch has only N rows (a partial hour)
 
 Data: ``recsys_trainer.data.id_stream.IdStream``: 2 sparse features, each with
 ``rows * ids_per_row`` distinct raw ids (Zipf 1.05) and a planted per-id effect on the click
@@ -11,8 +12,8 @@ table, fused row-wise Adagrad, Adam on the dense part, one process:
 - ``hashed``: ids hashed into ``--hashed-rows`` rows (``stable_hash_ints(id) % rows``, what the
   data layer does); ids share rows. By default it gets the dynamic table's *bytes*: a dynamic
   slot also carries 4 int64 of id map and policy state, and each table a history of the ids seen
-  between passes (``eviction_interval x batch x 1.25`` ids and their counts, as torchrec sizes
-  it), so at equal bytes the hashed table has more rows (``table_bytes`` below).
+  between passes (``eviction_interval x batch x 1.25`` ids and their counts, the size a full
+  first batch gives it), so at equal bytes the hashed table has more rows (``table_bytes``).
 - ``dynamic``: ``DynamicTable(num_slots=rows)``: the most valuable ids (DistanceLFU) get their
   own row, the rest read the shared default row.
 
@@ -112,12 +113,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=3, help="of the id stream's planted effects")
     ap.add_argument("--hashed-rows", type=int, default=None,
                     help="rows of the hashed table (default: equal bytes to the dynamic table)")
+    ap.add_argument("--first-batch-rows", type=int, default=None,
+                    help="cut the first training batch to this many rows (a short first batch)")
     a = ap.parse_args()
     torch.set_flush_denormal(True)
     dyn_bytes = table_bytes(a.rows, 16, True, a.interval, a.batch_size)
     hashed_rows = a.hashed_rows or dyn_bytes // table_bytes(1, 16, False, 0, 0)
     stream = IdStream(FEATS, int(a.rows * a.ids_per_row), strength=1.0, seed=a.seed)
     train = stream.batches(a.steps, a.batch_size, seed=1)
+    if a.first_batch_rows is not None:
+        train[0] = stream.batches(1, a.first_batch_rows, seed=0)[0]
     held_out = stream.batches(a.eval_batches, a.batch_size, seed=2)
     trainers = {"hashed": make("hashed", hashed_rows, a.interval, a.out + "/h"),
                 "dynamic": make("dynamic", a.rows, a.interval, a.out + "/d")}
@@ -138,7 +143,7 @@ def main() -> None:
         "table_bytes": {"dynamic": dyn_bytes,
                         "hashed": table_bytes(hashed_rows, 16, False, a.interval, a.batch_size)},
         "distinct_ids_per_feature": stream.num_ids, "steps": a.steps,
-        "batch_size": a.batch_size,
+        "batch_size": a.batch_size, "first_batch_rows": a.first_batch_rows,
         "auc": {k: round(auc(t, evals[k]), 4) for k, t in trainers.items()},
         "median_step_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()},
         "dynamic_tables": table_stats(trainers["dynamic"].model),

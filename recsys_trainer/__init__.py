@@ -17,8 +17,9 @@ from recsys_trainer.hooks import (
 from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.logs import setup_logging
 from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
-from recsys_trainer.trainer import Trainer, TrainerState, setup_logging
+from recsys_trainer.trainer import Trainer, TrainerState
 
 __version__ = "0.1.0"
 

@@ -5,10 +5,14 @@ Built on torchrec's managed-collision modules, not a home-made table:
 * ``ManagedCollisionEmbeddingCollection`` holds an ``EmbeddingCollection`` (the rows, a fused
   FBGEMM table with its in-backward sparse optimizer) and a ``ManagedCollisionCollection`` with
   one ``MCHManagedCollisionModule`` per table: a sorted id -> slot map with per-slot metadata.
-* Every ``eviction_interval`` training steps the module coalesces the ids it saw since the last
+* Every ``eviction_interval`` optimizer steps the module coalesces the ids it saw since the last
   pass and lets the eviction policy decide which new ids get a slot and which resident ids lose
   theirs. Between passes a new id reads the table's *shared default row* (the last slot of each
   rank's shard), so it trains that row, not a row of some other id.
+* ``DynamicMCHModule`` is torchrec's ``MCHManagedCollisionModule`` with two changes: its id
+  history grows instead of being sized from the first batch (torchrec drops the ids that do not
+  fit, silently), and its passes count optimizer steps (the Trainer marks the micro-batches that
+  do not end one, ``StepBoundaries``) instead of forwards.
 * Admission (``admission_threshold``): a new id competes for a slot only if it was seen at least
   that many times during the interval (counted on the rank that owns its bucket, so across all
   ranks' batches). Resident ids keep their own statistics.
@@ -31,6 +35,7 @@ reset (see ``reset_rows_cpu``), as an instance attribute: nothing global is patc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Iterator
@@ -81,8 +86,10 @@ class DynamicTable:
     """Who loses a slot when new ids need one: ``distance_lfu`` (count / age^decay),
     ``lfu`` (count), ``lru`` (last access)."""
     eviction_interval: int = 100
-    """Training steps between admission/eviction passes; new ids read the default row until
-    the next pass."""
+    """Optimizer steps between admission/eviction passes (with gradient accumulation a step is
+    all its micro-batches); new ids read the default row until the next pass. The pass runs in
+    the last forward of every ``eviction_interval``-th step, over every id this rank's shard
+    saw since the previous pass."""
     admission_threshold: int = 1
     """Sightings within one interval before a new id competes for its own row (1: any id)."""
     decay_exponent: float = 1.0
@@ -215,8 +222,98 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _mc_module(name: str, spec: DynamicTable, device: torch.device) -> MCHManagedCollisionModule:
-    return MCHManagedCollisionModule(
+class DynamicMCHModule(MCHManagedCollisionModule):
+    """torchrec's ``MCHManagedCollisionModule`` (one table's sorted id -> slot map), with
+
+    * a history that keeps every id: torchrec sizes the history of ids seen since the last pass
+      from the *first* batch (its ids x ``eviction_interval`` x 1.25) and silently drops the
+      ids that do not fit, so a short first batch starved admission for the whole run. Here the
+      first batch only sets the initial size, and the buffers grow (at least doubling) when an
+      interval brings more ids. Memory: 8 bytes per id held, twice that for the policies that
+      keep a last-access time (``distance_lfu``, ``lru``), for the larger of torchrec's first
+      size and twice the most ids one interval brought to this rank (at most
+      ``eviction_interval x gradient_accumulation_steps x`` the ids of one micro-batch of all
+      ranks together);
+    * passes counted in optimizer steps: a training forward ends a step unless
+      ``closes_step`` is False (``StepBoundaries`` sets it for the other micro-batches of an
+      accumulated step); the pass runs in the forward that ends every ``eviction_interval``-th
+      step. A forward outside the Trainer counts as a step, as in torchrec.
+
+    Same constructor as torchrec's, which sharding relies on (``rebuild_with_output_id_range``
+    builds ``type(self)(...)``). Reads and writes torchrec 1.8's private history attributes;
+    the tests of short first batches and of bitwise resume fail if they change.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.closes_step = True
+        """Whether the current training forward is the last micro-batch of its step."""
+        self._steps = 0
+        """Optimizer steps this module has taken part in (forwards that closed a step)."""
+        self._last_pass_step = 0
+
+    @torch.no_grad()
+    def profile(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        """Record this batch's ids in the history; run the pass when a step interval closes."""
+        m: Any = self  # torchrec's attributes are untyped
+        if not self.training:
+            return features
+        if m._current_iter == -1:
+            # As torchrec: the iteration restored with the buffers (a resume sets it itself).
+            m._current_iter = int(m._current_iter_tensor.item())
+            m._last_eviction_iter = m._current_iter
+        m._current_iter += 1
+        m._current_iter_tensor.data += 1
+        values = [f.values() for f in features.values()]
+        start = m._current_history_buffer_offset
+        end = start + sum(v.numel() for v in values)
+        if end > m._input_history_buffer_size:
+            grown = 2 * m._input_history_buffer_size if m._input_history_buffer_size > 0 else \
+                int(end * m._eviction_interval * 1.25)  # torchrec's first size, now a floor
+            _resize_history(m, max(end, grown))
+        for v in values:
+            n = v.numel()
+            m._history_accumulator[start:start + n] = v
+            m._eviction_policy.record_history_metadata(
+                m._current_iter, v, {k: b[start:start + n] for k, b in m._history_metadata.items()})
+            start += n
+        m._current_history_buffer_offset = end
+        if self.closes_step:
+            self._steps += 1
+            if self._steps - self._last_pass_step >= m._eviction_interval:
+                m._coalesce_history()
+                self._last_pass_step = self._steps
+                m._last_eviction_iter = m._current_iter
+        return features
+
+
+class StepBoundaries:
+    """Tells a model's dynamic tables which training forwards end an optimizer step, so that
+    ``eviction_interval`` counts optimizer steps whatever the micro-batches per step (a window's
+    last step may have fewer). The Trainer runs every training forward inside
+    ``micro_batch(closes_step)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._maps = [m for m in mc_modules(model).values() if isinstance(m, DynamicMCHModule)]
+
+    @contextlib.contextmanager
+    def micro_batch(self, closes_step: bool) -> Iterator[None]:
+        """Run one training forward; ``closes_step``: it is the last micro-batch of its step."""
+        if closes_step or not self._maps:
+            yield
+            return
+        for m in self._maps:
+            m.closes_step = False
+        try:
+            yield
+        finally:
+            # A forward outside this context (a hand-written loop) counts as a whole step.
+            for m in self._maps:
+                m.closes_step = True
+
+
+def _mc_module(name: str, spec: DynamicTable, device: torch.device) -> DynamicMCHModule:
+    return DynamicMCHModule(
         zch_size=spec.num_slots,
         device=device,
         eviction_policy=make_eviction_policy(spec),
@@ -470,6 +567,9 @@ class DynamicTablesState:
                 "history_metadata": {k: v[:used].clone() for k, v in m._history_metadata.items()},
                 "current_iter": int(m._current_iter),
                 "last_eviction_iter": int(m._last_eviction_iter),
+                # Pass schedule in optimizer steps (DynamicMCHModule); torchrec's counts forwards.
+                "steps": int(getattr(m, "_steps", m._current_iter)),
+                "last_pass_step": int(getattr(m, "_last_pass_step", m._last_eviction_iter)),
                 "admitted": int(getattr(policy, "admitted", 0)),
                 "passes": int(getattr(policy, "passes", 0)),
             }
@@ -492,28 +592,39 @@ class DynamicTablesState:
             m: Any = mods[table]
             size = st["buffer_size"]
             if size > 0:
-                _alloc_history(m, size)
+                _resize_history(m, size)
                 m._history_accumulator[:st["used"]] = st["history"]
                 for k, v in st["history_metadata"].items():
                     m._history_metadata[k][:st["used"]] = v
             m._current_history_buffer_offset = st["used"]
             m._current_iter = st["current_iter"]
             m._last_eviction_iter = st["last_eviction_iter"]
+            if isinstance(m, DynamicMCHModule):
+                # Checkpoints from before passes counted steps: forwards were steps then (the
+                # count was only wrong with gradient accumulation).
+                m._steps = int(st.get("steps", st["current_iter"]))
+                m._last_pass_step = int(st.get("last_pass_step", st["last_eviction_iter"]))
             policy: Any = m._eviction_policy
             policy.admitted, policy.passes = st["admitted"], st["passes"]
 
 
-def _alloc_history(m: Any, size: int) -> None:
-    """Allocate an MCH module's history buffers at ``size`` (what torchrec sizes from the first
-    batch it sees), so a resumed module has the same capacity as the saved one."""
-    m._input_history_buffer_size = size
-    m._history_accumulator = torch.empty(size, dtype=torch.int64, device=m.device)
+def _resize_history(m: Any, size: int) -> None:
+    """(Re)allocate an MCH module's history buffers (the ids seen since the last pass, and the
+    policy's per-id history metadata) at ``size`` ids, keeping the ids already recorded."""
+    keep = min(m._current_history_buffer_offset, size) if m._input_history_buffer_size > 0 else 0
+    acc = torch.empty(size, dtype=torch.int64, device=m.device)
+    if keep:
+        acc[:keep] = m._history_accumulator[:keep]
+    m._history_accumulator = acc
     for name, _is_mch, is_history in m._eviction_policy.metadata_info:
         if is_history:
             buf = "_history_" + name
-            m.register_buffer(buf, torch.zeros(size, dtype=torch.int64, device=m.device),
-                              persistent=False)
-            m._history_metadata[name] = getattr(m, buf)
+            new = torch.zeros(size, dtype=torch.int64, device=m.device)
+            if keep:
+                new[:keep] = m._history_metadata[name][:keep]
+            m.register_buffer(buf, new, persistent=False)
+            m._history_metadata[name] = new
+    m._input_history_buffer_size = size
 
 
 # -------------------------------------------------------------------------------- stats

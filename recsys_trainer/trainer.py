@@ -51,7 +51,6 @@ import dataclasses
 import itertools
 import logging
 import math
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -69,9 +68,11 @@ from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
     WindowedDataset,
+    WindowPairing,
     as_windowed,
     nothing_to_train_error,
 )
+from recsys_trainer.data.spec import apply_label_range
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import (
@@ -85,6 +86,7 @@ from recsys_trainer.distributed import (
 from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
 from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.logs import default_logging, setup_logging
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
@@ -198,6 +200,7 @@ class Trainer:
         self.precision = Precision(a.mixed_precision, cuda=cuda,
                                    gradient_accumulation_steps=a.gradient_accumulation_steps)
         info = init_distributed(self.args.device, self.args.collective_timeout_s)
+        default_logging(info.rank)  # rank 0's INFO lines visible without a logging set-up
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
         configure_cpu_threads(info.local_world_size)
@@ -213,6 +216,7 @@ class Trainer:
             table_names(model), self.sparse_optimizer_spec, table_optimizers)
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
+        apply_label_range((train_dataset, eval_dataset), getattr(model, "label_range", None))
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,
@@ -223,6 +227,7 @@ class Trainer:
             local_world_size=info.local_world_size,
             static_graph=self.args.gradient_accumulation_steps == 1,
         )
+        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # eviction_interval in steps
         if dense_optimizers is None:
             dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
         dense_arg, sched_arg = dense_optimizers
@@ -493,9 +498,12 @@ class Trainer:
                 if with_eval and eval_ds is not None and self._is_windowed(eval_ds)
                 else None
             )
+            pairing = WindowPairing()
             for index, window_id in enumerate(windows):
                 listed += 1
                 eval_id = next(eval_windows, None) if eval_windows is not None else None
+                if eval_windows is not None:
+                    pairing.check(window_id, eval_id)  # a shifted pair is an error, not a wrong eval
                 if index < st.window_index:
                     continue  # trained before the checkpoint this run resumed from
                 st.window_index = index
@@ -647,7 +655,7 @@ class Trainer:
             is_last = nxt is None
             self.precision.set_sync_gradients(is_last)
             self.hooks.fire("after_data", self, current)
-            with dense_no_sync(self.model, not is_last):
+            with dense_no_sync(self.model, not is_last), self._dynamic_steps.micro_batch(is_last):
                 loss, outputs = self._forward(current)
                 # The precision module divides by k: dense grads become the mean over the
                 # micro-batches; fused sparse updates see loss/k on every micro-batch.
@@ -753,18 +761,6 @@ class Trainer:
         if ds is None:
             raise ValueError(f"`{name}` is None; pass it to Trainer(...) to use this method.")
         return ds
-
-
-def setup_logging(level: int = logging.INFO) -> None:
-    """Log ``recsys_trainer`` messages to stderr with rank-aware formatting (idempotent)."""
-    log = logging.getLogger("recsys_trainer")
-    if log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = False
 
 
 __all__ = ["Trainer", "TrainerState", "setup_logging"]

@@ -158,11 +158,86 @@ def test_an_id_needs_admission_threshold_sightings_in_an_interval_to_get_a_row(
     assert resident_ids(t, "t_i")[0].tolist() == [9]
 
 
+def list_batches(sizes: list[int], num_ids: int, max_len: int, seed: int) -> list[Batch]:
+    """Batches of ``sizes`` rows; feature u is a list of 0..max_len raw ids per row, i one id."""
+    g = torch.Generator().manual_seed(seed)
+    base = 7_000_000_000_000
+    out = []
+    for rows in sizes:
+        lu = torch.randint(0, max_len + 1, (rows,), generator=g, dtype=torch.int32)
+        u = base + torch.randint(0, num_ids, (int(lu.sum()),), generator=g)
+        i = base + torch.randint(0, num_ids, (rows,), generator=g)
+        kjt = KeyedJaggedTensor(keys=list(FEATS), values=torch.cat([u, i]),
+                                lengths=torch.cat([lu, torch.ones(rows, dtype=torch.int32)]),
+                                stride=rows)
+        out.append(Batch(dense=torch.randn(rows, 4, generator=g), sparse=kjt,
+                         labels=(torch.rand(rows, generator=g) < 0.5).float()))
+    return out
+
+
+def ids_over_threshold(batches: list[Batch], feature: str, interval: int, threshold: int) -> set[int]:
+    """Ids seen ``threshold`` times within some interval of ``interval`` batches."""
+    out: set[int] = set()
+    for lo in range(0, len(batches), interval):
+        seen = torch.cat([b.sparse[feature].values() for b in batches[lo:lo + interval]])
+        ids, counts = torch.unique(seen, return_counts=True)
+        out.update(ids[counts >= threshold].tolist())
+    return out
+
+
+def test_a_short_first_batch_does_not_starve_admission_also_with_list_features(
+        tmp_path: Any) -> None:
+    # torchrec sizes its id history from the first batch (ids x interval x 1.25) and drops what
+    # does not fit: a 1-row first batch left room for about 10 ids per interval.
+    data = list_batches([1] + [48] * 7, num_ids=300, max_len=4, seed=0)
+    spec = DynamicTable(num_slots=1024, eviction_interval=4, admission_threshold=2)
+    t = build(str(tmp_path), spec, data, train_steps=8)
+    t.train()
+    for feature in FEATS:
+        want = ids_over_threshold(data, feature, interval=4, threshold=2)
+        assert len(want) > 50
+        # Free slots abound: every id that met the threshold in an interval has its own row.
+        assert set(resident_ids(t, f"t_{feature}")[0].tolist()) == want, feature
+
+
+def test_eviction_interval_counts_optimizer_steps_under_gradient_accumulation(
+        tmp_path: Any) -> None:
+    from recsys_trainer.hooks import LambdaHook
+
+    # Windows of 3 micro-batches at gradient_accumulation_steps=2: steps of 2 and 1 micro-batches.
+    raw = IdStream(FEATS, 100).batches(9, 16, seed=0)
+    data = _Windows(raw, per_window=3)
+    passes: list[int] = []
+    t = build(str(tmp_path), DynamicTable(num_slots=256, eviction_interval=2), data,
+              gradient_accumulation_steps=2)
+    t.add_hook(LambdaHook(after_step=lambda tr, out: passes.append(table_stats(tr.model)["t_u"]["passes"])))
+    t.train()
+    # 6 optimizer steps: a pass closes steps 2, 4 and 6, whatever their micro-batches.
+    assert t.state.global_step == 6
+    assert passes == [0, 1, 1, 2, 2, 3]
+    # Free slots abound: the pass closing step 6 admitted every id, the last micro-batch's too.
+    assert set(resident_ids(t, "t_u")[0].tolist()) == seen_ids(raw, "u")
+    # The schedule is checkpointed in steps; a checkpoint from before (no step keys) counted
+    # forwards, which were steps without accumulation.
+    from recsys_trainer.dynamic import DynamicTablesState
+
+    state = DynamicTablesState(t.model, 1)
+    saved = state.state_dict()
+    assert (saved["tables"]["t_u"]["steps"], saved["tables"]["t_u"]["current_iter"]) == (6, 9)
+    for st in saved["tables"].values():
+        del st["steps"], st["last_pass_step"]
+    state.load_state_dict(saved)
+    m: Any = mc_modules(t.model)["t_u"]
+    assert (m._steps, m._last_pass_step) == (9, 9)
+
+
 # -------------------------------------------------------------------------- two ranks
 
 def _two_rank_resume(root: str) -> dict[str, Any]:
     stream = IdStream(FEATS, 300)
-    data = stream.batches(10, 64, seed=int(os.environ["RANK"]))
+    rank = int(os.environ["RANK"])
+    # A 2-row first batch: the id history grows past the size it starts with, and resumes.
+    data = stream.batches(1, 2, seed=10 + rank) + stream.batches(9, 64, seed=rank)
     spec = DynamicTable(num_slots=32, eviction_interval=3, admission_threshold=2)
     full = build(os.path.join(root, "full"), spec, data, train_steps=10, save_steps=10)
     full.train()
@@ -312,6 +387,50 @@ def test_occupancy_admissions_and_evictions_are_reported_per_window_to_logs_tens
     events = acc.Scalars("train_window/dynamic/t_i/evicted")
     assert [e.step for e in events] == [0, 1, 2]
     assert sum(e.value for e in events) == table_stats(t.model)["t_i"]["evicted"]
+
+
+_NO_LOGGING_SETUP = r"""
+import logging, sys
+from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer.data.id_stream import IdStream
+from recsys_trainer.dynamic import DynamicTable
+from recsys_trainer.models import DLRMClassifier
+
+batches = IdStream(("u", "i"), 100).batches(4, 16, seed=0)
+model = DLRMClassifier(["u", "i"], 4, embedding_dim=8, dense_arch=(16,), over_arch=(16, 1),
+                       dynamic=DynamicTable(num_slots=64, eviction_interval=2))
+t = Trainer(model=model, args=TrainingArguments(output_dir=sys.argv[1], log_steps=2),
+            train_dataset=batches, eval_dataset=batches[:1],
+            sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1))
+t.train()
+print("=== the program configures logging", file=sys.stderr, flush=True)
+# force: importing torchrec already gave the root logger a handler (fbgemm_gpu's logging.info).
+logging.basicConfig(format="PROGRAM %(message)s", level=logging.WARNING, force=True)
+t.evaluate()
+"""
+
+
+def test_the_per_window_and_loss_lines_show_in_a_program_that_sets_up_no_logging(
+        tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    # A fresh interpreter: pytest's own logging handlers would hide the difference.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    r = subprocess.run([sys.executable, "-c", _NO_LOGGING_SETUP, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    before, after = r.stderr.split("=== the program configures logging")
+    lines = before.splitlines()
+    for line in ("dynamic table t_u after window all: ", "step 2 | epoch 0 | loss",
+                 "step 4 | epoch 0 | loss"):
+        assert sum(line in x for x in lines) == 1, (line, before)
+    # The program's handlers show them, once (its root level does not hide the project's INFO
+    # lines: the logger's own level does, if the program sets it).
+    shown = [x for x in after.splitlines() if "eval @ step 4" in x]
+    assert len(shown) == 1 and shown[0].startswith("PROGRAM eval @ step 4"), after
 
 
 def test_a_model_bank_warm_start_of_a_dynamic_table_is_refused_naming_the_key(tmp_path: Any) -> None:

@@ -396,6 +396,32 @@ def test_the_bundled_model_refuses_labels_outside_0_1_naming_the_value() -> None
         make_trainer(eval_=data).evaluate()
 
 
+def test_a_label_outside_0_1_is_named_by_column_file_and_row_without_a_label_range(tmp_path) -> None:
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from data_utils import row_id_spec, write_windows
+
+    write_windows(str(tmp_path), [[8]])
+    f = str(tmp_path / "hour=00" / "part-0.parquet")
+    t = pq.read_table(f)
+    pq.write_table(t.set_column(t.schema.get_field_index("y"), "y",
+                                pa.array([0.0, 1.0, 0.0, 1.0, 0.0, 2.0, 0.0, 1.0], pa.float32())), f)
+    ds = ParquetWindowDataset(str(tmp_path), row_id_spec(), batch_size=4)
+    assert ds.features.label_range is None  # the user set none: the bundled model's [0, 1] applies
+    trainer = _row_id_trainer(ds)
+    with pytest.raises(DataError, match=rf"file {f}, row group 0, row 5, column 'y': label 2 is outside "
+                                        r"label_range \[0, 1\]"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    # A range the user set is theirs (the loss still refuses what it cannot take).
+    mine = ParquetWindowDataset(str(tmp_path), dataclasses.replace(row_id_spec(), label_range=(0, 2)),
+                                batch_size=4)
+    _row_id_trainer(mine)
+    assert mine.features.label_range == (0.0, 2.0)
+
+
 def _row_id_trainer(train: object, **args: object) -> Trainer:
     from data_utils import row_id_spec
 

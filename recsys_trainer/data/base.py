@@ -1,8 +1,9 @@
 """What the Trainer needs from a dataset: ordered windows of this rank's batches.
 
 A *window* is an ordered unit of data (e.g. one hour of parquet). Training walks windows in
-order; ``train_and_evaluate`` pairs train window ``i`` with eval window ``i``. Any plain iterable
-of ``Batch`` also works: it is one window named ``"all"``, re-iterated every epoch.
+order; ``train_and_evaluate`` pairs train window ``i`` with eval window ``i`` and checks the
+pairs by id (``WindowPairing``). Any plain iterable of ``Batch`` also works: it is one window
+named ``"all"``, re-iterated every epoch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any
 import pyarrow as pa
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import Vocabulary
 from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
@@ -139,3 +141,57 @@ def nothing_to_train_error(ds: WindowedDataset, windows_listed: int, rows_unread
         f"training ran 0 steps: the train data, {what}, {found}. Check the path and that the "
         "data was written; a stream (StreamingWindows) waits for windows instead."
     )
+
+
+class WindowPairingError(DataError):
+    """Train and eval windows whose ids do not pair up (``train_and_evaluate``)."""
+
+
+class WindowPairing:
+    """Checks ``train_and_evaluate``'s pairs (train window ``i``, eval window ``i``) by id.
+
+    Pairs go by position, and the first two pairs tell how the ids relate:
+
+    * the same id (train and eval data partitioned by the same hours): every train window must
+      meet an eval window of its own id, checked before it is trained;
+    * eval window ``i`` is train window ``i + 1`` (train on ``windows[:-1]``, evaluate on
+      ``windows[1:]``): each train window must be the eval window of the pair before it,
+      checked when it comes up (the pair before was already evaluated by then);
+    * anything else (unrelated names): positions alone, as documented.
+
+    A pair that breaks the relation (a partition missing from one listing shifts every pair
+    after it) is a ``WindowPairingError`` naming both windows, instead of evaluating each train
+    window on another window's data. Every rank sees the same ids, so every rank raises.
+    """
+
+    def __init__(self) -> None:
+        self._pairs = 0
+        self._relation: str | None = None  # "same", "next", "position"; None: undecided
+        self._last: tuple[str, str | None] | None = None
+
+    def check(self, train_id: str, eval_id: str | None) -> None:
+        """The next pair, before its train window is trained (``eval_id`` None: the eval
+        windows ran out)."""
+        last, self._last = self._last, (train_id, eval_id)
+        self._pairs += 1
+        if last is None:
+            self._relation = "same" if eval_id == train_id else None
+        elif self._relation is None:
+            self._relation = "next" if last[1] == train_id else "position"
+        n = self._pairs
+        if self._relation == "same" and eval_id != train_id:
+            found = f"eval window {eval_id!r}" if eval_id is not None else "no eval window (the eval windows ran out)"
+            raise WindowPairingError(
+                f"train window {train_id!r} (pair {n}) meets {found}, but the train and eval "
+                "windows paired by id so far: one listing lacks a window the other has. Add the "
+                "missing partition (one holding only _SUCCESS is a window of 0 rows), or give both "
+                "datasets the same window ids.")
+        if self._relation == "next" and last is not None and last[1] != train_id:
+            found = (f"was evaluated on eval window {last[1]!r}" if last[1] is not None
+                     else "had no eval window (the eval windows ran out)")
+            raise WindowPairingError(
+                f"train window {last[0]!r} (pair {n - 1}) {found}, but the train window after it "
+                f"is {train_id!r}: until then each eval window was the next train window, so one "
+                "listing lacks a window the other has. Add the missing partition (one holding only "
+                "_SUCCESS is a window of 0 rows), or slice both datasets from one listing "
+                "(windows[:-1], windows[1:]).")

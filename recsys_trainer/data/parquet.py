@@ -43,8 +43,10 @@ import pyarrow.parquet as pq
 from recsys_trainer import storage
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature, _RowError
+from recsys_trainer.data.errors import DataError, _RowError
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import Vocabulary, column_problem
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
@@ -217,6 +219,7 @@ class ParquetWindowDataset(WindowedDataset):
         self.epoch = 0
         self.stats = WindowStats()
         self._columns = features.columns()
+        self._id_columns = sorted({c for s in features.id_features for c in s.sources})
         self._known: dict[str, Window] = {}
         self._pending_state: dict[str, Any] | None = None
         self._gang: Gang | None = None
@@ -266,7 +269,10 @@ class ParquetWindowDataset(WindowedDataset):
             pieces, rows = _skip(pieces, skip_batches * self.batch_size)
         if total == 0:
             self.stats.empty_windows += 1
-            logger.warning("window %s has no rows (files: %d); skipping it", window_id, len(window.files))
+            # Not skipped: the window still takes its place (an eval window evaluates as 0 rows), so
+            # train/eval pairs keep their ids.
+            logger.warning("window %s has no rows (files: %d): it is read as 0 rows", window_id,
+                           len(window.files))
         return WindowIterator(self, pieces, rows, window_id, discard=replay)
 
     def padding_batch(self) -> Batch | None:
@@ -367,6 +373,9 @@ class ParquetWindowDataset(WindowedDataset):
                         table = pacsv.read_csv(f, convert_options=self.csv_convert_options)
                     self.features.check_schema(table.schema, path)
                     self._check_id_kinds(table.schema, window.id, path)
+                    self._check_ids_present(
+                        {c for c in self._id_columns if table.column(c).null_count == table.num_rows},
+                        table.schema, table.num_rows, path)
                     units.append(_Unit(path, 0, table.num_rows, table))
                     continue
                 pf = _open_parquet(path, self.filesystem)
@@ -388,9 +397,17 @@ class ParquetWindowDataset(WindowedDataset):
                 ) from exc
             self.features.check_schema(schema, path)
             self._check_id_kinds(schema, window.id, path)
+            self._check_ids_present(_valueless_columns(md, self._id_columns), schema, md.num_rows, path)
             units.extend(_Unit(path, i, md.row_group(i).num_rows, metadata=md)
                          for i in range(md.num_row_groups))
         return units
+
+    def _check_ids_present(self, valueless: set[str], schema: pa.Schema, num_rows: int,
+                           path: str) -> None:
+        """An id column without a value in any row of the file: ``DataError``, or a warning
+        (``on_all_null``). Every rank plans every file, so every rank raises it alike."""
+        for warning in self.features.check_ids_present(valueless, schema, num_rows, path):
+            logger.warning("%s (on_all_null='warn': reading the file)", warning)
 
     def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
         """Refuse a sparse id column whose ids change kind (integer <-> string) between files or
@@ -554,6 +571,30 @@ class ParquetWindowDataset(WindowedDataset):
             else:
                 carried += hi - lo
         return carried
+
+
+def _valueless_columns(md: pq.FileMetaData, columns: list[str]) -> set[str]:
+    """The ``columns`` without a value in any row of the file (a list column: without an
+    element), from the footer's statistics: no data is read. Null lists, empty lists and null
+    elements all count as nulls of a list's leaf column. A column whose statistics are missing
+    (a writer may omit them) or that is not one leaf (a struct) is not listed."""
+    if md.num_rows == 0:
+        return set()
+    paths = [md.schema.column(j).path for j in range(md.num_columns)]
+    out = set()
+    for c in columns:
+        leaves = [j for j, p in enumerate(paths) if p == c or p.startswith(c + ".")]
+        if len(leaves) != 1:
+            continue
+        j = leaves[0]
+        for i in range(md.num_row_groups):
+            chunk = md.row_group(i).column(j)
+            stats = chunk.statistics
+            if stats is None or not stats.has_null_count or stats.null_count != chunk.num_values:
+                break
+        else:
+            out.add(c)
+    return out
 
 
 def _concat(parts: list[pa.Table], files: list[str]) -> pa.Table:

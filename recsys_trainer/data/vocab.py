@@ -49,6 +49,8 @@ import pyarrow.compute as pc
 
 from recsys_trainer import storage
 from recsys_trainer.checkpoint import contents, layout
+from recsys_trainer.data.columns import _is_str
+from recsys_trainer.data.hashing import stable_hash_strings
 from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_int, fail
 
@@ -63,8 +65,6 @@ search. Measured per 16,384 values (2-core host): ``index_in`` 0.1-0.2 ms up to 
 ~4 ms at 64k strings, 150-260 ms at 1M; the sorted search 1-4 ms up to 64k, 8-12 ms at 1M."""
 
 Kind: TypeAlias = Literal["string", "integer"]
-HashStrings: TypeAlias = Callable[[pa.Array], np.ndarray]
-"""The project's stable 64-bit string hash (passed in by the decoder, which owns it)."""
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
@@ -228,7 +228,7 @@ class Vocabulary:
         return (f"the column holds {kind} ids, but the vocabulary ({self.source}) holds "
                 f"{self.kind}s; write the vocabulary's values as {kind}s.")
 
-    def rows(self, values: pa.Array, hash_strings: HashStrings) -> np.ndarray:
+    def rows(self, values: pa.Array) -> np.ndarray:
         """Row of each value (int64): ``i + 1`` for entry ``i``, ``OOV_ROW`` for anything else.
         ``values`` holds no null; a column of the wrong kind raises ``ValueError``."""
         kind: Kind = "string" if _is_str(values.type) else "integer"
@@ -238,7 +238,7 @@ class Vocabulary:
             if problem is not None:
                 raise ValueError(problem)
             with self._lock:
-                lookup = self._lookups.get(kind) or self._make_lookup(kind, hash_strings)
+                lookup = self._lookups.get(kind) or self._make_lookup(kind)
                 self._lookups[kind] = lookup
         return lookup(values)
 
@@ -249,7 +249,7 @@ class Vocabulary:
             self._integers = np.array([int(v) for v in self.values], dtype=np.int64)
         return pa.array(self._integers)
 
-    def _make_lookup(self, kind: Kind, hash_strings: HashStrings) -> Callable[[pa.Array], np.ndarray]:
+    def _make_lookup(self, kind: Kind) -> Callable[[pa.Array], np.ndarray]:
         entries = self._entries(kind)
         if len(entries) == 0:
             return lambda values: np.full(len(values), OOV_ROW, dtype=np.int64)
@@ -261,7 +261,7 @@ class Vocabulary:
             return lambda values: _sorted_rows(ints[order], order, _as_int64(values).to_numpy())
         if len(entries) <= INDEX_IN_MAX_SIZE:
             return lambda values: _index_in(_as_string(values), entries)
-        hashes = hash_strings(entries)
+        hashes = stable_hash_strings(entries)
         order = np.argsort(hashes, kind="stable")
         ordered = hashes[order]
         if len(np.unique(ordered)) != len(ordered):  # two entries share a 64-bit hash
@@ -269,7 +269,7 @@ class Vocabulary:
 
         def lookup(values: pa.Array) -> np.ndarray:
             strings = _as_string(values)
-            rows = _sorted_rows(ordered, order, hash_strings(strings))
+            rows = _sorted_rows(ordered, order, stable_hash_strings(strings))
             # Equal hashes are candidates: the strings themselves decide (exact, no collision).
             found = rows != OOV_ROW
             cand = pa.array(np.where(found, rows - 1, 0))
@@ -301,10 +301,6 @@ def _as_int64(values: pa.Array) -> pa.Array:
 
 def _as_string(values: pa.Array) -> pa.Array:
     return values.cast(pa.string()) if pa.types.is_string_view(values.type) else values
-
-
-def _is_str(t: pa.DataType) -> bool:
-    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
 
 
 def _kind_of_values(values: Sequence[Any], where: str) -> Kind:
@@ -416,8 +412,7 @@ def vocabulary_capacity(cfg: VocabFromData, num_embeddings: int, null_id: int | 
     return cap if cfg.max_size is None else min(cap, cfg.max_size)
 
 
-def lookup_rows(vocab: object, values: pa.Array, hash_strings: HashStrings,
-                feature: str) -> np.ndarray:
+def lookup_rows(vocab: object, values: pa.Array, feature: str) -> np.ndarray:
     """The decoder's call: rows of a feature's (null-free) values through its vocabulary (the
     normal form ``check_vocab`` returned)."""
     if not isinstance(vocab, Vocabulary | VocabFromData):
@@ -431,7 +426,7 @@ def lookup_rows(vocab: object, values: pa.Array, hash_strings: HashStrings,
             "a Trainer (train, or resume before evaluate/predict), or give the vocabulary as a "
             "list or file.")
     try:
-        return vocab.rows(values, hash_strings)
+        return vocab.rows(values)
     except ValueError as exc:
         raise ValueError(f"feature {feature!r}: {exc}") from None
 
