@@ -549,6 +549,10 @@ class DynamicTablesState:
     another layout find them.
     """
 
+    needed_for_scoring = True
+    """Restored with the model for evaluate/predict too (``checkpoint.contents``): the maps'
+    buffers load into any layout, so its world-size check is what refuses one they do not fit."""
+
     def __init__(self, model: nn.Module, world_size: int) -> None:
         self._model = model
         self._world_size = world_size

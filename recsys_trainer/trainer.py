@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
@@ -359,22 +360,25 @@ class Trainer:
             comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size)
         return comps
 
-    def resume(self) -> None:
+    def resume(self, *, mode: RestoreMode = "training") -> None:
         """Restore the state ``args.resume_from`` names ("auto": the newest committed checkpoint
-        in ``output_dir``), or else warm-start from ``args.model_bank``; all ranks call this.
-        ``train()`` does it itself at its start; call it to evaluate a trained model. Only the
-        first call (from either) does anything."""
-        self.checkpointer.resume()
+        in ``output_dir`` that verifies), or else warm-start from ``args.model_bank``; all ranks
+        call this. ``train()`` does it itself at its start; only the first such call does
+        anything. To evaluate or score a trained model call ``resume(mode="scoring")``: it
+        restores the model (and what the model needs, see ``checkpoint.contents``) and the step,
+        never a dataset position, the optimizers or hook state, so the datasets may differ from
+        training's; a later ``train()`` still resumes in full."""
+        self.checkpointer.resume(mode=mode)
 
     def save_checkpoint(self, path: str | None = None) -> str:
         """Save a checkpoint now and wait for it to commit (all ranks must call this); returns
         its directory (default ``output_dir/step_<global_step>``)."""
         return self.checkpointer.save(path, blocking=True)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore the full training state from the committed checkpoint at ``path`` (all ranks
-        must call this)."""
-        self.checkpointer.load(path)
+    def load_checkpoint(self, path: str, *, mode: RestoreMode = "training") -> None:
+        """Restore the full training state from the committed checkpoint at ``path``, or with
+        ``mode="scoring"`` only what scoring needs (as ``resume``); all ranks must call this."""
+        self.checkpointer.load(path, mode=mode)
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
@@ -385,7 +389,8 @@ class Trainer:
             self._train(with_eval=False)
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
+        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics. To evaluate
+        a trained model, ``resume(mode="scoring")`` first."""
         if self.smoke is not None and not self.smoke.running:
             self.smoke.run(self)
             return self.smoke.eval_metrics
@@ -404,8 +409,8 @@ class Trainer:
         and redoes the others. ``activation="sigmoid"`` writes probabilities of logits
         (``"none"``: outputs as returned); ``output_names`` names the output columns (default:
         the dataset's labels). ``filesystem``: a ``pyarrow.fs.FileSystem`` to write through
-        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume()`` or ``load_checkpoint()``
-        first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
+        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume(mode="scoring")`` or
+        ``load_checkpoint(path, mode="scoring")`` first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
         options = PredictOptions(output_dir=output_dir, activation=activation,
                                  output_names=output_names, rows_per_row_group=rows_per_row_group)
         ds = as_windowed(dataset)

@@ -6,6 +6,7 @@ the builders below."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -355,9 +356,111 @@ def test_ranks_that_see_different_checkpoints_refuse_to_resume(tmp_path: Any) ->
     build(out, RowWindows(), train_steps=2, save_steps=2).train()
     # This rank sees step 2; the other rank (scripted) sees step 4.
     t = build(out, RowWindows(), checkpointer=CheckpointManager(
-        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[4]])))
+        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[4, -4, 0]])))
     with pytest.raises(CheckpointError, match="ranks disagree on the checkpoint to resume from"):
         t.resume()
+    # The other rank sees an older step (0, none): this rank notices too, instead of loading
+    # alone while the other raises.
+    t = build(out, RowWindows(), checkpointer=CheckpointManager(
+        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[-1, 1, 0]])))
+    with pytest.raises(CheckpointError, match=r"sees step 2, others between -1 and 2"):
+        t.resume()
+
+
+class LogCapture(logging.Handler):
+    """The records of one logger (the project's loggers may not propagate to pytest's)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.logger = logging.getLogger(name)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> LogCapture:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self)
+
+
+def _shards(ckpt: str) -> list[str]:
+    return sorted(os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.endswith(".distcp"))
+
+
+def test_auto_resume_falls_back_past_a_checkpoint_missing_a_shard_and_moves_it_aside(
+        tmp_path: Any) -> None:
+    out = str(tmp_path / "out")
+    build(out, RowWindows(), train_steps=6, save_steps=2, max_to_keep=10).train()
+    # What a run resumed from step 4 by its path ends with.
+    ref = build(str(tmp_path / "ref"), RowWindows(), train_steps=10,
+                resume_from=os.path.join(out, "step_00000004"))
+    ref.train()
+    bad = os.path.join(out, "step_00000006")
+    lost = _shards(bad)[0]
+    os.remove(lost)  # committed, then a file lost: the manifest still lists it
+    rec = RowRecorder()
+    with LogCapture("recsys_trainer.checkpoint.manager") as log:
+        t = build(out, RowWindows(), hooks=[rec], train_steps=10, save_steps=2, max_to_keep=2)
+        t.train()
+    assert rec.events[0] == ("loaded", "step_00000004")
+    assert_bitwise_equal(snapshot(t), snapshot(ref))
+    moved = [n for n in os.listdir(out) if n.startswith("step_00000006" + layout.QUARANTINE_INFIX)]
+    assert len(moved) == 1, os.listdir(out)
+    kept = os.path.join(out, moved[0])
+    warning = next(m for m in log.messages if "fails verification" in m)
+    assert bad in warning and os.path.basename(lost) in warning and "is missing" in warning
+    assert kept in warning
+    # Kept for inspection, whole but for the lost file, with the reason; never listed again.
+    assert set(os.listdir(kept)) >= {"COMMITTED", ".metadata", "rank_00000.pt", "UNVERIFIED.txt"}
+    assert os.path.basename(lost) in open(os.path.join(kept, "UNVERIFIED.txt")).read()
+    # This run saved 6 again itself; rotation (max_to_keep=2) kept the checkpoint it resumed
+    # from, so the directory never holds only checkpoints newer than the last good one.
+    assert committed_steps(out) == [4, 8, 10]
+    # An explicit path stays strict, and says what to do.
+    with pytest.raises(CheckpointError, match=r"is missing: its COMMITTED manifest lists it") as e:
+        build(str(tmp_path / "strict"), RowWindows(), train_steps=12, resume_from=kept).train()
+    assert e.value.path == os.path.join(kept, os.path.basename(lost)) and e.value.kind == "corrupt"
+    assert "Load an older one by its path" in str(e.value) and "resume_from='auto'" in str(e.value)
+    with pytest.raises(CheckpointError, match=r"is missing: its COMMITTED manifest lists it"):
+        build(str(tmp_path / "strict"), RowWindows(), resume_from=kept).resume(mode="scoring")
+
+
+def test_auto_resume_with_no_checkpoint_that_verifies_is_an_error_not_a_fresh_start(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=2, save_steps=2).train()
+    shard = _shards(os.path.join(out, "step_00000002"))[0]
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint in .* verifies.*step 2 "
+                                              r"\(rank 0: .*CRC32"):
+        build(out, RowWindows(), train_steps=3, save_steps=2).train()
+    # Nothing to fall back to: nothing is moved aside, so a restart meets the same error
+    # instead of an output_dir that looks empty.
+    assert committed_steps(out) == [2]
+    assert not [n for n in os.listdir(out) if layout.QUARANTINE_INFIX in n]
+
+
+def test_a_checkpoint_that_fails_verification_on_another_rank_is_skipped_on_every_rank(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=4, save_steps=2, max_to_keep=5).train()
+    # This rank (0 of 2) verifies step 4; the other rank reports a bad file in it.
+    peer = ("checkpoint step 4: file 'x/__1_0.distcp' fails its CRC32 check", "x/__1_0.distcp",
+            "corrupt")
+    rec = RowRecorder()
+    t = build(out, RowWindows(), hooks=[rec], checkpointer=CheckpointManager(
+        out, reshard_data_position="restart_window",  # the checkpoints have world size 1
+        gang=FakeGang(rank=0, world_size=2, peer_max=[[4, -4, 1]], peer_objects=[[peer]])))
+    with LogCapture("recsys_trainer.checkpoint.manager") as log:
+        t.resume()
+    assert rec.events == [("loaded", "step_00000002")] and t.state.global_step == 2
+    assert any("rank 1: checkpoint step 4: file 'x/__1_0.distcp' fails its CRC32" in m
+               for m in log.messages)
 
 
 # ---------------------------------------------------------------------------- resume & rotation

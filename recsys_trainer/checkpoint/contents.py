@@ -14,6 +14,15 @@ Components, by name (absent ones are simply not saved or restored):
 ``non_finite``        per-rank state, saved as their ``state_dict()``
 ====================  ==========================================================================
 
+What scoring restores (``evaluate``/``predict`` of a trained model, ``RestoreMode``
+"scoring"): the ``model`` component, every component whose object declares
+``needed_for_scoring = True`` (state the model's outputs depend on that is not in its
+``state_dict()``: e.g. ``dynamic_tables``, whose world-size check keeps id maps from being read
+at a layout they do not fit; a vocabulary that maps raw ids to rows would be one), and the
+counters in ``MODEL_COUNTERS`` (so logs and metrics name the model's step). Never a dataset's
+position, the optimizers, the RNG or the hooks: the data may be configured differently from
+training's (another batch size, passthrough columns, eval data where training had none).
+
 Two parts, both from one consistent step:
 
 * **tensors**, saved with ``torch.distributed.checkpoint`` (DCP): ``{"model": model state,
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -53,7 +62,20 @@ COUNTER_KEYS = ("global_step", "epoch", "window_index", "batches_in_window", "wi
 """The ``trainer_state`` component's keys that checkpoints read (step naming, triggers, the
 model bank's counters/data, remapping the data position to another world size)."""
 
+MODEL_COUNTERS = ("global_step", "epoch")
+"""The counters a scoring restore sets: which model it is, not where training was."""
+
 Components = Mapping[str, Stateful]
+
+RestoreMode = Literal["training", "scoring"]
+"""What a load restores: everything a resumed training needs, or only what scoring needs."""
+
+
+def scoring_components(components: Components) -> list[str]:
+    """The names of the components a scoring restore loads: ``model``, and every component
+    whose object has ``needed_for_scoring = True`` (see the module docstring)."""
+    return [name for name, comp in components.items()
+            if name == MODEL or getattr(comp, "needed_for_scoring", False) is True]
 
 
 class OptimizerComponent(Protocol):
