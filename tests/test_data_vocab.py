@@ -247,8 +247,7 @@ def test_a_resumed_run_restores_the_vocabulary_and_a_changed_configuration_is_re
 
     def trainer(spec: FeatureSpec, **args: Any) -> Trainer:
         ds = ParquetWindowDataset(data, spec, batch_size=8)
-        evals = ParquetWindowDataset(data, spec, batch_size=8)  # saved too: the scorer loads it
-        return make_trainer(spec, out, ds, evals, save_every_n_windows=1, **args)
+        return make_trainer(spec, out, ds, save_every_n_windows=1, **args)
 
     first = trainer(_vocab_spec(), train_steps=8, save_end=True)  # window 0 is 8 batches
     first.train()
@@ -279,7 +278,7 @@ def test_a_resumed_run_restores_the_vocabulary_and_a_changed_configuration_is_re
     decoded: dict[int, list[int]] = {}
     scorer = make_trainer(evals.features, out, None, evals,
                           hooks=[LambdaHook(after_data=lambda t, b: decoded.update(ids_by_row(b, "genre")))])
-    scorer.resume()
+    scorer.resume(mode="scoring")  # the model and what it needs: its vocabularies
     scorer.evaluate()
     table = pq.read_table(data)
     for r, g in zip(table.column("row_id").to_pylist(), table.column("genre").to_pylist(), strict=True):

@@ -101,7 +101,6 @@ def test_a_vocabulary_built_from_the_first_window_is_identical_on_two_ranks_and_
     # One process resuming the 2-rank checkpoint gets the same vocabularies (they are not
     # per-rank state: restored at any world size), with no train data to build them from.
     evals = ParquetWindowDataset(data, _spec(), batch_size=8)
-    # (It was saved mid-window for world size 2: the scorer needs a data position policy.)
-    scorer = make_trainer(evals.features, out, None, evals, reshard_data_position="restart_window")
-    scorer.resume()
+    scorer = make_trainer(evals.features, out, None, evals)
+    scorer.resume(mode="scoring")
     assert scorer.vocabularies.state_dict() == r0["built"]

@@ -589,6 +589,10 @@ class Vocabularies:
     after checking they match this run's configuration.
     """
 
+    needed_for_scoring = True
+    """A scoring restore (``resume(mode="scoring")``: ``run: evaluate`` / ``run: predict``)
+    loads it with the model: the model's rows mean the values of these vocabularies."""
+
     def __init__(self, gang: Gang) -> None:
         self._gang = gang
         self._configs: dict[str, _Config] = {}
