@@ -75,6 +75,7 @@ from recsys_trainer.data.base import (
 )
 from recsys_trainer.data.spec import apply_label_range
 from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import (
     Gang,
     ProcessGroupGang,
@@ -243,6 +244,12 @@ class Trainer:
             if ds is not None:
                 ds.setup(self.rank, self.world_size)
                 ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
+        self.vocabularies = Vocabularies(self.gang)
+        """The vocabularies the datasets' id features map through: built from the data when
+        training starts (``VocabFromData``), restored on resume; a checkpoint component."""
+        for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            if ds is not None:
+                self.vocabularies.attach(ds, name)
 
         self.hooks = HookList()
         user_hooks = list(hooks or [])
@@ -344,6 +351,7 @@ class Trainer:
             "rng": RNGState(),
             "hooks": self.hooks,
             "non_finite": self.non_finite,
+            "vocabularies": self.vocabularies,
         }
         optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
@@ -387,7 +395,9 @@ class Trainer:
             self.smoke.run(self)
             return self.smoke.eval_metrics
         with self._top_level():
-            return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
+            eval_ds = self._require(self.eval_dataset, "eval_dataset")
+            self.vocabularies.build(self.train_dataset)  # unless restored or built already
+            return self._evaluate(eval_ds, None)
 
     def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
                 output_names: Sequence[str] | None = None,
@@ -408,6 +418,7 @@ class Trainer:
             raise ValueError("`dataset` is None; pass the data to score to predict(...).")
         ds.setup(self.rank, self.world_size)
         ds.set_gang(self.gang)
+        self.vocabularies.attach(ds, "the predict dataset")
         if self.smoke is not None and not self.smoke.running:
             # Test mode: the phases, then one batch of the first window scored into the smoke
             # directory (never into `output_dir`, never the whole data).
@@ -421,6 +432,7 @@ class Trainer:
     def _predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
                  max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
         with self._top_level():
+            self.vocabularies.build(self.train_dataset)
             self.state.mode = "predict"
             self.model.eval()
             return predict(self._forward, ds, self.gang, self.device, options, filesystem,
@@ -473,6 +485,7 @@ class Trainer:
         self._stop_local = self._non_finite_local = False
         st.stop_reason = None
         self.resume()
+        self.vocabularies.build(train_ds)  # VocabFromData: from the first windows (unless restored)
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps

@@ -297,7 +297,7 @@ def test_the_trainer_hands_its_state_to_the_checkpointer_as_named_stateful_compo
 
     comps = build(str(tmp_path), RowWindows()).state_components()
     assert set(comps) == {"model", "dense_optimizer", "sparse_optimizer", "trainer_state", "rng",
-                          "hooks", "non_finite", "lr_scheduler", "train_dataset"}
+                          "hooks", "non_finite", "lr_scheduler", "train_dataset", "vocabularies"}
     assert all(isinstance(c, Stateful) for c in comps.values())
 
 

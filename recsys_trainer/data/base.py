@@ -8,13 +8,17 @@ named ``"all"``, re-iterated every epoch.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
+
+import pyarrow as pa
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
+from recsys_trainer.data.vocab import Vocabulary
 from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
 
@@ -55,6 +59,22 @@ class WindowedDataset(ABC):
         evaluation when the rank saw no batch at all. None: use the last batch seen."""
         return None
 
+    def read_columns(self, window_id: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+        """This rank's share of the window's rows (each row read by exactly one rank), raw
+        (undecoded) and projected on ``columns``: what a vocabulary built from the data
+        (``VocabFromData``) counts. Default: not supported."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot read raw columns, which a vocabulary built from the "
+            "data (VocabFromData) counts; train on a ParquetWindowDataset, or give the "
+            "vocabulary as a list or file.")
+
+    def set_vocabularies(self, vocabularies: Mapping[str, Vocabulary]) -> None:
+        """Decode with these vocabularies from now on (``{feature name: Vocabulary}``, built from
+        the data or restored from a checkpoint by the Trainer); the default puts them into
+        ``features``, which a dataset must decode with."""
+        if self.features is not None:
+            self.features = with_vocabularies(self.features, vocabularies)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -79,6 +99,16 @@ class IterableAsWindow(WindowedDataset):
             if next(it, None) is None:
                 break
         return it
+
+
+def with_vocabularies(spec: FeatureSpec, vocabularies: Mapping[str, Vocabulary]) -> FeatureSpec:
+    """``spec`` with the named id features' ``vocab`` replaced (the others unchanged)."""
+    def swap(f: Any) -> Any:
+        v = vocabularies.get(f.name)
+        return f if v is None or f.vocab is v else dataclasses.replace(f, vocab=v)
+
+    return dataclasses.replace(spec, sparse=[swap(s) for s in spec.sparse],
+                               sequence=[swap(q) for q in spec.sequence])
 
 
 def as_windowed(dataset: Any) -> WindowedDataset | None:

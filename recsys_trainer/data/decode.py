@@ -26,6 +26,7 @@ from recsys_trainer.data.hashing import (
     stable_hash_strings,
 )
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature, _IdFeature
+from recsys_trainer.data.vocab import lookup_rows
 
 _INT64_MAX = 2**63 - 1
 
@@ -184,7 +185,12 @@ def _ids(s: _IdFeature, flat: pa.Array, lens: np.ndarray) -> np.ndarray:
                 column=s.source, row=_row_of(lens, k),
             )
         ids = np.searchsorted(np.asarray(s.boundaries), vals, side="right").astype(np.int64)
+    elif s.vocab is not None:
+        ids = lookup_rows(s.vocab, flat, s.name)
     elif _is_str(flat.type):
+        if s.hash is False:
+            raise DataError(f"feature {s.name!r} sets hash=False, but its column holds strings; "
+                            "give it a `vocab` (or hash=True).", column=s.source)
         ids = _mod_inplace(stable_hash_strings(flat), n_emb).view(np.int64)
     else:
         raw = flat.to_numpy(zero_copy_only=False)
@@ -205,7 +211,8 @@ def _ids(s: _IdFeature, flat: pa.Array, lens: np.ndarray) -> np.ndarray:
 
 
 def _transformed(s: _IdFeature) -> bool:
-    return any(v is not None for v in (s.boundaries, s.div, s.mod, s.cross, s.null_id))
+    return s.hash is False or any(
+        v is not None for v in (s.boundaries, s.div, s.mod, s.cross, s.null_id, s.vocab))
 
 
 def _row_of(lens: np.ndarray, k: int) -> int:

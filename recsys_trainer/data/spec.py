@@ -58,6 +58,7 @@ from recsys_trainer.data.decode import (
 )
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+from recsys_trainer.data.vocab import check_tables_share_vocabularies
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -521,6 +522,8 @@ def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str
                 f"{table!r} is in an EmbeddingBagCollection, which pools Batch.sparse: declare "
                 f"{feature!r} in FeatureSpec(sparse=...), or read it with an EmbeddingCollection."
             )
+    check_tables_share_vocabularies([(f, t) for f, t, _ in (*tables, *sequence_tables)],
+                                    {s.name: s.vocab for s in spec.id_features})
     for feature, table, rows in (*tables, *sequence_tables):
         if rows is not None and bounds[feature] > rows:
             kind = "sparse" if feature in sparse else "sequence"
