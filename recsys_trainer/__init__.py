@@ -62,7 +62,31 @@ _LAZY: dict[str, str] = {
     "supported_sparse_optimizers": "recsys_trainer.sharding",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "Batch",
+    "EarlyStoppingHook",
+    "Hook",
+    "JsonlMetricsHook",
+    "LambdaHook",
+    "LoggerHook",
+    "MetricReport",
+    "MetricReportHook",
+    "MicroBatchOutput",
+    "NonFiniteLossHook",
+    "ProfilerHook",
+    "ProgressHook",
+    "SparseOptimizer",
+    "StepOutput",
+    "TensorBoardHook",
+    "Trainer",
+    "TrainerState",
+    "TrainingArguments",
+    "WindowedDataset",
+    "seed_everything",
+    "setup_logging",
+    "shutdown",
+    "supported_sparse_optimizers",
+]
 
 
 def __getattr__(name: str) -> Any:

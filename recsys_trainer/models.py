@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,8 +144,9 @@ def normal_init(std: float, mean: float = 0.0) -> TableInit:
 def stack_pooled(sparse_arch: nn.Module, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """What torchrec's ``SparseArch`` returns (``[B, F, D]``, its features in order), from
     pooled embeddings per feature: the serving side of ``sparse_arch(kjt)``."""
-    names: list[str] = sparse_arch.sparse_feature_names  # type: ignore[assignment]
-    f, d = int(sparse_arch.F), int(sparse_arch.D)  # type: ignore[call-overload]
+    arch: Any = sparse_arch  # torchrec's SparseArch: sparse_feature_names, F, D
+    names: list[str] = arch.sparse_feature_names
+    f, d = int(arch.F), int(arch.D)
     return torch.cat([pooled[n] for n in names], dim=1).reshape(-1, f, d)
 
 

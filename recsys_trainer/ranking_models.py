@@ -25,8 +25,8 @@ from recsys_trainer.models import (
     BINARY_LABELS,
     init_last_bias,
     make_tables,
-    stack_pooled,
     multi_task_bce_with_logits,
+    stack_pooled,
     weighted_bce_with_logits,
 )
 

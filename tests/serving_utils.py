@@ -101,12 +101,13 @@ def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
                                 dynamic=DynamicTable(num_slots=64, eviction_interval=2))
 
 
-def make_trainer(kind: str, root: str, windows: list[str], steps: int) -> Trainer:
+def make_trainer(kind: str, root: str, windows: list[str], steps: int,
+                 save_steps: int | None = None) -> Trainer:
     spec, model = spec_and_model(kind)
     return Trainer(
         model=model,
         args=TrainingArguments(output_dir=os.path.join(root, "ckpt"), train_steps=steps,
-                               log_steps=1000, seed=0),
+                               log_steps=1000, seed=0, save_steps=save_steps),
         train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=32),
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),

@@ -22,7 +22,7 @@ _LAZY: dict[str, str] = {
     "as_windowed": "recsys_trainer.data.base",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["IterableAsWindow", "SyncState", "SyncedIterator", "WindowedDataset", "as_windowed"]
 
 
 def __getattr__(name: str) -> Any:

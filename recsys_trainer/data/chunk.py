@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import numpy as np

@@ -254,7 +254,8 @@ def _buckets(tm: _TableModule, table: str, shards: int, live: bool) -> int:
     """The bucket count training routed with. A live Trainer's modules know it; a model built
     in another process knows its ``DynamicTable.buckets`` if set (else the world size there,
     not training's): a count that is no multiple of the shards is the default, the shards."""
-    mods: Any = tm.module._managed_collision_collection._managed_collision_modules
+    coll: Any = tm.module
+    mods: Any = coll._managed_collision_collection._managed_collision_modules
     m = mods[table] if table in mods else None
     buckets = int(m.buckets()) if m is not None and callable(getattr(m, "buckets", None)) else shards
     if not live and buckets % shards:

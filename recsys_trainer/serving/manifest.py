@@ -149,7 +149,9 @@ def read_file(root: storage.Location, name: str) -> bytes:
     try:
         with storage.open_input_stream(loc) as f:
             return bytes(f.read())
-    except FileNotFoundError:
+    except (FileNotFoundError, storage.StorageError) as e:
+        if isinstance(e, storage.StorageError) and e.kind != "not_found":
+            raise
         raise ArtifactError(f"the serving artifact {root.url!r} has no file {name!r}.") from None
 
 

@@ -36,8 +36,12 @@ def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
 def dequantize(q: torch.Tensor, kind: str, dim: int) -> torch.Tensor:
     """Fused quantized rows (uint8 ``[n, bytes]``) -> float32 ``[n, dim]``."""
     if kind == "int8":
-        scale_bias = q[:, dim:dim + 8].contiguous().view(torch.float32)
-        return q[:, :dim].to(torch.float32) * scale_bias[:, :1] + scale_bias[:, 1:2]
+        scale_bias = q[:, dim:dim + 8].contiguous().view(torch.float32).to(torch.float64)
+        # FBGEMM's kernel rounds code * scale + bias once (an FMA). In float64 the product of
+        # an 8-bit code and a float32 scale is exact, so one rounding of the sum to float32
+        # gives the same value (tested bitwise against FBGEMM's op).
+        return (q[:, :dim].to(torch.float64) * scale_bias[:, :1]
+                + scale_bias[:, 1:2]).to(torch.float32)
     if kind == "int4":
         packed = (dim + 1) // 2
         codes = q[:, :packed]

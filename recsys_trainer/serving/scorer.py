@@ -22,7 +22,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +39,7 @@ from recsys_trainer.serving.tables import DynamicRows, Table
 
 logger = logging.getLogger(__name__)
 
-Rows = pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]]
+Rows: TypeAlias = pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]]
 
 
 def check_program_archive(data: bytes, name: str) -> None:
@@ -161,7 +161,10 @@ class Scorer:
         with torch.inference_mode():
             out = self._program(dense, pooled, sequences, lengths)
             if act == "sigmoid":
-                out = torch.sigmoid(out)
+                # Per output column (a strided view), as predict applies it: torch's vectorised
+                # sigmoid (contiguous input) and its scalar loop (strided) differ in the last bit.
+                out = torch.sigmoid(out) if out.dim() == 1 else torch.stack(
+                    [torch.sigmoid(c) for c in out.unbind(1)], dim=1)
         return out.numpy()
 
     def inputs(self, rows: Rows) -> tuple[torch.Tensor, dict[str, torch.Tensor],
@@ -205,7 +208,10 @@ class Scorer:
     def _from_pylist(self, rows: list[Mapping[str, Any]]) -> pa.Table:
         """Dicts -> a table; a column whose values are all None gets the type training reads
         it as (so a null is what training makes of a null, not a type error)."""
-        table = pa.Table.from_pylist(rows)
+        # Every key of any row (from_pylist would take the first row's keys only); a key a
+        # row lacks is a null there.
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        table = pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in keys})
         spec = self._decode_spec
         for i, f in enumerate(table.schema):
             if not pa.types.is_null(f.type):
