@@ -141,3 +141,40 @@ def scored(path: str, window: str, **kw: Any) -> dict[int, np.ndarray]:
 def max_diff(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> float:
     assert set(a) == set(b), (len(a), len(b), sorted(set(a) ^ set(b))[:5])
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def check_delta(root: str, kind: str, window: str, first: int, last: int) -> None:
+    """Base = the export of checkpoint ``first``; its delta to ``last`` applied by a Scorer
+    equals a full export of ``last``: every table bitwise, the same scores."""
+    from recsys_trainer.serving import ArtifactError, Scorer, export_delta, export_for_serving
+    from recsys_trainer.serving import manifest as mf
+
+    spec, model = spec_and_model(kind)
+    ckpt = os.path.join(root, "ckpt")
+    base, delta, full = (os.path.join(root, n) for n in ("base", "delta", "full"))
+    export_for_serving(os.path.join(ckpt, f"step_{first:08d}"), base, model=model, features=spec)
+    export_delta(os.path.join(ckpt, f"step_{last:08d}"), base, delta, full_out_dir=full,
+                 model=spec_and_model(kind)[1], features=spec)
+    scorer, reference = Scorer(base), Scorer(full)
+    rows = pq.read_table(window)
+    assert not np.array_equal(scorer.score(rows), reference.score(rows))
+    scorer.apply_delta(delta)
+    assert scorer.step == last and scorer.content_hash == reference.content_hash
+    for name, t in reference.tables.items():
+        mine = scorer.tables[name]
+        if t.dynamic is None:
+            assert mine.weight is not None and t.weight is not None
+            assert torch.equal(mine.weight, t.weight), name
+        else:
+            assert mine.dynamic is not None
+            for f in ("ids", "vectors", "default_rows"):
+                assert torch.equal(getattr(mine.dynamic, f), getattr(t.dynamic, f)), (name, f)
+    assert np.array_equal(scorer.score(rows), reference.score(rows))
+    # Only changed rows are shipped, and a delta applies once: its base is gone now.
+    try:
+        scorer.apply_delta(delta)
+        raise AssertionError("a delta applied twice was not refused")
+    except ArtifactError as e:
+        assert "apply deltas in order" in str(e)
+    assert os.path.getsize(os.path.join(delta, "delta.safetensors")) < \
+        os.path.getsize(os.path.join(full, mf.TABLES))

@@ -84,41 +84,11 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
         # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
         t = Scorer(case["art"]).tables["t_C1"]
         assert t.dynamic is not None and 987_654_321_012 not in set(t.dynamic.ids.tolist())
-        _check_delta(case, kind)
-
-
-def _check_delta(case: dict[str, Any], kind: str) -> None:
-    """Base = the step-3 checkpoint's export; delta to step 5 == a full export of step 5."""
-    root, spec_model = case["root"], su.spec_and_model(kind)
-    ckpt = os.path.join(root, "ckpt")
-    base, delta, full = (os.path.join(root, n) for n in ("base3", "delta5", "full5"))
-    export_for_serving(os.path.join(ckpt, "step_00000003"), base, model=spec_model[1],
-                       features=spec_model[0])
-    export_delta(os.path.join(ckpt, "step_00000005"), base, delta, full_out_dir=full,
-                 model=su.spec_and_model(kind)[1], features=spec_model[0])
-    scorer, reference = Scorer(base), Scorer(full)
-    window = pq.read_table(case["windows"][-1])
-    assert not np.array_equal(scorer.score(window), reference.score(window))
-    scorer.apply_delta(delta)
-    assert scorer.step == 5 and scorer.content_hash == reference.content_hash
-    for name, t in reference.tables.items():
-        mine = scorer.tables[name]
-        if t.dynamic is None:
-            assert torch.equal(mine.weight, t.weight), name
-        else:
-            assert mine.dynamic is not None
-            for f in ("ids", "vectors", "default_rows"):
-                assert torch.equal(getattr(mine.dynamic, f), getattr(t.dynamic, f)), (name, f)
-    assert np.array_equal(scorer.score(window), reference.score(window))
-    # The delta holds only changed rows, and applies once: its base is gone now.
-    with pytest.raises(ArtifactError, match="apply deltas in order"):
-        scorer.apply_delta(delta)
-    assert os.path.getsize(os.path.join(delta, "delta.safetensors")) < \
-        os.path.getsize(os.path.join(full, mf.TABLES))
+        su.check_delta(case["root"], kind, case["windows"][-1], 3, 5)
 
 
 def test_a_delta_of_plain_tables_reproduces_the_full_export_of_the_later_step(dlrm) -> None:
-    _check_delta(dlrm, "dlrm")
+    su.check_delta(dlrm["root"], "dlrm", dlrm["windows"][-1], 3, 5)
 
 
 def test_an_export_from_the_checkpoint_equals_the_export_from_the_live_trainer(dlrm, tmp_path) -> None:
