@@ -26,7 +26,7 @@ from recsys_trainer.data.features import (
     SequenceFeature,
     SparseFeature,
 )
-from recsys_trainer.serving import ArtifactError, Scorer, export_delta, export_for_serving
+from recsys_trainer.serving import ArtifactError, Scorer, export_for_serving
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.quantize import dequantize, quantize
 from recsys_trainer.serving.routing import Routing, mix_ids
@@ -281,3 +281,43 @@ def test_an_export_scores_in_a_fresh_process_that_never_imports_the_trainer_or_t
     assert dist <= baseline, sorted(dist - baseline)[:10]
     assert np.array_equal(np.array(got["scores"], np.float32),
                           Scorer(dlrm["art"]).score(pq.read_table(window)))
+
+
+def test_run_export_writes_the_artifact_of_the_newest_checkpoint_of_a_cli_training_run(tmp_path) -> None:
+    import yaml
+    from helpers import FEATURES, NUM_DENSE, ROWS
+    from predict_utils import scoring_spec, write_scoring_windows
+
+    from recsys_trainer.config import load_config
+
+    write_scoring_windows(str(tmp_path / "data"), [[20], [12]])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": "train",
+        "args": {"output_dir": str(tmp_path / "ckpt"), "save_end": True, "resume_from": "auto"},
+        "model": {"embedding_dim": 8, "dense_arch": [16], "over_arch": [16, 1]},
+        "data": {"kind": "parquet", "train": str(tmp_path / "data"), "batch_size": 8, "features": {
+            "labels": ["y"], "dense": [f"d{i}" for i in range(NUM_DENSE)],
+            "sparse": [{"name": f, "num_embeddings": ROWS} for f in FEATURES]}},
+        "dense_optimizer": {"name": "adam", "lr": 0.05},
+        "export": {"output_dir": str(tmp_path / "art"), "quantize": None},
+    }))
+
+    def cli(*extra: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(config), *extra],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    cli()
+    out = cli("--run", "export")
+    scorer = Scorer(str(tmp_path / "art"))
+    assert scorer.step == 5 and f"exported={scorer.content_hash}" in out
+    # The same checkpoint exported in this process, from a model built by the same config.
+    reference = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "ref"),
+                                   model=load_config(str(config), []).model.build(),
+                                   features=scoring_spec(passthrough=[]))
+    assert reference.content_hash == scorer.content_hash
+    p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(config), "--run", "export",
+                        "--export", "null"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 2 and "`run: export` needs an `export` section" in p.stderr

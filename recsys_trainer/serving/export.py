@@ -69,10 +69,42 @@ from recsys_trainer.serving import delta as dl
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.quantize import QUANTIZATIONS, quantize
 from recsys_trainer.serving.routing import RULE, Routing
+from recsys_trainer.validation import check_choice, check_type
 
 logger = logging.getLogger(__name__)
 
 _MC = "_managed_collision_collection._managed_collision_modules"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportOptions:
+    """``run: export``'s section (the CLI): where and how the artifact is written."""
+
+    output_dir: str
+    """The artifact's directory: a path or URL; must not hold a committed artifact."""
+    quantize: str | None = None
+    """None, ``"int8"`` or ``"int4"``: row-wise quantized tables."""
+    aot_inductor: bool = False
+    """Also compile the dense program with AOTInductor (minutes on a small CPU host)."""
+    activation: str = "sigmoid"
+    """As ``predict``'s: what ``Scorer.score`` applies by default."""
+    output_names: list[str] | None = None
+    """Names of the outputs (default: the labels, as ``predict``)."""
+    delta_from: str | None = None
+    """A full export: write only what changed since it (``export_delta``) to ``output_dir``."""
+    full_output_dir: str | None = None
+    """With ``delta_from``: also write the full export here (the next delta's base)."""
+
+    def __post_init__(self) -> None:
+        check_type("output_dir", self.output_dir, (str,), "a path or URL")
+        if not self.output_dir:
+            raise ValueError("`output_dir` must be a path or URL, but is ''.")
+        if self.quantize is not None:
+            check_choice("quantize", self.quantize, QUANTIZATIONS)
+        check_choice("activation", self.activation, ("sigmoid", "none"))
+        if self.full_output_dir is not None and self.delta_from is None:
+            raise ValueError("`full_output_dir` goes with `delta_from` (a delta export); for a "
+                             "full export set only `output_dir`.")
 
 
 @dataclass(frozen=True)
@@ -467,11 +499,12 @@ def _on_rank_zero(trainer: Any, work: Any) -> Any:
 
 
 def _source(source: Any, model: nn.Module | None, features: FeatureSpec | None,
-            ) -> tuple[str, nn.Module, FeatureSpec, bool, Any]:
+            checkpoint: str | None = None) -> tuple[str, nn.Module, FeatureSpec, bool, Any]:
     """``(checkpoint, model, spec, is_live, trainer)`` for a Trainer or a checkpoint path."""
     if hasattr(source, "save_checkpoint") and hasattr(source, "model"):
         trainer = source
-        ckpt = trainer.save_checkpoint()  # all ranks; a no-op if this step is committed
+        # All ranks; a no-op when this step is committed already.
+        ckpt = checkpoint if checkpoint is not None else trainer.save_checkpoint()
         live = model if model is not None else trainer.model.module
         spec = features
         if spec is None:
@@ -492,7 +525,8 @@ def export_for_serving(source: Any, out_dir: str, *, model: nn.Module | None = N
                        features: FeatureSpec | None = None,
                        output_names: list[str] | None = None, activation: str = "sigmoid",
                        quantize: str | None = None, aot_inductor: bool = False,
-                       verify: bool = True, filesystem: Any = None) -> ExportSummary:
+                       verify: bool = True, filesystem: Any = None,
+                       checkpoint: str | None = None) -> ExportSummary:
     """Write the serving artifact of ``source`` to ``out_dir`` (a path or URL).
 
     ``source``: a committed checkpoint (``step_<N>`` directory, or an output directory: its
@@ -502,9 +536,10 @@ def export_for_serving(source: Any, out_dir: str, *, model: nn.Module | None = N
     exports it; model and spec default to the Trainer's). ``quantize``: None, ``"int8"`` or
     ``"int4"`` (row-wise, every table). ``aot_inductor``: also compile the dense program with
     AOTInductor (minutes on a small CPU host; a failure is recorded, not raised).
-    ``activation``/``output_names``: as ``Trainer.predict``'s.
+    ``activation``/``output_names``: as ``Trainer.predict``'s. ``checkpoint`` (with a Trainer):
+    the committed checkpoint its model was loaded from, exported instead of saving one.
     """
-    ckpt, mdl, spec, live, trainer = _source(source, model, features)
+    ckpt, mdl, spec, live, trainer = _source(source, model, features, checkpoint)
 
     def work() -> ExportSummary:
         t0 = time.perf_counter()
@@ -527,12 +562,12 @@ def export_delta(source: Any, base: str, out_dir: str, *, full_out_dir: str | No
                  model: nn.Module | None = None, features: FeatureSpec | None = None,
                  output_names: list[str] | None = None, activation: str = "sigmoid",
                  quantize: str | None = None, verify: bool = True,
-                 filesystem: Any = None) -> ExportSummary:
+                 filesystem: Any = None, checkpoint: str | None = None) -> ExportSummary:
     """Write only what changed between the full export ``base`` and ``source`` (as for
     ``export_for_serving``) to ``out_dir`` (see ``delta.py``); with ``full_out_dir`` also the
     new full export, the base of the next delta. ``Scorer(base)`` then ``apply_delta(out_dir)``
     scores exactly as ``Scorer`` of a full export of ``source``."""
-    ckpt, mdl, spec, live, trainer = _source(source, model, features)
+    ckpt, mdl, spec, live, trainer = _source(source, model, features, checkpoint)
 
     def work() -> ExportSummary:
         t0 = time.perf_counter()
