@@ -321,3 +321,17 @@ def test_run_export_writes_the_artifact_of_the_newest_checkpoint_of_a_cli_traini
     p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(config), "--run", "export",
                         "--export", "null"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode == 2 and "`run: export` needs an `export` section" in p.stderr
+
+
+def test_a_few_rows_decode_to_the_ids_they_have_among_many() -> None:
+    """Small requests hash their string columns in one call (a serving speed-up in the shared
+    decoder): the ids must be those of the same rows decoded in a large batch."""
+    from recsys_trainer.data.criteo_synthetic import CriteoSignal, criteo_features, generate_hour
+
+    table, _ = generate_hour(CriteoSignal.make(max_vocab=300), 200, np.random.default_rng(3), 0)
+    spec = criteo_features(1000)
+    many = spec.decode(table).sparse
+    for lo, n in ((0, 1), (7, 16), (100, 64)):
+        few = spec.decode(table.slice(lo, n)).sparse
+        for key in spec.sparse_names:
+            assert torch.equal(few[key].values(), many[key].values()[lo:lo + n]), (key, lo, n)

@@ -102,6 +102,14 @@ class DecodedChunk:
                     None if self.id_weights is None else self.id_weights[j])
                 for j, k in enumerate(self.keys)}
 
+    def id_matrix(self) -> np.ndarray | None:
+        """``[num_keys, rows]`` int64 ids when every pooled key has exactly one id per row and
+        no id weights (the common case, decoded in one block), else None."""
+        if self.ids is None:
+            return None
+        n = len(self.labels)
+        return self._block_ids(0, n).reshape(len(self.keys), n)
+
     def sequence_arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Every sequence key's ``(flat ids int64, ids per row int32)`` over all kept rows."""
         return {k: (self.seq_values[j], self.seq_lengths[j]) for j, k in enumerate(self.seq_keys)}

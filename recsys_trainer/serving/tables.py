@@ -137,3 +137,32 @@ class Table:
             starts = torch.cumsum(lens, 0) - lens
             out[row_of, torch.arange(n) - starts[row_of]] = self.rows(idx)
         return out, lens
+
+
+class FusedLookup:
+    """Plain float32 pooled tables of one dim, concatenated into one tensor (each table's
+    ``weight`` becomes a view of it), so that features with one id per row are looked up in one
+    gather instead of one per feature (what FBGEMM's table-batched kernel does in training).
+    The values are the rows themselves: the same bits as a per-table lookup."""
+
+    def __init__(self, tables: list[Table]) -> None:
+        self.dim = tables[0].dim
+        weights = [t.weight for t in tables if t.weight is not None]
+        assert len(weights) == len(tables)
+        self.weight = torch.cat(weights)
+        starts = [0]
+        for w in weights:
+            starts.append(starts[-1] + int(w.shape[0]))
+        self.offset = {t.name: int(starts[i]) for i, t in enumerate(tables)}
+        for i, t in enumerate(tables):
+            t.weight = self.weight[int(starts[i]):int(starts[i + 1])]
+
+    @staticmethod
+    def eligible(t: Table) -> bool:
+        return (t.kind == "pooled" and t.dynamic is None and t.quantization is None
+                and not t.weighted and t.weight is not None and t.weight.dtype == torch.float32)
+
+    def rows(self, ids: np.ndarray, offsets: torch.Tensor) -> torch.Tensor:
+        """``[keys, rows, dim]``: row ``ids[k, r] + offsets[k]`` of the concatenated tables."""
+        idx = torch.from_numpy(ids) + offsets.unsqueeze(1)
+        return self.weight.index_select(0, idx.reshape(-1)).view(ids.shape[0], ids.shape[1], self.dim)
