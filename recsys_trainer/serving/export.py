@@ -323,9 +323,13 @@ def _export_program(dense_model: nn.Module, example: tuple[Any, ...]) -> Any:
 def _program_bytes(ep: Any) -> bytes:
     # No example inputs in the archive: they are its only pickled member (see
     # scorer.check_program_archive).
+    example = ep._example_inputs
     ep._example_inputs = None
-    buf = io.BytesIO()
-    torch.export.save(ep, buf)
+    try:
+        buf = io.BytesIO()
+        torch.export.save(ep, buf)
+    finally:
+        ep._example_inputs = example  # AOTInductor compiles from them
     return buf.getvalue()
 
 
