@@ -177,10 +177,10 @@ def quantized_auc(trainer: Trainer, root: str, kind: str, rows: pa.Table) -> lis
         auc = weighted_auc(scores, labels, torch.ones(len(labels)))
         size = os.path.getsize(os.path.join(path, "tables.safetensors"))
         base_size = base_size or size
-        out.append([kind, q or "float32", f"{auc:.4f}", f"{size / 1e6:.1f}", f"{size / base_size:.3f}"])
+        out.append([kind, q or "float32", f"{auc:.5f}", f"{size / 1e6:.1f}", f"{size / base_size:.3f}"])
     base_auc = float(out[0][2])
     for r in out:
-        r.insert(3, f"{float(r[2]) - base_auc:+.4f}")
+        r.insert(3, f"{float(r[2]) - base_auc:+.5f}")
     return out
 
 

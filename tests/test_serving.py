@@ -4,6 +4,7 @@ never imports the trainer, and the artifact's integrity checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -335,3 +336,67 @@ def test_a_few_rows_decode_to_the_ids_they_have_among_many() -> None:
         few = spec.decode(table.slice(lo, n)).sparse
         for key in spec.sparse_names:
             assert torch.equal(few[key].values(), many[key].values()[lo:lo + n]), (key, lo, n)
+
+
+def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_scores_as_predict(
+        tmp_path) -> None:
+    """A model of one's own (implementing the serving contract) with ``VocabFromData``
+    vocabularies (strings and integers), a multi-hot list feature and two sequence features
+    reading one table: the export resolves the built vocabularies (from the Trainer, and from
+    the checkpoint in the same way) and scores as ``predict``, unseen values on the OOV row."""
+    from vocab_data import MAX_LEN, TinyModel, write_vocab_windows
+
+    from recsys_trainer.data.features import VocabFromData
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+
+    class ServableTiny(TinyModel):
+        def serving_sequence_lengths(self) -> dict[str, int]:
+            return dict.fromkeys(self.seq_names, MAX_LEN)
+
+        def serving_logits(self, dense, pooled, sequences, lengths):  # type: ignore[no-untyped-def]
+            parts = [dense * 1e-3, torch.cat([pooled[n] for n in self.pooled_names], dim=1),
+                     sum(sequences[n].sum(1) for n in self.seq_names)]
+            return self.top(torch.cat(parts, dim=1)).squeeze(-1)
+
+    spec = FeatureSpec(
+        labels=["y"], dense=["row_id"],
+        sparse=[SparseFeature(name="genre", num_embeddings=12, vocab=VocabFromData()),
+                SparseFeature(name="year", num_embeddings=10, vocab=VocabFromData()),
+                SparseFeature(name="tags", num_embeddings=8, vocab=VocabFromData())],
+        sequence=[SequenceFeature(name="item", num_embeddings=16, vocab=VocabFromData(name="items")),
+                  SequenceFeature(name="hist", num_embeddings=16, max_len=MAX_LEN,
+                                  vocab=VocabFromData(name="items"))])
+    data = str(tmp_path / "data")
+    write_vocab_windows(data, (64, 48), files_per_window=1)
+    windows = [os.path.join(data, f"hour={w:02d}", "part-0.parquet") for w in range(2)]
+
+    def model() -> ServableTiny:
+        m = ServableTiny(spec)
+        m.pooled_names = spec.sparse_names
+        return m
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+
+    trainer = Trainer(model(), TrainingArguments(output_dir=str(tmp_path / "ckpt"), log_steps=1000),
+                      train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=16),
+                      dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                      sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+                      add_logger_hook=False)
+    trainer.train()
+    out = str(tmp_path / "pred")
+    trainer.predict(ParquetWindowDataset(windows[1:], dataclasses.replace(spec, passthrough=["row_id"]),
+                                         batch_size=48), out)
+    from recsys_trainer.predict import read_predictions
+
+    pred = read_predictions(out)
+    art = str(tmp_path / "art")
+    summary = export_for_serving(trainer, art)
+    scorer = Scorer(art)
+    assert list(scorer.features.sparse[0].vocab.values) == list(trainer.vocabularies["genre"].values)
+    rows = pq.read_table(windows[1])
+    got = dict(zip(rows.column("row_id").to_pylist(), scorer.score(rows).tolist(), strict=True))
+    want = dict(zip(pred.column("row_id").to_pylist(), pred.column("y").to_pylist(), strict=True))
+    assert max(abs(got[r] - want[r]) for r in want) <= 1e-6 and set(got) == set(want)
+    again = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "again"), model=model(),
+                               features=spec)
+    assert again.content_hash == summary.content_hash
