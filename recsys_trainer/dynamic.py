@@ -483,6 +483,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
     def __init__(self, *args: Any, settings: _Settings | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         m: Any = self
+        # torchrec keeps its "init" segments as the very tensor of the buffer that a checkpoint
+        # loads into: a load would overwrite this module's own shard boundaries.
+        m._init_output_segments_tensor = m._init_output_segments_tensor.clone()
         self._settings = settings or _Settings(interval_steps=m._eviction_interval)
         segments = [int(s) for s in m._init_output_segments_tensor.tolist() if s >= 0]
         self.shards = len(segments) - 1
@@ -497,7 +500,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self.decayed = isinstance(m._eviction_policy, DecayedLFUEvictionPolicy)
         if self.decayed:
             slots = self._settings.history_slots or m._zch_size
-            _resize_history(m, 2 * max(32, -(-slots // self.shards)))
+            _resize_history(m, 2 * -(-slots // self.shards))
         self.closes_step = True
         """Whether the current training forward is the last micro-batch of its step."""
         self._steps = 0
@@ -513,6 +516,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self.counters = dict.fromkeys(_COUNTERS, 0)
         """Since the run started (restored on resume): ids given a row, residents that lost
         theirs to another id, residents expired, passes, and ids dropped from a full history."""
+        self.counters_epoch = 0
+        """Times the counters restarted (a resume at another world size); the same on every
+        rank, so reporters know their baseline is gone."""
         self.loaded_segments: list[int] | None = None
         """The shard boundaries of the checkpoint last loaded (set by ``validate_state``)."""
         self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -1131,6 +1137,7 @@ class DynamicTablesState:
                     "rows_since_pass": m._rows_since_pass, "last_pass_time": m._last_pass_time,
                     "windows": m._windows, "window_marks": list(m._window_marks),
                     "time_marks": list(m._time_marks), "counters": dict(m.counters),
+                    "counters_epoch": m.counters_epoch,
                     "fallback_per_shard": m.fallback_per_shard, "shards": m.shards,
                     "decayed": m.decayed,
                 })
@@ -1191,6 +1198,7 @@ def _restore(m: Any, st: dict[str, Any], history: bool) -> None:
     m._windows = int(st.get("windows", 0))
     m._window_marks = list(st.get("window_marks", []))
     m._time_marks = [tuple(x) for x in st.get("time_marks", [])]
+    m.counters_epoch = int(st.get("counters_epoch", 0))
     if "counters" in st:
         m.counters = dict(st["counters"])
     else:  # format 1: the policy's counters; evictions were derived
@@ -1339,6 +1347,7 @@ def _relayout(model: nn.Module, table: str, saved_world: int, saved_fallback: in
     if world != saved_world:
         # Each rank's counters were its own shard's; rank 0's alone came back. Start afresh.
         m.counters = dict.fromkeys(_COUNTERS, 0)
+        m.counters_epoch += 1
     if rank == 0:
         logger.warning(
             "dynamic table %s: re-routed %d ids from a checkpoint of %d shard(s) with %d "
@@ -1401,21 +1410,25 @@ def _move_rows(coll: Any, table: str, src: torch.Tensor, dst: torch.Tensor,
 
 def table_stats(model: nn.Module) -> dict[str, dict[str, int]]:
     """This rank's ``{table: {"slots", "fallback_rows", "occupied", "admitted", "evicted",
-    "expired", "passes", "dropped"}}``: rows in its shard (fallback rows included), those of
-    them that ids without a row read, slots holding an id, and since the run started (across
-    resumes at the same world size) new ids given a row, resident ids that lost theirs to
-    another id, resident ids expired, passes, and ids dropped from a full history before a pass.
-    Sum over ranks for the table's totals."""
+    "expired", "passes", "dropped", "counters_epoch"}}``: rows in its shard (fallback rows
+    included), those of them that ids without a row read, slots holding an id, and since the
+    run started (across resumes at the same world size) new ids given a row, resident ids that
+    lost theirs to another id, resident ids expired, passes, and ids dropped from a full history
+    before a pass; ``counters_epoch`` counts the restarts of those counters (a resume at another
+    world size restarts them; the same on every rank). Sum over ranks for the table's totals."""
     out: dict[str, dict[str, int]] = {}
     for table, mod in mc_modules(model).items():
         m: Any = mod
+        epoch = 0
         if isinstance(mod, DynamicMCHModule):
             counters, fallback, occupied = mod.counters, mod.fallback_per_shard, mod.occupied()
+            epoch = mod.counters_epoch
         else:
             counters = dict.fromkeys(_COUNTERS, 0)
             fallback, occupied = 1, int(m._zch_size) - 1 - int(mod.open_slots().item())
         out[table] = {"slots": int(m._zch_size), "fallback_rows": fallback,
-                      "occupied": occupied, **{k: int(counters[k]) for k in _COUNTERS}}
+                      "occupied": occupied, **{k: int(counters[k]) for k in _COUNTERS},
+                      "counters_epoch": epoch}
     return out
 
 

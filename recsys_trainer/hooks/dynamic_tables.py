@@ -35,15 +35,15 @@ class DynamicTableStatsHook(Hook):
       freed), *during this window*.
 
     The previous window's totals are part of the hook's checkpointed state, so the first window
-    after a resume reports that window only (after a resume at another world size, the tables'
-    counters restart, and so does the baseline). Add it on every rank (it takes part in a
-    collective).
+    after a resume reports that window only (a resume at another world size restarts the
+    tables' counters, ``counters_epoch`` in ``table_stats``, and the baseline with them). Add it
+    on every rank (it takes part in a collective).
     """
 
     def __init__(self) -> None:
         self._prev: dict[str, dict[str, int]] = {}
         self._windows = 0
-        self._world_size: int | None = None
+        self._epochs: dict[str, int] = {}
 
     def after_window(self, trainer: Trainer, window_id: str) -> None:
         if trainer.state.mode != "train":
@@ -51,9 +51,6 @@ class DynamicTableStatsHook(Hook):
         local = dynamic.table_stats(trainer.model)
         if not local:
             return
-        if self._world_size is not None and self._world_size != trainer.world_size:
-            self._prev = {}  # a resume at another world size restarted the tables' counters
-        self._world_size = trainer.world_size
         tables = sorted(local)
         # Every rank holds a shard of every dynamic table (row-wise), so the table order and
         # vector length agree across ranks.
@@ -62,6 +59,10 @@ class DynamicTableStatsHook(Hook):
         values: dict[str, float] = {}
         for i, table in enumerate(tables):
             now = {k: int(total[i * len(_COUNTERS) + j]) for j, k in enumerate(_COUNTERS)}
+            epoch = local[table]["counters_epoch"]
+            if self._epochs.get(table, 0) != epoch:
+                self._prev.pop(table, None)  # the counters restarted (another world size)
+            self._epochs[table] = epoch
             prev = self._prev.get(table, {})
             delta = {k: now[k] - prev.get(k, 0) for k in _PER_WINDOW}
             occupancy = now["occupied"] / now["slots"] if now["slots"] else 0.0
@@ -85,9 +86,9 @@ class DynamicTableStatsHook(Hook):
 
     def state_dict(self) -> dict[str, Any]:
         return {"prev": {t: dict(v) for t, v in self._prev.items()}, "windows": self._windows,
-                "world_size": self._world_size}
+                "epochs": dict(self._epochs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._prev = {t: dict(v) for t, v in state["prev"].items()}
         self._windows = int(state["windows"])
-        self._world_size = state.get("world_size")
+        self._epochs = dict(state.get("epochs", {}))
