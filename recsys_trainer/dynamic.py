@@ -396,7 +396,7 @@ def mix_ids(ids: torch.Tensor, input_size: int = ID_SPACE) -> torch.Tensor:
     # A negative id would wrap onto 2**63 + id and share its row: refuse it instead. On the GPU
     # the check is asynchronous (no host sync); the error surfaces at the next sync point.
     if ids.device.type == "cpu":
-        if ids.numel() and bool((ids < 0).any()):
+        if ids.numel() and int(ids.min()) < 0:
             bad = int(ids[ids < 0][0])
             raise ValueError(f"a dynamic table got the negative id {bad}; raw ids must be in "
                              "[0, 2**63) (hash or offset signed ids before they reach the table).")
@@ -608,9 +608,11 @@ class DynamicMCHModule(MCHManagedCollisionModule):
                 # Resident ids are counted in place; only the others wait in the history.
                 pos, found = self._lookup(v)
                 self._lookup_cache = (v, pos, found)
-                at = pos[found]
-                m._mch_counts.index_add_(0, at, torch.full_like(at, COUNT_ONE))
-                m._mch_last_access_iter[at] = m._current_iter
+                # Adding 0 at, and taking the max with 0 over, the positions of ids not found:
+                # two scatters, no compaction of the positions.
+                m._mch_counts.index_add_(0, pos, found.long() * COUNT_ONE)
+                m._mch_last_access_iter.scatter_reduce_(0, pos, found.long() * m._current_iter,
+                                                        reduce="amax")
                 self._record(v[~found])
             else:
                 self._record_growing(v)
@@ -688,14 +690,23 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         if self.decayed:
             self._lookup_cache = None  # the map changes
             uniq, counts = self._coalesce()
-            m._update_and_evict(uniq, counts, {})
+            # Only ids at the threshold, and, when no slot is free, above the weakest resident
+            # (residents win ties), can take a row: rank just those (a pass sorts what it ranks).
+            can = counts >= policy.threshold
+            if before >= m._zch_size - self.fallback_per_shard and bool(can.any()):
+                can &= counts > m._mch_counts[:before].min()
+            chosen = can.nonzero().squeeze(1)
+            waiting = torch.ones_like(uniq, dtype=torch.bool)
+            policy.last_admitted = 0
+            if chosen.numel():
+                m._update_and_evict(uniq[chosen], counts[chosen], {})
+                sorted_ids = m._mch_sorted_raw_ids
+                pos = torch.searchsorted(sorted_ids[:-1], uniq[chosen])
+                waiting[chosen] = sorted_ids[pos] != uniq[chosen]
             # Resident ids' counts decay after the ranking, as the waiting ids' below: at the
             # next pass both hold their new sightings plus their past ones decayed.
             policy.decay(m._mch_metadata)
             # Ids that did not get a row wait for the next pass with their decayed count.
-            sorted_ids = m._mch_sorted_raw_ids
-            pos = torch.searchsorted(sorted_ids[:-1], uniq)
-            waiting = sorted_ids[pos] != uniq
             ids = uniq[waiting]
             kept = (counts[waiting].double() * policy.factor).floor_().long()
             live = kept > 0
@@ -938,8 +949,10 @@ class DynamicEmbeddingBagCollection(nn.Module):
 
 @torch.fx.wrap
 def _pool(jt: JaggedTensor, mean: bool) -> torch.Tensor:
-    lengths = jt.lengths()
-    out = torch.segment_reduce(jt.values(), "sum", lengths=lengths, axis=0, unsafe=True)
+    lengths, values = jt.lengths(), jt.values()
+    if values.shape[0] == lengths.numel() and (not values.shape[0] or int(lengths.max()) == 1):
+        return values  # one id per row (as many ids as rows, none more than one): nothing to pool
+    out = torch.segment_reduce(values, "sum", lengths=lengths, axis=0, unsafe=True)
     if mean:
         out = out / lengths.clamp_min(1).unsqueeze(1).to(out.dtype)
     return out
