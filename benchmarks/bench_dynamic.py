@@ -21,11 +21,11 @@ one process, batch 512:
   (``recsys_trainer.dynamic.table_memory``, measured after the dynamic model's first step: the
   rows and their optimizer state, the id map with the policy's per-slot metadata, the id
   history as allocated), at 4 * dim + 4 bytes per hashed row (weights, row-wise Adagrad).
-  With ``--full``, also ``hashed_large`` (a row per distinct id: the reference for rows whose ids
-  the dynamic table does not hold).
+  With ``--full``, also ``hashed_large`` (2 x ``--ids`` rows per table, few collisions: the
+  reference for rows whose ids the dynamic table does not hold).
 
-``non_resident``: the AUC on the eval rows where the dynamic table held the user or the item
-id neither (they read the fallback rows), for every model on those same rows.
+``non_resident``: the AUC on the eval rows whose user or item id had no row in the dynamic
+table (it read a fallback row), for every model on those same rows.
 
 Step time: the dynamic and the equal-bytes hashed model train interleaved (alternating every
 ``--chunk`` batches); mean and median over every step after the first window, eviction passes

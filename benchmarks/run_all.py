@@ -5,7 +5,8 @@
 Benchmarks (run in this order, those present): ``bench_trainer.py`` (Trainer overhead vs a
 hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows, batch size,
 memory), ``bench_data.py`` (reader throughput), ``bench_checkpoint.py`` (save/restore),
-``bench_predict.py`` (offline scoring vs evaluation),
+``bench_predict.py`` (offline scoring vs evaluation), ``bench_dynamic.py`` (dynamic vs hashed tables
+on a churny id stream: AUC at equal rows and bytes, step time),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk).
 
@@ -36,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "data": ("bench_data.py", ()),
     "checkpoint": ("bench_checkpoint.py", ()),
     "predict": ("bench_predict.py", ()),
+    "dynamic": ("bench_dynamic.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
 }
