@@ -634,8 +634,12 @@ def _two_rank_run(root: str) -> dict[str, Any]:
 def _save_after_loading(root: str, source: str, target: str, windows: int) -> dict[str, Any]:
     """Load ``source`` (another world size), save it again at once as ``target``, then train
     what data is left."""
+    from recsys_trainer.hooks import LambdaHook
+
     rank = int(os.environ.get("RANK", "0"))
     t = build_shared(os.path.join(root, target), SHARED_SPEC, shared_windows(rank, windows))
+    reports: list[dict[str, float]] = []
+    t.add_hook(LambdaHook(on_metrics=lambda tr, report: reports.append(dict(report.values))))
     t.load_checkpoint(source)
     saved = t.save_checkpoint()
     out: dict[str, Any] = {"saved": saved, "routed": {}}
@@ -646,6 +650,7 @@ def _save_after_loading(root: str, source: str, target: str, windows: int) -> di
         out["routed"][table] = bool((shard_of(mixed, world) == rank).all())
     t.train()
     out["stats"] = table_stats(t.model)
+    out["reports"] = [r for r in reports if "dynamic/t_i/admitted" in r]
     return out
 
 
@@ -680,6 +685,10 @@ def test_two_ranks_resume_bitwise_and_a_checkpoint_moves_to_one_rank_and_back(
     for r in (r0, r1):
         assert r["routed"] == {"t_i": True, "t_u": True}
         assert r["stats"]["t_i"]["passes"] > 0 and r["stats"]["t_i"]["counters_epoch"] == 2
+    # The counters restarted with the new layout, and so did the stats hook's baseline: the
+    # fourth window's report is what both ranks counted since.
+    (report,) = r0["reports"]
+    assert report["dynamic/t_i/admitted"] == sum(r["stats"]["t_i"]["admitted"] for r in (r0, r1))
 
 
 # ------------------------------------------------------------------------------ exports
