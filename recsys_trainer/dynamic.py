@@ -140,7 +140,7 @@ class DynamicTable:
     history_slots: int | None = None
     """``decayed_lfu``: ids without a row (with their counts) the table holds between passes,
     split over its shards; 32 bytes each (the buffer is twice that: half for new sightings).
-    Default ``num_slots // 2``. When full it is coalesced, then the least-seen ids are dropped.
+    Default ``num_slots // 2`` (at least 64). When full it is coalesced, then the least-seen ids are dropped.
     The legacy policies keep torchrec's history of every sighting, which grows instead."""
     fallback_rows: int = 1
     """Rows that ids without their own row read (by their position in the id space), split
@@ -950,8 +950,11 @@ class DynamicEmbeddingBagCollection(nn.Module):
 @torch.fx.wrap
 def _pool(jt: JaggedTensor, mean: bool) -> torch.Tensor:
     lengths, values = jt.lengths(), jt.values()
-    if values.shape[0] == lengths.numel() and (not values.shape[0] or int(lengths.max()) == 1):
-        return values  # one id per row (as many ids as rows, none more than one): nothing to pool
+    # One id per row (as many ids as rows, none more than one): nothing to pool. Checked on CPU
+    # only, where reading the maximum costs no device synchronisation.
+    if values.device.type == "cpu" and values.shape[0] == lengths.numel() and (
+            not values.shape[0] or int(lengths.max()) == 1):
+        return values
     out = torch.segment_reduce(values, "sum", lengths=lengths, axis=0, unsafe=True)
     if mean:
         out = out / lengths.clamp_min(1).unsqueeze(1).to(out.dtype)
@@ -1195,6 +1198,8 @@ def _restore(m: Any, st: dict[str, Any], history: bool) -> None:
     size, used = st["buffer_size"], st["used"] if history else 0
     if size > 0 and (not isinstance(m, DynamicMCHModule) or not m.decayed):
         _resize_history(m, max(size, m._input_history_buffer_size))
+    elif used > m._input_history_buffer_size:  # a smaller history_slots than the checkpoint's
+        _resize_history(m, used)
     if used:
         m._history_accumulator[:used] = st["history"]
         for k, v in st["history_metadata"].items():
