@@ -514,12 +514,18 @@ def test_a_run_with_eval_data_resumes_a_checkpoint_saved_without_any(tmp_path: A
 
     trainer(False, train_steps=3, save_steps=3).train()
     assert committed_steps(out) == [3]
-    resumed = trainer(True)
+    resumed = trainer(True, save_end=True)
     resumed.train_and_evaluate()
-    assert resumed.state.global_step == 6
+    assert resumed.state.global_step == 6 and committed_steps(out) == [3, 6]
     assert sorted(trained) == list(range(24))  # every train row once over both runs
     # Windows 1 and 2 were trained (and evaluated) after the resume; window 0's pair was not.
     assert sorted(evaluated) == list(range(104, 112))
+    # A dataset the checkpoint holds, configured otherwise: the error says which one.
+    with pytest.raises(ValueError, match=r"cannot restore `eval_dataset` from the checkpoint: "
+                                         r"cannot resume this dataset .*\(batch_size: saved 4, now 8\)"):
+        changed = trainer(True)
+        changed.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+        changed.resume()
 
     out = str(tmp_path)
     build(out, RowWindows(), train_steps=4, save_steps=2, max_to_keep=10).train()

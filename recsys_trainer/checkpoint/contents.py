@@ -246,4 +246,13 @@ def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bo
         state = extra.get(name)
         if not state:
             continue
-        comp.load_state_dict(state)
+        try:
+            comp.load_state_dict(state)
+        except ValueError as e:
+            if name not in _DATASETS:
+                raise
+            # The dataset's own message says what differs, not which of the datasets it is.
+            raise ValueError(
+                f"cannot restore `{name}` from the checkpoint: {e} Configure `{name}` as the run "
+                "that saved it did, or start a new run (resume_from=None, or another "
+                "output_dir).") from e
