@@ -520,13 +520,21 @@ def test_a_run_with_eval_data_resumes_a_checkpoint_saved_without_any(tmp_path: A
     assert sorted(trained) == list(range(24))  # every train row once over both runs
     # Windows 1 and 2 were trained (and evaluated) after the resume; window 0's pair was not.
     assert sorted(evaluated) == list(range(104, 112))
-    # A dataset the checkpoint holds, configured otherwise: the error says which one.
+    # A dataset the checkpoint holds, configured otherwise: the error says which one, and how
+    # to score the model instead (a scoring restore takes no dataset state).
+    changed = trainer(True)
+    changed.eval_dataset.batch_size = 8  # type: ignore[union-attr]
     with pytest.raises(ValueError, match=r"cannot restore `eval_dataset` from the checkpoint: "
-                                         r"cannot resume this dataset .*\(batch_size: saved 4, now 8\)"):
-        changed = trainer(True)
-        changed.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+                                         r"cannot resume this dataset .*\(batch_size: saved 4, now 8\)") as e:
         changed.resume()
+    assert "resume(mode='scoring')" in str(e.value)
+    scorer = trainer(True)
+    scorer.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+    scorer.resume(mode="scoring")
+    assert scorer.state.global_step == 6
 
+
+def test_resume_from_an_explicit_path_and_none_starts_fresh(tmp_path: Any) -> None:
     out = str(tmp_path)
     build(out, RowWindows(), train_steps=4, save_steps=2, max_to_keep=10).train()
     t = build(str(tmp_path / "elsewhere"), RowWindows(), train_steps=5,

@@ -255,4 +255,6 @@ def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bo
             raise ValueError(
                 f"cannot restore `{name}` from the checkpoint: {e} Configure `{name}` as the run "
                 "that saved it did, or start a new run (resume_from=None, or another "
-                "output_dir).") from e
+                "output_dir); to evaluate or score the trained model, restore it with "
+                "resume(mode='scoring') (what run: evaluate / predict do), which restores no "
+                "dataset.") from e
