@@ -68,6 +68,7 @@ from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
+    Lookahead,
     WindowedDataset,
     WindowPairing,
     as_windowed,
@@ -496,7 +497,7 @@ class Trainer:
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             # Windows are walked lazily: a streaming source yields each window when it appears,
             # and training on it starts then (not once the whole stream has ended).
-            windows = itertools.islice(train_ds.window_ids(), args.window_iter)
+            windows = Lookahead(itertools.islice(train_ds.window_ids(), args.window_iter))
             eval_ds = self.eval_dataset
             eval_windows = (
                 iter(eval_ds.window_ids())
@@ -520,6 +521,8 @@ class Trainer:
                     eval_on or not paired) else None
                 done = self._train_window(train_ds, window_id)
                 if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                    if paired and not done and pairing.needs_next_train_id():
+                        pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
                     self._evaluate(*self._step_eval)
                 self._step_eval = None
                 if not done:
