@@ -50,7 +50,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, shutdown
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import stable_hash_ints
+from recsys_trainer.data.hashing import stable_hash_ints
 from recsys_trainer.data.id_stream import ChurnStream
 from recsys_trainer.dynamic import (
     DynamicTable,

@@ -18,6 +18,7 @@ from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.logger import LoggerHook
 from recsys_trainer.logs import setup_logging
+from recsys_trainer.rng import seed_everything
 from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
 from recsys_trainer.trainer import Trainer, TrainerState
 
@@ -43,6 +44,7 @@ __all__ = [
     "TrainerState",
     "TrainingArguments",
     "WindowedDataset",
+    "seed_everything",
     "setup_logging",
     "shutdown",
     "supported_sparse_optimizers",

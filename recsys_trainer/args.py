@@ -186,9 +186,10 @@ class TrainingArguments:
 
     seed: int = 0
     """Seeds torch, numpy and python RNGs on every rank when the Trainer is built (before the
-    tables are materialised). Dense layers built before that are seeded by you: call
-    ``torch.manual_seed`` before constructing the model for run-to-run reproducibility (DDP
-    makes ranks agree either way, broadcasting rank 0's dense parameters)."""
+    tables are materialised). Dense layers are initialised when the model is constructed,
+    before that: call ``recsys_trainer.seed_everything(args.seed)`` before constructing the
+    model for run-to-run reproducibility (``recsys-train`` does; DDP makes ranks agree either
+    way, broadcasting rank 0's dense parameters)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto": CUDA when available, else CPU."""

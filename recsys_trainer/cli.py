@@ -108,10 +108,14 @@ def build_trainer(cfg: RunConfig, needs: Sequence[str] = ()) -> Any:
     import torch.distributed as dist
 
     from recsys_trainer.distributed import init_distributed
+    from recsys_trainer.rng import seed_everything
     from recsys_trainer.trainer import Trainer
 
     # Start the group first: the datasets are per rank.
     init_distributed(cfg.args.device, cfg.args.collective_timeout_s)
+    # Seed before anything is built: the model's dense layers are initialised in its constructor
+    # (the Trainer seeds again only once it gets the model), and a dataset by `class` may draw.
+    seed_everything(cfg.args.seed)
     train, held_out = build_datasets(cfg, dist.get_rank())
     for which in needs:
         if (train if which == "train" else held_out) is None:
@@ -140,8 +144,9 @@ def _train(trainer: Any, cfg: RunConfig) -> RunResult:
 
 def _load_trained(trainer: Any, cfg: RunConfig) -> None:
     # Evaluate or score a trained model: the checkpoint `args.resume_from` names ("auto": the
-    # newest committed one in output_dir), loaded on every rank as a resumed training would.
-    trainer.resume()
+    # newest committed one in output_dir that verifies). Only the model and what it needs: the
+    # data section may differ from training's (eval data, batch size, passthrough columns).
+    trainer.resume(mode="scoring")
     if trainer.state.global_step == 0 and trainer.is_rank_zero and not cfg.args.smoke_test:
         logging.getLogger("recsys_trainer").warning(
             "run: %s found no checkpoint to load (args.resume_from=%r, output_dir=%r): "

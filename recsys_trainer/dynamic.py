@@ -1127,6 +1127,10 @@ class DynamicTablesState:
     pass are not carried over then (they are counted again from the next batches).
     """
 
+    needed_for_scoring = True
+    """Restored with the model for evaluate/predict too (``checkpoint.contents``): the maps'
+    buffers load into any layout, and one of another layout is re-routed here."""
+
     def __init__(self, model: nn.Module, world_size: int,
                  process_group: dist.ProcessGroup | None = None) -> None:
         self._model = model

@@ -20,6 +20,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicEmbeddingBagCollection, DynamicTable
 
+BINARY_LABELS: tuple[float, float] = (0.0, 1.0)
+"""What a logistic loss accepts (click-style labels: 0/1, or a rate): ``check_binary_labels``
+enforces it, and every bundled model declares it as its ``label_range``."""
+
 
 def check_binary_labels(labels: torch.Tensor) -> None:
     """Refuse labels outside ``[0, 1]`` (or NaN): a logistic loss trains on them without
@@ -33,8 +37,9 @@ def check_binary_labels(labels: torch.Tensor) -> None:
         raise ValueError(
             f"label {float(bad[0]):g} is outside [0, 1] ({bad.numel()} such label(s) in this "
             "batch), but this model's loss (binary cross-entropy) needs click-style labels in "
-            "[0, 1]. Check the label column, or set FeatureSpec(label_range=(0, 1)) to have the "
-            "reader name the file and row."
+            "[0, 1]. Check the label column; to have the reader name the column, file and row, "
+            "set FeatureSpec(label_range=(0, 1)), or give the model label_range = (0.0, 1.0) "
+            "as the bundled models have (the Trainer then checks the data's labels against it)."
         )
 
 
@@ -165,6 +170,11 @@ class DLRMClassifier(nn.Module):
     shards each rank owns, initialised by ``embedding_init`` (one ``TableInit`` or one per table
     name, see ``make_tables``; default torchrec's U(-sqrt(1/rows), sqrt(1/rows))).
     """
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_label_range``)."""
 
     def __init__(
         self,

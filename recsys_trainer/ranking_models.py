@@ -23,6 +23,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicTable, dynamic_embedding_collection
 from recsys_trainer.models import (
+    BINARY_LABELS,
     init_last_bias,
     make_tables,
     multi_task_bce_with_logits,
@@ -98,6 +99,11 @@ class DINClassifier(nn.Module):
     num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
     max_len=max_len)]``.
     """
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_label_range``)."""
 
     positions: torch.Tensor
 
@@ -190,6 +196,11 @@ class MMoEClassifier(nn.Module):
     Output: logits ``[B, len(tasks)]``; loss: the ``task_weights``-weighted sum of each task's
     weighted BCE (``models.multi_task_bce_with_logits``).
     """
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_label_range``)."""
 
     def __init__(
         self,

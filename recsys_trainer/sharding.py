@@ -36,7 +36,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from recsys_trainer import dynamic
-from recsys_trainer.data.features import FeatureSpec, check_features_fit_tables
+from recsys_trainer.data.spec import FeatureSpec, check_features_fit_tables
 from recsys_trainer.distributed import usable_memory_bytes
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,

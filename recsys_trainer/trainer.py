@@ -64,15 +64,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
+    Lookahead,
     WindowedDataset,
     WindowPairing,
     as_windowed,
     nothing_to_train_error,
 )
+from recsys_trainer.data.spec import apply_label_range
 from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import (
     Gang,
     ProcessGroupGang,
@@ -214,6 +218,7 @@ class Trainer:
             table_names(model), self.sparse_optimizer_spec, table_optimizers)
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
+        apply_label_range((train_dataset, eval_dataset), getattr(model, "label_range", None))
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,
@@ -240,6 +245,12 @@ class Trainer:
             if ds is not None:
                 ds.setup(self.rank, self.world_size)
                 ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
+        self.vocabularies = Vocabularies(self.gang)
+        """The vocabularies the datasets' id features map through: built from the data when
+        training starts (``VocabFromData``), restored on resume; a checkpoint component."""
+        for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            if ds is not None:
+                self.vocabularies.attach(ds, name)
 
         self.hooks = HookList()
         user_hooks = list(hooks or [])
@@ -341,6 +352,7 @@ class Trainer:
             "rng": RNGState(),
             "hooks": self.hooks,
             "non_finite": self.non_finite,
+            "vocabularies": self.vocabularies,
         }
         optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
@@ -350,22 +362,25 @@ class Trainer:
                                                                  self.process_group)
         return comps
 
-    def resume(self) -> None:
+    def resume(self, *, mode: RestoreMode = "training") -> None:
         """Restore the state ``args.resume_from`` names ("auto": the newest committed checkpoint
-        in ``output_dir``), or else warm-start from ``args.model_bank``; all ranks call this.
-        ``train()`` does it itself at its start; call it to evaluate a trained model. Only the
-        first call (from either) does anything."""
-        self.checkpointer.resume()
+        in ``output_dir`` that verifies), or else warm-start from ``args.model_bank``; all ranks
+        call this. ``train()`` does it itself at its start; only the first such call does
+        anything. To evaluate or score a trained model call ``resume(mode="scoring")``: it
+        restores the model (and what the model needs, see ``checkpoint.contents``) and the step,
+        never a dataset position, the optimizers or hook state, so the datasets may differ from
+        training's; a later ``train()`` still resumes in full."""
+        self.checkpointer.resume(mode=mode)
 
     def save_checkpoint(self, path: str | None = None) -> str:
         """Save a checkpoint now and wait for it to commit (all ranks must call this); returns
         its directory (default ``output_dir/step_<global_step>``)."""
         return self.checkpointer.save(path, blocking=True)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore the full training state from the committed checkpoint at ``path`` (all ranks
-        must call this)."""
-        self.checkpointer.load(path)
+    def load_checkpoint(self, path: str, *, mode: RestoreMode = "training") -> None:
+        """Restore the full training state from the committed checkpoint at ``path``, or with
+        ``mode="scoring"`` only what scoring needs (as ``resume``); all ranks must call this."""
+        self.checkpointer.load(path, mode=mode)
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
@@ -376,12 +391,15 @@ class Trainer:
             self._train(with_eval=False)
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
+        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics. To evaluate
+        a trained model, ``resume(mode="scoring")`` first."""
         if self.smoke is not None and not self.smoke.running:
             self.smoke.run(self)
             return self.smoke.eval_metrics
         with self._top_level():
-            return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
+            eval_ds = self._require(self.eval_dataset, "eval_dataset")
+            self.vocabularies.build(self.train_dataset)  # unless restored or built already
+            return self._evaluate(eval_ds, None)
 
     def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
                 output_names: Sequence[str] | None = None,
@@ -393,8 +411,8 @@ class Trainer:
         and redoes the others. ``activation="sigmoid"`` writes probabilities of logits
         (``"none"``: outputs as returned); ``output_names`` names the output columns (default:
         the dataset's labels). ``filesystem``: a ``pyarrow.fs.FileSystem`` to write through
-        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume()`` or ``load_checkpoint()``
-        first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
+        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume(mode="scoring")`` or
+        ``load_checkpoint(path, mode="scoring")`` first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
         options = PredictOptions(output_dir=output_dir, activation=activation,
                                  output_names=output_names, rows_per_row_group=rows_per_row_group)
         ds = as_windowed(dataset)
@@ -402,6 +420,7 @@ class Trainer:
             raise ValueError("`dataset` is None; pass the data to score to predict(...).")
         ds.setup(self.rank, self.world_size)
         ds.set_gang(self.gang)
+        self.vocabularies.attach(ds, "the predict dataset")
         if self.smoke is not None and not self.smoke.running:
             # Test mode: the phases, then one batch of the first window scored into the smoke
             # directory (never into `output_dir`, never the whole data).
@@ -415,6 +434,7 @@ class Trainer:
     def _predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
                  max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
         with self._top_level():
+            self.vocabularies.build(self.train_dataset)
             self.state.mode = "predict"
             self.model.eval()
             return predict(self._forward, ds, self.gang, self.device, options, filesystem,
@@ -467,6 +487,7 @@ class Trainer:
         self._stop_local = self._non_finite_local = False
         st.stop_reason = None
         self.resume()
+        self.vocabularies.build(train_ds)  # VocabFromData: from the first windows (unless restored)
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
@@ -477,7 +498,7 @@ class Trainer:
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             # Windows are walked lazily: a streaming source yields each window when it appears,
             # and training on it starts then (not once the whole stream has ended).
-            windows = itertools.islice(train_ds.window_ids(), args.window_iter)
+            windows = Lookahead(itertools.islice(train_ds.window_ids(), args.window_iter))
             eval_ds = self.eval_dataset
             eval_windows = (
                 iter(eval_ds.window_ids())
@@ -501,6 +522,8 @@ class Trainer:
                     eval_on or not paired) else None
                 done = self._train_window(train_ds, window_id)
                 if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                    if paired and not done and pairing.needs_next_train_id():
+                        pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
                     self._evaluate(*self._step_eval)
                 self._step_eval = None
                 if not done:

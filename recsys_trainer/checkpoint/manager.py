@@ -265,12 +265,31 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ triggers (the loop's)
 
-    def resume(self) -> layout.CheckpointInfo | None:
+    def resume(self, *, mode: contents.RestoreMode = "training") -> layout.CheckpointInfo | None:
         """Restore the state ``resume_from`` names (by default the newest committed checkpoint
-        in ``output_dir``), or else warm-start from the model bank; returns the checkpoint
-        resumed from. Runs once (later calls return None: a second ``train()`` continues from
-        memory). All ranks call it together."""
+        in ``output_dir`` that verifies), or else warm-start from the model bank; returns the
+        checkpoint restored. All ranks call it together.
+
+        ``mode="training"`` restores everything (``load``) and runs once (later calls return
+        None: a second ``train()`` continues from memory). ``mode="scoring"`` restores only what
+        scoring needs (``contents.scoring_components``: the model and the components that
+        declare it, and the step counter), never a dataset position, optimizer, RNG or hook
+        state, so the data may be configured differently from training's; it does not count as
+        the training resume, and does nothing once that has happened (the model in memory is
+        then the newest)."""
         gang = self.gang
+        if mode == "scoring":
+            if self._resume_done:
+                return None
+            source = self._choose_source(may_quarantine=False)
+            if source is not None:
+                logger.info("loading the model of %s (step %d) for scoring", source.path,
+                            source.step)
+                self._load_and_notify(source, mode="scoring",
+                                      verified=self.resume_from == "auto")
+            elif self.model_bank:
+                warm_start(self._components, self.model_bank, gang)
+            return source
         self._claim_output_dir()
         if self._resume_done:
             return None
@@ -283,18 +302,12 @@ class CheckpointManager:
                     layout.remove_tree(loc)
                 except OSError as e:  # it is never loaded anyway; try again at the next start
                     logger.warning("could not remove %s: %s", loc.url, e)
-        source = self._resolve_resume_source()
-        # Every rank must load the same checkpoint: agree (one tiny collective).
-        local = source.step if source is not None else -1
-        agreed = gang.all_reduce_max([local])[0]
-        if agreed != local:
-            raise CheckpointError(
-                f"ranks disagree on the checkpoint to resume from (this rank sees step {local}, "
-                f"another {agreed}); is {self.output_dir!r} on a filesystem shared by all ranks?",
-                step=agreed, path=self.output_dir, kind="mismatch")
+        # Only a run that saves here holds output_dir's lock, and only its own saves would
+        # collide with a bad checkpoint left under a step name.
+        source = self._choose_source(may_quarantine=self._will_save())
         if source is not None:
             logger.info("resuming from %s (step %d)", source.path, source.step)
-            self.load(source.path)
+            self._load_and_notify(source, mode="training", verified=self.resume_from == "auto")
             self._resumed_step = source.step
         elif self.model_bank:
             warm_start(self._components, self.model_bank, gang)
@@ -302,6 +315,108 @@ class CheckpointManager:
         self._prepare_staging()
         self._rows_at_last_step = contents.counters(self._components).get("rows_seen", 0)
         return source
+
+    def _choose_source(self, may_quarantine: bool) -> layout.CheckpointInfo | None:
+        """The checkpoint to restore, the same on every rank (or a ``CheckpointError`` on every
+        rank). An explicit ``resume_from`` is taken as it is (its load verifies it, strictly).
+        ``"auto"`` tries the committed checkpoints newest first: every rank verifies the
+        candidate's files (sizes and CRC32s, as a load would) and one collective decides, so
+        ranks never pick different ones; one that fails on any rank is skipped with a warning
+        naming it and why, and with ``may_quarantine`` rank 0 moves it aside
+        (``layout.quarantine``): left under its step name, this run's own save of that step
+        would be skipped as already committed. Checkpoints that exist but none verifies are an
+        error, never a silent fresh start."""
+        if self.resume_from != "auto":
+            source = self._resolve_resume_source()
+            self._verify_everywhere(source, verify=False)  # only the agreement on the step
+            return source
+        candidates = layout.list_committed(self._out)
+        skipped: list[tuple[layout.CheckpointInfo, str]] = []
+        for info in [*reversed(candidates), None]:
+            failures = self._verify_everywhere(info)
+            if info is None:
+                break
+            if not failures:
+                # Moved aside only now that there is one to fall back to: with none, a restart
+                # must meet the same error, not an output_dir that looks empty.
+                for bad, why in skipped:
+                    moved = self._quarantine(bad, why) if may_quarantine else None
+                    logger.warning(
+                        "checkpoint step %d at %s fails verification, so it is not resumed "
+                        "from: %s. %s", bad.step, bad.path, why,
+                        f"It is kept for inspection at {moved}." if moved else
+                        "It is left where it is (this run does not save into its directory).")
+                if skipped:
+                    logger.warning("resuming from %s (step %d), the newest checkpoint that "
+                                   "verifies", info.path, info.step)
+                return info
+            # The facts only: the advice in the message is for a load that has no fallback.
+            skipped.append((info, "; ".join(
+                f"rank {r}: {msg.replace(layout.UNUSABLE_ADVICE, '').strip().rstrip('.')}"
+                for r, msg, _, _ in failures)))
+        if not skipped:
+            return None
+        raise CheckpointError(
+            f"no committed checkpoint in {self.output_dir!r} verifies, so there is nothing to "
+            f"resume from: {'; '.join(f'step {i.step} ({why})' for i, why in skipped)}. Repair "
+            "them, or move them out of the output directory to start from scratch there (or "
+            "use another output_dir).", path=self.output_dir, kind="corrupt")
+
+    def _verify_everywhere(self, info: layout.CheckpointInfo | None,
+                           verify: bool = True) -> list[tuple[int, str, str | None, str]]:
+        """Every rank checks ``info``'s files (with ``verify``); one collective makes every rank
+        agree that they all look at the same step and learn which ranks found it bad. Returns
+        ``[(rank, message, path, kind)]`` of the failures (empty: usable everywhere)."""
+        gang = self.gang
+        step = info.step if info is not None else -1
+        error: CheckpointError | None = None
+        if info is not None and verify:
+            try:
+                manifest = layout.read_manifest(info.where)
+                if manifest is None:
+                    raise CheckpointError(
+                        f"checkpoint step {step} at {info.path!r} lost its {layout.MARKER} "
+                        "marker after it was listed (rotated away by another job?).",
+                        step=step, path=info.path, kind="missing")
+                layout.verify_files(info.where, manifest, checksums=self.verify_checksums)
+            except CheckpointError as e:
+                error = e
+            except OSError as e:  # a read that fails is as bad as a wrong checksum
+                error = CheckpointError(f"checkpoint step {step}: reading {info.path!r} "
+                                        f"failed: {e}", step=step, path=info.path, kind="corrupt")
+        # max and -min of the step in one all-reduce: a disagreement is seen on every rank.
+        high, neg_low, failed = gang.all_reduce_max([step, -step, int(error is not None)])
+        if high != -neg_low:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint to resume from (this rank sees step {step}, "
+                f"others between {-neg_low} and {high}); is {self.output_dir!r} on a filesystem "
+                "shared by all ranks?", step=high, path=self.output_dir, kind="mismatch")
+        if not failed:
+            return []
+        mine = None if error is None else (str(error), error.path, error.kind)
+        return [(r, *g) for r, g in enumerate(gang.all_gather_object(mine)) if g is not None]
+
+    def _quarantine(self, info: layout.CheckpointInfo, why: str) -> str:
+        """Rank 0 moves a checkpoint that failed verification aside; every rank learns where to
+        (or the error, raised on every rank: left in place it would shadow this run's save)."""
+        gang = self.gang
+        moved: str | None = None
+        error: str | None = None
+        if gang.rank == 0:
+            try:
+                moved = layout.quarantine(info.where, f"step {info.step} failed verification "
+                                          f"when a run resumed: {why}").url
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = f"{type(e).__name__}: {e}"
+        moved, error = gang.broadcast_object((moved, error))
+        if error is not None or moved is None:
+            raise CheckpointError(
+                f"checkpoint step {info.step} at {info.path!r} fails verification ({why}), and "
+                f"moving it out of the way failed: {error}. Move it out of {self.output_dir!r} "
+                "by hand (this run would otherwise skip its own save of that step as already "
+                "committed), or resume from another checkpoint by path.",
+                step=info.step, path=info.path, kind="corrupt")
+        return moved
 
     def _claim_output_dir(self) -> None:
         """At the start of training, when this run will save: ``output_dir`` must be writable on
@@ -473,15 +588,16 @@ class CheckpointManager:
             raise error from (None if only_os_errors(e) else e)
         self._committed(pending, manifest)
 
-    def load(self, path: str, *, strict: bool = True) -> None:
+    def load(self, path: str, *, strict: bool = True,
+             mode: contents.RestoreMode = "training") -> None:
         """Restore everything a checkpoint holds into the attached components: tables and their
         fused optimizer state, dense parameters, dense optimizer, lr scheduler, counters, data
         position, RNG, hook states. Works across world sizes and sharding plans (the data
-        position is remapped per ``reshard_data_position``). All ranks call this together."""
-        self.wait()
-        info = layout.info_of(self._locate(path))
-        self._load(info, strict=strict)
-        self._listener("after_load_checkpoint", path)
+        position is remapped per ``reshard_data_position``). ``mode="scoring"``: only what
+        scoring needs (see ``resume``). Every file is verified first, on every rank; a file
+        that fails is a ``CheckpointError`` on every rank. All ranks call this together."""
+        self._load_and_notify(layout.info_of(self._locate(path)), mode=mode, strict=strict,
+                              verified=False, path=path)
 
     @property
     def in_flight(self) -> bool:
@@ -703,15 +819,28 @@ class CheckpointManager:
             return layout.latest_committed(self._out)
         return layout.resolve_checkpoint(self._locate(src), "`resume_from`")
 
-    def _load(self, info: layout.CheckpointInfo, strict: bool) -> None:
+    def _load_and_notify(self, info: layout.CheckpointInfo, *, mode: contents.RestoreMode,
+                         verified: bool, strict: bool = True, path: str | None = None) -> None:
+        self.wait()
         with layout.reading(info.where):
-            self._load_read(info, strict)
+            if not verified:
+                failures = self._verify_everywhere(info)
+                if failures:
+                    rank, msg, bad, kind = failures[0]
+                    seen = "" if self.gang.world_size == 1 else \
+                        f" (found by rank{'s' if len(failures) > 1 else ''} " \
+                        f"{', '.join(str(f[0]) for f in failures)})"
+                    raise CheckpointError(msg + seen, step=info.step, path=bad, kind=kind)
+            self._load_read(info, strict, mode)
+        self._listener("after_load_checkpoint", path if path is not None else info.path)
 
-    def _load_read(self, info: layout.CheckpointInfo, strict: bool) -> None:
+    def _load_read(self, info: layout.CheckpointInfo, strict: bool,
+                   mode: contents.RestoreMode) -> None:
         path, step, loc = info.path, info.step, info.where
-        gang, comps = self.gang, self._components
-        manifest = layout.read_manifest(loc) or {}
-        layout.verify_files(loc, manifest, checksums=self.verify_checksums)
+        gang = self.gang
+        # Scoring restores a subset; the counters component is read either way (below).
+        comps = self._components if mode == "training" else {
+            k: self._components[k] for k in contents.scoring_components(self._components)}
         same_world = info.world_size == gang.world_size
         src_rank = gang.rank if same_world else 0
         extra = contents.load_extra(loc.join(contents.extra_file_name(src_rank)), step)
@@ -731,6 +860,14 @@ class CheckpointManager:
         contents.load_model_state(comps, target["model"])
 
         ts = dict(extra[contents.COUNTERS])
+        if mode == "scoring":
+            contents.apply_extra(comps, extra, same_world=same_world)
+            # Which model this is (logs and metrics name its step); not where training was.
+            contents.set_counters(self._components,
+                                  {k: ts[k] for k in contents.MODEL_COUNTERS if k in ts})
+            logger.info("loaded the model of checkpoint step %d from %s for scoring (%s)", step,
+                        path, ", ".join(sorted(comps)))
+            return
         if not same_world:
             ts = self._remap_position(ts, info)
             if extra["train_dataset"]:

@@ -50,7 +50,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
+from recsys_trainer.data.inputs import DenseFeature, SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 
 SOURCES = ("random_men", "random_women", "bts_men", "bts_women")
 NUM_AFFINITY = 46

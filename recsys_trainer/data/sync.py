@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import DataError
+from recsys_trainer.data.errors import DataError
 from recsys_trainer.distributed import Gang
 
 
