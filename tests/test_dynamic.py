@@ -278,6 +278,33 @@ def test_a_pass_runs_every_eviction_interval_rows_whatever_the_batch_size(tmp_pa
     assert seen_ids(data[-1:], "u") <= set(resident_ids(t, "t_u")[0].tolist())
 
 
+class FakeClock:
+    """Stands in for the ``time`` module inside ``recsys_trainer.dynamic``."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+def test_a_pass_runs_once_eviction_interval_seconds_have_passed_at_a_step_end(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    import recsys_trainer.dynamic as dyn
+    from recsys_trainer.hooks import LambdaHook
+
+    clock = FakeClock()
+    monkeypatch.setattr(dyn, "time", clock)
+    data = IdStream(FEATS, 100).batches(8, 16, seed=0)
+    t = build(str(tmp_path), DynamicTable(num_slots=256, eviction_interval_seconds=60,
+                                          admission_threshold=1), data)
+    passes = passes_per_step(t)
+    t.add_hook(LambdaHook(after_step=lambda tr, _: setattr(clock, "now", clock.now + 25.0)))
+    t.train()
+    # Steps at t = 1000, 1025, ...: 75 s after the start (step 4) and after that pass (step 7).
+    assert passes == [0, 0, 0, 1, 1, 1, 2, 2]
+
+
 def one_id_batches(steps: int, often: int, seed: int) -> list[Batch]:
     """Batches of 4 rows: feature u holds ``often`` once and 3 ids never seen again."""
     out = []
@@ -425,13 +452,7 @@ def test_ids_unseen_for_n_seconds_expire_at_a_pass(tmp_path: Any, monkeypatch: A
     import recsys_trainer.dynamic as dyn
     from recsys_trainer.hooks import LambdaHook
 
-    class Clock:
-        now = 1000.0
-
-        def time(self) -> float:
-            return self.now
-
-    clock = Clock()
+    clock = FakeClock()
     monkeypatch.setattr(dyn, "time", clock)
     a, b = 3_000_000_000_001, 3_000_000_000_002
     data = window_batches([[a, b]] * 2 + [[a]] * 8)
