@@ -229,7 +229,7 @@ class Trainer:
             local_world_size=info.local_world_size,
             static_graph=self.args.gradient_accumulation_steps == 1,
         )
-        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # eviction_interval in steps
+        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
         if dense_optimizers is None:
             dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
         dense_arg, sched_arg = dense_optimizers
@@ -358,7 +358,8 @@ class Trainer:
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
         comps.update({k: v for k, v in optional.items() if v is not None})
         if dynamic.dynamic_table_names(self.model):
-            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size)
+            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size,
+                                                                 self.process_group)
         return comps
 
     def resume(self, *, mode: RestoreMode = "training") -> None:
@@ -581,6 +582,7 @@ class Trainer:
         if it.state.out_of_data:
             st.rows_unread += it.state.rows_unread
             self.hooks.fire("out_of_data", self, window_id, it.state.rows_unread)
+        self._dynamic_steps.end_window()  # dynamic tables' expiry in windows
         self.hooks.fire("after_window", self, window_id)
         return finished
 

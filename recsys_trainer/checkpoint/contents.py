@@ -17,8 +17,8 @@ Components, by name (absent ones are simply not saved or restored):
 What scoring restores (``evaluate``/``predict`` of a trained model, ``RestoreMode``
 "scoring"): the ``model`` component, every component whose object declares
 ``needed_for_scoring = True`` (state the model's outputs depend on that is not in its
-``state_dict()``: e.g. ``dynamic_tables``, whose world-size check keeps id maps from being read
-at a layout they do not fit; a vocabulary that maps raw ids to rows would be one), and the
+``state_dict()``: e.g. ``dynamic_tables``, which re-routes id maps read at another layout to
+the shards that own their ids; a vocabulary that maps raw ids to rows would be one), and the
 counters in ``MODEL_COUNTERS`` (so logs and metrics name the model's step). Never a dataset's
 position, the optimizers, the RNG or the hooks: the data may be configured differently from
 training's (another batch size, passthrough columns, eval data where training had none).
