@@ -21,6 +21,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.dynamic import DynamicTable, dynamic_embedding_collection
 from recsys_trainer.models import (
     BINARY_LABELS,
     init_last_bias,
@@ -92,6 +93,8 @@ class DINClassifier(nn.Module):
     The attention-pooled history and the candidate join the pooled embeddings as two more
     vectors of the DLRM's pairwise interaction. Output: one logit per row; loss: weighted BCE.
     ``item_init_max``: the item table starts uniform in ``[-item_init_max, item_init_max]``.
+    ``dynamic``: make the item table a dynamic table (``recsys_trainer.dynamic``; raw item ids,
+    ``dynamic.num_slots`` rows, ``num_items`` unused) read by both features.
 
     The ``FeatureSpec`` that feeds it: ``sequence=[SequenceFeature(name="item",
     num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
@@ -123,6 +126,7 @@ class DINClassifier(nn.Module):
         dense_log1p: bool = False,
         prior_ctr: float | None = None,
         table_device: str = "meta",
+        dynamic: DynamicTable | None = None,
     ) -> None:
         super().__init__()
         if max_len < 1 or num_items < 1:
@@ -136,12 +140,16 @@ class DINClassifier(nn.Module):
         self.sparse_arch = SparseArch(EmbeddingBagCollection(
             tables=make_tables(sparse_features, num_embeddings, embedding_dim), device=device))
         # One table for the candidate and the history: the attention compares them in one space.
-        self.items = EmbeddingCollection(tables=[EmbeddingConfig(
-            name=f"t_{item_feature}", embedding_dim=embedding_dim, num_embeddings=num_items,
+        items = [EmbeddingConfig(
+            name=f"t_{item_feature}", embedding_dim=embedding_dim,
+            num_embeddings=num_items if dynamic is None else dynamic.num_slots,
             feature_names=[item_feature, history_feature],
             # Uniform(+-item_init_max): torchrec's default, +-sqrt(1/num_items), starts every
             # item near 0, where [q, k, q - k, q * k] carries no signal for the attention.
-            weight_init_min=-item_init_max, weight_init_max=item_init_max)], device=device)
+            weight_init_min=-item_init_max, weight_init_max=item_init_max)]
+        self.dynamic_items = dynamic is not None
+        self.items: nn.Module = (EmbeddingCollection(tables=items, device=device) if dynamic is None
+                                 else dynamic_embedding_collection(items, dynamic, device))
         self.attention = TargetAttention(embedding_dim, attention_arch)
         num_vectors = len(sparse_features) + 2  # pooled tables, candidate, interest
         self.interaction = InteractionArch(num_sparse_features=num_vectors)
@@ -161,6 +169,8 @@ class DINClassifier(nn.Module):
                 f"{self.history_feature!r}), but the batch has none: declare them as "
                 "FeatureSpec(sequence=[SequenceFeature(...), ...]).")
         seq = self.items(batch.sequence)
+        if self.dynamic_items:
+            seq = seq[0]  # a managed-collision collection returns (embeddings, remapped ids)
         cand_jt, hist_jt = seq[self.item_feature], seq[self.history_feature]
         hist_len = hist_jt.lengths()
         check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len)

@@ -68,6 +68,7 @@ from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
+    Lookahead,
     WindowedDataset,
     WindowPairing,
     as_windowed,
@@ -228,7 +229,7 @@ class Trainer:
             local_world_size=info.local_world_size,
             static_graph=self.args.gradient_accumulation_steps == 1,
         )
-        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # eviction_interval in steps
+        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
         if dense_optimizers is None:
             dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
         dense_arg, sched_arg = dense_optimizers
@@ -357,7 +358,8 @@ class Trainer:
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
         comps.update({k: v for k, v in optional.items() if v is not None})
         if dynamic.dynamic_table_names(self.model):
-            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size)
+            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size,
+                                                                 self.process_group)
         return comps
 
     def resume(self, *, mode: RestoreMode = "training") -> None:
@@ -496,7 +498,7 @@ class Trainer:
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             # Windows are walked lazily: a streaming source yields each window when it appears,
             # and training on it starts then (not once the whole stream has ended).
-            windows = itertools.islice(train_ds.window_ids(), args.window_iter)
+            windows = Lookahead(itertools.islice(train_ds.window_ids(), args.window_iter))
             eval_ds = self.eval_dataset
             eval_windows = (
                 iter(eval_ds.window_ids())
@@ -520,6 +522,8 @@ class Trainer:
                     eval_on or not paired) else None
                 done = self._train_window(train_ds, window_id)
                 if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                    if paired and not done and pairing.needs_next_train_id():
+                        pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
                     self._evaluate(*self._step_eval)
                 self._step_eval = None
                 if not done:
@@ -578,6 +582,7 @@ class Trainer:
         if it.state.out_of_data:
             st.rows_unread += it.state.rows_unread
             self.hooks.fire("out_of_data", self, window_id, it.state.rows_unread)
+        self._dynamic_steps.end_window()  # dynamic tables' expiry in windows
         self.hooks.fire("after_window", self, window_id)
         return finished
 

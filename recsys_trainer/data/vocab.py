@@ -78,7 +78,8 @@ class VocabFromData:
     first). In YAML: ``vocab: {windows: 1, min_count: 5}``."""
 
     windows: int = 1
-    """Count values over the first this many training windows."""
+    """Count values over the first this many training windows (on a stream, training starts
+    once they have appeared)."""
     min_count: int = 1
     """Keep values seen at least this many times (the others map to the OOV row)."""
     max_size: int | None = None
