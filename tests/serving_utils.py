@@ -98,7 +98,7 @@ def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
                        sparse=[SparseFeature(name=c, num_embeddings=ID_SPACE) for c in feats])
     return spec, DLRMClassifier(feats, 13, embedding_dim=8, dense_arch=(16, 8),
                                 over_arch=(16, 1), dense_log1p=True,
-                                dynamic=DynamicTable(num_slots=64, eviction_interval=2))
+                                dynamic=DynamicTable(num_slots=64, eviction_interval=2, fallback_rows=4))
 
 
 def make_trainer(kind: str, root: str, windows: list[str], steps: int,

@@ -134,7 +134,7 @@ def test_a_negative_dynamic_id_is_refused_as_in_training() -> None:
     t = Table(name="t", kind="pooled", dim=2, pooling="sum", weighted=False, features=["f"],
               quantization=None, weight=None, dynamic=DynamicRows(
                   ids=torch.tensor([3, 7]), vectors=torch.ones(2, 2), default_rows=torch.zeros(1, 2),
-                  routing=Routing(rule="bucket_shard_default_row", buckets=1, shards=1)))
+                  routing=Routing(rule="shard_fallback_rows", shards=1)))
     assert t.pool(np.array([7, 5]), np.array([1, 1]), None).tolist() == [[1.0, 1.0], [0.0, 0.0]]
     with pytest.raises(ValueError, match="negative id -4"):
         t.pool(np.array([-4]), np.array([1]), None)
@@ -172,22 +172,33 @@ def test_the_spec_round_trips_through_json_with_every_transform_and_decodes_the_
 def test_serving_id_mixing_and_routing_match_dynamic_tables_and_fbgemm_bucketization() -> None:
     import fbgemm_gpu  # noqa: F401  (registers the op)
 
-    from recsys_trainer.dynamic import ID_SPACE
+    from recsys_trainer.dynamic import ID_SPACE, DynamicTable, _mc_module
     from recsys_trainer.dynamic import mix_ids as training_mix
 
     ids = torch.randint(0, 2**62, (3000,), generator=torch.Generator().manual_seed(0)) * 2 + 1
     assert torch.equal(mix_ids(ids), training_mix(ids))
-    for world, buckets in ((2, 2), (2, 4), (4, 8)):
-        mixed = training_mix(ids)
-        block = -(-ID_SPACE // buckets)
+    mixed = training_mix(ids)
+    for shards, per_shard in ((2, 1), (3, 1), (2, 3), (4, 2)):
+        # Which rank torchrec sends each id to: FBGEMM's block bucketization.
         lengths, values = torch.ops.fbgemm.block_bucketize_sparse_features(
-            torch.ones(len(ids), dtype=torch.int32), mixed, False, True, torch.tensor([block]),
-            world, keep_orig_idx=True,
-            total_num_blocks=torch.tensor([buckets]) if buckets != world else None)[:2]
+            torch.ones(len(ids), dtype=torch.int32), mixed, False, True,
+            torch.tensor([-(-ID_SPACE // shards)]), shards, keep_orig_idx=True)[:2]
         rank_of = dict(zip(values.tolist(), torch.repeat_interleave(
-            torch.arange(world), lengths.view(world, -1).sum(1)).tolist(), strict=True))
-        routed = Routing(rule="bucket_shard_default_row", buckets=buckets, shards=world).default_row(ids)
-        assert routed.tolist() == [rank_of[m] for m in mixed.tolist()]
+            torch.arange(shards), lengths.view(shards, -1).sum(1)).tolist(), strict=True))
+        # Which fallback row that rank's module reads for it: the training module itself.
+        slots = 16 * shards
+        whole = _mc_module("t", DynamicTable(num_slots=slots, fallback_rows=shards * per_shard),
+                           torch.device("cpu"))
+        bounds = [slots // shards * s for s in range(shards + 1)]
+        ranks = torch.tensor([rank_of[m] for m in mixed.tolist()])
+        expect = torch.empty_like(ids)
+        for r in range(shards):
+            shard = whole.rebuild_with_output_id_range((bounds[r], bounds[r + 1]), bounds)
+            assert shard.fallback_per_shard == per_shard
+            mine = ranks == r
+            expect[mine] = r * per_shard + shard.fallback_slots(mixed[mine]) - (bounds[r + 1] - per_shard)
+        routed = Routing(rule="shard_fallback_rows", shards=shards, rows_per_shard=per_shard)
+        assert torch.equal(routed.default_row(ids), expect), (shards, per_shard)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -60,7 +60,7 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingColle
 
 import recsys_trainer
 from recsys_trainer import storage
-from recsys_trainer.checkpoint import layout
+from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData, export_vocabularies
@@ -238,7 +238,7 @@ class _Built:
 
 
 def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: str | None,
-                   live: bool) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+                   fallback_per_shard: Mapping[str, int]) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     entries: list[dict[str, Any]] = []
     tensors: dict[str, torch.Tensor] = {}
     prefix = f"{tm.path}." if tm.path else ""
@@ -269,30 +269,29 @@ def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: s
             keep = raw != EMPTY_SLOT
             ids = unmix_ids(raw[keep])
             order = torch.argsort(ids)
-            bounds = segments[segments >= 0]
-            shards = len(bounds) - 1
-            buckets = _buckets(tm, name, shards, live)
+            ends = segments[segments >= 0][1:]
+            shards = len(ends)
+            per_shard = fallback_per_shard.get(name, 1)
+            # Each shard's last `per_shard` rows, shard-major: the fallback rows in id-space order.
+            fallback = (ends.unsqueeze(1) - per_shard + torch.arange(per_shard)).reshape(-1)
             tensors[f"{name}.ids"] = ids[order].contiguous()
             tensors[f"{name}.vectors"] = stored(weight[slots[keep][order]])
-            tensors[f"{name}.default_rows"] = stored(weight[bounds[1:] - 1])
+            tensors[f"{name}.default_rows"] = stored(weight[fallback])
+            routing = Routing(rule=RULE, shards=shards, rows_per_shard=per_shard)
             entry["dynamic"] = {"ids": f"{name}.ids", "vectors": f"{name}.vectors",
                                 "default_rows": f"{name}.default_rows", "slots": int(c.num_embeddings),
-                                "routing": Routing(rule=RULE, buckets=buckets, shards=shards).to_json()}
+                                "routing": routing.to_json()}
         entries.append(entry)
     return entries, tensors
 
 
-def _buckets(tm: _TableModule, table: str, shards: int, live: bool) -> int:
-    """The bucket count training routed with. A live Trainer's modules know it; a model built
-    in another process knows its ``DynamicTable.buckets`` if set (else the world size there,
-    not training's): a count that is no multiple of the shards is the default, the shards."""
-    coll: Any = tm.module
-    mods: Any = coll._managed_collision_collection._managed_collision_modules
-    m = mods[table] if table in mods else None
-    buckets = int(m.buckets()) if m is not None and callable(getattr(m, "buckets", None)) else shards
-    if not live and buckets % shards:
-        return shards
-    return buckets
+def fallback_rows_per_shard(ckpt: layout.Where) -> dict[str, int]:
+    """``{table: fallback rows per shard}`` of a checkpoint's dynamic tables, from rank 0's
+    ``dynamic_tables`` state (every rank has the same layout; before fallback rows: 1)."""
+    info = layout.info_of(ckpt)
+    extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)
+    tables = (extra.get("dynamic_tables") or {}).get("tables", {})
+    return {t: int(st.get("fallback_per_shard", 1)) for t, st in tables.items()}
 
 
 def _example_inputs(model: nn.Module, spec: FeatureSpec, modules: list[_TableModule],
@@ -372,7 +371,7 @@ def _output_names(spec: FeatureSpec, width: int, given: list[str] | None) -> lis
 
 def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_names: list[str] | None,
           activation: str, quant: str | None, aot_inductor: bool, verify: bool,
-          live_buckets: bool = False) -> _Built:
+          ) -> _Built:
     """Everything an artifact holds, in memory (see the module docstring)."""
     if quant is not None and quant not in QUANTIZATIONS:
         raise ValueError(f"`quantize` must be one of {QUANTIZATIONS} or None, but is {quant!r}.")
@@ -390,8 +389,9 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
 
     tables: list[dict[str, Any]] = []
     tensors: dict[str, torch.Tensor] = {}
+    per_shard = fallback_rows_per_shard(info.where) if any(tm.dynamic for tm in modules) else {}
     for tm in modules:
-        entries, ts = _table_tensors(tm, state, quant, live_buckets)
+        entries, ts = _table_tensors(tm, state, quant, per_shard)
         tables.extend(entries)
         tensors.update(ts)
     names = [t["name"] for t in tables]
@@ -503,8 +503,8 @@ def _on_rank_zero(trainer: Any, work: Any) -> Any:
 
 
 def _source(source: Any, model: nn.Module | None, features: FeatureSpec | None,
-            checkpoint: str | None = None) -> tuple[str, nn.Module, FeatureSpec, bool, Any]:
-    """``(checkpoint, model, spec, is_live, trainer)`` for a Trainer or a checkpoint path."""
+            checkpoint: str | None = None) -> tuple[str, nn.Module, FeatureSpec, Any]:
+    """``(checkpoint, model, spec, trainer)`` for a Trainer or a checkpoint path."""
     if hasattr(source, "save_checkpoint") and hasattr(source, "model"):
         trainer = source
         # All ranks; a no-op when this step is committed already.
@@ -517,12 +517,12 @@ def _source(source: Any, model: nn.Module | None, features: FeatureSpec | None,
         if not isinstance(spec, FeatureSpec):
             raise ValueError("the Trainer's datasets have no FeatureSpec (`features`); pass "
                              "export_for_serving(..., features=spec).")
-        return ckpt, live, spec, model is None, trainer
+        return ckpt, live, spec, trainer
     if model is None or features is None:
         raise ValueError("exporting from a checkpoint needs `model` (an unsharded instance of the "
                          "trained architecture; its tables may be on the meta device) and "
                          "`features` (the FeatureSpec it was trained with).")
-    return os.fspath(source), model, features, False, None
+    return os.fspath(source), model, features, None
 
 
 def export_for_serving(source: Any, out_dir: str, *, model: nn.Module | None = None,
@@ -543,12 +543,12 @@ def export_for_serving(source: Any, out_dir: str, *, model: nn.Module | None = N
     ``activation``/``output_names``: as ``Trainer.predict``'s. ``checkpoint`` (with a Trainer):
     the committed checkpoint its model was loaded from, exported instead of saving one.
     """
-    ckpt, mdl, spec, live, trainer = _source(source, model, features, checkpoint)
+    ckpt, mdl, spec, trainer = _source(source, model, features, checkpoint)
 
     def work() -> ExportSummary:
         t0 = time.perf_counter()
         built = build(ckpt, mdl, spec, output_names=output_names, activation=activation,
-                      quant=quantize, aot_inductor=aot_inductor, verify=verify, live_buckets=live)
+                      quant=quantize, aot_inductor=aot_inductor, verify=verify)
         n = write_artifact(out_dir, built.manifest, built.files, filesystem)
         return ExportSummary(path=out_dir, step=built.manifest["step"],
                              content_hash=built.manifest["content_hash"], bytes=n,
@@ -571,7 +571,7 @@ def export_delta(source: Any, base: str, out_dir: str, *, full_out_dir: str | No
     ``export_for_serving``) to ``out_dir`` (see ``delta.py``); with ``full_out_dir`` also the
     new full export, the base of the next delta. ``Scorer(base)`` then ``apply_delta(out_dir)``
     scores exactly as ``Scorer`` of a full export of ``source``."""
-    ckpt, mdl, spec, live, trainer = _source(source, model, features, checkpoint)
+    ckpt, mdl, spec, trainer = _source(source, model, features, checkpoint)
 
     def work() -> ExportSummary:
         t0 = time.perf_counter()
@@ -581,7 +581,7 @@ def export_delta(source: Any, base: str, out_dir: str, *, full_out_dir: str | No
             raise mf.ArtifactError(f"the base {base!r} of a delta must be a full export.")
         base_tensors = load_safetensors(mf.read_file(root, mf.TABLES))
         built = build(ckpt, mdl, spec, output_names=output_names, activation=activation,
-                      quant=quantize, aot_inductor=False, verify=verify, live_buckets=live)
+                      quant=quantize, aot_inductor=False, verify=verify)
         new = built.manifest
         if new["features_sha256"] != base_manifest["features_sha256"]:
             raise mf.ArtifactError("the feature spec changed since the base export; a delta "

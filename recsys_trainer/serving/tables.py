@@ -98,8 +98,12 @@ class Table:
         lens = torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))
         mean = self.pooling == "mean"
         if self.dynamic is not None:
-            # dynamic.DynamicEmbeddingBagCollection's _pool: segment_reduce over the rows.
-            out = torch.segment_reduce(self.rows(idx), "sum", lengths=lens, axis=0, unsafe=True)
+            # dynamic.DynamicEmbeddingBagCollection's _pool: one id per row is its row, else
+            # segment_reduce over the rows.
+            rows = self.rows(idx)
+            if weights is None and bool((lens == 1).all()):
+                return rows
+            out = torch.segment_reduce(rows, "sum", lengths=lens, axis=0, unsafe=True)
             if mean:
                 out = out / lens.clamp_min(1).unsqueeze(1).to(out.dtype)
             return out
