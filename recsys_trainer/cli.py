@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from recsys_trainer.checkpoint import layout
 from recsys_trainer.config import (
     ClassDataConfig,
     ConfigError,
@@ -34,6 +35,7 @@ from recsys_trainer.config import (
     config_to_dict,
     load_config,
 )
+from recsys_trainer.serving.export import export_delta, export_for_serving
 
 USAGE = "recsys-train [-h] [--print-config] [--smoke] CONFIG [--section.key VALUE ...]"
 
@@ -168,6 +170,29 @@ def _predict(trainer: Any, cfg: RunConfig) -> RunResult:
     return {"predicted_rows": summary.rows_written}
 
 
+def _export(trainer: Any, cfg: RunConfig) -> RunResult:
+    # The checkpoint args.resume_from names, as evaluate/predict load it; exported from the
+    # checkpoint itself (the live model gives the tables' layout, the data section the spec).
+    _load_trained(trainer, cfg)
+    if trainer.state.global_step == 0:
+        raise ConfigError(f"`run: export` found no checkpoint to export (args.resume_from="
+                          f"{cfg.args.resume_from!r}, output_dir={cfg.args.output_dir!r}).")
+    where = cfg.args.resume_from
+    ckpt = layout.resolve_checkpoint(cfg.args.output_dir if where in (None, "auto") else where,
+                                     "`args.resume_from`").path
+    e = cfg.export
+    assert e is not None  # RunConfig.from_dict refuses `run: export` without the section
+    if e.delta_from is not None:
+        summary = export_delta(trainer, e.delta_from, e.output_dir, full_out_dir=e.full_output_dir,
+                               output_names=e.output_names, activation=e.activation,
+                               quantize=e.quantize, checkpoint=ckpt)
+    else:
+        summary = export_for_serving(trainer, e.output_dir, aot_inductor=e.aot_inductor,
+                                     output_names=e.output_names, activation=e.activation,
+                                     quantize=e.quantize, checkpoint=ckpt)
+    return {"exported": summary.content_hash}
+
+
 def _train_and_evaluate(trainer: Any, cfg: RunConfig) -> RunResult:
     trainer.train_and_evaluate()
     return {}
@@ -178,6 +203,7 @@ RUNNERS: dict[str, tuple[tuple[str, ...], Callable[[Any, RunConfig], RunResult]]
     "evaluate": (("eval",), _evaluate),
     "train_and_evaluate": (("train", "eval"), _train_and_evaluate),
     "predict": (("eval",), _predict),
+    "export": ((), _export),
 }
 """Run mode -> (the datasets it needs, what it calls on the built Trainer; returns what it adds
 to the summary). A new mode adds an entry here and its name to ``config.RUN_MODES``."""
@@ -200,6 +226,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "stop_reason": st.stop_reason,
         "eval": result.get("eval"),
         "predicted_rows": result.get("predicted_rows"),
+        "exported": result.get("exported"),
         "smoke": trainer.smoke.report if trainer.smoke is not None else None,
     }
 
@@ -255,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"global_step={summary['global_step']} epoch={summary['epoch']} "
         f"stop_reason={summary['stop_reason']!r}"
         + (f" eval={summary['eval']}" if summary["eval"] is not None else "")
-        + (f" predicted_rows={summary['predicted_rows']}" if summary["predicted_rows"] is not None else ""),
+        + (f" predicted_rows={summary['predicted_rows']}" if summary["predicted_rows"] is not None else "")
+        + (f" exported={summary['exported']}" if summary["exported"] is not None else ""),
         flush=True,
     )
     # Success path only: barrier + destroy. On an exception we exit non-zero and let torchrun

@@ -305,8 +305,8 @@ def shard_model(
         plan=plan,
         data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
     )
-    if device.type == "cpu":
-        dynamic.install_cpu_eviction(dmp)  # FBGEMM's row reset on eviction is CUDA-only
+    # FBGEMM's row reset on eviction is CUDA-only and indexes features, not tables.
+    dynamic.install_eviction_reset(dmp)
     return dmp
 
 

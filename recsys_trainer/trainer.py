@@ -76,6 +76,7 @@ from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
+    Lookahead,
     WindowedDataset,
     WindowPairing,
     as_windowed,
@@ -83,6 +84,7 @@ from recsys_trainer.data.base import (
 )
 from recsys_trainer.data.spec import apply_label_range
 from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import (
     Gang,
     ProcessGroupGang,
@@ -241,7 +243,7 @@ class Trainer:
             local_world_size=info.local_world_size,
             static_graph=self.args.gradient_accumulation_steps == 1,
         )
-        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # eviction_interval in steps
+        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
         if dense_optimizers is None:
             dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
         dense_arg, sched_arg = dense_optimizers
@@ -257,6 +259,12 @@ class Trainer:
             if ds is not None:
                 ds.setup(self.rank, self.world_size)
                 ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
+        self.vocabularies = Vocabularies(self.gang)
+        """The vocabularies the datasets' id features map through: built from the data when
+        training starts (``VocabFromData``), restored on resume; a checkpoint component."""
+        for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            if ds is not None:
+                self.vocabularies.attach(ds, name)
 
         self.hooks = HookList()
         user_hooks = list(hooks or [])
@@ -362,12 +370,14 @@ class Trainer:
             "rng": RNGState(),
             "hooks": self.hooks,
             "non_finite": self.non_finite,
+            "vocabularies": self.vocabularies,
         }
         optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
         comps.update({k: v for k, v in optional.items() if v is not None})
         if dynamic.dynamic_table_names(self.model):
-            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size)
+            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size,
+                                                                 self.process_group)
         return comps
 
     def resume(self, *, mode: RestoreMode = "training") -> None:
@@ -405,7 +415,9 @@ class Trainer:
             self.smoke.run(self)
             return self.smoke.eval_metrics
         with self._top_level():
-            return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
+            eval_ds = self._require(self.eval_dataset, "eval_dataset")
+            self.vocabularies.build(self.train_dataset)  # unless restored or built already
+            return self._evaluate(eval_ds, None)
 
     def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
                 output_names: Sequence[str] | None = None,
@@ -426,6 +438,7 @@ class Trainer:
             raise ValueError("`dataset` is None; pass the data to score to predict(...).")
         ds.setup(self.rank, self.world_size)
         ds.set_gang(self.gang)
+        self.vocabularies.attach(ds, "the predict dataset")
         if self.smoke is not None and not self.smoke.running:
             # Test mode: the phases, then one batch of the first window scored into the smoke
             # directory (never into `output_dir`, never the whole data).
@@ -439,6 +452,7 @@ class Trainer:
     def _predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
                  max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
         with self._top_level():
+            self.vocabularies.build(self.train_dataset)
             self.state.mode = "predict"
             self.model.eval()
             return predict(self._forward, ds, self.gang, self.device, options, filesystem,
@@ -554,6 +568,7 @@ class Trainer:
         train_ds = self._require(self.train_dataset, "train_dataset")
         args, st = self.args, self.state
         self.resume()
+        self.vocabularies.build(train_ds)  # VocabFromData: from the first windows (unless restored)
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
@@ -564,7 +579,7 @@ class Trainer:
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             # Windows are walked lazily: a streaming source yields each window when it appears,
             # and training on it starts then (not once the whole stream has ended).
-            windows = itertools.islice(train_ds.window_ids(), args.window_iter)
+            windows = Lookahead(itertools.islice(train_ds.window_ids(), args.window_iter))
             eval_ds = self.eval_dataset
             eval_windows = (
                 iter(eval_ds.window_ids())
@@ -588,6 +603,8 @@ class Trainer:
                     eval_on or not paired) else None
                 done = self._train_window(train_ds, window_id)
                 if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                    if paired and not done and pairing.needs_next_train_id():
+                        pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
                     self._evaluate(*self._step_eval)
                 self._step_eval = None
                 if not done:
@@ -648,6 +665,7 @@ class Trainer:
         if it.state.out_of_data:
             st.rows_unread += it.state.rows_unread
             self.hooks.fire("out_of_data", self, window_id, it.state.rows_unread)
+        self._dynamic_steps.end_window()  # dynamic tables' expiry in windows
         self.hooks.fire("after_window", self, window_id)
         return finished
 

@@ -297,7 +297,7 @@ def test_the_trainer_hands_its_state_to_the_checkpointer_as_named_stateful_compo
 
     comps = build(str(tmp_path), RowWindows()).state_components()
     assert set(comps) == {"model", "dense_optimizer", "sparse_optimizer", "trainer_state", "rng",
-                          "hooks", "non_finite", "lr_scheduler", "train_dataset"}
+                          "hooks", "non_finite", "lr_scheduler", "train_dataset", "vocabularies"}
     assert all(isinstance(c, Stateful) for c in comps.values())
 
 
@@ -481,6 +481,57 @@ def test_resume_from_newest_checkpoint_is_bitwise_identical_and_reads_each_row_o
     assert sorted(first.rows + second.rows) == sorted(full_rec.rows)
     assert len(set(first.rows + second.rows)) == len(first.rows + second.rows)
     assert second.counter == full_rec.counter, "hook state was not restored"
+
+
+def test_a_run_with_eval_data_resumes_a_checkpoint_saved_without_any(tmp_path: Any) -> None:
+    """Eval data added mid-project: ``run: train`` saved no eval-dataset state (an empty entry),
+    and a ``train_and_evaluate`` with a parquet eval dataset resumes from it in full. The empty
+    entry used to reach the dataset: "ParquetWindowDataset state keys differ: missing [...]"."""
+    from data_utils import row_id_spec, row_ids, write_windows
+
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.hooks.lambda_hook import LambdaHook
+
+    write_windows(str(tmp_path / "train"), [[8], [8], [8]])
+    write_windows(str(tmp_path / "eval"), [[4], [4], [4]], first_row_id=100)
+    spec, out = row_id_spec(), str(tmp_path / "out")
+    trained: list[int] = []
+    evaluated: list[int] = []
+
+    def rows(t: Trainer, batch: Batch) -> None:
+        (trained if t.state.mode == "train" else evaluated).extend(row_ids(batch))
+
+    def trainer(with_eval: bool, **args: Any) -> Trainer:
+        torch.manual_seed(0)
+        model = DLRMClassifier(spec.sparse_names, spec.num_dense, [s.num_embeddings for s in spec.sparse],
+                               embedding_dim=4, dense_arch=(4,), over_arch=(4, 1))
+        return Trainer(
+            model, TrainingArguments(output_dir=out, log_steps=1000, **args),
+            train_dataset=ParquetWindowDataset(str(tmp_path / "train"), spec, batch_size=4),
+            eval_dataset=ParquetWindowDataset(str(tmp_path / "eval"), spec, batch_size=4) if with_eval else None,
+            sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
+            hooks=[LambdaHook(after_data=rows)], add_logger_hook=False)
+
+    trainer(False, train_steps=3, save_steps=3).train()
+    assert committed_steps(out) == [3]
+    resumed = trainer(True, save_end=True)
+    resumed.train_and_evaluate()
+    assert resumed.state.global_step == 6 and committed_steps(out) == [3, 6]
+    assert sorted(trained) == list(range(24))  # every train row once over both runs
+    # Windows 1 and 2 were trained (and evaluated) after the resume; window 0's pair was not.
+    assert sorted(evaluated) == list(range(104, 112))
+    # A dataset the checkpoint holds, configured otherwise: the error says which one, and how
+    # to score the model instead (a scoring restore takes no dataset state).
+    changed = trainer(True)
+    changed.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"cannot restore `eval_dataset` from the checkpoint: "
+                                         r"cannot resume this dataset .*\(batch_size: saved 4, now 8\)") as e:
+        changed.resume()
+    assert "resume(mode='scoring')" in str(e.value)
+    scorer = trainer(True)
+    scorer.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+    scorer.resume(mode="scoring")
+    assert scorer.state.global_step == 6
 
 
 def test_resume_from_an_explicit_path_and_none_starts_fresh(tmp_path: Any) -> None:

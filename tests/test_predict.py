@@ -226,7 +226,7 @@ def test_a_scoring_restore_brings_back_the_dynamic_tables_id_maps_with_the_model
                     train_steps=6, save_end=True)
     trained.train()
     scorer = build(str(tmp_path), spec, None)
-    assert scoring_components(scorer.state_components()) == ["model", "dynamic_tables"]
+    assert scoring_components(scorer.state_components()) == ["model", "vocabularies", "dynamic_tables"]
     scorer.resume(mode="scoring")
     ids, slots = resident_ids(scorer, "t_u")
     want_ids, want_slots = resident_ids(trained, "t_u")

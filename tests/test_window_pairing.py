@@ -118,6 +118,24 @@ def test_pairs_of_t_and_t_plus_1_from_two_listings_that_drift_apart_are_an_error
         unrelated.check(t, e)
 
 
+def test_a_drift_between_two_t_and_t_plus_1_listings_is_an_error_before_the_wrong_pair_is_evaluated(
+        tmp_path) -> None:
+    write_windows(str(tmp_path / "train"), [[8], [8], [8]])
+    write_windows(str(tmp_path / "eval"), [[4]] * 5, first_row_id=100)
+    listing = partitioned_windows(str(tmp_path / "eval"))
+    # Train hours 00-02, evaluated on the next hour from another listing, which lacks hour 02.
+    out = _run(str(tmp_path), eval_=[w for w in listing if w.id != "hour=02"][1:])
+    assert out["error"] is not None and (
+        "train window 'hour=01' (pair 2) would be evaluated on eval window 'hour=03', but the "
+        "train window after it is 'hour=02'") in out["error"]
+    # Before: train hour 01 was evaluated on hour 03 (metrics reported), then the error came.
+    assert out["pairs"] == [("hour=00", "hour=01")]
+    assert out["trained"] == ["hour=00", "hour=01"]
+    whole = _run(str(tmp_path), eval_=listing[1:4])
+    assert whole["error"] is None
+    assert whole["pairs"] == [("hour=00", "hour=01"), ("hour=01", "hour=02"), ("hour=02", "hour=03")]
+
+
 def _two_rank_worker(root: str) -> dict[str, Any]:
     return {"marked": _run(os.path.join(root, "marked")), "bare": _run(os.path.join(root, "bare"))}
 

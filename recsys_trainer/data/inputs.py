@@ -13,6 +13,8 @@ from typing import Literal
 
 import numpy as np
 
+from recsys_trainer.data.vocab import VocabArg, check_vocab
+
 
 @dataclass(frozen=True, kw_only=True)
 class DenseFeature:
@@ -73,17 +75,20 @@ class _IdFeature:
 
     At most one transform: ``boundaries`` (bucketize a numeric column), ``div``/``mod`` (integer
     arithmetic, ``div`` first; the result is then hashed if ``hash=True`` or checked), ``cross``
-    (several columns into one hashed id), or none (ids as they are, strings hashed).
+    (several columns into one hashed id), ``vocab`` (a vocabulary: entry i -> row i + 1, others
+    -> row 0), or none (ids as they are, strings hashed).
     """
 
     name: str
     """The KJT key (the embedding table's feature name)."""
-    num_embeddings: int
-    """Size of the table: every id reaching the model is in ``[0, num_embeddings)``."""
+    num_embeddings: int = 0
+    """Size of the table: every id reaching the model is in ``[0, num_embeddings)``. Required,
+    except with a ``vocab`` list or file (then 0, the default, means ``len(vocab) + 1``)."""
     column: str | None = None
     """Source column (default: ``name``; must be None with ``cross``)."""
     hash: bool | None = None
-    """Hash ids into ``[0, num_embeddings)``. None: hash strings, check integers."""
+    """Hash ids into ``[0, num_embeddings)``. None: hash strings, check integers. False: never
+    hash (a string column then needs a ``vocab``)."""
     on_out_of_range: Literal["error", "hash"] = "error"
     """Unhashed integer ids < 0 or >= num_embeddings: raise ``DataError``, or hash them."""
     boundaries: Sequence[float] | None = None
@@ -107,12 +112,22 @@ class _IdFeature:
     the data changed upstream: a renamed, dropped or unjoined column written as nulls), or log a
     warning and read the file (its rows get ``null_id``, or no id). The reader checks each
     file's footer statistics (files written without statistics are not checked)."""
+    vocab: VocabArg = None
+    """Map ids through a vocabulary: a list of values, a text file (path or URL, one value per
+    line) or ``VocabFromData(...)`` (built from the first training windows, checkpointed; in
+    YAML a mapping of its fields). Entry i is row i + 1; every other value row 0 (OOV). No other
+    transform applies. See ``recsys_trainer.data.vocab``."""
 
     def __post_init__(self) -> None:
         kind = type(self).__name__.replace("Feature", "").lower()
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a {kind} feature's `name` must be a non-empty string, but is {self.name!r}.")
-        n = self.num_embeddings
+        vocab, n = check_vocab(
+            self.vocab, where=f"{kind} feature {self.name!r}", num_embeddings=self.num_embeddings,
+            hash=self.hash, on_out_of_range=self.on_out_of_range, null_id=self.null_id,
+            transforms=[k for k in ("boundaries", "div", "mod", "cross") if getattr(self, k) is not None])
+        object.__setattr__(self, "vocab", vocab)
+        object.__setattr__(self, "num_embeddings", n)
         if not _is_pos_int(n):
             raise ValueError(f"`num_embeddings` of {kind} feature {self.name!r} must be an int >= 1, but is {n!r}.")
         if self.hash not in (None, True, False):

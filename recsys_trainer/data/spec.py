@@ -31,13 +31,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_trainer.batch import Batch
 from recsys_trainer.data.chunk import DecodedChunk
 from recsys_trainer.data.columns import (
     _combine,
@@ -58,6 +57,11 @@ from recsys_trainer.data.decode import (
 )
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+from recsys_trainer.data.vocab import check_tables_share_vocabularies
+
+if TYPE_CHECKING:
+    # Annotation only: decoding (what the serving scorer runs) imports no torchrec.
+    from recsys_trainer.batch import Batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -474,18 +478,30 @@ _EXPECTED = {
 }
 
 
+_MODEL_LABEL_RANGE = "_label_range_from_model"
+"""The dataset attribute where ``apply_label_range`` notes the range it gave a spec (so that it
+is the model's, not the user's: the next Trainer's model decides it again)."""
+
+
 def apply_label_range(datasets: Iterable[Any], label_range: tuple[float, float] | None) -> None:
     """Give ``label_range`` (the labels the model's loss accepts, e.g. ``(0, 1)`` for a logistic
     loss) to each dataset whose ``FeatureSpec`` sets none: its reader then refuses a label outside
     it with a ``DataError`` naming the column, file and row, on every rank, where the loss would
-    refuse it on one rank naming only the value. A range the spec sets is kept. Datasets without
-    a spec (plain iterables of ``Batch``) are left as they are."""
-    if label_range is None:
-        return
+    refuse it on one rank naming only the value. A range the spec sets is kept. A range an
+    earlier Trainer's model gave is replaced (by ``label_range``, or None): a dataset used again
+    with another model reads as its user declared it. Datasets without a spec (plain iterables
+    of ``Batch``) are left as they are."""
     for ds in datasets:
         spec = getattr(ds, "features", None)
-        if isinstance(spec, FeatureSpec) and spec.label_range is None:
-            ds.features = dataclasses.replace(spec, label_range=label_range)
+        if not isinstance(spec, FeatureSpec):
+            continue
+        given = getattr(ds, _MODEL_LABEL_RANGE, None)
+        if spec.label_range is not None and spec.label_range != given:
+            continue  # the user's own
+        if spec.label_range != label_range:
+            ds.features = spec = dataclasses.replace(spec, label_range=label_range)
+        if given != spec.label_range:
+            setattr(ds, _MODEL_LABEL_RANGE, spec.label_range)
 
 
 def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str, int | None]],
@@ -521,6 +537,8 @@ def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str
                 f"{table!r} is in an EmbeddingBagCollection, which pools Batch.sparse: declare "
                 f"{feature!r} in FeatureSpec(sparse=...), or read it with an EmbeddingCollection."
             )
+    check_tables_share_vocabularies([(f, t) for f, t, _ in (*tables, *sequence_tables)],
+                                    {s.name: s.vocab for s in spec.id_features})
     for feature, table, rows in (*tables, *sequence_tables):
         if rows is not None and bounds[feature] > rows:
             kind = "sparse" if feature in sparse else "sequence"
