@@ -365,7 +365,7 @@ def faults(quick: bool, save_steps: int) -> int:
         print(ref.text()[-3000:])
         return 1
     total = ref.steps()[-1][1]
-    fault_at = total // 2 + save_steps // 3  # mid-window, between two saves
+    fault_at = (total // 2 // save_steps) * save_steps + save_steps // 2  # halfway between saves
     reference = _newest(ref_out)
     print("## Progress lost per fault kind (examples/train_dlrm.py, 2 ranks)\n")
     print(f"{hours - 1} train hours x {rows} rows, {total} steps, save_steps={save_steps}, "
