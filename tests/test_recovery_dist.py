@@ -8,7 +8,8 @@
   over ``output_dir``'s lock and resumes from the newest committed checkpoint by itself; the
   job exits 0 with the same final model;
 - the same with two torchrun agents ("nodes", c10d rendezvous) where one node's worker is
-  killed: both nodes' workers restart, rejoin and resume.
+  killed: both nodes' workers restart, rejoin and resume;
+- SIGTERM to one rank only (``run_distributed``): both stop after the same step and save it.
 
 Each job has a hard timeout; a test that hangs fails, naming the job's log."""
 
@@ -224,3 +225,50 @@ def test_two_nodes_rejoin_after_one_nodes_worker_is_killed_and_resume(
         for j in jobs:
             j.kill()
     assert_same_model(final_model(out), reference)
+
+
+def _one_rank_signalled(root: str) -> dict[str, Any]:
+    """Rank 1 alone gets SIGTERM (a signal to one worker, not to the agent); the rerun in the
+    same processes resumes from the step both ranks stopped after."""
+    from test_checkpoint_trainer import RowRecorder, RowWindows, bitwise_verdict, build, snapshot
+
+    from recsys_trainer import LambdaHook, Preempted
+
+    rank = int(os.environ["RANK"])
+    full_rec = RowRecorder()
+    full = build(os.path.join(root, "full"), RowWindows(), hooks=[full_rec], train_epoch=2)
+    full.train()
+
+    def after_step(trainer: Any, output: Any) -> None:
+        if rank == 1 and trainer.state.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = os.path.join(root, "cut")
+    first = RowRecorder()
+    cut = build(out, RowWindows(), hooks=[first, LambdaHook(after_step=after_step)],
+                save_steps=4, train_epoch=2)
+    try:
+        cut.train()
+        preempted = None
+    except Preempted as e:
+        preempted = e
+    assert preempted is not None, f"rank {rank} trained on"
+    p = preempted.preemption
+    second = RowRecorder()
+    resumed = build(out, RowWindows(), hooks=[second], save_steps=4, train_epoch=2)
+    resumed.train()
+    return {"code": preempted.code, "signal": p.signal, "step": p.step, "committed": p.committed,
+            "equal": bitwise_verdict(snapshot(resumed), snapshot(full)),
+            "rows": first.rows + second.rows, "full_rows": full_rec.rows}
+
+
+def test_sigterm_to_one_rank_only_stops_both_after_the_same_step_and_both_save_it(
+        tmp_path: Path) -> None:
+    from dist_utils import run_distributed
+
+    results = run_distributed(_one_rank_signalled, world_size=2, timeout_s=180,
+                              args=(str(tmp_path),))
+    for r in results:
+        assert (r["code"], r["signal"], r["step"], r["committed"]) == (143, "SIGTERM", 5, True)
+        assert r["equal"] == "yes", r["equal"]
+        assert sorted(r["rows"]) == sorted(r["full_rows"]) and len(set(r["rows"])) == len(r["rows"])
