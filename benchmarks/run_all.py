@@ -10,7 +10,8 @@ reader cost), ``bench_checkpoint.py`` (save/restore),
 model's scorer vs the eager model; quantized tables), ``bench_dynamic.py`` (dynamic vs
 hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
---s3`` (checkpoints in a local S3 server vs local disk).
+--s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
+lost and time to recover per fault kind, under torchrun).
 
 The contract with a benchmark script: it runs with the arguments ``BENCHMARKS`` gives it (none
 for most; a script with several modes is listed once per mode); it accepts ``--quick`` if its
@@ -44,6 +45,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dynamic": ("bench_dynamic.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
+    "recovery": ("bench_recovery.py", ("faults",)),
 }
 """Name (for ``--only``) -> (script in benchmarks/, the arguments that select its mode)."""
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from recsys_trainer.hooks.lambda_hook import LambdaHook
     from recsys_trainer.hooks.logger import LoggerHook
     from recsys_trainer.logs import setup_logging
+    from recsys_trainer.preemption import Preempted, Preemption
     from recsys_trainer.rng import seed_everything
     from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
     from recsys_trainer.trainer import Trainer, TrainerState
@@ -47,6 +48,8 @@ _LAZY: dict[str, str] = {
     "MetricReportHook": "recsys_trainer.hooks",
     "MicroBatchOutput": "recsys_trainer.hooks.base",
     "NonFiniteLossHook": "recsys_trainer.hooks",
+    "Preempted": "recsys_trainer.preemption",
+    "Preemption": "recsys_trainer.preemption",
     "ProfilerHook": "recsys_trainer.hooks",
     "ProgressHook": "recsys_trainer.hooks",
     "SparseOptimizer": "recsys_trainer.sharding",
@@ -73,6 +76,8 @@ __all__ = [
     "MetricReportHook",
     "MicroBatchOutput",
     "NonFiniteLossHook",
+    "Preempted",
+    "Preemption",
     "ProfilerHook",
     "ProgressHook",
     "SparseOptimizer",

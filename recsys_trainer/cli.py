@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -231,7 +232,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The console entry point; returns the exit status (0 ok, 2 config error)."""
+    """The console entry point; returns the exit status (0 ok, 2 config error, 128 + signal
+    after a preemption signal stopped training: 143 for SIGTERM, 130 for SIGINT)."""
     ns, overrides = parse_argv(sys.argv[1:] if argv is None else argv)
     if ns.smoke:
         overrides.append(("args.smoke_test", "true"))
@@ -245,11 +247,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from recsys_trainer.distributed import shutdown
+    from recsys_trainer.preemption import Preempted
     from recsys_trainer.trainer import setup_logging
 
     setup_logging()
     try:
         summary = run(cfg)
+    except Preempted as exc:
+        # Every rank stopped after the same step and saved it (or says why not); a rerun of
+        # the same command resumes there. No shutdown(): the ranks leave together anyway.
+        print(f"recsys-train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr,
+              flush=True)
+        return int(exc.preemption.exit_code)
     except ConfigError as exc:
         # Raised identically on every rank before any collective: safe to just exit.
         print(f"recsys-train: config error: {exc}", file=sys.stderr)
