@@ -25,6 +25,7 @@ from vocab_data import (
 )
 
 from recsys_trainer import LambdaHook, Trainer
+from recsys_trainer.checkpoint.export import export_vocabularies
 from recsys_trainer.config import ConfigError, load_config
 from recsys_trainer.data import vocab as vocab_module
 from recsys_trainer.data.features import (
@@ -34,7 +35,7 @@ from recsys_trainer.data.features import (
     SparseFeature,
 )
 from recsys_trainer.data.parquet import ParquetWindowDataset
-from recsys_trainer.data.vocab import VocabFromData, Vocabulary, export_vocabularies
+from recsys_trainer.data.vocab import VocabFromData, Vocabulary
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -771,34 +771,12 @@ class Vocabularies:
             self._install(ds)
 
 
-def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None = None
-                        ) -> dict[str, Vocabulary]:
-    """The vocabularies a committed checkpoint (a ``step_<N>`` directory, or an output directory:
-    its newest) decodes with, ``{feature: Vocabulary}``, for serving its exported tables (see
-    ``checkpoint.export_model_state_dict``). With ``out_dir``, each is also written to
-    ``out_dir/<feature>.txt``, one value per line: ``vocab="out_dir/<feature>.txt"`` maps ids to
-    the same rows in a new run. Reads rank 0's state file; no process group needed."""
-    # Imported here, not with the module: lookups (what the serving scorer runs) must not
-    # import the checkpoint package and torch.distributed's checkpointing with it.
-    from recsys_trainer.checkpoint import contents, layout
-
-    info = layout.resolve_checkpoint(os.fspath(checkpoint), "`checkpoint`")
-    with layout.reading(info.where):
-        extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)
-    state = extra.get("vocabularies") or {"version": 1, "features": {}}
-    out: dict[str, Vocabulary] = {}
-    for name, saved in sorted(state["features"].items()):
-        cfg, built = _Config.from_saved(saved)
-        vocab = built if built is not None else cfg.vocab
-        if isinstance(vocab, Vocabulary):
-            out[name] = vocab
-    if out_dir is not None:
-        root = storage.resolve(out_dir)
-        with storage.errors_named(root.url, "write"):
-            root.filesystem.create_dir(root.path, recursive=True)
-        for name, vocab in out.items():
-            vocab.write(root.join(f"{name}.txt").url)
-    return out
+def saved_vocabulary(saved: Mapping[str, Any] | None) -> Vocabulary | None:
+    """The ``Vocabulary`` one feature's entry of a checkpoint's ``vocabularies`` state decodes
+    with (None for a feature mapped by hashing). Used to export a checkpoint's vocabularies."""
+    cfg, built = _Config.from_saved(saved)
+    vocab = built if built is not None else cfg.vocab
+    return vocab if isinstance(vocab, Vocabulary) else None
 
 
 def _count_windows(dataset: VocabDataset, windows: list[str], depth: Mapping[Any, int],
@@ -888,7 +866,7 @@ __all__ = [
     "check_tables_share_vocabularies",
     "check_vocab",
     "column_problem",
-    "export_vocabularies",
     "lookup_rows",
+    "saved_vocabulary",
     "vocabulary_capacity",
 ]

@@ -61,9 +61,9 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingColle
 import recsys_trainer
 from recsys_trainer import storage
 from recsys_trainer.checkpoint import contents, layout
-from recsys_trainer.checkpoint.export import export_model_state_dict
+from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
 from recsys_trainer.data.spec import FeatureSpec
-from recsys_trainer.data.vocab import VocabFromData, export_vocabularies
+from recsys_trainer.data.vocab import VocabFromData
 from recsys_trainer.dynamic import EMPTY_SLOT, DynamicEmbeddingBagCollection, unmix_ids
 from recsys_trainer.serving import delta as dl
 from recsys_trainer.serving import manifest as mf
