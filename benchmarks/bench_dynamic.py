@@ -1,30 +1,44 @@
-"""Quality of a hashed table vs a dynamic table at equal memory, and the step-time ratio.
+"""Dynamic vs hashed tables on a churny stream: AUC at equal rows and at equal bytes, step time.
 
-    python benchmarks/bench_dynamic.py [--rows 2000] [--ids-per-row 5] [--steps 600] [--seed 3]
-        [--hashed-rows N]   # default: as many rows as fit in the dynamic table's bytes
+    python benchmarks/bench_dynamic.py [--quick] [--seeds 0 1 2] [--slots 1600]
+        [--set eviction_interval=100 ...]   # DynamicTable fields (default: its defaults)
 
-Data: ``recsys_trainer.data.id_stream.IdStream``: 2 sparse features, each with
-``rows * ids_per_row`` distinct raw ids (Zipf 1.05) and a planted per-id effect on the click
-logit, 4 noise dense features. Both models are the bundled DLRM (dim 16) with ``rows`` rows per
-table, fused row-wise Adagrad, Adam on the dense part, one process:
+Data (``recsys_trainer.data.id_stream.ChurnStream``): windows ("hours") of rows with a
+``user`` id (20k ids, Zipf 1.05, stable) and an ``item`` id (20k ids that appear and fade:
+each is born at a random time and its popularity decays over about a window), all uniform
+random 63-bit ids, each with a planted effect on the click logit; the stream's seed draws
+the ids, their effects and the rows. About 10x more distinct ids reach each table than it has
+slots. Protocol (streaming): train on window ``w``, then score a held-out sample of window
+``w + 1`` (rows never trained on); AUC pooled over those samples. The oracle AUC scores the same
+rows by their true logit.
 
-- ``hashed``: ids hashed into ``--hashed-rows`` rows (``stable_hash_ints(id) % rows``, what the
-  data layer does); ids share rows. By default it gets the dynamic table's *bytes*: a dynamic
-  slot also carries 4 int64 of id map and policy state, and each table a history of the ids seen
-  between passes (``eviction_interval x batch x 1.25`` ids and their counts, as torchrec sizes
-  it), so at equal bytes the hashed table has more rows (``table_bytes`` below).
-- ``dynamic``: ``DynamicTable(num_slots=rows)``: the most valuable ids (DistanceLFU) get their
-  own row, the rest read the shared default row.
+Models: the bundled DLRM (dim 16, fused row-wise Adagrad lr 0.05, Adam 3e-3 on the dense part),
+one process, batch 512:
 
-Both train on the same batches and are evaluated on the same held-out batches (eval AUC). The
-step time is the median over the timed steps after a warm-up, measured interleaved (the two
-trainers alternate per chunk of steps), so drift hits both alike.
+- ``dynamic``: ``DynamicTable(num_slots=--slots, **--set)``;
+- ``hashed_rows``: ids hashed into ``--slots`` rows (same rows);
+- ``hashed_bytes``: ids hashed into as many rows as fit in the dynamic table's **bytes**
+  (``recsys_trainer.dynamic.table_memory``, measured after the dynamic model's first step: the
+  rows and their optimizer state, the id map with the policy's per-slot metadata, the id
+  history as allocated), at 4 * dim + 4 bytes per hashed row (weights, row-wise Adagrad).
+  With ``--full``, also ``hashed_large`` (2 x ``--ids`` rows per table, few collisions: the
+  reference for rows whose ids the dynamic table does not hold).
+
+``non_resident``: the AUC on the eval rows whose user or item id had no row in the dynamic
+table (it read a fallback row), for every model on those same rows.
+
+Step time: the dynamic and the equal-bytes hashed model train interleaved (alternating every
+``--chunk`` batches); mean and median over every step after the first window, eviction passes
+included. The machine's load average is printed: compare ratios from one run, not absolute
+times.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import statistics
 import time
@@ -36,16 +50,25 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, shutdown
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import stable_hash_ints
-from recsys_trainer.data.id_stream import IdStream
-from recsys_trainer.dynamic import DynamicTable, table_stats
+from recsys_trainer.data.hashing import stable_hash_ints
+from recsys_trainer.data.id_stream import ChurnStream
+from recsys_trainer.dynamic import (
+    DynamicTable,
+    end_window,
+    is_resident,
+    table_memory,
+    table_stats,
+)
 from recsys_trainer.metrics import weighted_auc
 from recsys_trainer.models import DLRMClassifier
 
+DIM = 16
 FEATS = ("user", "item")
 
 
 def hashed(batches: list[Batch], rows: int) -> list[Batch]:
+    """The batches with every id replaced by ``stable_hash_ints(id) % rows`` (the data layer's
+    hashing of a bounded table)."""
     out = []
     for b in batches:
         v = stable_hash_ints(b.sparse.values().numpy()) % np.uint64(rows)
@@ -55,97 +78,193 @@ def hashed(batches: list[Batch], rows: int) -> list[Batch]:
     return out
 
 
-def table_bytes(rows: int, dim: int, dynamic: bool, interval: int, batch: int) -> int:
-    """Bytes one table holds for training: fp32 rows plus the row-wise Adagrad value, and for a
-    dynamic table its per-slot id map and policy buffers and its id history."""
-    per_row = 4 * dim + 4
-    if not dynamic:
-        return rows * per_row
-    return rows * (per_row + 4 * 8) + int(interval * batch * 1.25) * 2 * 8
-
-
-def make(kind: str, rows: int, interval: int, out: str) -> Trainer:
+def make(rows: int, spec: DynamicTable | None, out: str) -> Trainer:
     torch.manual_seed(0)
-    dyn = DynamicTable(num_slots=rows, eviction_interval=interval) if kind == "dynamic" else None
-    model = DLRMClassifier(list(FEATS), 4, num_embeddings=rows, embedding_dim=16,
-                           dense_arch=(32,), over_arch=(32, 1), dynamic=dyn)
+    model = DLRMClassifier(list(FEATS), 4, num_embeddings=rows, embedding_dim=DIM,
+                           dense_arch=(32,), over_arch=(32, 1), dynamic=spec)
     return Trainer(model=model, args=TrainingArguments(output_dir=out, log_steps=10**9),
                    dense_optimizers=(lambda p: torch.optim.Adam(p, lr=3e-3), None),
                    sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
                    add_logger_hook=False)
 
 
-def step_fn(t: Trainer) -> Any:
-    model = t.model
-
-    def step(b: Batch) -> None:
-        loss, _ = model(b)
-        loss.backward()
-        t.optimizer.step()
-        t.optimizer.zero_grad()
-    return step
+def train_step(t: Trainer, b: Batch) -> float:
+    t0 = time.perf_counter()
+    loss, _ = t.model(b)
+    loss.backward()
+    t.optimizer.step()
+    t.optimizer.zero_grad()
+    return time.perf_counter() - t0
 
 
-def auc(t: Trainer, batches: list[Batch]) -> float:
+def predict(t: Trainer, batches: list[Batch]) -> torch.Tensor:
     t.model.eval()
-    preds, labels = [], []
     with torch.no_grad():
-        for b in batches:
-            _, logits = t.model(b)
-            preds.append(logits)
-            labels.append(b.labels)
+        out = torch.cat([t.model(b)[1] for b in batches])
     t.model.train()
-    p, y = torch.cat(preds), torch.cat(labels)
-    return weighted_auc(p, y, torch.ones_like(y))
+    return out
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    fields = {f.name: f for f in dataclasses.fields(DynamicTable)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--set {item!r}: DynamicTable has no field {key!r}")
+        value: Any = text
+        for cast in (int, float):
+            try:
+                value = cast(text)
+                break
+            except ValueError:
+                pass
+        out[key] = None if text == "None" else value
+    return out
+
+
+def run_seed(a: argparse.Namespace, seed: int, spec: DynamicTable) -> dict[str, Any]:
+    stream = ChurnStream(windows=a.windows, num_users=a.ids, num_items=a.ids, seed=seed)
+    train = [stream.window(w, a.batches, a.batch_size, seed=1) for w in range(a.windows)]
+    held_out = [stream.window(w, a.eval_batches, a.batch_size, seed=2) for w in range(1, a.windows)]
+    out = os.path.join(a.out, f"seed{seed}")
+    dyn = make(spec.num_slots, spec, out + "/d")
+    first = train[0][0]
+    times: dict[str, list[float]] = {"dynamic": [train_step(dyn, first)], "hashed_bytes": []}
+    mem = table_memory(dyn.model)
+    dyn_bytes = max(m["total"] for m in mem.values())
+    per_row = 4 * DIM + 4
+    rows = {"dynamic": spec.num_slots, "hashed_rows": spec.num_slots,
+            "hashed_bytes": dyn_bytes // per_row}
+    if a.full:
+        rows["hashed_large"] = 2 * a.ids
+    trainers = {"dynamic": dyn, **{k: make(r, None, f"{out}/{k}") for k, r in rows.items()
+                                   if k != "dynamic"}}
+    timed = ("dynamic", "hashed_bytes")
+    preds: dict[str, list[torch.Tensor]] = {k: [] for k in trainers}
+    resident: list[torch.Tensor] = []
+    for w in range(a.windows):
+        data = {k: train[w] if k == "dynamic" else hashed(train[w], rows[k]) for k in trainers}
+        start = 1 if w == 0 else 0  # the dynamic model already trained batch 0
+        for k in trainers:
+            if k not in timed:
+                for b in data[k]:
+                    train_step(trainers[k], b)
+        for lo in range(0, a.batches, a.chunk):
+            for k in timed:
+                first_b = max(lo, start) if k == "dynamic" else lo
+                for b in data[k][first_b:lo + a.chunk]:
+                    dt = train_step(trainers[k], b)
+                    if w > 0:  # the first window is warm-up
+                        times[k].append(dt)
+        end_window(dyn.model)
+        if w + 1 < a.windows:
+            ev = held_out[w]
+            for k, t in trainers.items():
+                preds[k].append(predict(t, ev if k == "dynamic" else hashed(ev, rows[k])))
+            ids = torch.cat([b.sparse.values().view(2, -1) for b in ev], dim=1)
+            res = is_resident(dyn.model, {"t_user": ids[0], "t_item": ids[1]})
+            resident.append(res["t_user"] & res["t_item"])
+    evals = [b for ws in held_out for b in ws]
+    y = torch.cat([b.labels for b in evals])
+    ones = torch.ones_like(y)
+    truth = torch.cat([b.passthrough["logit"] for b in evals])
+    res_all = torch.cat(resident)
+    nr = ~res_all
+    result: dict[str, Any] = {
+        "seed": seed, "rows": rows,
+        "distinct_ids": {f: len({int(v) for ws in train for b in ws for v in b.sparse[f].values()})
+                         for f in FEATS},
+        "bytes": {"dynamic": dyn_bytes, "hashed_bytes": rows["hashed_bytes"] * per_row,
+                  "hashed_rows": rows["hashed_rows"] * per_row},
+        "dynamic_memory": mem[sorted(mem)[0]],
+        "auc": {k: weighted_auc(torch.cat(p), y, ones) for k, p in preds.items()},
+        "oracle_auc": weighted_auc(truth, y, ones),
+        "non_resident_share": float(nr.float().mean()),
+        "non_resident_auc": {k: weighted_auc(torch.cat(p)[nr], y[nr], ones[nr])
+                             for k, p in preds.items()},
+        "oracle_non_resident_auc": weighted_auc(truth[nr], y[nr], ones[nr]),
+        "step_ms_mean": {k: 1e3 * statistics.fmean(v) for k, v in times.items()},
+        "step_ms_median": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+        "stats": table_stats(dyn.model),
+    }
+    end_mem = table_memory(dyn.model)
+    result["dynamic_bytes_at_end"] = max(m["total"] for m in end_mem.values())
+    return result
+
+
+def summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    def ms(values: list[float]) -> str:
+        mean = statistics.fmean(values)
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{mean:.4f} ± {sd:.4f}"
+
+    out: dict[str, Any] = {}
+    for k in results[0]["auc"]:
+        out[f"auc {k}"] = ms([r["auc"][k] for r in results])
+        out[f"non-resident auc {k}"] = ms([r["non_resident_auc"][k] for r in results])
+    out["oracle auc"] = ms([r["oracle_auc"] for r in results])
+    out["dynamic - hashed_bytes"] = ms([r["auc"]["dynamic"] - r["auc"]["hashed_bytes"]
+                                       for r in results])
+    out["dynamic - hashed_rows"] = ms([r["auc"]["dynamic"] - r["auc"]["hashed_rows"]
+                                      for r in results])
+    out["step mean dynamic/hashed"] = ms([r["step_ms_mean"]["dynamic"]
+                                         / r["step_ms_mean"]["hashed_bytes"] for r in results])
+    out["step median dynamic/hashed"] = ms([r["step_ms_median"]["dynamic"]
+                                           / r["step_ms_median"]["hashed_bytes"] for r in results])
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=2000)
-    ap.add_argument("--ids-per-row", type=float, default=5.0)
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--quick", action="store_true", help="1 seed, 6 windows of 16 batches")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--slots", type=int, default=1600, help="rows of each dynamic table")
+    ap.add_argument("--ids", type=int, default=20_000, help="users, and items, in the stream")
+    ap.add_argument("--windows", type=int, default=12)
+    ap.add_argument("--batches", type=int, default=40, help="train batches per window")
+    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per window")
     ap.add_argument("--batch-size", type=int, default=512)
-    ap.add_argument("--eval-batches", type=int, default=40)
-    ap.add_argument("--interval", type=int, default=10)
-    ap.add_argument("--chunk", type=int, default=50)
+    ap.add_argument("--chunk", type=int, default=10)
+    ap.add_argument("--full", action="store_true", help="also a hashed table of 2 x --ids rows")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="DynamicTable fields for the dynamic model")
+    ap.add_argument("--json", action="store_true", help="print every seed's figures as JSON")
     ap.add_argument("--out", default="output/bench_dynamic")
-    ap.add_argument("--seed", type=int, default=3, help="of the id stream's planted effects")
-    ap.add_argument("--hashed-rows", type=int, default=None,
-                    help="rows of the hashed table (default: equal bytes to the dynamic table)")
     a = ap.parse_args()
+    if a.quick:
+        a.seeds, a.windows, a.batches, a.ids = a.seeds[:1], 6, 16, 8_000
+        a.slots = min(a.slots, 640)
     torch.set_flush_denormal(True)
-    dyn_bytes = table_bytes(a.rows, 16, True, a.interval, a.batch_size)
-    hashed_rows = a.hashed_rows or dyn_bytes // table_bytes(1, 16, False, 0, 0)
-    stream = IdStream(FEATS, int(a.rows * a.ids_per_row), strength=1.0, seed=a.seed)
-    train = stream.batches(a.steps, a.batch_size, seed=1)
-    held_out = stream.batches(a.eval_batches, a.batch_size, seed=2)
-    trainers = {"hashed": make("hashed", hashed_rows, a.interval, a.out + "/h"),
-                "dynamic": make("dynamic", a.rows, a.interval, a.out + "/d")}
-    data = {"hashed": hashed(train, hashed_rows), "dynamic": train}
-    evals = {"hashed": hashed(held_out, hashed_rows), "dynamic": held_out}
-    times: dict[str, list[float]] = {k: [] for k in trainers}
-    steps = {k: step_fn(t) for k, t in trainers.items()}
-    for lo in range(0, a.steps, a.chunk):
-        for k in trainers:
-            for b in data[k][lo:lo + a.chunk]:
-                t0 = time.perf_counter()
-                steps[k](b)
-                if lo >= a.chunk:  # the first chunk is warm-up
-                    times[k].append(time.perf_counter() - t0)
-    res: dict[str, Any] = {
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        "rows": {"dynamic": a.rows, "hashed": hashed_rows}, "seed": a.seed,
-        "table_bytes": {"dynamic": dyn_bytes,
-                        "hashed": table_bytes(hashed_rows, 16, False, a.interval, a.batch_size)},
-        "distinct_ids_per_feature": stream.num_ids, "steps": a.steps,
-        "batch_size": a.batch_size,
-        "auc": {k: round(auc(t, evals[k]), 4) for k, t in trainers.items()},
-        "median_step_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in times.items()},
-        "dynamic_tables": table_stats(trainers["dynamic"].model),
-    }
-    res["step_time_ratio_dynamic_over_hashed"] = round(
-        res["median_step_ms"]["dynamic"] / res["median_step_ms"]["hashed"], 3)
-    print(json.dumps(res, indent=1))
+    spec = DynamicTable(num_slots=a.slots, **parse_sets(a.set))
+    load = os.getloadavg()
+    results = [run_seed(a, s, spec) for s in a.seeds]
+    head = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
+                       f"threads, load average {load[0]:.1f} (start) "
+                       f"{os.getloadavg()[0]:.1f} (end)",
+            "dynamic": {k: v for k, v in dataclasses.asdict(spec).items()},
+            "stream": {"windows": a.windows, "batches_per_window": a.batches,
+                       "batch_size": a.batch_size, "ids": a.ids, "seeds": a.seeds}}
+    if a.json:
+        print(json.dumps({**head, "seeds": results}, indent=1, default=str))
+    print(f"# bench_dynamic\n\n{head['machine']}; dynamic table: {head['dynamic']}; stream: "
+          f"{head['stream']}\n")
+    print("| seed | distinct ids (user/item) | dynamic bytes | hashed_bytes rows | AUC dynamic | "
+          "AUC hashed_bytes | AUC hashed_rows | oracle | non-resident rows | non-resident AUC "
+          "dynamic / hashed_bytes | step ms mean d/h | median d/h |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['seed']} | {r['distinct_ids']['user']}/{r['distinct_ids']['item']} | "
+              f"{r['bytes']['dynamic']:,} | {r['rows']['hashed_bytes']:,} | "
+              f"{r['auc']['dynamic']:.4f} | {r['auc']['hashed_bytes']:.4f} | "
+              f"{r['auc']['hashed_rows']:.4f} | {r['oracle_auc']:.4f} | "
+              f"{r['non_resident_share']:.1%} | {r['non_resident_auc']['dynamic']:.4f} / "
+              f"{r['non_resident_auc']['hashed_bytes']:.4f} | "
+              f"{r['step_ms_mean']['dynamic']:.1f}/{r['step_ms_mean']['hashed_bytes']:.1f} | "
+              f"{r['step_ms_median']['dynamic']:.1f}/{r['step_ms_median']['hashed_bytes']:.1f} |")
+    print("\n| summary (mean ± sd over seeds) | |\n|---|---|")
+    for k, v in summary(results).items():
+        print(f"| {k} | {v} |")
     shutdown()
 
 

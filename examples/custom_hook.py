@@ -17,7 +17,14 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from recsys_trainer import Hook, MetricReport, MetricReportHook, Trainer, TrainingArguments
+from recsys_trainer import (
+    Hook,
+    MetricReport,
+    MetricReportHook,
+    Trainer,
+    TrainingArguments,
+    seed_everything,
+)
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
@@ -72,10 +79,11 @@ def main(out_dir: str, hours: int = 4) -> str:
     """Train hour h, evaluate hour h (held-out rows) for each hour; returns the CSV path."""
     os.makedirs(out_dir, exist_ok=True)
     csv_path = os.path.join(out_dir, "window_auc.csv")
-    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=out_dir, log_steps=10)
+    seed_everything(args.seed)  # before the model: its dense layers are initialised when built
     trainer = Trainer(
         model=DLRMClassifier(FEATURES, 4, 1000, embedding_dim=8, dense_arch=(16,), over_arch=(16, 1)),
-        args=TrainingArguments(output_dir=out_dir, log_steps=10),
+        args=args,
         train_dataset=HourlyWindows(hours, 6, seed=0),
         eval_dataset=HourlyWindows(hours, 2, seed=100),
         hooks=[MetricReportHook(), WindowAucCsvHook(csv_path)],

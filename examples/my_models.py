@@ -15,13 +15,15 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.models import weighted_bce_with_logits
+from recsys_trainer.models import BINARY_LABELS, weighted_bce_with_logits
 
 
 class WideAndDeep(nn.Module):
     """Wide: a summed small embedding per feature (a hashed linear model); deep: an MLP over the
     concatenated embeddings and the log1p of the dense counts. Tables on the meta device:
     the Trainer shards them."""
+
+    label_range = BINARY_LABELS  # its loss's labels: the reader names a row outside them
 
     def __init__(self, sparse_features: list[str], num_embeddings: int, num_dense: int,
                  embedding_dim: int = 16, hidden: list[int] | None = None) -> None:

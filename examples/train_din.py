@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, setup_logging, shutdown
+from recsys_trainer import (
+    SparseOptimizer,
+    Trainer,
+    TrainingArguments,
+    seed_everything,
+    setup_logging,
+    shutdown,
+)
 from recsys_trainer.data.criteo_synthetic import (
     SPARSE_COLUMNS,
     BehaviourSignal,
@@ -110,7 +117,9 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {}
     trainer = None
     for name in a.models:
-        torch.manual_seed(0)  # the dense towers are initialised here, before the Trainer exists
+        # The dense towers are initialised here, before the Trainer exists (which seeds with
+        # args.seed, 0 in fit()): seed first, so every run starts from the same model.
+        seed_everything(0)
         model: nn.Module
         if name == "din":
             model = DINClassifier(SPARSE_COLUMNS, 13, num_items=num_items, max_len=a.max_len,

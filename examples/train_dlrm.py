@@ -18,7 +18,14 @@ import logging
 
 import torch
 
-from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, setup_logging, shutdown
+from recsys_trainer import (
+    SparseOptimizer,
+    Trainer,
+    TrainingArguments,
+    seed_everything,
+    setup_logging,
+    shutdown,
+)
 from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, criteo_features, ensure_dataset
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
@@ -52,6 +59,10 @@ def main() -> None:
     p.add_argument("--log-steps", type=int, default=50)
     p.add_argument("--pipeline", choices=["none", "sparse_dist"], default="sparse_dist")
     p.add_argument("--output-dir", default="output/train_dlrm")
+    p.add_argument("--save-steps", type=int, default=None,
+                   help="save a checkpoint every N steps and at the end; the same command then "
+                        "resumes from the newest one (after a SIGTERM, a killed rank under "
+                        "torchrun --max-restarts, a crash)")
     a = p.parse_args()
     setup_logging()
 
@@ -61,14 +72,16 @@ def main() -> None:
     meta = ensure_dataset(a.data, a.hours, a.rows_per_hour)
     windows = partitioned_windows(a.data)
     spec = criteo_features(a.num_embeddings)
-    torch.manual_seed(0)  # the dense towers are initialised here, before the Trainer exists
+    args = TrainingArguments(output_dir=a.output_dir, log_steps=a.log_steps, pipeline=a.pipeline,
+                             save_steps=a.save_steps, save_end=a.save_steps is not None)
+    seed_everything(args.seed)  # the dense towers are initialised here, before the Trainer exists
     model = DLRMClassifier(SPARSE_COLUMNS, 13, a.num_embeddings, a.embedding_dim,
                            dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1), dense_log1p=True,
                            embedding_init=a.embedding_init)
     metrics = MetricReportHook(metrics=["auc", "logloss", "ne", "calibration", "ctr"], per_window=False)
     trainer = Trainer(
         model=model,
-        args=TrainingArguments(output_dir=a.output_dir, log_steps=a.log_steps, pipeline=a.pipeline),
+        args=args,
         # The streaming protocol: train on window t, evaluate on window t+1.
         train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=a.batch_size),
         eval_dataset=ParquetWindowDataset(windows[1:], spec, batch_size=4 * a.batch_size),

@@ -19,11 +19,10 @@ At the end it prints the eval like-AUC of both, the margin and the oracle AUC of
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from train_din import common_arguments, fit, prepare, report
 
-from recsys_trainer import setup_logging, shutdown
+from recsys_trainer import seed_everything, setup_logging, shutdown
 from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, behaviour_features
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.ranking_models import MMoEClassifier
@@ -40,7 +39,7 @@ def main() -> None:
     like_auc: dict[str, list[float]] = {}
     trainer = None
     for name in a.models:
-        torch.manual_seed(0)
+        seed_everything(0)  # args.seed in fit(): the towers are initialised before the Trainer
         model: nn.Module
         if name == "mmoe":
             labels = ["label", "like"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,10 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicEmbeddingBagCollection, DynamicTable
+
+BINARY_LABELS: tuple[float, float] = (0.0, 1.0)
+"""What a logistic loss accepts (click-style labels: 0/1, or a rate): ``check_binary_labels``
+enforces it, and every bundled model declares it as its ``label_range``."""
 
 
 def check_binary_labels(labels: torch.Tensor) -> None:
@@ -33,8 +38,9 @@ def check_binary_labels(labels: torch.Tensor) -> None:
         raise ValueError(
             f"label {float(bad[0]):g} is outside [0, 1] ({bad.numel()} such label(s) in this "
             "batch), but this model's loss (binary cross-entropy) needs click-style labels in "
-            "[0, 1]. Check the label column, or set FeatureSpec(label_range=(0, 1)) to have the "
-            "reader name the file and row."
+            "[0, 1]. Check the label column; to have the reader name the column, file and row, "
+            "set FeatureSpec(label_range=(0, 1)), or give the model label_range = (0.0, 1.0) "
+            "as the bundled models have (the Trainer then checks the data's labels against it)."
         )
 
 
@@ -135,6 +141,15 @@ def normal_init(std: float, mean: float = 0.0) -> TableInit:
     return functools.partial(torch.nn.init.normal_, mean=mean, std=std)
 
 
+def stack_pooled(sparse_arch: nn.Module, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """What torchrec's ``SparseArch`` returns (``[B, F, D]``, its features in order), from
+    pooled embeddings per feature: the serving side of ``sparse_arch(kjt)``."""
+    arch: Any = sparse_arch  # torchrec's SparseArch: sparse_feature_names, F, D
+    names: list[str] = arch.sparse_feature_names
+    f, d = int(arch.F), int(arch.D)
+    return torch.cat([pooled[n] for n in names], dim=1).reshape(-1, f, d)
+
+
 def make_tables(
     feature_names: list[str],
     num_embeddings: int | list[int],
@@ -165,6 +180,11 @@ class DLRMClassifier(nn.Module):
     shards each rank owns, initialised by ``embedding_init`` (one ``TableInit`` or one per table
     name, see ``make_tables``; default torchrec's U(-sqrt(1/rows), sqrt(1/rows))).
     """
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_label_range``)."""
 
     def __init__(
         self,
@@ -210,6 +230,20 @@ class DLRMClassifier(nn.Module):
             init_last_bias(self.dlrm.over_arch, prior_ctr, "`prior_ctr`")
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
-        logits = self.dlrm(dense, batch.sparse).squeeze(-1)
+        logits = self._logits(batch.dense, self.dlrm.sparse_arch(batch.sparse))
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
+
+    def _logits(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """torchrec ``DLRM.forward`` after its sparse arch (``embedded``: ``[B, F, D]``): the
+        part training and serving share."""
+        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
+        d = self.dlrm
+        return d.over_arch(d.inter_arch(dense_features=d.dense_arch(dense),
+                                        sparse_features=embedded)).squeeze(-1)
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
+                       ) -> torch.Tensor:
+        """The logits of ``forward`` from looked-up embeddings (``pooled``: ``[B, D]`` per
+        feature): the serving contract (``recsys_trainer.serving.export``)."""
+        return self._logits(dense, stack_pooled(self.dlrm.sparse_arch, pooled))

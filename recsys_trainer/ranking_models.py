@@ -21,10 +21,13 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.dynamic import DynamicTable, dynamic_embedding_collection
 from recsys_trainer.models import (
+    BINARY_LABELS,
     init_last_bias,
     make_tables,
     multi_task_bce_with_logits,
+    stack_pooled,
     weighted_bce_with_logits,
 )
 
@@ -90,11 +93,18 @@ class DINClassifier(nn.Module):
     The attention-pooled history and the candidate join the pooled embeddings as two more
     vectors of the DLRM's pairwise interaction. Output: one logit per row; loss: weighted BCE.
     ``item_init_max``: the item table starts uniform in ``[-item_init_max, item_init_max]``.
+    ``dynamic``: make the item table a dynamic table (``recsys_trainer.dynamic``; raw item ids,
+    ``dynamic.num_slots`` rows, ``num_items`` unused) read by both features.
 
     The ``FeatureSpec`` that feeds it: ``sequence=[SequenceFeature(name="item",
     num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
     max_len=max_len)]``.
     """
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_label_range``)."""
 
     positions: torch.Tensor
 
@@ -116,6 +126,7 @@ class DINClassifier(nn.Module):
         dense_log1p: bool = False,
         prior_ctr: float | None = None,
         table_device: str = "meta",
+        dynamic: DynamicTable | None = None,
     ) -> None:
         super().__init__()
         if max_len < 1 or num_items < 1:
@@ -129,12 +140,16 @@ class DINClassifier(nn.Module):
         self.sparse_arch = SparseArch(EmbeddingBagCollection(
             tables=make_tables(sparse_features, num_embeddings, embedding_dim), device=device))
         # One table for the candidate and the history: the attention compares them in one space.
-        self.items = EmbeddingCollection(tables=[EmbeddingConfig(
-            name=f"t_{item_feature}", embedding_dim=embedding_dim, num_embeddings=num_items,
+        items = [EmbeddingConfig(
+            name=f"t_{item_feature}", embedding_dim=embedding_dim,
+            num_embeddings=num_items if dynamic is None else dynamic.num_slots,
             feature_names=[item_feature, history_feature],
             # Uniform(+-item_init_max): torchrec's default, +-sqrt(1/num_items), starts every
             # item near 0, where [q, k, q - k, q * k] carries no signal for the attention.
-            weight_init_min=-item_init_max, weight_init_max=item_init_max)], device=device)
+            weight_init_min=-item_init_max, weight_init_max=item_init_max)]
+        self.dynamic_items = dynamic is not None
+        self.items: nn.Module = (EmbeddingCollection(tables=items, device=device) if dynamic is None
+                                 else dynamic_embedding_collection(items, dynamic, device))
         self.attention = TargetAttention(embedding_dim, attention_arch)
         num_vectors = len(sparse_features) + 2  # pooled tables, candidate, interest
         self.interaction = InteractionArch(num_sparse_features=num_vectors)
@@ -154,16 +169,39 @@ class DINClassifier(nn.Module):
                 f"{self.history_feature!r}), but the batch has none: declare them as "
                 "FeatureSpec(sequence=[SequenceFeature(...), ...]).")
         seq = self.items(batch.sequence)
+        if self.dynamic_items:
+            seq = seq[0]  # a managed-collision collection returns (embeddings, remapped ids)
         cand_jt, hist_jt = seq[self.item_feature], seq[self.history_feature]
         hist_len = hist_jt.lengths()
         check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len)
         candidate = cand_jt.to_padded_dense(desired_length=1).squeeze(1)  # [B, D]
         history = hist_jt.to_padded_dense(desired_length=self.max_len)  # [B, L, D]
+        return self._logits(dense, self.sparse_arch(batch.sparse), candidate, history, hist_len)
+
+    def _logits(self, dense: torch.Tensor, pooled: torch.Tensor, candidate: torch.Tensor,
+                history: torch.Tensor, hist_len: torch.Tensor) -> torch.Tensor:
+        """After the lookups (dense already transformed): the part training and serving share."""
         mask = (self.positions.unsqueeze(0) < hist_len.unsqueeze(1)).to(history.dtype)
         interest = self.attention(candidate, history, mask)
-        vectors = torch.cat(
-            [self.sparse_arch(batch.sparse), candidate.unsqueeze(1), interest.unsqueeze(1)], dim=1)
+        vectors = torch.cat([pooled, candidate.unsqueeze(1), interest.unsqueeze(1)], dim=1)
         return self.over_arch(self.interaction(self.dense_arch(dense), vectors)).squeeze(-1)
+
+    def serving_sequence_lengths(self) -> dict[str, int]:
+        """The padded length of each sequence feature ``serving_logits`` reads."""
+        return {self.item_feature: 1, self.history_feature: self.max_len}
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
+                       ) -> torch.Tensor:
+        """The logits of ``forward`` from looked-up embeddings: the serving contract
+        (``recsys_trainer.serving.export``). Rows without exactly one candidate id fail as in
+        training (an assert kept in the exported program)."""
+        torch._assert_async((lengths[self.item_feature] == 1).all(),
+                            "the candidate feature must have exactly one id per row (DIN)")
+        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
+        return self._logits(dense, stack_pooled(self.sparse_arch, pooled),
+                            sequences[self.item_feature].squeeze(1), sequences[self.history_feature],
+                            lengths[self.history_feature])
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(batch)
@@ -180,6 +218,11 @@ class MMoEClassifier(nn.Module):
     Output: logits ``[B, len(tasks)]``; loss: the ``task_weights``-weighted sum of each task's
     weighted BCE (``models.multi_task_bce_with_logits``).
     """
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_label_range``)."""
 
     def __init__(
         self,
@@ -231,8 +274,19 @@ class MMoEClassifier(nn.Module):
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[B, T]`` logits, one column per task."""
-        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
-        shared = self.interaction(self.dense_arch(dense), self.sparse_arch(batch.sparse))
+        return self._logits(batch.dense, self.sparse_arch(batch.sparse))
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
+                       ) -> torch.Tensor:
+        """The logits of ``forward`` from looked-up embeddings: the serving contract
+        (``recsys_trainer.serving.export``)."""
+        return self._logits(dense, stack_pooled(self.sparse_arch, pooled))
+
+    def _logits(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """After the lookups (``embedded``: ``[B, F, D]``): the part training and serving share."""
+        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
+        shared = self.interaction(self.dense_arch(dense), embedded)
         experts = torch.stack([e(shared) for e in self.experts], dim=1)  # [B, E, H]
         out = []
         for gate, tower in zip(self.gates, self.towers, strict=True):

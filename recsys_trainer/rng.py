@@ -11,7 +11,18 @@ import torch
 
 
 def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's global generators (every rank the same)."""
+    """Seed python's, numpy's and torch's global generators (every rank the same).
+
+    The Trainer calls it with ``args.seed`` when it is built, which is after the model: a
+    model's dense layers are initialised in its constructor, from whatever state torch's
+    generator is in (a fresh process seeds it at random). For a reproducible run call it first::
+
+        args = TrainingArguments(seed=7, ...)
+        seed_everything(args.seed)
+        model = DLRMClassifier(...)
+        trainer = Trainer(model, args, ...)
+
+    ``recsys-train`` does this itself, before it builds the datasets and the model."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)

@@ -36,7 +36,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from recsys_trainer import dynamic
-from recsys_trainer.data.features import FeatureSpec, check_features_fit_tables
+from recsys_trainer.data.spec import FeatureSpec, check_features_fit_tables
 from recsys_trainer.distributed import usable_memory_bytes
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
@@ -305,8 +305,8 @@ def shard_model(
         plan=plan,
         data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
     )
-    if device.type == "cpu":
-        dynamic.install_cpu_eviction(dmp)  # FBGEMM's row reset on eviction is CUDA-only
+    # FBGEMM's row reset on eviction is CUDA-only and indexes features, not tables.
+    dynamic.install_eviction_reset(dmp)
     return dmp
 
 

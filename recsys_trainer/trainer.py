@@ -42,6 +42,12 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
         end
 
 On an exception: on_exception(exc), then end, then the exception propagates.
+
+On a preemption signal (SIGTERM/SIGINT while training, ``recsys_trainer.preemption``): the next
+batch fetch (training or evaluation) stops every rank, after the same step; an evaluation it
+interrupts is abandoned (a window's is redone on resume). Then the checkpoint of that step
+(within args.preemption_grace_s of the signal), on_preempt(preemption), end, and ``Preempted``
+(a SystemExit with code 128 + signal) propagates; no after_window/after_epoch/after_train.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import dataclasses
 import itertools
 import logging
 import math
-import sys
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -65,14 +71,20 @@ from torch.distributed.checkpoint.stateful import Stateful
 from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.checkpoint.contents import RestoreMode
+from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
+    Lookahead,
     WindowedDataset,
+    WindowPairing,
     as_windowed,
     nothing_to_train_error,
 )
+from recsys_trainer.data.spec import apply_label_range
 from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import (
     Gang,
     ProcessGroupGang,
@@ -84,6 +96,7 @@ from recsys_trainer.distributed import (
 from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
 from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
 from recsys_trainer.hooks.logger import LoggerHook
+from recsys_trainer.logs import default_logging, setup_logging
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
@@ -97,12 +110,17 @@ from recsys_trainer.optimizers import (
 from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.precision import Precision
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
+from recsys_trainer.preemption import Preempted, Preemption, PreemptionWatcher, exit_now
 from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model, table_names
 from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
+
+
+class _PreemptionStop(Exception):
+    """Every rank agreed, at a batch fetch, that a preemption signal arrived (internal)."""
 
 
 @dataclass
@@ -193,10 +211,12 @@ class Trainer:
             raise TypeError(f"`args` must be a TrainingArguments, got {type(self.args).__name__}.")
         a = self.args
         cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-        # Before init_distributed: under torchrun, accelerate initialises the process group.
+        # The group first: accelerate would create it itself (torch's env:// rendezvous, whose
+        # keys a torchrun restart finds stale; see distributed.attempt_store) and uses ours.
+        info = init_distributed(self.args.device, self.args.collective_timeout_s)
         self.precision = Precision(a.mixed_precision, cuda=cuda,
                                    gradient_accumulation_steps=a.gradient_accumulation_steps)
-        info = init_distributed(self.args.device, self.args.collective_timeout_s)
+        default_logging(info.rank)  # rank 0's INFO lines visible without a logging set-up
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
         configure_cpu_threads(info.local_world_size)
@@ -212,6 +232,7 @@ class Trainer:
             table_names(model), self.sparse_optimizer_spec, table_optimizers)
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
+        apply_label_range((train_dataset, eval_dataset), getattr(model, "label_range", None))
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,
@@ -222,6 +243,7 @@ class Trainer:
             local_world_size=info.local_world_size,
             static_graph=self.args.gradient_accumulation_steps == 1,
         )
+        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
         if dense_optimizers is None:
             dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
         dense_arg, sched_arg = dense_optimizers
@@ -237,6 +259,12 @@ class Trainer:
             if ds is not None:
                 ds.setup(self.rank, self.world_size)
                 ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
+        self.vocabularies = Vocabularies(self.gang)
+        """The vocabularies the datasets' id features map through: built from the data when
+        training starts (``VocabFromData``), restored on resume; a checkpoint component."""
+        for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
+            if ds is not None:
+                self.vocabularies.attach(ds, name)
 
         self.hooks = HookList()
         user_hooks = list(hooks or [])
@@ -265,6 +293,10 @@ class Trainer:
         """True when the last step had a micro-batch skipped for a non-finite loss."""
         self._stop_local = False
         self._non_finite_local = False
+        self._preemption_watcher = PreemptionWatcher()
+        self._exit_now = False
+        self.preemption: Preemption | None = None
+        """What the last preemption did (``recsys_trainer.preemption``); None: none."""
         self._depth = 0
         self._train_it: SyncedIterator | None = None
         self._step_eval: tuple[WindowedDataset, list[str] | None] | None = None
@@ -338,30 +370,35 @@ class Trainer:
             "rng": RNGState(),
             "hooks": self.hooks,
             "non_finite": self.non_finite,
+            "vocabularies": self.vocabularies,
         }
         optional = {"lr_scheduler": self.lr_scheduler, "scaler": self.precision.scaler,
                     "train_dataset": self.train_dataset, "eval_dataset": self.eval_dataset}
         comps.update({k: v for k, v in optional.items() if v is not None})
         if dynamic.dynamic_table_names(self.model):
-            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size)
+            comps["dynamic_tables"] = dynamic.DynamicTablesState(self.model, self.world_size,
+                                                                 self.process_group)
         return comps
 
-    def resume(self) -> None:
+    def resume(self, *, mode: RestoreMode = "training") -> None:
         """Restore the state ``args.resume_from`` names ("auto": the newest committed checkpoint
-        in ``output_dir``), or else warm-start from ``args.model_bank``; all ranks call this.
-        ``train()`` does it itself at its start; call it to evaluate a trained model. Only the
-        first call (from either) does anything."""
-        self.checkpointer.resume()
+        in ``output_dir`` that verifies), or else warm-start from ``args.model_bank``; all ranks
+        call this. ``train()`` does it itself at its start; only the first such call does
+        anything. To evaluate or score a trained model call ``resume(mode="scoring")``: it
+        restores the model (and what the model needs, see ``checkpoint.contents``) and the step,
+        never a dataset position, the optimizers or hook state, so the datasets may differ from
+        training's; a later ``train()`` still resumes in full."""
+        self.checkpointer.resume(mode=mode)
 
     def save_checkpoint(self, path: str | None = None) -> str:
         """Save a checkpoint now and wait for it to commit (all ranks must call this); returns
         its directory (default ``output_dir/step_<global_step>``)."""
         return self.checkpointer.save(path, blocking=True)
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore the full training state from the committed checkpoint at ``path`` (all ranks
-        must call this)."""
-        self.checkpointer.load(path)
+    def load_checkpoint(self, path: str, *, mode: RestoreMode = "training") -> None:
+        """Restore the full training state from the committed checkpoint at ``path``, or with
+        ``mode="scoring"`` only what scoring needs (as ``resume``); all ranks must call this."""
+        self.checkpointer.load(path, mode=mode)
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
@@ -372,12 +409,15 @@ class Trainer:
             self._train(with_eval=False)
 
     def evaluate(self) -> dict[str, float]:
-        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics."""
+        """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics. To evaluate
+        a trained model, ``resume(mode="scoring")`` first."""
         if self.smoke is not None and not self.smoke.running:
             self.smoke.run(self)
             return self.smoke.eval_metrics
         with self._top_level():
-            return self._evaluate(self._require(self.eval_dataset, "eval_dataset"), None)
+            eval_ds = self._require(self.eval_dataset, "eval_dataset")
+            self.vocabularies.build(self.train_dataset)  # unless restored or built already
+            return self._evaluate(eval_ds, None)
 
     def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
                 output_names: Sequence[str] | None = None,
@@ -389,8 +429,8 @@ class Trainer:
         and redoes the others. ``activation="sigmoid"`` writes probabilities of logits
         (``"none"``: outputs as returned); ``output_names`` names the output columns (default:
         the dataset's labels). ``filesystem``: a ``pyarrow.fs.FileSystem`` to write through
-        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume()`` or ``load_checkpoint()``
-        first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
+        (default: the one ``output_dir``'s scheme names). To score a trained model, ``resume(mode="scoring")`` or
+        ``load_checkpoint(path, mode="scoring")`` first. See ``recsys_trainer.predict`` and docs/predict.md. All ranks call this."""
         options = PredictOptions(output_dir=output_dir, activation=activation,
                                  output_names=output_names, rows_per_row_group=rows_per_row_group)
         ds = as_windowed(dataset)
@@ -398,6 +438,7 @@ class Trainer:
             raise ValueError("`dataset` is None; pass the data to score to predict(...).")
         ds.setup(self.rank, self.world_size)
         ds.set_gang(self.gang)
+        self.vocabularies.attach(ds, "the predict dataset")
         if self.smoke is not None and not self.smoke.running:
             # Test mode: the phases, then one batch of the first window scored into the smoke
             # directory (never into `output_dir`, never the whole data).
@@ -411,6 +452,7 @@ class Trainer:
     def _predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
                  max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
         with self._top_level():
+            self.vocabularies.build(self.train_dataset)
             self.state.mode = "predict"
             self.model.eval()
             return predict(self._forward, ds, self.gang, self.device, options, filesystem,
@@ -432,8 +474,12 @@ class Trainer:
     @contextlib.contextmanager
     def _top_level(self) -> Iterator[None]:
         self._depth += 1
+        preempted: Preempted | None = None
         try:
             yield
+        except Preempted as exc:  # the checkpoint is saved; on_preempt has fired
+            preempted = exc
+            raise
         except BaseException as exc:
             # A gloo timeout or closed connection, named: which peer problem, where, what to check.
             lost = peer_lost_error(exc, rank=self.rank, timeout_s=self.args.collective_timeout_s,
@@ -452,17 +498,77 @@ class Trainer:
             self.state.mode = "idle"
             if self._depth == 0:
                 self.hooks.fire("end", self)
+            if preempted is not None and self._exit_now:
+                # The save missed its deadline and its writer thread still holds collectives:
+                # an interpreter exit would wait for it (until the launcher's SIGKILL).
+                exit_now(preempted.preemption.exit_code)
 
     def _where(self) -> str:
         st = self.state
         return f"after step {st.global_step} ({st.mode}, window {st.window_id!r})"
 
     def _train(self, with_eval: bool) -> None:
+        self._stop_local = self._non_finite_local = False
+        self.state.stop_reason = None
+        self.preemption = None
+        grace = self.args.preemption_grace_s
+        watch = self._preemption_watcher.watching(logger.warning) if grace is not None \
+            else contextlib.nullcontext()
+        with watch:
+            try:
+                self._train_loop(with_eval)
+            except _PreemptionStop:
+                self._stop_for_preemption()
+
+    def _stop_flag(self) -> int:
+        """This rank's stop flag for the next fetch: 2 preemption, 1 requested, 0 none."""
+        return 2 if self._preemption_watcher.requested else int(self._stop_local)
+
+    def _stop_for_preemption(self) -> None:
+        """Every rank: name the signal, save this step within the grace period, on_preempt,
+        then raise ``Preempted``."""
+        st, watcher = self.state, self._preemption_watcher
+        agreed_at = time.monotonic()
+        signalled_at = watcher.received_at if watcher.received_at is not None else agreed_at
+        # The signal may have reached some ranks only: every rank names the same one.
+        signum = self.gang.all_reduce_max([watcher.signum or 0])[0]
+        p = Preemption(signal=signal.Signals(signum).name, step=st.global_step,
+                       seconds_to_stop=agreed_at - signalled_at)
+        st.stop_reason = f"preempted by {p.signal}"
+        grace = self.args.preemption_grace_s
+        assert grace is not None
+        if self.is_rank_zero:
+            logger.warning("%s: every rank stopped after step %d (%.2f s after the signal); "
+                           "saving its checkpoint within preemption_grace_s=%g s", p.signal,
+                           p.step, p.seconds_to_stop, grace)
+        if self.checkpointer.will_save():
+            try:
+                p.checkpoint = self.checkpointer.save_within(grace - (agreed_at - signalled_at))
+                p.committed = True
+                p.seconds_to_commit = time.monotonic() - signalled_at
+            except CheckpointError as e:
+                p.error = str(e)
+                self._exit_now = e.kind == "deadline"
+        else:
+            p.error = "this run saves no checkpoints (no save trigger is set)"
+        self.preemption = p
+        if p.committed:
+            logger.warning("%s: checkpoint of step %d committed %.2f s after the signal: %s",
+                           p.signal, p.step, p.seconds_to_commit, p.checkpoint)
+        else:
+            logger.error("PreemptionError: rank %d: %s after step %d, but no checkpoint was "
+                         "committed: %s A rerun resumes from the last committed checkpoint.",
+                         self.rank, p.signal, p.step, p.error)
+        self.hooks.fire("on_preempt", self, p)
+        if not self._exit_now:
+            self.checkpointer.close()  # releases output_dir's lock
+        raise Preempted(p)
+
+    def _train_loop(self, with_eval: bool) -> None:
         train_ds = self._require(self.train_dataset, "train_dataset")
         args, st = self.args, self.state
-        self._stop_local = self._non_finite_local = False
-        st.stop_reason = None
         self.resume()
+        self.vocabularies.build(train_ds)  # VocabFromData: from the first windows (unless restored)
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
@@ -473,16 +579,19 @@ class Trainer:
             train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
             # Windows are walked lazily: a streaming source yields each window when it appears,
             # and training on it starts then (not once the whole stream has ended).
-            windows = itertools.islice(train_ds.window_ids(), args.window_iter)
+            windows = Lookahead(itertools.islice(train_ds.window_ids(), args.window_iter))
             eval_ds = self.eval_dataset
             eval_windows = (
                 iter(eval_ds.window_ids())
                 if with_eval and eval_ds is not None and self._is_windowed(eval_ds)
                 else None
             )
+            pairing = WindowPairing()
             for index, window_id in enumerate(windows):
                 listed += 1
                 eval_id = next(eval_windows, None) if eval_windows is not None else None
+                if eval_windows is not None:
+                    pairing.check(window_id, eval_id)  # a shifted pair is an error, not a wrong eval
                 if index < st.window_index:
                     continue  # trained before the checkpoint this run resumed from
                 st.window_index = index
@@ -494,6 +603,8 @@ class Trainer:
                     eval_on or not paired) else None
                 done = self._train_window(train_ds, window_id)
                 if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                    if paired and not done and pairing.needs_next_train_id():
+                        pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
                     self._evaluate(*self._step_eval)
                 self._step_eval = None
                 if not done:
@@ -533,7 +644,7 @@ class Trainer:
             ds.iter_window(window_id, skip_batches=st.batches_in_window),
             self.gang,
             pad=False,
-            local_flags=lambda: (self._stop_local, self._non_finite_local),
+            local_flags=lambda: (self._stop_flag(), self._non_finite_local),
         )
         try:
             if args.pipeline == "sparse_dist":
@@ -544,6 +655,8 @@ class Trainer:
             # A window cut short (train_steps, an exception) must still release the dataset's
             # read-ahead thread and open files; the pipeline keeps a reference to `it`.
             it.close()
+        if it.state.preempted:
+            raise _PreemptionStop
         if it.state.stop_requested or it.state.non_finite_loss:
             finished = True
             if it.state.non_finite_loss:
@@ -552,6 +665,7 @@ class Trainer:
         if it.state.out_of_data:
             st.rows_unread += it.state.rows_unread
             self.hooks.fire("out_of_data", self, window_id, it.state.rows_unread)
+        self._dynamic_steps.end_window()  # dynamic tables' expiry in windows
         self.hooks.fire("after_window", self, window_id)
         return finished
 
@@ -634,7 +748,7 @@ class Trainer:
             is_last = nxt is None
             self.precision.set_sync_gradients(is_last)
             self.hooks.fire("after_data", self, current)
-            with dense_no_sync(self.model, not is_last):
+            with dense_no_sync(self.model, not is_last), self._dynamic_steps.micro_batch(is_last):
                 loss, outputs = self._forward(current)
                 # The precision module divides by k: dense grads become the mean over the
                 # micro-batches; fused sparse updates see loss/k on every micro-batch.
@@ -674,7 +788,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self, ds: WindowedDataset, windows: list[str] | None) -> dict[str, float]:
         st, args = self.state, self.args
-        prev_mode = st.mode
+        prev_mode, prev_window = st.mode, st.window_id
         st.mode = "eval"
         self.model.eval()
         self.hooks.fire("before_evaluate", self)
@@ -683,7 +797,8 @@ class Trainer:
             st.window_id = window_id
             self.hooks.fire("before_window", self, window_id)
             it = SyncedIterator(
-                ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch
+                ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch,
+                local_flags=lambda: (2 if self._preemption_watcher.requested else 0, False),
             )
             try:
                 while args.eval_steps is None or steps < args.eval_steps:
@@ -704,6 +819,11 @@ class Trainer:
                     self.hooks.fire("after_eval_step", self, out)
             finally:
                 it.close()  # eval_steps may cut the window short: stop its read-ahead
+            if it.state.preempted:
+                # Abandoned: the checkpoint holds the training position (a window's
+                # evaluation is redone on resume: the position is still in that window).
+                st.mode, st.window_id = prev_mode, prev_window
+                raise _PreemptionStop
             if it.state.out_of_data:
                 self.hooks.fire("out_of_data", self, window_id, 0)
             self.hooks.fire("after_window", self, window_id)
@@ -740,18 +860,6 @@ class Trainer:
         if ds is None:
             raise ValueError(f"`{name}` is None; pass it to Trainer(...) to use this method.")
         return ds
-
-
-def setup_logging(level: int = logging.INFO) -> None:
-    """Log ``recsys_trainer`` messages to stderr with rank-aware formatting (idempotent)."""
-    log = logging.getLogger("recsys_trainer")
-    if log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(level)
-    log.propagate = False
 
 
 __all__ = ["Trainer", "TrainerState", "setup_logging"]

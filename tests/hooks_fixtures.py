@@ -4,26 +4,25 @@ Bandit sample and a planted-signal synthetic set), and an exact rank-based AUC r
 from __future__ import annotations
 
 import csv
+import io
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import Hook, SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.open_bandit import read_sample_csv
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.models import DLRMClassifier
 
 FEATURES = ["f0", "f1", "f2", "f3"]
 NUM_DENSE = 4
 ROWS = 200  # embedding rows per table
-OPEN_BANDIT = Path(__file__).parents[2] / "shared/data/open_bandit"
 
 
 def tiny_model(seed: int = 0) -> DLRMClassifier:
@@ -41,16 +40,14 @@ def _h(s: str) -> int:
     return zlib.crc32(s.encode()) % ROWS
 
 
-def open_bandit_batches(batch_size: int = 333, file: str = "random_men_men.csv") -> list[Batch]:
+def open_bandit_batches(batch_size: int = 333, source: str = "random_men") -> list[Batch]:
     """The real click log as batches: item, position and two hashed user features as ids (f3 is
-    the user proxy: all four user features hashed), four affinities as dense features."""
-    path = OPEN_BANDIT / file
-    if not path.exists():
-        pytest.skip(f"Open Bandit sample not found at {path} (the repo is expected beside shared/)")
+    the user proxy: all four user features hashed), four affinities as dense features. The
+    sample is the obp wheel scripts/setup fetched (``recsys_trainer.data.open_bandit``)."""
     ids: list[list[int]] = []
     dense: list[list[float]] = []
     labels: list[float] = []
-    with open(path, newline="") as f:
+    with io.StringIO(read_sample_csv(source).decode(), newline="") as f:
         for row in csv.DictReader(f):
             user = "|".join(row[f"user_feature_{i}"] for i in range(4))
             ids.append([int(row["item_id"]), int(row["position"]), _h(row["user_feature_0"]), _h(user)])

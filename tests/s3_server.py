@@ -2,9 +2,9 @@
 dependency) on 127.0.0.1 with its own free ports and data directory.
 
 ``S3Server.start(root)`` launches ``weed server -s3`` with one configured identity (pyarrow's
-multipart upload is refused for anonymous writers, ../shared/docs/DESIGN.md 2b), waits until the
-S3 port answers, and creates the bucket. ``stop()`` ends the process it started, by pid. The
-pytest fixture ``s3_server`` (in conftest.py) gives one server per test session.
+multipart uploads as an anonymous writer left an unreadable object), waits until the S3 port
+answers, and creates the bucket. ``stop()`` ends the process it started, by pid. The pytest
+fixture ``s3_server`` (in conftest.py) gives one server per test session.
 """
 
 from __future__ import annotations

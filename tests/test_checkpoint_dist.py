@@ -12,6 +12,7 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from test_checkpoint_trainer import (
+    LogCapture,
     RowRecorder,
     RowWindows,
     bitwise_verdict,
@@ -63,6 +64,59 @@ def check_bitwise(results: list[dict[str, Any]]) -> None:
 
 def test_two_rank_resume_is_bitwise_identical_and_reads_every_row_exactly_once(tmp_path: Any) -> None:
     check_bitwise(run_distributed(_bitwise, world_size=2, timeout_s=TIMEOUT, args=(str(tmp_path),)))
+
+
+# ---------------------------------------------------------------------------- a bad newest checkpoint
+
+def _fall_back_past_a_corrupt_shard(root: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    # 2 ranks: 8 steps per epoch; train into the second.
+    out = os.path.join(root, "out")
+    build(out, RowWindows(), train_steps=6, save_steps=2, max_to_keep=10,
+          train_epoch=2).train()
+    ref = build(os.path.join(root, "ref"), RowWindows(), train_steps=10,
+                train_epoch=2, resume_from=os.path.join(out, "step_00000004"))
+    ref.train()
+    dist.barrier()
+    shard = os.path.join(out, "step_00000006", "__1_0.distcp")  # rank 1's shard
+    if _rank() == 0:
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(shard, "wb").write(bytes(data))
+    dist.barrier()
+    rec = RowRecorder()
+    with LogCapture("recsys_trainer.checkpoint.manager") as log:
+        t = build(out, RowWindows(), hooks=[rec], train_steps=10, save_steps=2, max_to_keep=2,
+                  train_epoch=2)
+        t.train()
+    moved = sorted(n for n in os.listdir(out) if n.startswith("step_00000006."))
+    strict = None
+    try:
+        build(os.path.join(root, f"strict{_rank()}"), RowWindows(), train_steps=12,
+              resume_from=os.path.join(out, moved[0])).train()
+    except CheckpointError as e:
+        strict = (str(e), e.path, e.kind)
+    return {"loaded": rec.events[0], "equal": bitwise_verdict(snapshot(t), snapshot(ref)),
+            "warnings": log.messages, "moved": moved, "steps": committed_steps(out),
+            "strict": strict, "shard": shard}
+
+
+def test_two_ranks_fall_back_past_a_corrupt_newest_checkpoint_together_and_an_explicit_path_stays_strict(
+        tmp_path: Any) -> None:
+    results = run_distributed(_fall_back_past_a_corrupt_shard, world_size=2, timeout_s=TIMEOUT,
+                              args=(str(tmp_path),))
+    for r in results:
+        # Both ranks resumed from step 4, exactly as a run resumed from it by path.
+        assert r["loaded"] == ("loaded", "step_00000004") and r["equal"] == "yes", r["equal"]
+        warning = next(w for w in r["warnings"] if "fails verification" in w)
+        assert "step_00000006" in warning and "__1_0.distcp" in warning and "CRC32" in warning
+        assert len(r["moved"]) == 1 and r["moved"][0] in warning
+        assert r["steps"] == [4, 8, 10]
+        message, path, kind = r["strict"]
+        assert kind == "corrupt" and path.endswith("__1_0.distcp") and "CRC32" in message
+        assert "Load an older one by its path" in message
+    assert results[0]["moved"] == results[1]["moved"]
 
 
 # ---------------------------------------------------------------------------- SIGKILL mid-save

@@ -97,6 +97,25 @@ def test_a_checkpoint_in_a_bucket_resumes_bitwise_rotates_and_exports(
     assert torch.load(tmp_path / "model.pt", weights_only=True).keys() == sd.keys()
 
 
+def test_auto_resume_moves_a_bad_checkpoint_in_a_bucket_aside_object_by_object(
+        s3_env: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    """Object storage has no directory rename: the quarantine moves each object, the marker
+    last, and the run falls back and saves that step anew under its own name."""
+    monkeypatch.chdir(tmp_path)
+    out = s3_env.url("bad_newest")
+    build(out, RowWindows(), train_steps=4, save_steps=2, max_to_keep=5).train()
+    s3_env.filesystem().delete_file(f"{s3_env.bucket}/bad_newest/step_00000004/__0_0.distcp")
+    rec = RowRecorder()
+    build(out, RowWindows(), hooks=[rec], train_steps=6, save_steps=2, max_to_keep=5).train()
+    assert rec.events[0] == ("loaded", "step_00000002")
+    assert committed_steps(out) == [2, 4, 6]
+    files = keys_under(s3_env, "bad_newest")
+    (moved,) = {f.split("/", 1)[0] for f in files if layout.QUARANTINE_INFIX in f}
+    kept = {f.split("/", 1)[1] for f in files if f.startswith(moved + "/")}
+    assert {"COMMITTED", ".metadata", "rank_00000.pt", "UNVERIFIED.txt"} <= kept
+    assert "__0_0.distcp" not in kept
+
+
 def test_an_explicit_filesystem_and_resume_from_a_bucket_path(s3_server: Any) -> None:
     """``CheckpointManager(filesystem=...)``: paths are in that filesystem, no environment."""
     fs = s3_server.filesystem()

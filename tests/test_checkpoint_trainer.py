@@ -6,6 +6,7 @@ the builders below."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -296,7 +297,7 @@ def test_the_trainer_hands_its_state_to_the_checkpointer_as_named_stateful_compo
 
     comps = build(str(tmp_path), RowWindows()).state_components()
     assert set(comps) == {"model", "dense_optimizer", "sparse_optimizer", "trainer_state", "rng",
-                          "hooks", "non_finite", "lr_scheduler", "train_dataset"}
+                          "hooks", "non_finite", "lr_scheduler", "train_dataset", "vocabularies"}
     assert all(isinstance(c, Stateful) for c in comps.values())
 
 
@@ -355,9 +356,111 @@ def test_ranks_that_see_different_checkpoints_refuse_to_resume(tmp_path: Any) ->
     build(out, RowWindows(), train_steps=2, save_steps=2).train()
     # This rank sees step 2; the other rank (scripted) sees step 4.
     t = build(out, RowWindows(), checkpointer=CheckpointManager(
-        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[4]])))
+        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[4, -4, 0]])))
     with pytest.raises(CheckpointError, match="ranks disagree on the checkpoint to resume from"):
         t.resume()
+    # The other rank sees an older step (0, none): this rank notices too, instead of loading
+    # alone while the other raises.
+    t = build(out, RowWindows(), checkpointer=CheckpointManager(
+        out, gang=FakeGang(rank=0, world_size=2, peer_max=[[-1, 1, 0]])))
+    with pytest.raises(CheckpointError, match=r"sees step 2, others between -1 and 2"):
+        t.resume()
+
+
+class LogCapture(logging.Handler):
+    """The records of one logger (the project's loggers may not propagate to pytest's)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.logger = logging.getLogger(name)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> LogCapture:
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.logger.removeHandler(self)
+
+
+def _shards(ckpt: str) -> list[str]:
+    return sorted(os.path.join(ckpt, n) for n in os.listdir(ckpt) if n.endswith(".distcp"))
+
+
+def test_auto_resume_falls_back_past_a_checkpoint_missing_a_shard_and_moves_it_aside(
+        tmp_path: Any) -> None:
+    out = str(tmp_path / "out")
+    build(out, RowWindows(), train_steps=6, save_steps=2, max_to_keep=10).train()
+    # What a run resumed from step 4 by its path ends with.
+    ref = build(str(tmp_path / "ref"), RowWindows(), train_steps=10,
+                resume_from=os.path.join(out, "step_00000004"))
+    ref.train()
+    bad = os.path.join(out, "step_00000006")
+    lost = _shards(bad)[0]
+    os.remove(lost)  # committed, then a file lost: the manifest still lists it
+    rec = RowRecorder()
+    with LogCapture("recsys_trainer.checkpoint.manager") as log:
+        t = build(out, RowWindows(), hooks=[rec], train_steps=10, save_steps=2, max_to_keep=2)
+        t.train()
+    assert rec.events[0] == ("loaded", "step_00000004")
+    assert_bitwise_equal(snapshot(t), snapshot(ref))
+    moved = [n for n in os.listdir(out) if n.startswith("step_00000006" + layout.QUARANTINE_INFIX)]
+    assert len(moved) == 1, os.listdir(out)
+    kept = os.path.join(out, moved[0])
+    warning = next(m for m in log.messages if "fails verification" in m)
+    assert bad in warning and os.path.basename(lost) in warning and "is missing" in warning
+    assert kept in warning
+    # Kept for inspection, whole but for the lost file, with the reason; never listed again.
+    assert set(os.listdir(kept)) >= {"COMMITTED", ".metadata", "rank_00000.pt", "UNVERIFIED.txt"}
+    assert os.path.basename(lost) in open(os.path.join(kept, "UNVERIFIED.txt")).read()
+    # This run saved 6 again itself; rotation (max_to_keep=2) kept the checkpoint it resumed
+    # from, so the directory never holds only checkpoints newer than the last good one.
+    assert committed_steps(out) == [4, 8, 10]
+    # An explicit path stays strict, and says what to do.
+    with pytest.raises(CheckpointError, match=r"is missing: its COMMITTED manifest lists it") as e:
+        build(str(tmp_path / "strict"), RowWindows(), train_steps=12, resume_from=kept).train()
+    assert e.value.path == os.path.join(kept, os.path.basename(lost)) and e.value.kind == "corrupt"
+    assert "Load an older one by its path" in str(e.value) and "resume_from='auto'" in str(e.value)
+    with pytest.raises(CheckpointError, match=r"is missing: its COMMITTED manifest lists it"):
+        build(str(tmp_path / "strict"), RowWindows(), resume_from=kept).resume(mode="scoring")
+
+
+def test_auto_resume_with_no_checkpoint_that_verifies_is_an_error_not_a_fresh_start(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=2, save_steps=2).train()
+    shard = _shards(os.path.join(out, "step_00000002"))[0]
+    data = bytearray(open(shard, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"no committed checkpoint in .* verifies.*step 2 "
+                                              r"\(rank 0: .*CRC32"):
+        build(out, RowWindows(), train_steps=3, save_steps=2).train()
+    # Nothing to fall back to: nothing is moved aside, so a restart meets the same error
+    # instead of an output_dir that looks empty.
+    assert committed_steps(out) == [2]
+    assert not [n for n in os.listdir(out) if layout.QUARANTINE_INFIX in n]
+
+
+def test_a_checkpoint_that_fails_verification_on_another_rank_is_skipped_on_every_rank(
+        tmp_path: Any) -> None:
+    out = str(tmp_path)
+    build(out, RowWindows(), train_steps=4, save_steps=2, max_to_keep=5).train()
+    # This rank (0 of 2) verifies step 4; the other rank reports a bad file in it.
+    peer = ("checkpoint step 4: file 'x/__1_0.distcp' fails its CRC32 check", "x/__1_0.distcp",
+            "corrupt")
+    rec = RowRecorder()
+    t = build(out, RowWindows(), hooks=[rec], checkpointer=CheckpointManager(
+        out, reshard_data_position="restart_window",  # the checkpoints have world size 1
+        gang=FakeGang(rank=0, world_size=2, peer_max=[[4, -4, 1]], peer_objects=[[peer]])))
+    with LogCapture("recsys_trainer.checkpoint.manager") as log:
+        t.resume()
+    assert rec.events == [("loaded", "step_00000002")] and t.state.global_step == 2
+    assert any("rank 1: checkpoint step 4: file 'x/__1_0.distcp' fails its CRC32" in m
+               for m in log.messages)
 
 
 # ---------------------------------------------------------------------------- resume & rotation
@@ -378,6 +481,57 @@ def test_resume_from_newest_checkpoint_is_bitwise_identical_and_reads_each_row_o
     assert sorted(first.rows + second.rows) == sorted(full_rec.rows)
     assert len(set(first.rows + second.rows)) == len(first.rows + second.rows)
     assert second.counter == full_rec.counter, "hook state was not restored"
+
+
+def test_a_run_with_eval_data_resumes_a_checkpoint_saved_without_any(tmp_path: Any) -> None:
+    """Eval data added mid-project: ``run: train`` saved no eval-dataset state (an empty entry),
+    and a ``train_and_evaluate`` with a parquet eval dataset resumes from it in full. The empty
+    entry used to reach the dataset: "ParquetWindowDataset state keys differ: missing [...]"."""
+    from data_utils import row_id_spec, row_ids, write_windows
+
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.hooks.lambda_hook import LambdaHook
+
+    write_windows(str(tmp_path / "train"), [[8], [8], [8]])
+    write_windows(str(tmp_path / "eval"), [[4], [4], [4]], first_row_id=100)
+    spec, out = row_id_spec(), str(tmp_path / "out")
+    trained: list[int] = []
+    evaluated: list[int] = []
+
+    def rows(t: Trainer, batch: Batch) -> None:
+        (trained if t.state.mode == "train" else evaluated).extend(row_ids(batch))
+
+    def trainer(with_eval: bool, **args: Any) -> Trainer:
+        torch.manual_seed(0)
+        model = DLRMClassifier(spec.sparse_names, spec.num_dense, [s.num_embeddings for s in spec.sparse],
+                               embedding_dim=4, dense_arch=(4,), over_arch=(4, 1))
+        return Trainer(
+            model, TrainingArguments(output_dir=out, log_steps=1000, **args),
+            train_dataset=ParquetWindowDataset(str(tmp_path / "train"), spec, batch_size=4),
+            eval_dataset=ParquetWindowDataset(str(tmp_path / "eval"), spec, batch_size=4) if with_eval else None,
+            sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
+            hooks=[LambdaHook(after_data=rows)], add_logger_hook=False)
+
+    trainer(False, train_steps=3, save_steps=3).train()
+    assert committed_steps(out) == [3]
+    resumed = trainer(True, save_end=True)
+    resumed.train_and_evaluate()
+    assert resumed.state.global_step == 6 and committed_steps(out) == [3, 6]
+    assert sorted(trained) == list(range(24))  # every train row once over both runs
+    # Windows 1 and 2 were trained (and evaluated) after the resume; window 0's pair was not.
+    assert sorted(evaluated) == list(range(104, 112))
+    # A dataset the checkpoint holds, configured otherwise: the error says which one, and how
+    # to score the model instead (a scoring restore takes no dataset state).
+    changed = trainer(True)
+    changed.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"cannot restore `eval_dataset` from the checkpoint: "
+                                         r"cannot resume this dataset .*\(batch_size: saved 4, now 8\)") as e:
+        changed.resume()
+    assert "resume(mode='scoring')" in str(e.value)
+    scorer = trainer(True)
+    scorer.eval_dataset.batch_size = 8  # type: ignore[union-attr]
+    scorer.resume(mode="scoring")
+    assert scorer.state.global_step == 6
 
 
 def test_resume_from_an_explicit_path_and_none_starts_fresh(tmp_path: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from recsys_trainer.config import (
     ConfigError,
@@ -92,7 +93,7 @@ def test_a_bad_args_value_raises_the_training_arguments_error() -> None:
 
 
 @pytest.mark.parametrize(("change", "pattern"), [
-    ({"run": "fit"}, r"`run` must be one of train, evaluate, train_and_evaluate, predict, but is 'fit'"),
+    ({"run": "fit"}, r"`run` must be one of train, evaluate, train_and_evaluate, predict, export, but is 'fit'"),
     ({"data.kind": "csv"}, r"`data.kind` must be one of synthetic, parquet, but is 'csv'"),
     ({"data.batch_sz": 3}, r"unknown key `data.batch_sz`; allowed keys in `data`: kind, batch_size"),
     ({"data.batch_size": 0}, r"`data.batch_size` must be an int >= 1, but is 0"),
@@ -202,6 +203,25 @@ def test_run_evaluate_loads_the_newest_checkpoint_of_a_cli_training_run(tmp_path
     m = re.search(r"rank 0/1 done: global_step=3 .*eval=\{'loss': ([0-9.]+), 'num_samples': 64", ev.stdout)
     assert m, ev.stdout + ev.stderr[-3000:]
     assert "untrained model" not in ev.stderr
+
+
+def test_two_cli_runs_of_one_config_with_a_seed_save_bitwise_equal_models(tmp_path: Path) -> None:
+    """``args.seed`` seeds before the CLI builds the model (its dense layers are initialised in
+    the constructor), so a YAML run is reproducible; fresh processes seed torch at random."""
+    from recsys_trainer.checkpoint import export_model_state_dict
+
+    cfg = write_config(tmp_path, tiny(**{"args.train_steps": 3, "args.save_end": "true",
+                                         "args.seed": 7}))
+    models = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        p = subprocess.run([PY, "-m", "recsys_trainer", str(cfg), "--args.output_dir", str(out)],
+                           capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
+        assert p.returncode == 0, p.stdout + p.stderr
+        models.append(export_model_state_dict(str(out / "step_00000003")))
+    a, b = models
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 def _kill(procs: list[subprocess.Popen[str]]) -> None:

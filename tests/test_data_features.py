@@ -84,6 +84,40 @@ def test_out_of_range_and_negative_ids_are_rejected_or_hashed_never_passed_throu
     assert v[0] == 1 and ((v >= 0) & (v < 10)).all()
 
 
+@pytest.mark.parametrize("listed", [False, True])  # scalar ids and list ids decode apart
+def test_an_id_outside_the_table_is_named_as_stored_with_a_fix_that_exists(listed: bool) -> None:
+    def spec(**kw: object) -> FeatureSpec:
+        return FeatureSpec(labels=["y"], sparse=[SparseFeature(name="u", **kw)])  # type: ignore[arg-type]
+
+    def table(ids: list[int], typ: pa.DataType) -> pa.Table:
+        col = pa.array([[i] for i in ids], pa.list_(typ)) if listed else pa.array(ids, typ)
+        return pa.table({"y": [0.0] * len(ids), "u": col})
+
+    big = 2**63 + 36  # a uint64 id above int64's range (it used to read as -9223372036854775772)
+    with pytest.raises(DataError) as e:
+        spec(num_embeddings=10).decode(table([3, big], pa.uint64()))
+    msg = str(e.value)
+    assert msg.startswith(f"row 1, column 'u': id {big} is outside the table [0, 10): ")
+    assert "above 2**63 - 1, int64's largest value" in msg and "SparseFeature(name='u', hash=True)" in msg
+    assert "raise num_embeddings" not in msg  # no table has that many rows
+    hashed = spec(num_embeddings=10, hash=True).decode(table([3, big], pa.uint64())).sparse.values()
+    assert ((hashed >= 0) & (hashed < 10)).all()
+    # A negative id: no table row has it, however large the table.
+    with pytest.raises(DataError) as e:
+        spec(num_embeddings=2**63 - 1).decode(table([3, -4], pa.int64()))
+    msg = str(e.value)
+    assert msg.startswith("row 1, column 'u': id -4 is outside the table [0, 9223372036854775807): "
+                          "it is negative")
+    assert "hash=True" in msg and "on_out_of_range='hash'" in msg and "raise num_embeddings" not in msg
+    # Too large for this table: raising num_embeddings is a fix; the stored value is named.
+    with pytest.raises(DataError, match=r"row 0, column 'u': id 12 is outside the table \[0, 10\) "
+                                        r"\(1 such ids in this batch\); raise num_embeddings"):
+        spec(num_embeddings=10).decode(table([12, 3], pa.uint64()))
+    # After a transform, the value as stored and the id it became.
+    with pytest.raises(DataError, match=r"row 1, column 'u': value -40 \(id -4 after div=10\) is outside"):
+        spec(num_embeddings=10, div=10).decode(table([30, -40], pa.int64()))
+
+
 def test_nan_dense_values_are_filled_or_rejected_per_config() -> None:
     t = _table(y=[0.0, 1.0], d=[float("nan"), float("inf")])
     filled = FeatureSpec(labels=["y"], dense=[DenseFeature(column="d", fill_value=7.0)]).decode(t)

@@ -159,7 +159,7 @@ def test_div_mod_and_hash_of_integer_columns_match_numpy() -> None:
 
 
 def test_a_cross_is_the_stable_hash_of_its_columns_in_order_and_nulls_take_null_id() -> None:
-    from recsys_trainer.data.features import _POLY, _SEED, _mix64, stable_hash_strings
+    from recsys_trainer.data.hashing import _POLY, _SEED, _mix64, stable_hash_strings
 
     city = pa.array(["a", "b", None, "a", "é"])
     item = pa.array([1, 2, 3, 1, 2], pa.int32())

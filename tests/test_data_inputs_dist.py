@@ -42,10 +42,10 @@ def _tags(r: int) -> list[int]:
 
 
 def write_seq_windows(root: str, rows_per_file: list[list[int]], row_group_size: int = 8,
-                      bad_weights_row: int | None = None) -> int:
+                      bad_weights_row: int | None = None, null_user_file: int | None = None) -> int:
     """Windows ``hour=w`` of files with a row id, a behaviour sequence, weighted multi-hot tags
     and a numeric column to bucketize; returns the total rows. Row ``bad_weights_row`` gets one
-    weight more than it has tags."""
+    weight more than it has tags; file ``part-{null_user_file}`` a ``user`` column of nulls."""
     rid = 0
     for w, files in enumerate(rows_per_file):
         d = os.path.join(root, f"hour={w:02d}")
@@ -56,7 +56,7 @@ def write_seq_windows(root: str, rows_per_file: list[list[int]], row_group_size:
             t = pa.table({
                 "row_id": pa.array(ids, pa.int64()),
                 "y": pa.array([float(r % 3 == 0) for r in ids], pa.float32()),
-                "user": pa.array([r % 20 for r in ids], pa.int64()),
+                "user": pa.array([None if f == null_user_file else r % 20 for r in ids], pa.int64()),
                 "tags": pa.array([_tags(r) for r in ids], pa.list_(pa.int64())),
                 "tag_w": pa.array([[0.5 + k for k in range(len(_tags(r)) + (r == bad_weights_row))]
                                    for r in ids], pa.list_(pa.float32())),
@@ -238,11 +238,13 @@ class _NotAListModel(nn.Module):
     ("missing_label", "column 'like': the declared label column is missing"),
     ("not_a_list", "column 'item': sequence feature 'hist_item' has max_len=50, so its column must be a list"),
     ("bad_weights", "row group 0, row 3, column 'tag_w': has 4 weights but column 'tags' has 3 ids in this row"),
+    ("null_user", "column 'user': the id column has no value in any of the file's 16 rows"),
 ])
 def test_bad_inputs_are_named_on_every_rank_without_a_hang(tmp_path, case: str, message: str) -> None:
     # Rank 0 reads part-0 (rows 0-15), rank 1 part-1: a bad row 3 fails rank 0's read only.
     write_seq_windows(str(tmp_path), [[16, 16]], row_group_size=8,
-                      bad_weights_row=3 if case == "bad_weights" else None)
+                      bad_weights_row=3 if case == "bad_weights" else None,
+                      null_user_file=0 if case == "null_user" else None)
     r0, r1 = run_distributed(_bad_input_worker, 2, timeout_s=120, args=(str(tmp_path), case))
     for r in (r0, r1):
         assert r["error"] == "DataError" and message in r["message"], r

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from data_utils import row_id_spec, row_ids, write_windows
 
-from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import (
     StreamingWindows,
@@ -351,3 +352,44 @@ def test_rows_that_cannot_be_combined_name_both_files() -> None:
     ints, strs = pa.table({"item": pa.array([1, 2])}), pa.table({"item": pa.array(["a", "b"])})
     with pytest.raises(DataError, match=r"file b.parquet: its rows cannot be combined with those of a.parquet"):
         _concat([ints, strs], ["a.parquet", "b.parquet"])
+
+
+def _item_spec(**item: object) -> FeatureSpec:
+    return FeatureSpec(labels=["y"], dense=["row_id"],
+                       sparse=[SparseFeature(name="item", num_embeddings=100, **item),  # type: ignore[arg-type]
+                               SparseFeature(name="tag", num_embeddings=50)])
+
+
+def test_an_id_column_null_in_every_row_of_a_file_is_a_data_error_naming_the_file_and_column(
+        tmp_path, caplog) -> None:
+    write_windows(str(tmp_path), [[6, 6]], row_group_size=4)
+    second = str(tmp_path / "hour=00" / "part-1.parquet")
+    # What an upstream join that matched nothing (or a renamed source column) writes.
+    _rewrite(second, item=pa.nulls(6, pa.int64()))
+    expected = (rf"file {second}, column 'item': the id column has no value in any of the file's "
+                r"6 rows \(every value is null\): sparse feature 'item' would train on no id in "
+                r"any of them\. .*set SparseFeature\(name='item', on_all_null='warn'\)")
+    with pytest.raises(DataError, match=expected):
+        next(_ds(str(tmp_path)).iter_window("hour=00"))  # found from the footers, before any row
+    # A null_id maps a missing value to an id; a whole file without one is still refused.
+    with pytest.raises(DataError, match=r"column 'item': .* every row would take null_id 0\. "):
+        next(ParquetWindowDataset(str(tmp_path), _item_spec(null_id=0), batch_size=4).iter_window("hour=00"))
+    # on_all_null="warn": the file is read (its rows have no item id) and a warning names it.
+    with caplog.at_level(logging.WARNING, logger="recsys_trainer.data"):
+        (batch,) = ParquetWindowDataset(str(tmp_path), _item_spec(on_all_null="warn"),
+                                        batch_size=12).iter_window("hour=00")
+    assert batch.sparse["item"].lengths().tolist() == [1] * 6 + [0] * 6
+    assert f"file {second}, column 'item': the id column has no value" in caplog.text
+    # Nulls in some rows only are empty bags, as documented: read without a word.
+    _rewrite(second, item=pa.array([None, 7, None, None, None, None], pa.int64()))
+    assert sum(b.batch_size for b in _ds(str(tmp_path)).iter_window("hour=00")) == 12
+    # pandas writes a column of None without a type: named as such.
+    _rewrite(second, item=pa.nulls(6))
+    with pytest.raises(DataError, match=rf"file {second}, column 'item': the declared sparse id column must be "
+                                        r"an integer or string, or a list of them, but is null \(every value is null"):
+        next(_ds(str(tmp_path)).iter_window("hour=00"))
+    # A list column whose every list is null or empty gives no id either.
+    _rewrite(second, item=pa.array([None, [], None, [], [], None], pa.list_(pa.int64())))
+    with pytest.raises(DataError, match=rf"file {second}, column 'item': the id column has no value in "
+                                        r"any of the file's 6 rows \(every list is null or empty"):
+        next(_ds(str(tmp_path)).iter_window("hour=00"))

@@ -191,6 +191,51 @@ def test_run_predict_scores_the_eval_data_with_the_newest_checkpoint_of_a_cli_tr
     assert trained["y"].to_pylist() != untrained["y"].to_pylist()
 
 
+def test_scoring_restores_the_trained_model_whatever_the_data_section_of_training_was(
+        tmp_path: Path) -> None:
+    """A ``train_and_evaluate`` checkpoint holds both datasets' positions, tied to their
+    configuration; ``resume(mode="scoring")`` restores the model (and the step) only, so
+    scoring data with another batch size, seed and passthrough columns is fine."""
+    data = tmp_path / "data"
+    write_scoring_windows(str(data), [[20], [12]])
+    trained = make_trainer(_ds(data, spec={"passthrough": []}), _ds(data, spec={"passthrough": []}),
+                           output_dir=str(tmp_path / "ckpt"), save_end=True, resume_from=None)
+    trained.train_and_evaluate()
+    expected = trained.evaluate()
+    scorer = make_trainer(None, _ds(data, batch_size=16, seed=5), output_dir=str(tmp_path / "ckpt"))
+    scorer.resume(mode="scoring")
+    assert scorer.state.global_step == trained.state.global_step > 0
+    got = scorer.evaluate()
+    assert got["num_samples"] == expected["num_samples"] == 32
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-6)
+
+
+def test_a_scoring_restore_brings_back_the_dynamic_tables_id_maps_with_the_model(
+        tmp_path: Path) -> None:
+    """Dynamic tables' id maps are model buffers: a scoring restore (no train data, no
+    optimizer state) maps raw ids to the trained rows; their component comes along too."""
+    from test_checkpoint_trainer import snapshot
+    from test_dynamic import FEATS, build, resident_ids
+
+    from recsys_trainer.checkpoint.contents import scoring_components
+    from recsys_trainer.data.id_stream import IdStream
+    from recsys_trainer.dynamic import DynamicTable
+
+    spec = DynamicTable(num_slots=64, eviction_interval=2)
+    trained = build(str(tmp_path), spec, IdStream(FEATS, 40).batches(6, 32, seed=0),
+                    train_steps=6, save_end=True)
+    trained.train()
+    scorer = build(str(tmp_path), spec, None)
+    assert scoring_components(scorer.state_components()) == ["model", "vocabularies", "dynamic_tables"]
+    scorer.resume(mode="scoring")
+    ids, slots = resident_ids(scorer, "t_u")
+    want_ids, want_slots = resident_ids(trained, "t_u")
+    assert len(ids) > 0 and ids.tolist() == want_ids.tolist() and slots.tolist() == want_slots.tolist()
+    model = {k: v for k, v in snapshot(scorer).items() if k.startswith("model.")}
+    want = {k: v for k, v in snapshot(trained).items() if k.startswith("model.")}
+    assert model.keys() == want.keys() and all(torch.equal(model[k], want[k]) for k in model)
+
+
 def test_run_predict_without_a_predict_section_is_a_config_error_naming_it() -> None:
     from recsys_trainer.config import ConfigError, RunConfig
 

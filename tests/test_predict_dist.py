@@ -118,3 +118,69 @@ def test_a_write_that_fails_on_one_rank_stops_both_with_its_error_and_commits_no
         assert "y must be a tensor of one value per row (4), but is (3,)" in r["error"]
         assert r["seconds"] < 60  # agreed at the next fetch, not after the collective timeout
     assert committed_windows(str(tmp_path / "scores")) == {}
+
+
+def _torchrun(config: str) -> str:
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=2", "--max_restarts=0", "-m", "recsys_trainer", config],
+                       capture_output=True, text=True, timeout=TIMEOUT, cwd=repo,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    return p.stdout
+
+
+def test_run_predict_and_evaluate_score_with_a_train_runs_checkpoint_under_another_data_section(
+        tmp_path) -> None:
+    """``run: train`` saves no eval-data state and a position in its own batches; scoring must
+    restore the model only, so the data section may differ: eval data, another batch size and
+    seed, passthrough columns. Through the CLI under torchrun, 2 ranks."""
+    import math
+    import re
+
+    import yaml
+    from helpers import FEATURES, NUM_DENSE, ROWS
+    from predict_utils import write_scoring_windows
+
+    from recsys_trainer.predict import read_predictions
+
+    data = str(tmp_path / "data")
+    ids = write_scoring_windows(data, [[20], [12]])
+    features = {"labels": ["y"], "dense": [f"d{i}" for i in range(NUM_DENSE)],
+                "sparse": [{"name": f, "num_embeddings": ROWS} for f in FEATURES]}
+    base = {"args": {"output_dir": str(tmp_path / "ckpt"), "save_end": True, "log_steps": 100},
+            "model": {"embedding_dim": 8, "dense_arch": [16], "over_arch": [16, 1]},
+            "dense_optimizer": {"name": "adam", "lr": 0.05},
+            "predict": {"output_dir": str(tmp_path / "scores")}}
+    configs = {
+        "train": {**base, "run": "train", "data": {
+            "kind": "parquet", "train": data, "batch_size": 4, "features": features}},
+        **{run: {**base, "run": run, "data": {
+            "kind": "parquet", "eval": data, "batch_size": 16, "seed": 3,
+            "features": {**features, "passthrough": ["request_id", "user"]}}}
+           for run in ("predict", "evaluate")},
+    }
+    out = {}
+    for run, cfg in configs.items():
+        path = tmp_path / f"{run}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        out[run] = _torchrun(str(path))
+    steps = {run: sorted(re.findall(r"rank (\d)/2 done: global_step=(\d+) ", o))
+             for run, o in out.items()}
+    trained = steps["train"][0][1]
+    assert int(trained) > 0 and steps["train"] == [("0", trained), ("1", trained)]
+    # Both scoring runs loaded that checkpoint's model (its step), on both ranks.
+    assert steps["predict"] == steps["evaluate"] == steps["train"], out
+    written = re.findall(r"predicted_rows=(\d+)", out["predict"])  # all ranks' rows, per rank
+    scores = read_predictions(str(tmp_path / "scores"))
+    assert written == [str(len(ids))] * 2 and sorted(scores["request_id"].to_pylist()) == ids
+    assert scores["user"].to_pylist() == [f"u{i % 11}" for i in scores["request_id"].to_pylist()]
+    # evaluate's loss over every row is the log loss of predict's probabilities: one model.
+    losses = set(re.findall(r"eval=\{'loss': ([0-9.e-]+), 'num_samples': 32", out["evaluate"]))
+    assert len(losses) == 1, out["evaluate"]
+    logloss = -sum(math.log(p if i % 3 == 0 else 1.0 - p) for i, p in
+                   zip(scores["request_id"].to_pylist(), scores["y"].to_pylist(), strict=True))
+    assert abs(float(losses.pop()) - logloss / len(ids)) < 1e-4

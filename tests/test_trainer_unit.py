@@ -396,6 +396,63 @@ def test_the_bundled_model_refuses_labels_outside_0_1_naming_the_value() -> None
         make_trainer(eval_=data).evaluate()
 
 
+def test_a_label_outside_0_1_is_named_by_column_file_and_row_without_a_label_range(tmp_path) -> None:
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from data_utils import row_id_spec, write_windows
+
+    write_windows(str(tmp_path), [[8]])
+    f = str(tmp_path / "hour=00" / "part-0.parquet")
+    t = pq.read_table(f)
+    pq.write_table(t.set_column(t.schema.get_field_index("y"), "y",
+                                pa.array([0.0, 1.0, 0.0, 1.0, 0.0, 2.0, 0.0, 1.0], pa.float32())), f)
+    ds = ParquetWindowDataset(str(tmp_path), row_id_spec(), batch_size=4)
+    assert ds.features.label_range is None  # the user set none: the bundled model's [0, 1] applies
+    trainer = _row_id_trainer(ds)
+    with pytest.raises(DataError, match=rf"file {f}, row group 0, row 5, column 'y': label 2 is outside "
+                                        r"label_range \[0, 1\]"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    # A range the user set is theirs (the loss still refuses what it cannot take).
+    mine = ParquetWindowDataset(str(tmp_path), dataclasses.replace(row_id_spec(), label_range=(0, 2)),
+                                batch_size=4)
+    _row_id_trainer(mine)
+    assert mine.features.label_range == (0.0, 2.0)
+
+
+def test_a_label_range_given_by_one_model_does_not_stay_with_the_dataset_for_the_next(tmp_path) -> None:
+    """The Trainer gives the model's label_range to a spec that sets none; a dataset used again
+    with a model without one (a regression model, after a classifier refused its labels) must
+    read as its user declared it, not refuse labels in the first model's name."""
+    import dataclasses
+
+    from data_utils import row_id_spec, write_windows
+
+    def without_label_range(ds: ParquetWindowDataset) -> None:
+        model = DLRMClassifier(["item", "tag"], 1, [100, 50], embedding_dim=4, dense_arch=(4,),
+                               over_arch=(4, 1))
+        model.label_range = None  # as a model of the user's that declares none
+        Trainer(model, TrainingArguments(output_dir=str(tmp_path / "o"), resume_from=None),
+                train_dataset=ds, add_logger_hook=False)
+
+    write_windows(str(tmp_path), [[8]])
+    ds = ParquetWindowDataset(str(tmp_path), row_id_spec(), batch_size=4)
+    _row_id_trainer(ds)
+    assert ds.features.label_range == (0.0, 1.0)
+    without_label_range(ds)
+    assert ds.features.label_range is None
+    _row_id_trainer(ds)  # and given again
+    assert ds.features.label_range == (0.0, 1.0)
+    # A range the user set stays, whatever the models.
+    own = ParquetWindowDataset(str(tmp_path), dataclasses.replace(row_id_spec(), label_range=(0, 5)),
+                               batch_size=4)
+    _row_id_trainer(own)
+    without_label_range(own)
+    assert own.features.label_range == (0.0, 5.0)
+
+
 def _row_id_trainer(train: object, **args: object) -> Trainer:
     from data_utils import row_id_spec
 

@@ -6,7 +6,7 @@ See ``docs/checkpoint.md`` for the layout and the guarantees. ``ModelBankSource`
 
 from recsys_trainer.args import ModelBankSource
 from recsys_trainer.checkpoint.errors import CheckpointError
-from recsys_trainer.checkpoint.export import export_model_state_dict
+from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
 from recsys_trainer.checkpoint.layout import (
     CheckpointInfo,
     RetentionPolicy,
@@ -24,6 +24,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveStats",
     "export_model_state_dict",
+    "export_vocabularies",
     "latest_committed",
     "list_committed",
     "select_to_delete",

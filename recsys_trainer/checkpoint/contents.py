@@ -14,6 +14,15 @@ Components, by name (absent ones are simply not saved or restored):
 ``non_finite``        per-rank state, saved as their ``state_dict()``
 ====================  ==========================================================================
 
+What scoring restores (``evaluate``/``predict`` of a trained model, ``RestoreMode``
+"scoring"): the ``model`` component, every component whose object declares
+``needed_for_scoring = True`` (state the model's outputs depend on that is not in its
+``state_dict()``: e.g. ``dynamic_tables``, which re-routes id maps read at another layout to
+the shards that own their ids; a vocabulary that maps raw ids to rows would be one), and the
+counters in ``MODEL_COUNTERS`` (so logs and metrics name the model's step). Never a dataset's
+position, the optimizers, the RNG or the hooks: the data may be configured differently from
+training's (another batch size, passthrough columns, eval data where training had none).
+
 Two parts, both from one consistent step:
 
 * **tensors**, saved with ``torch.distributed.checkpoint`` (DCP): ``{"model": model state,
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -53,7 +62,20 @@ COUNTER_KEYS = ("global_step", "epoch", "window_index", "batches_in_window", "wi
 """The ``trainer_state`` component's keys that checkpoints read (step naming, triggers, the
 model bank's counters/data, remapping the data position to another world size)."""
 
+MODEL_COUNTERS = ("global_step", "epoch")
+"""The counters a scoring restore sets: which model it is, not where training was."""
+
 Components = Mapping[str, Stateful]
+
+RestoreMode = Literal["training", "scoring"]
+"""What a load restores: everything a resumed training needs, or only what scoring needs."""
+
+
+def scoring_components(components: Components) -> list[str]:
+    """The names of the components a scoring restore loads: ``model``, and every component
+    whose object has ``needed_for_scoring = True`` (see the module docstring)."""
+    return [name for name, comp in components.items()
+            if name == MODEL or getattr(comp, "needed_for_scoring", False) is True]
 
 
 class OptimizerComponent(Protocol):
@@ -209,10 +231,12 @@ def apply_dense_param_groups(components: Components, groups: list[dict[str, Any]
 
 def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bool) -> None:
     """Restore every per-rank component from ``extra`` except the counters (the caller decides
-    how to map the data position). Components the checkpoint has no state for (None, or empty
-    for anything but a dataset) keep theirs: an lr scheduler or scaler added since, a component
-    newer than the checkpoint. Dataset state is per rank, so it is restored only at the same
-    world size. The optimizers' tensors are not here: DCP loads them in place."""
+    how to map the data position). Components the checkpoint has no state for (None, or empty)
+    keep theirs: an lr scheduler or scaler added since, a component newer than the checkpoint,
+    or a dataset the checkpoint was saved without (``extra_state`` writes ``{}`` for it: eval
+    data added to a project whose checkpoints had none). Dataset state is per rank, so it is
+    restored only at the same world size. The optimizers' tensors are not here: DCP loads them
+    in place."""
     apply_dense_param_groups(components, extra["dense_param_groups"])
     for name, comp in components.items():
         if name in _TENSOR_COMPONENTS or name == COUNTERS:
@@ -220,6 +244,17 @@ def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bo
         if name in _DATASETS and not same_world:
             continue
         state = extra.get(name)
-        if state is None or (not state and name not in _DATASETS):
+        if not state:
             continue
-        comp.load_state_dict(state)
+        try:
+            comp.load_state_dict(state)
+        except ValueError as e:
+            if name not in _DATASETS:
+                raise
+            # The dataset's own message says what differs, not which of the datasets it is.
+            raise ValueError(
+                f"cannot restore `{name}` from the checkpoint: {e} Configure `{name}` as the run "
+                "that saved it did, or start a new run (resume_from=None, or another "
+                "output_dir); to evaluate or score the trained model, restore it with "
+                "resume(mode='scoring') (what run: evaluate / predict do), which restores no "
+                "dataset.") from e

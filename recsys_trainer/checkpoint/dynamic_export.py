@@ -2,13 +2,14 @@
 
 A full export (``export_dynamic``) reads a committed checkpoint in one plain process (merged,
 whatever world size wrote it) and gives, per dynamic table, the resident raw ids (sorted), their
-vectors, and the default rows that every other id reads (one per rank shard that trained it:
-torchrec sends an unknown id to the default row of the shard owning its bucket). Everything
-else in the model (dense towers, hashed tables) is under ``other``.
+vectors, and the fallback rows that every other id reads (``default``, in id-space order: an id
+without a row reads ``default[fallback_index(mix_ids(id), len(default))]``, see
+``TableExport.vectors_for``). Everything else in the model (dense towers, hashed tables) is
+under ``other``.
 
 A delta (``dynamic_delta``) holds only what changed since a previous export: ids that are new
-or whose vector changed (bitwise), ids that left the table (evicted), and any changed default
-row or other tensor, whole. ``apply_delta(base, delta)`` gives the newer full export exactly, so
+or whose vector changed (bitwise), ids that left the table (evicted or expired), and any changed
+fallback rows or other tensor, whole. ``apply_delta(base, delta)`` gives the newer full export exactly, so
 a server can load one full export and then follow the stream of deltas.
 """
 
@@ -20,8 +21,9 @@ from typing import Any
 
 import torch
 
+from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict
-from recsys_trainer.dynamic import EMPTY_SLOT, unmix_ids
+from recsys_trainer.dynamic import EMPTY_SLOT, fallback_index, mix_ids, unmix_ids
 
 _IDS = "._mch_sorted_raw_ids"
 _SLOTS = "._mch_remapped_ids_mapping"
@@ -32,7 +34,8 @@ _MC = "._managed_collision_collection._managed_collision_modules."
 @dataclass
 class TableExport:
     """One dynamic table: ``ids`` (sorted raw ids, int64 ``[n]``), ``vectors`` (``[n, dim]``),
-    ``default`` (``[shards, dim]``, the rows unknown ids read)."""
+    ``default`` (``[fallback rows, dim]``, the rows unknown ids read, in id-space order; one per
+    shard for tables with one fallback row per shard)."""
 
     ids: torch.Tensor
     vectors: torch.Tensor
@@ -45,6 +48,15 @@ class TableExport:
         out = torch.zeros(len(raw_ids), self.vectors.shape[1], dtype=self.vectors.dtype)
         out[found] = self.vectors[pos[found]]
         return out, found
+
+    def vectors_for(self, raw_ids: torch.Tensor) -> torch.Tensor:
+        """What the trained model reads for ``raw_ids``: an id's own row, else its fallback
+        row (the one of its part of the id space; the trainer reads the same one, except for
+        the ids within ``world size`` of a shard boundary, one in ~10**18)."""
+        out, found = self.lookup(raw_ids)
+        rows = fallback_index(mix_ids(raw_ids[~found]), len(self.default))
+        out[~found] = self.default[rows]
+        return out
 
 
 @dataclass
@@ -85,6 +97,7 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     """The full serving export of a committed checkpoint (see the module docstring); with
     ``out_file`` also written with ``torch.save`` (plain tensors and dicts)."""
     state = export_model_state_dict(ckpt_dir, verify=verify)
+    fallback = _fallback_per_shard(ckpt_dir)
     tables: dict[str, TableExport] = {}
     used: set[str] = set()
     for key in sorted(k for k in state if k.endswith(_IDS) and _MC in k):
@@ -99,9 +112,11 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
         ids = unmix_ids(raw[keep])
         order = torch.argsort(ids)
         segments = state[prefix + _SEGMENTS]
-        bounds = segments[segments >= 0]
+        ends = segments[segments >= 0][1:]
+        per_shard = fallback.get(table, 1)
+        rows = (ends.unsqueeze(1) - per_shard + torch.arange(per_shard)).reshape(-1)
         tables[table] = TableExport(ids=ids[order], vectors=weight[slots[keep][order]].clone(),
-                                    default=weight[bounds[1:] - 1].clone())
+                                    default=weight[rows].clone())
         used.update(k for k in state if k.startswith(prefix + "."))
         used.add(weight_key)
     other = {k: v for k, v in state.items() if k not in used}
@@ -109,6 +124,15 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     if out_file is not None:
         _save(out, out_file)
     return out
+
+
+def _fallback_per_shard(ckpt_dir: str) -> dict[str, int]:
+    """``{table: fallback rows per shard}`` from the checkpoint's dynamic-tables state (rank 0's
+    file; every rank has the same layout). Checkpoints from before fallback rows had one."""
+    loc = layout.locate(ckpt_dir)
+    extra = contents.load_extra(loc.join(contents.extra_file_name(0)))
+    tables = (extra.get("dynamic_tables") or {}).get("tables", {})
+    return {t: int(st.get("fallback_per_shard", 1)) for t, st in tables.items()}
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,10 @@ import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from recsys_trainer.checkpoint import layout, writer
+from recsys_trainer import storage
+from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.data.vocab import Vocabulary, saved_vocabulary
 
 
 def saved_keys(ckpt_dir: layout.Where) -> dict[str, Any]:
@@ -83,4 +85,29 @@ def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None,
         tmp = out_file + ".tmp"
         torch.save(out, tmp)
         os.replace(tmp, out_file)
+    return out
+
+
+def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None = None
+                        ) -> dict[str, Vocabulary]:
+    """The vocabularies a committed checkpoint (a ``step_<N>`` directory, or an output directory:
+    its newest) decodes with, ``{feature: Vocabulary}``, for serving its exported tables (see
+    ``export_model_state_dict``). With ``out_dir``, each is also written to
+    ``out_dir/<feature>.txt``, one value per line: ``vocab="out_dir/<feature>.txt"`` maps ids to
+    the same rows in a new run. Reads rank 0's state file; no process group needed."""
+    info = layout.resolve_checkpoint(os.fspath(checkpoint), "`checkpoint`")
+    with layout.reading(info.where):
+        extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)
+    state = extra.get("vocabularies") or {"version": 1, "features": {}}
+    out: dict[str, Vocabulary] = {}
+    for name, saved in sorted(state["features"].items()):
+        vocab = saved_vocabulary(saved)
+        if vocab is not None:
+            out[name] = vocab
+    if out_dir is not None:
+        root = storage.resolve(out_dir)
+        with storage.errors_named(root.url, "write"):
+            root.filesystem.create_dir(root.path, recursive=True)
+        for name, vocab in out.items():
+            vocab.write(root.join(f"{name}.txt").url)
     return out

@@ -326,6 +326,15 @@ def info_of(ckpt_dir: Where) -> CheckpointInfo:
     return _info(loc, manifest)
 
 
+UNUSABLE_ADVICE = (
+    "This checkpoint cannot be loaded. Load an older one by its path (resume_from="
+    "'<output_dir>/step_<N>'; the committed ones are listed in " + INDEX + "), or resume with "
+    "resume_from='auto', which falls back to the newest checkpoint that verifies (and, in a run "
+    "that saves, moves this one aside for inspection); or move this directory out of the output "
+    "directory.")
+"""What to do about a committed checkpoint whose files fail verification."""
+
+
 def verify_files(ckpt_dir: Where, manifest: dict[str, Any], checksums: bool = True) -> None:
     """Check every file the manifest lists: present, same size, and (optionally) same CRC32.
 
@@ -340,13 +349,15 @@ def verify_files(ckpt_dir: Where, manifest: dict[str, Any], checksums: bool = Tr
     for name, meta in names:
         path = loc.join(name).url
         if name not in sizes:
-            raise CheckpointError(f"checkpoint step {step}: file {path!r} is missing.",
-                                  step=step, path=path, kind="corrupt")
+            raise CheckpointError(
+                f"checkpoint step {step}: file {path!r} is missing: its {MARKER} manifest lists "
+                f"it, so it was deleted or lost after the checkpoint was committed. "
+                f"{UNUSABLE_ADVICE}", step=step, path=path, kind="corrupt")
         if sizes[name] != meta["size"]:
             raise CheckpointError(
                 f"checkpoint step {step}: file {path!r} is {sizes[name]} bytes, but "
-                f"{meta['size']} were written (truncated or overwritten). Delete this checkpoint "
-                f"directory to fall back to an older one.", step=step, path=path, kind="corrupt",
+                f"{meta['size']} were written (truncated or overwritten). {UNUSABLE_ADVICE}",
+                step=step, path=path, kind="corrupt",
             )
     if not checksums:
         return
@@ -361,8 +372,7 @@ def verify_files(ckpt_dir: Where, manifest: dict[str, Any], checksums: bool = Tr
         if crc != meta["crc32"]:
             raise CheckpointError(
                 f"checkpoint step {step}: file {path!r} fails its CRC32 check (corrupt). "
-                f"Delete this checkpoint directory to fall back to an older one.",
-                step=step, path=path, kind="corrupt",
+                f"{UNUSABLE_ADVICE}", step=step, path=path, kind="corrupt",
             )
 
 
@@ -504,6 +514,40 @@ def select_to_delete(
                 keep.add(i.step)
                 last = i.commit_time
     return [i for i in ordered if i.step not in keep]
+
+
+QUARANTINE_INFIX = ".unverified-"
+"""``step_00000030.unverified-<time>``: a committed checkpoint that failed verification when a
+run resumed, moved out of the ``step_<N>`` names (so it is never listed, loaded, rotated or
+mistaken for the step a run is about to save) and kept for inspection."""
+
+
+def quarantine(where: Where, reason: str) -> Location:
+    """Move a checkpoint directory to ``<name>.unverified-<time>`` beside it and write the reason
+    into it (``UNVERIFIED.txt``); returns the new location. Locally one rename. Object storage
+    has no directory rename: each object is moved (a server-side copy and a delete), the
+    ``COMMITTED`` marker last, so an interrupted move leaves the original still listed and
+    failing verification (the next resume moves the rest) rather than half a checkpoint that
+    reads as incomplete and is cleaned up."""
+    loc = locate(where)
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    dest = parent(loc).join(f"{basename(loc)}{QUARANTINE_INFIX}{stamp}")
+    n = 1
+    while exists(dest):
+        dest = parent(loc).join(f"{basename(loc)}{QUARANTINE_INFIX}{stamp}.{n}")
+        n += 1
+    fs = loc.filesystem
+    if loc.is_local:
+        fs.move(loc.path, dest.path)
+    else:
+        sel = pafs.FileSelector(loc.path, recursive=True, allow_not_found=True)
+        files = [i.path for i in fs.get_file_info(sel) if i.type == pafs.FileType.File]
+        marker = loc.join(MARKER).path
+        base = loc.path.rstrip("/") + "/"
+        for src in sorted(files, key=lambda f: f == marker):  # the marker last
+            fs.move(src, dest.join(src[len(base):]).path)
+    write_bytes(dest.join("UNVERIFIED.txt"), (reason.rstrip() + "\n").encode(), durable=False)
+    return dest
 
 
 def remove_checkpoint(where: Where) -> bool:

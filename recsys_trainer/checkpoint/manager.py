@@ -265,12 +265,31 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ triggers (the loop's)
 
-    def resume(self) -> layout.CheckpointInfo | None:
+    def resume(self, *, mode: contents.RestoreMode = "training") -> layout.CheckpointInfo | None:
         """Restore the state ``resume_from`` names (by default the newest committed checkpoint
-        in ``output_dir``), or else warm-start from the model bank; returns the checkpoint
-        resumed from. Runs once (later calls return None: a second ``train()`` continues from
-        memory). All ranks call it together."""
+        in ``output_dir`` that verifies), or else warm-start from the model bank; returns the
+        checkpoint restored. All ranks call it together.
+
+        ``mode="training"`` restores everything (``load``) and runs once (later calls return
+        None: a second ``train()`` continues from memory). ``mode="scoring"`` restores only what
+        scoring needs (``contents.scoring_components``: the model and the components that
+        declare it, and the step counter), never a dataset position, optimizer, RNG or hook
+        state, so the data may be configured differently from training's; it does not count as
+        the training resume, and does nothing once that has happened (the model in memory is
+        then the newest)."""
         gang = self.gang
+        if mode == "scoring":
+            if self._resume_done:
+                return None
+            source = self._choose_source(may_quarantine=False)
+            if source is not None:
+                logger.info("loading the model of %s (step %d) for scoring", source.path,
+                            source.step)
+                self._load_and_notify(source, mode="scoring",
+                                      verified=self.resume_from == "auto")
+            elif self.model_bank:
+                warm_start(self._components, self.model_bank, gang)
+            return source
         self._claim_output_dir()
         if self._resume_done:
             return None
@@ -283,18 +302,12 @@ class CheckpointManager:
                     layout.remove_tree(loc)
                 except OSError as e:  # it is never loaded anyway; try again at the next start
                     logger.warning("could not remove %s: %s", loc.url, e)
-        source = self._resolve_resume_source()
-        # Every rank must load the same checkpoint: agree (one tiny collective).
-        local = source.step if source is not None else -1
-        agreed = gang.all_reduce_max([local])[0]
-        if agreed != local:
-            raise CheckpointError(
-                f"ranks disagree on the checkpoint to resume from (this rank sees step {local}, "
-                f"another {agreed}); is {self.output_dir!r} on a filesystem shared by all ranks?",
-                step=agreed, path=self.output_dir, kind="mismatch")
+        # Only a run that saves here holds output_dir's lock, and only its own saves would
+        # collide with a bad checkpoint left under a step name.
+        source = self._choose_source(may_quarantine=self.will_save())
         if source is not None:
             logger.info("resuming from %s (step %d)", source.path, source.step)
-            self.load(source.path)
+            self._load_and_notify(source, mode="training", verified=self.resume_from == "auto")
             self._resumed_step = source.step
         elif self.model_bank:
             warm_start(self._components, self.model_bank, gang)
@@ -303,12 +316,114 @@ class CheckpointManager:
         self._rows_at_last_step = contents.counters(self._components).get("rows_seen", 0)
         return source
 
+    def _choose_source(self, may_quarantine: bool) -> layout.CheckpointInfo | None:
+        """The checkpoint to restore, the same on every rank (or a ``CheckpointError`` on every
+        rank). An explicit ``resume_from`` is taken as it is (its load verifies it, strictly).
+        ``"auto"`` tries the committed checkpoints newest first: every rank verifies the
+        candidate's files (sizes and CRC32s, as a load would) and one collective decides, so
+        ranks never pick different ones; one that fails on any rank is skipped with a warning
+        naming it and why, and with ``may_quarantine`` rank 0 moves it aside
+        (``layout.quarantine``): left under its step name, this run's own save of that step
+        would be skipped as already committed. Checkpoints that exist but none verifies are an
+        error, never a silent fresh start."""
+        if self.resume_from != "auto":
+            source = self._resolve_resume_source()
+            self._verify_everywhere(source, verify=False)  # only the agreement on the step
+            return source
+        candidates = layout.list_committed(self._out)
+        skipped: list[tuple[layout.CheckpointInfo, str]] = []
+        for info in [*reversed(candidates), None]:
+            failures = self._verify_everywhere(info)
+            if info is None:
+                break
+            if not failures:
+                # Moved aside only now that there is one to fall back to: with none, a restart
+                # must meet the same error, not an output_dir that looks empty.
+                for bad, why in skipped:
+                    moved = self._quarantine(bad, why) if may_quarantine else None
+                    logger.warning(
+                        "checkpoint step %d at %s fails verification, so it is not resumed "
+                        "from: %s. %s", bad.step, bad.path, why,
+                        f"It is kept for inspection at {moved}." if moved else
+                        "It is left where it is (this run does not save into its directory).")
+                if skipped:
+                    logger.warning("resuming from %s (step %d), the newest checkpoint that "
+                                   "verifies", info.path, info.step)
+                return info
+            # The facts only: the advice in the message is for a load that has no fallback.
+            skipped.append((info, "; ".join(
+                f"rank {r}: {msg.replace(layout.UNUSABLE_ADVICE, '').strip().rstrip('.')}"
+                for r, msg, _, _ in failures)))
+        if not skipped:
+            return None
+        raise CheckpointError(
+            f"no committed checkpoint in {self.output_dir!r} verifies, so there is nothing to "
+            f"resume from: {'; '.join(f'step {i.step} ({why})' for i, why in skipped)}. Repair "
+            "them, or move them out of the output directory to start from scratch there (or "
+            "use another output_dir).", path=self.output_dir, kind="corrupt")
+
+    def _verify_everywhere(self, info: layout.CheckpointInfo | None,
+                           verify: bool = True) -> list[tuple[int, str, str | None, str]]:
+        """Every rank checks ``info``'s files (with ``verify``); one collective makes every rank
+        agree that they all look at the same step and learn which ranks found it bad. Returns
+        ``[(rank, message, path, kind)]`` of the failures (empty: usable everywhere)."""
+        gang = self.gang
+        step = info.step if info is not None else -1
+        error: CheckpointError | None = None
+        if info is not None and verify:
+            try:
+                manifest = layout.read_manifest(info.where)
+                if manifest is None:
+                    raise CheckpointError(
+                        f"checkpoint step {step} at {info.path!r} lost its {layout.MARKER} "
+                        "marker after it was listed (rotated away by another job?).",
+                        step=step, path=info.path, kind="missing")
+                layout.verify_files(info.where, manifest, checksums=self.verify_checksums)
+            except CheckpointError as e:
+                error = e
+            except OSError as e:  # a read that fails is as bad as a wrong checksum
+                error = CheckpointError(f"checkpoint step {step}: reading {info.path!r} "
+                                        f"failed: {e}", step=step, path=info.path, kind="corrupt")
+        # max and -min of the step in one all-reduce: a disagreement is seen on every rank.
+        high, neg_low, failed = gang.all_reduce_max([step, -step, int(error is not None)])
+        if high != -neg_low:
+            raise CheckpointError(
+                f"ranks disagree on the checkpoint to resume from (this rank sees step {step}, "
+                f"others between {-neg_low} and {high}); is {self.output_dir!r} on a filesystem "
+                "shared by all ranks?", step=high, path=self.output_dir, kind="mismatch")
+        if not failed:
+            return []
+        mine = None if error is None else (str(error), error.path, error.kind)
+        return [(r, *g) for r, g in enumerate(gang.all_gather_object(mine)) if g is not None]
+
+    def _quarantine(self, info: layout.CheckpointInfo, why: str) -> str:
+        """Rank 0 moves a checkpoint that failed verification aside; every rank learns where to
+        (or the error, raised on every rank: left in place it would shadow this run's save)."""
+        gang = self.gang
+        moved: str | None = None
+        error: str | None = None
+        if gang.rank == 0:
+            try:
+                moved = layout.quarantine(info.where, f"step {info.step} failed verification "
+                                          f"when a run resumed: {why}").url
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = f"{type(e).__name__}: {e}"
+        moved, error = gang.broadcast_object((moved, error))
+        if error is not None or moved is None:
+            raise CheckpointError(
+                f"checkpoint step {info.step} at {info.path!r} fails verification ({why}), and "
+                f"moving it out of the way failed: {error}. Move it out of {self.output_dir!r} "
+                "by hand (this run would otherwise skip its own save of that step as already "
+                "committed), or resume from another checkpoint by path.",
+                step=info.step, path=info.path, kind="corrupt")
+        return moved
+
     def _claim_output_dir(self) -> None:
         """At the start of training, when this run will save: ``output_dir`` must be writable on
         every rank (a probe file) and not in use by another job (rank 0 takes its lock, see
         ``checkpoint.lock``; released when training ends). Every rank learns the outcome, so all
         stop together before anything is trained instead of failing at the first save."""
-        if not self._will_save():
+        if not self.will_save():
             return
         gang = self.gang
         problem = layout.probe_writable(self._out)
@@ -342,7 +457,8 @@ class CheckpointManager:
             "other's state. Wait for that job to end, or use another output_dir. (Its lock, "
             f"{self._lock.path}, is {how}.)", path=self.output_dir, kind="locked")
 
-    def _will_save(self) -> bool:
+    def will_save(self) -> bool:
+        """Whether this run saves checkpoints (any save trigger is set)."""
         triggers = (self.save_steps, self.save_every_n_rows, self.save_every_n_windows,
                     self.save_every_n_epochs)
         return self.save_end or any(t is not None for t in triggers)
@@ -354,7 +470,7 @@ class CheckpointManager:
         and a restart with ``resume_from="auto"`` would load the other run's state. (With
         ``"auto"`` the source is the newest, so this never fires.) Same answer on every rank:
         the ranks agreed on ``source`` and read the same directory."""
-        if not self._will_save():
+        if not self.will_save():
             return
         start = contents.counters(self._components)["global_step"]
         foreign = [i.step for i in layout.list_committed(self._out)
@@ -373,7 +489,7 @@ class CheckpointManager:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes
         seconds for big tables, so do it now, on a helper thread, while the loop trains, instead
         of inside the first save. Only when this run will save asynchronously."""
-        if not self.async_save or not self._will_save():
+        if not self.async_save or not self.will_save():
             return
         try:
             self._staging.prepare(contents.tensor_state(self._components, self.key_filter),
@@ -473,15 +589,56 @@ class CheckpointManager:
             raise error from (None if only_os_errors(e) else e)
         self._committed(pending, manifest)
 
-    def load(self, path: str, *, strict: bool = True) -> None:
+    def load(self, path: str, *, strict: bool = True,
+             mode: contents.RestoreMode = "training") -> None:
         """Restore everything a checkpoint holds into the attached components: tables and their
         fused optimizer state, dense parameters, dense optimizer, lr scheduler, counters, data
         position, RNG, hook states. Works across world sizes and sharding plans (the data
-        position is remapped per ``reshard_data_position``). All ranks call this together."""
+        position is remapped per ``reshard_data_position``). ``mode="scoring"``: only what
+        scoring needs (see ``resume``). Every file is verified first, on every rank; a file
+        that fails is a ``CheckpointError`` on every rank. All ranks call this together."""
+        self._load_and_notify(layout.info_of(self._locate(path)), mode=mode, strict=strict,
+                              verified=False, path=path)
+
+    def save_within(self, seconds: float) -> str:
+        """Save the current step and wait for its commit, all within ``seconds`` (a preemption's
+        grace period); returns its directory. All ranks call this together.
+
+        The in-flight save (if any) is drained first. This step is then written from the live
+        tensors (the loop is stopped: no staging copy) on the writer thread while this thread
+        watches the clock. A ``CheckpointError`` with ``kind="deadline"`` when time runs out: the
+        write may still be going on, but it commits only if it finishes, and a checkpoint
+        without its commit is never loaded, so the previous one stays the newest. The caller
+        should then end the process (the writer thread holds collectives of the manager's gang).
+        """
+        deadline = time.perf_counter() + seconds
+        self.gang  # noqa: B018 - raises when nothing is attached
+        if self._pending is not None:
+            self._await(self._pending, deadline, "the save in flight")
+            self.wait()
+        step = int(contents.counters(self._components)["global_step"])
+        loc = self._out.join(layout.step_dir_name(step))
+        if layout.is_committed(loc):
+            return loc.url
+        tensors, extra, base, stats, t0 = self._snapshot(step, loc)
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        future = self._executor.submit(self._write, loc, writer.exact_views(tensors), extra, base)
+        pending = self._pending = _Pending(step, loc.url, future, stats, started=t0)
+        self._await(pending, deadline, f"the save of step {step}")
+        stats.blocked_s = time.perf_counter() - t0
         self.wait()
-        info = layout.info_of(self._locate(path))
-        self._load(info, strict=strict)
-        self._listener("after_load_checkpoint", path)
+        return loc.url
+
+    def _await(self, pending: _Pending, deadline: float, what: str) -> None:
+        try:
+            pending.future.exception(timeout=max(0.0, deadline - time.perf_counter()))
+        except cf.TimeoutError:
+            raise CheckpointError(
+                f"{what} ({pending.path!r}) did not commit in time: it ran "
+                f"{time.perf_counter() - pending.started:.1f} s. It is never loaded unless it "
+                "commits; the last committed checkpoint stays the newest.",
+                step=pending.step, path=pending.path, kind="deadline") from None
 
     @property
     def in_flight(self) -> bool:
@@ -492,23 +649,7 @@ class CheckpointManager:
 
     def _save(self, step: int, loc: Location, blocking: bool) -> None:
         path = loc.url
-        self._listener("before_save_checkpoint", path)
-        t0 = time.perf_counter()
-        gang, comps = self.gang, self._components
-        tensors = contents.tensor_state(comps, self.key_filter)
-        extra = contents.serialize(contents.extra_state(
-            comps, rank=gang.rank, world_size=gang.world_size,
-            manager_state={"windows_done": self.windows_done}, args=self._run_args))
-        counters = contents.counters(comps)
-        base = {
-            "step": step,
-            "epoch": counters["epoch"],
-            "world_size": gang.world_size,
-            "trainer_state": counters,
-            "metrics": dict(self.last_metrics),
-            "args": dict(self._run_args),
-        }
-        stats = SaveStats(step=step, path=path, blocked_s=0.0)
+        tensors, extra, base, stats, t0 = self._snapshot(step, loc)
         if blocking:
             pending = _Pending(step, path, cf.Future(), stats, started=t0)
             try:
@@ -529,6 +670,29 @@ class CheckpointManager:
         future = self._executor.submit(self._write, loc, staged, extra, base)
         stats.blocked_s = time.perf_counter() - t0
         self._pending = _Pending(step, path, future, stats, started=t0)
+
+    def _snapshot(self, step: int, loc: Location) -> tuple[dict[str, Any], bytes, dict[str, Any],
+                                                            SaveStats, float]:
+        """``before_save_checkpoint``, then what a save of ``step`` writes: the tensors (live),
+        this rank's extra state (serialised now), the manifest's base, its stats and start."""
+        path = loc.url
+        self._listener("before_save_checkpoint", path)
+        t0 = time.perf_counter()
+        gang, comps = self.gang, self._components
+        tensors = contents.tensor_state(comps, self.key_filter)
+        extra = contents.serialize(contents.extra_state(
+            comps, rank=gang.rank, world_size=gang.world_size,
+            manager_state={"windows_done": self.windows_done}, args=self._run_args))
+        counters = contents.counters(comps)
+        base = {
+            "step": step,
+            "epoch": counters["epoch"],
+            "world_size": gang.world_size,
+            "trainer_state": counters,
+            "metrics": dict(self.last_metrics),
+            "args": dict(self._run_args),
+        }
+        return tensors, extra, base, SaveStats(step=step, path=path, blocked_s=0.0), t0
 
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Copy every tensor into CPU buffers allocated once (ideally before the first save, see
@@ -703,15 +867,28 @@ class CheckpointManager:
             return layout.latest_committed(self._out)
         return layout.resolve_checkpoint(self._locate(src), "`resume_from`")
 
-    def _load(self, info: layout.CheckpointInfo, strict: bool) -> None:
+    def _load_and_notify(self, info: layout.CheckpointInfo, *, mode: contents.RestoreMode,
+                         verified: bool, strict: bool = True, path: str | None = None) -> None:
+        self.wait()
         with layout.reading(info.where):
-            self._load_read(info, strict)
+            if not verified:
+                failures = self._verify_everywhere(info)
+                if failures:
+                    rank, msg, bad, kind = failures[0]
+                    seen = "" if self.gang.world_size == 1 else \
+                        f" (found by rank{'s' if len(failures) > 1 else ''} " \
+                        f"{', '.join(str(f[0]) for f in failures)})"
+                    raise CheckpointError(msg + seen, step=info.step, path=bad, kind=kind)
+            self._load_read(info, strict, mode)
+        self._listener("after_load_checkpoint", path if path is not None else info.path)
 
-    def _load_read(self, info: layout.CheckpointInfo, strict: bool) -> None:
+    def _load_read(self, info: layout.CheckpointInfo, strict: bool,
+                   mode: contents.RestoreMode) -> None:
         path, step, loc = info.path, info.step, info.where
-        gang, comps = self.gang, self._components
-        manifest = layout.read_manifest(loc) or {}
-        layout.verify_files(loc, manifest, checksums=self.verify_checksums)
+        gang = self.gang
+        # Scoring restores a subset; the counters component is read either way (below).
+        comps = self._components if mode == "training" else {
+            k: self._components[k] for k in contents.scoring_components(self._components)}
         same_world = info.world_size == gang.world_size
         src_rank = gang.rank if same_world else 0
         extra = contents.load_extra(loc.join(contents.extra_file_name(src_rank)), step)
@@ -731,6 +908,14 @@ class CheckpointManager:
         contents.load_model_state(comps, target["model"])
 
         ts = dict(extra[contents.COUNTERS])
+        if mode == "scoring":
+            contents.apply_extra(comps, extra, same_world=same_world)
+            # Which model this is (logs and metrics name its step); not where training was.
+            contents.set_counters(self._components,
+                                  {k: ts[k] for k in contents.MODEL_COUNTERS if k in ts})
+            logger.info("loaded the model of checkpoint step %d from %s for scoring (%s)", step,
+                        path, ", ".join(sorted(comps)))
+            return
         if not same_world:
             ts = self._remap_position(ts, info)
             if extra["train_dataset"]:

@@ -1,18 +1,24 @@
 """What the Trainer needs from a dataset: ordered windows of this rank's batches.
 
 A *window* is an ordered unit of data (e.g. one hour of parquet). Training walks windows in
-order; ``train_and_evaluate`` pairs train window ``i`` with eval window ``i``. Any plain iterable
-of ``Batch`` also works: it is one window named ``"all"``, re-iterated every epoch.
+order; ``train_and_evaluate`` pairs train window ``i`` with eval window ``i`` and checks the
+pairs by id (``WindowPairing``). Any plain iterable of ``Batch`` also works: it is one window
+named ``"all"``, re-iterated every epoch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+import pyarrow as pa
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.spec import FeatureSpec
+from recsys_trainer.data.vocab import Vocabulary
 from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
 
@@ -53,6 +59,22 @@ class WindowedDataset(ABC):
         evaluation when the rank saw no batch at all. None: use the last batch seen."""
         return None
 
+    def read_columns(self, window_id: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+        """This rank's share of the window's rows (each row read by exactly one rank), raw
+        (undecoded) and projected on ``columns``: what a vocabulary built from the data
+        (``VocabFromData``) counts. Default: not supported."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot read raw columns, which a vocabulary built from the "
+            "data (VocabFromData) counts; train on a ParquetWindowDataset, or give the "
+            "vocabulary as a list or file.")
+
+    def set_vocabularies(self, vocabularies: Mapping[str, Vocabulary]) -> None:
+        """Decode with these vocabularies from now on (``{feature name: Vocabulary}``, built from
+        the data or restored from a checkpoint by the Trainer); the default puts them into
+        ``features``, which a dataset must decode with."""
+        if self.features is not None:
+            self.features = with_vocabularies(self.features, vocabularies)
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -77,6 +99,16 @@ class IterableAsWindow(WindowedDataset):
             if next(it, None) is None:
                 break
         return it
+
+
+def with_vocabularies(spec: FeatureSpec, vocabularies: Mapping[str, Vocabulary]) -> FeatureSpec:
+    """``spec`` with the named id features' ``vocab`` replaced (the others unchanged)."""
+    def swap(f: Any) -> Any:
+        v = vocabularies.get(f.name)
+        return f if v is None or f.vocab is v else dataclasses.replace(f, vocab=v)
+
+    return dataclasses.replace(spec, sparse=[swap(s) for s in spec.sparse],
+                               sequence=[swap(q) for q in spec.sequence])
 
 
 def as_windowed(dataset: Any) -> WindowedDataset | None:
@@ -109,3 +141,117 @@ def nothing_to_train_error(ds: WindowedDataset, windows_listed: int, rows_unread
         f"training ran 0 steps: the train data, {what}, {found}. Check the path and that the "
         "data was written; a stream (StreamingWindows) waits for windows instead."
     )
+
+
+class WindowPairingError(DataError):
+    """Train and eval windows whose ids do not pair up (``train_and_evaluate``)."""
+
+
+class WindowPairing:
+    """Checks ``train_and_evaluate``'s pairs (train window ``i``, eval window ``i``) by id.
+
+    Pairs go by position, and the first two pairs tell how the ids relate:
+
+    * the same id (train and eval data partitioned by the same hours): every train window must
+      meet an eval window of its own id, checked before it is trained;
+    * eval window ``i`` is train window ``i + 1`` (train on ``windows[:-1]``, evaluate on
+      ``windows[1:]``): each eval window must be the train window after its pair's, checked
+      before the pair is evaluated (``check_before_eval``, given the next train window's id);
+    * anything else (unrelated names): positions alone, as documented.
+
+    A pair that breaks the relation (a partition missing from one listing shifts every pair
+    after it) is a ``WindowPairingError`` naming both windows, instead of evaluating each train
+    window on another window's data. Every rank sees the same ids, so every rank raises.
+    """
+
+    def __init__(self) -> None:
+        self._pairs = 0
+        self._relation: str | None = None  # "same", "next", "position"; None: undecided
+        self._last: tuple[str, str | None] | None = None
+
+    def check(self, train_id: str, eval_id: str | None) -> None:
+        """The next pair, before its train window is trained (``eval_id`` None: the eval
+        windows ran out)."""
+        last, self._last = self._last, (train_id, eval_id)
+        self._pairs += 1
+        if last is None:
+            self._relation = "same" if eval_id == train_id else None
+        elif self._relation is None:
+            self._relation = "next" if last[1] == train_id else "position"
+        n = self._pairs
+        if self._relation == "same" and eval_id != train_id:
+            found = f"eval window {eval_id!r}" if eval_id is not None else "no eval window (the eval windows ran out)"
+            raise WindowPairingError(
+                f"train window {train_id!r} (pair {n}) meets {found}, but the train and eval "
+                "windows paired by id so far: one listing lacks a window the other has. Add the "
+                "missing partition (one holding only _SUCCESS is a window of 0 rows), or give both "
+                "datasets the same window ids.")
+        if self._relation == "next" and last is not None and last[1] != train_id:
+            # Reached only when the pair before was not checked before its evaluation (an eval
+            # period in steps or rows evaluates it inside its train window).
+            found = (f"was evaluated on eval window {last[1]!r}" if last[1] is not None
+                     else "had no eval window (the eval windows ran out)")
+            raise WindowPairingError(
+                f"train window {last[0]!r} (pair {n - 1}) {found}, but the train window after it "
+                f"is {train_id!r}: until then each eval window was the next train window, so one "
+                "listing lacks a window the other has. Add the missing partition (one holding only "
+                "_SUCCESS is a window of 0 rows), or slice both datasets from one listing "
+                "(windows[:-1], windows[1:]).")
+
+    def needs_next_train_id(self) -> bool:
+        """Whether the current pair's evaluation can be checked only against the next train
+        window's id (``check_before_eval``): eval window ``i`` is, or may be, train window
+        ``i + 1``."""
+        return (self._last is not None and self._last[1] is not None
+                and self._relation in (None, "next"))
+
+    def check_before_eval(self, next_train_id: str | None) -> None:
+        """Before the current pair is evaluated, given the id of the train window after it
+        (None: the train windows end here, nothing to check): where each eval window has been
+        the next train window, a pair that breaks that is an error now, before its evaluation
+        reports metrics of another window's data. The first such call decides the relation."""
+        if self._last is None or next_train_id is None:
+            return
+        train_id, eval_id = self._last
+        if self._relation is None:  # the first pair, whose ids differ
+            self._relation = "next" if eval_id == next_train_id else "position"
+        elif self._relation == "next" and eval_id is not None and eval_id != next_train_id:
+            raise WindowPairingError(
+                f"train window {train_id!r} (pair {self._pairs}) would be evaluated on eval "
+                f"window {eval_id!r}, but the train window after it is {next_train_id!r}: until "
+                "then each eval window was the next train window, so one listing lacks a window "
+                "the other has. Add the missing partition (one holding only _SUCCESS is a window "
+                "of 0 rows), or slice both datasets from one listing (windows[:-1], windows[1:]).")
+
+
+T = TypeVar("T")
+
+
+class Lookahead(Iterator[T]):
+    """An iterator whose next item can be seen before it is taken (``peek``): ``Trainer``
+    walks the train windows through one to check a pair against the window after it."""
+
+    _NONE: Any = object()
+
+    def __init__(self, items: Iterable[T]) -> None:
+        self._it = iter(items)
+        self._next: Any = self._NONE
+
+    def __iter__(self) -> Lookahead[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._next is self._NONE:
+            return next(self._it)
+        item, self._next = self._next, self._NONE
+        return cast(T, item)
+
+    def peek(self) -> T | None:
+        """The next item without taking it; None when there is none. On a stream this waits
+        for the next item, as taking it would."""
+        if self._next is self._NONE:
+            try:
+                self._next = next(self._it)
+            except StopIteration:
+                return None
+        return cast(T, self._next)

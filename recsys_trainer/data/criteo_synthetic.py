@@ -51,7 +51,8 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SequenceFeature, SparseFeature
+from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.metrics import weighted_auc
 
 log = logging.getLogger("recsys_trainer")

@@ -27,9 +27,10 @@ file); use parquet for large data.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,8 +43,11 @@ import pyarrow.parquet as pq
 from recsys_trainer import storage
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature, _RowError
+from recsys_trainer.data.errors import DataError, _RowError
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.spec import FeatureSpec
+from recsys_trainer.data.vocab import Vocabulary, column_problem
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_choice, check_int, check_type
@@ -215,6 +219,7 @@ class ParquetWindowDataset(WindowedDataset):
         self.epoch = 0
         self.stats = WindowStats()
         self._columns = features.columns()
+        self._id_columns = sorted({c for s in features.id_features for c in s.sources})
         self._known: dict[str, Window] = {}
         self._pending_state: dict[str, Any] | None = None
         self._gang: Gang | None = None
@@ -264,7 +269,10 @@ class ParquetWindowDataset(WindowedDataset):
             pieces, rows = _skip(pieces, skip_batches * self.batch_size)
         if total == 0:
             self.stats.empty_windows += 1
-            logger.warning("window %s has no rows (files: %d); skipping it", window_id, len(window.files))
+            # Not skipped: the window still takes its place (an eval window evaluates as 0 rows), so
+            # train/eval pairs keep their ids.
+            logger.warning("window %s has no rows (files: %d): it is read as 0 rows", window_id,
+                           len(window.files))
         return WindowIterator(self, pieces, rows, window_id, discard=replay)
 
     def padding_batch(self) -> Batch | None:
@@ -276,9 +284,12 @@ class ParquetWindowDataset(WindowedDataset):
             cols[d.column] = pa.array([0.0])
         if spec.weight_column:
             cols[spec.weight_column] = pa.array([0.0])
+        strings = {c for s in spec.id_features for c in s.sources
+                   if isinstance(s.vocab, Vocabulary) and s.vocab.kind == "string"}
         for s in spec.id_features:
             for c in s.sources:
-                cols[c] = pa.array([0], pa.int64())
+                # A vocabulary of strings maps string ids (to row 0 here).
+                cols[c] = pa.array([""]) if c in strings else pa.array([0], pa.int64())
             if isinstance(s, SparseFeature) and s.weight_column:
                 cols[s.weight_column] = pa.array([1.0])
         for c in spec.passthrough:
@@ -287,8 +298,18 @@ class ParquetWindowDataset(WindowedDataset):
         # reading the same column takes the list too).
         for q in spec.sequence:
             if q.max_len > 1:
-                cols[q.source] = pa.array([[0]], pa.list_(pa.int64()))
+                cols[q.source] = (pa.array([[""]], pa.list_(pa.string())) if q.source in strings
+                                  else pa.array([[0]], pa.list_(pa.int64())))
         return spec.decode(pa.table(cols))
+
+    def read_columns(self, window_id: str, columns: Sequence[str]) -> Iterator[pa.Table]:
+        """This rank's share of the window's rows (the rows it trains on, unshuffled), raw and
+        projected on ``columns``: what a vocabulary built from the data counts."""
+        pieces, _ = self._plan(self._window(window_id))
+        plain = [dataclasses.replace(p, shuffle_seed=None, skip=0) for p in pieces]
+        for _, got in self._read_pieces(plain, columns=list(columns)):
+            if got is not None:
+                yield got[0]
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 2, "epoch": self.epoch, "fingerprint": self._fingerprint(),
@@ -352,6 +373,9 @@ class ParquetWindowDataset(WindowedDataset):
                         table = pacsv.read_csv(f, convert_options=self.csv_convert_options)
                     self.features.check_schema(table.schema, path)
                     self._check_id_kinds(table.schema, window.id, path)
+                    self._check_ids_present(
+                        {c for c in self._id_columns if table.column(c).null_count == table.num_rows},
+                        table.schema, table.num_rows, path)
                     units.append(_Unit(path, 0, table.num_rows, table))
                     continue
                 pf = _open_parquet(path, self.filesystem)
@@ -373,15 +397,30 @@ class ParquetWindowDataset(WindowedDataset):
                 ) from exc
             self.features.check_schema(schema, path)
             self._check_id_kinds(schema, window.id, path)
+            self._check_ids_present(_valueless_columns(md, self._id_columns), schema, md.num_rows, path)
             units.extend(_Unit(path, i, md.row_group(i).num_rows, metadata=md)
                          for i in range(md.num_row_groups))
         return units
 
+    def _check_ids_present(self, valueless: set[str], schema: pa.Schema, num_rows: int,
+                           path: str) -> None:
+        """An id column without a value in any row of the file: ``DataError``, or a warning
+        (``on_all_null``). Every rank plans every file, so every rank raises it alike."""
+        for warning in self.features.check_ids_present(valueless, schema, num_rows, path):
+            logger.warning("%s (on_all_null='warn': reading the file)", warning)
+
     def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
         """Refuse a sparse id column whose ids change kind (integer <-> string) between files or
         windows, across restarts too: integer ids index the table (or hash as integers), strings
-        hash as text, so the same id would silently train another row."""
-        for column, kind in self.features.id_kinds(schema).items():
+        hash as text, so the same id would silently train another row. Also refuses a column a
+        feature's vocabulary cannot map (or strings with ``hash=False`` and no vocabulary)."""
+        kinds = self.features.id_kinds(schema)
+        for s in self.features.id_features:
+            for c in s.sources:
+                problem = column_problem(s.vocab, s.hash, kinds[c], s.name) if c in kinds else None
+                if problem is not None:
+                    raise DataError(problem, file=path, column=c)
+        for column, kind in kinds.items():
             first = self._id_kinds.setdefault(column, {"kind": kind, "window": window_id, "file": path})
             if first["kind"] != kind:
                 raise DataError(
@@ -421,17 +460,18 @@ class ParquetWindowDataset(WindowedDataset):
 
     # ------------------------------------------------------------------ reading
 
-    def _read_piece(self, piece: _Piece, files: _OpenFiles,
-                    use_threads: bool = True) -> tuple[pa.Table, np.ndarray] | None:
-        """The piece's rows (projected on the spec's columns) and their row numbers in the unit
-        (``use_threads``: decode the row group's columns on pyarrow's thread pool)."""
+    def _read_piece(self, piece: _Piece, files: _OpenFiles, use_threads: bool = True,
+                    columns: list[str] | None = None) -> tuple[pa.Table, np.ndarray] | None:
+        """The piece's rows (projected on ``columns``, default the spec's) and their row numbers
+        in the unit (``use_threads``: decode the row group's columns on pyarrow's thread pool)."""
         u = piece.unit
+        columns = self._columns if columns is None else columns
         try:
             if u.table is not None:
-                table = u.table.select(self._columns)
+                table = u.table.select(columns)
             else:
                 table = files.get(u.file, u.metadata).read_row_group(
-                    u.row_group, columns=self._columns, use_threads=use_threads)
+                    u.row_group, columns=columns, use_threads=use_threads)
         except (OSError, pa.ArrowException) as exc:
             if self.on_corrupt == "skip" and not storage.is_access_failure(exc):
                 self.stats.corrupt_rows_skipped += piece.rows
@@ -447,13 +487,14 @@ class ParquetWindowDataset(WindowedDataset):
             return table.take(pa.array(rows)), rows
         return table.slice(piece.start, piece.length), rows
 
-    def _read_pieces(self, pieces: list[_Piece], use_threads: bool = True) -> Iterator[
+    def _read_pieces(self, pieces: list[_Piece], use_threads: bool = True,
+                     columns: list[str] | None = None) -> Iterator[
             tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]:
         """Each piece with its rows (``_read_piece``), reusing the open file between pieces."""
         files = _OpenFiles(self.filesystem)
         try:
             for piece in pieces:
-                yield piece, self._read_piece(piece, files, use_threads)
+                yield piece, self._read_piece(piece, files, use_threads, columns)
         finally:
             files.close()
 
@@ -530,6 +571,30 @@ class ParquetWindowDataset(WindowedDataset):
             else:
                 carried += hi - lo
         return carried
+
+
+def _valueless_columns(md: pq.FileMetaData, columns: list[str]) -> set[str]:
+    """The ``columns`` without a value in any row of the file (a list column: without an
+    element), from the footer's statistics: no data is read. Null lists, empty lists and null
+    elements all count as nulls of a list's leaf column. A column whose statistics are missing
+    (a writer may omit them) or that is not one leaf (a struct) is not listed."""
+    if md.num_rows == 0:
+        return set()
+    paths = [md.schema.column(j).path for j in range(md.num_columns)]
+    out = set()
+    for c in columns:
+        leaves = [j for j, p in enumerate(paths) if p == c or p.startswith(c + ".")]
+        if len(leaves) != 1:
+            continue
+        j = leaves[0]
+        for i in range(md.num_row_groups):
+            chunk = md.row_group(i).column(j)
+            stats = chunk.statistics
+            if stats is None or not stats.has_null_count or stats.null_count != chunk.num_values:
+                break
+        else:
+            out.add(c)
+    return out
 
 
 def _concat(parts: list[pa.Table], files: list[str]) -> pa.Table:

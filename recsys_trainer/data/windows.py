@@ -12,8 +12,8 @@ every function takes ``filesystem=`` for an explicitly configured one.
 * any callable returning windows (e.g. ``lambda: partitioned_windows(root)[1:]``).
 * ``StreamingWindows(discover, ...)``: waits for windows that appear later.
 
-Missing or empty windows (a glob matching nothing, a partition with no data files) are skipped
-with a warning; they never reach the Trainer.
+A glob matching nothing, or a partition with no data files and no ``_SUCCESS`` (or ready
+marker), is skipped with a warning; a partition marked complete but empty is a window of 0 rows.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from recsys_trainer.distributed import Gang
 logger = logging.getLogger("recsys_trainer.data")
 
 DATA_SUFFIXES = (".parquet", ".pq", ".csv", ".csv.gz")
+SUCCESS_MARKER = "_SUCCESS"
+"""The file Spark and Hadoop jobs write into a partition they have committed."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,11 @@ def partitioned_windows(
     Window files are ``root`` joined with their relative paths (URLs for a URL ``root``): the
     reader resolves them the same way. Directories starting with ``_`` or ``.`` (e.g.
     ``_temporary``) are not partitions and are not searched.
+
+    A partition without data files is a window of no files (0 rows) when it holds the
+    ``ready_marker`` (``_SUCCESS`` when none is set): an hour without traffic keeps its place,
+    so train and eval listings of the same partitions pair up. Without the marker it is skipped
+    with a warning (a writer may not have written its files yet).
     """
     loc = storage.resolve(root, filesystem)
     info = storage.file_info(loc)
@@ -109,7 +116,16 @@ def partitioned_windows(
             continue
         data = sorted(n for n in names if n.endswith(tuple(suffixes)) and not _hidden(n))
         if not data:
-            logger.warning("window %s (%s) has no data files; skipping it", rel, loc.join(rel).url)
+            # Marked complete but empty (an hour with no traffic): an empty window, so that
+            # train and eval listings of the same partitions stay aligned. Unmarked, it may
+            # still be being written: a stream must find it again later.
+            if (ready_marker or SUCCESS_MARKER) in names:
+                logger.warning("window %s (%s) has no data files; it is a window of 0 rows",
+                               rel, loc.join(rel).url)
+                out.append(Window(rel, ()))
+            else:
+                logger.warning("window %s (%s) has no data files and no %s; skipping it", rel,
+                               loc.join(rel).url, ready_marker or SUCCESS_MARKER)
             continue
         out.append(Window(rel, tuple(loc.join(*rel.split("/"), n).url for n in data)))
     return out

@@ -21,24 +21,29 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("recsys_trainer")
 
-_COUNTERS = ("slots", "occupied", "admitted", "evicted")
+_COUNTERS = ("slots", "occupied", "admitted", "evicted", "expired")
+_PER_WINDOW = ("admitted", "evicted", "expired")
 
 
 class DynamicTableStatsHook(Hook):
     """Reports, after each train window and for each dynamic table (totals over all ranks):
 
-    - ``occupancy``: occupied slots / slots (the shared default rows count as slots);
+    - ``occupancy``: occupied slots / slots (the fallback rows count as slots);
     - ``occupied``: slots holding an id;
-    - ``admitted`` / ``evicted``: ids given a slot / resident ids that lost theirs *during this
-      window*.
+    - ``admitted`` / ``evicted`` / ``expired``: ids given a slot / resident ids that lost theirs
+      to another id / resident ids unseen for the table's ``expire_after_*`` (their rows
+      freed), *during this window*.
 
     The previous window's totals are part of the hook's checkpointed state, so the first window
-    after a resume reports that window only. Add it on every rank (it takes part in a collective).
+    after a resume reports that window only (a resume at another world size restarts the
+    tables' counters, ``counters_epoch`` in ``table_stats``, and the baseline with them). Add it
+    on every rank (it takes part in a collective).
     """
 
     def __init__(self) -> None:
         self._prev: dict[str, dict[str, int]] = {}
         self._windows = 0
+        self._epochs: dict[str, int] = {}
 
     def after_window(self, trainer: Trainer, window_id: str) -> None:
         if trainer.state.mode != "train":
@@ -54,22 +59,25 @@ class DynamicTableStatsHook(Hook):
         values: dict[str, float] = {}
         for i, table in enumerate(tables):
             now = {k: int(total[i * len(_COUNTERS) + j]) for j, k in enumerate(_COUNTERS)}
-            prev = self._prev.get(table, {"admitted": 0, "evicted": 0})
-            admitted = now["admitted"] - prev["admitted"]
-            evicted = now["evicted"] - prev["evicted"]
+            epoch = local[table]["counters_epoch"]
+            if self._epochs.get(table, 0) != epoch:
+                self._prev.pop(table, None)  # the counters restarted (another world size)
+            self._epochs[table] = epoch
+            prev = self._prev.get(table, {})
+            delta = {k: now[k] - prev.get(k, 0) for k in _PER_WINDOW}
             occupancy = now["occupied"] / now["slots"] if now["slots"] else 0.0
             values.update({
                 f"dynamic/{table}/occupancy": occupancy,
                 f"dynamic/{table}/occupied": float(now["occupied"]),
-                f"dynamic/{table}/admitted": float(admitted),
-                f"dynamic/{table}/evicted": float(evicted),
+                **{f"dynamic/{table}/{k}": float(v) for k, v in delta.items()},
             })
             self._prev[table] = now
             if trainer.is_rank_zero:
                 logger.info(
                     "dynamic table %s after window %s: %d/%d slots occupied (%.1f%%), %d admitted, "
-                    "%d evicted in the window", table, window_id, now["occupied"], now["slots"],
-                    100.0 * occupancy, admitted, evicted,
+                    "%d evicted, %d expired in the window", table, window_id, now["occupied"],
+                    now["slots"], 100.0 * occupancy, delta["admitted"], delta["evicted"],
+                    delta["expired"],
                 )
         report = MetricReport(mode="train", scope="window", step=trainer.state.global_step,
                               values=values, window_id=window_id, window_index=self._windows)
@@ -77,8 +85,10 @@ class DynamicTableStatsHook(Hook):
         trainer.hooks.fire("on_metrics", trainer, report)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"prev": {t: dict(v) for t, v in self._prev.items()}, "windows": self._windows}
+        return {"prev": {t: dict(v) for t, v in self._prev.items()}, "windows": self._windows,
+                "epochs": dict(self._epochs)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._prev = {t: dict(v) for t, v in state["prev"].items()}
         self._windows = int(state["windows"])
+        self._epochs = dict(state.get("epochs", {}))

@@ -6,7 +6,7 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
-from recsys_trainer.hooks.base import Hook
+from recsys_trainer.hooks.base import Hook, overridden_events
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -48,8 +48,6 @@ class EarlyStoppingHook(Hook):
     def before_train(self, trainer: Trainer) -> None:
         if self.metric in ("loss", "num_samples"):
             return
-        from recsys_trainer.hooks.base import overridden_events
-
         hooks = list(trainer.hooks)
         mine = next(i for i, h in enumerate(hooks) if h is self)
         if not any("after_evaluate" in overridden_events(h) for h in hooks[:mine]):
