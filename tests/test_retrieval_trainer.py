@@ -28,6 +28,7 @@ from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
 from recsys_trainer.retrieval.export import export_item_embeddings, read_item_embeddings
 from recsys_trainer.retrieval.models import SASRecModel, TwoTowerModel
+from recsys_trainer.serving import Scorer, export_for_serving
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
@@ -157,3 +158,22 @@ def test_the_example_exports_the_items_and_a_faiss_index_of_them_returns_the_exa
     assert p.returncode == 0, p.stdout + p.stderr[-4000:]
     assert re.search(r"top-50 equals the brute-force top-50 for (\d+)/\1 queries", p.stdout), p.stdout
     assert "exported 5000 item embeddings" in p.stdout
+
+
+@pytest.mark.parametrize("model", ["two_tower", "sasrec"])
+def test_the_serving_export_scores_raw_rows_to_the_query_the_model_ranks_the_corpus_with(log, tmp_path, model) -> None:
+    root, meta = log
+    trainer = _trainer(root, meta, str(tmp_path / "t"), model=model, train_steps=2, num_uniform_negatives=8)
+    trainer.train()
+    export_for_serving(trainer, str(tmp_path / "art"), activation="none")
+    ds = trainer.eval_dataset
+    wid = next(iter(ds.window_ids()))
+    batch = next(iter(ds.iter_window(wid)))
+    rows = next(iter(ds.read_columns(wid, ds.features.columns())))
+    trainer.model.eval()
+    with torch.no_grad():
+        _, out = trainer.model(batch)
+    # A fresh reader of the artifact (no trainer, no torchrec lookups) on the raw rows.
+    got = Scorer(str(tmp_path / "art")).score(rows.slice(0, len(out["query"])))
+    assert got.shape == tuple(out["query"].shape)
+    np.testing.assert_allclose(got, out["query"].numpy(), atol=1e-5)

@@ -508,20 +508,13 @@ class TwoTowerModel(_RetrievalBase):
         feats.update({name: self._catalog(name)[neg_ids] for name in self.side_features})
         return feats
 
-    def _step(self, batch: Batch, seq_out: Any, pooled: Any,
-              neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        assert batch.sequence is not None
-        b = batch.labels.shape[0]
-        seq = self._by_key(seq_out)
-        cand = seq[self.item_feature]
-        check_one_id_per_row(cand.lengths()[:b], self.item_feature)
-        target_ids = batch.sequence[self.item_feature].values()
-        user_parts = []
-        if pooled is not None:
-            user_parts.append(pooled.values())
-        outputs: dict[str, torch.Tensor] = {}
-        if self.history_feature is not None:
-            hist, lengths = self._history(seq, b)
+    def _user_query(self, pooled: torch.Tensor | None, hist: torch.Tensor | None,
+                    lengths: torch.Tensor | None) -> torch.Tensor:
+        """``[B, D]`` user-tower output from the pooled user features ``[B, F * E]`` (in
+        ``user_features`` order) and the left-aligned history ``[B, max_len, E]`` with its
+        lengths ``[B]``: the code training and the serving export share."""
+        user_parts = [] if pooled is None else [pooled]
+        if hist is not None and lengths is not None:
             mask = (self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)).to(hist.dtype)
             mean = (hist * mask.unsqueeze(-1)).sum(1) / lengths.clamp_min(1).unsqueeze(1).to(hist.dtype)
             user_parts.append(mean)
@@ -531,11 +524,38 @@ class TwoTowerModel(_RetrievalBase):
                 recent = torch.gather(hist, 1, back.clamp_min(0).unsqueeze(-1).expand(-1, -1, hist.shape[-1]))
                 recent = recent * (back >= 0).unsqueeze(-1).to(hist.dtype)
                 user_parts.append(recent.flatten(1))
+        query = self.user_tower(torch.cat(user_parts, dim=1))
+        return F.normalize(query, dim=-1) if self.normalize else query
+
+    def serving_sequence_lengths(self) -> dict[str, int]:
+        """The serving contract (``recsys_trainer.serving``): the history's padded length."""
+        return {self.history_feature: self.max_len} if self.history_feature is not None else {}
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The serving contract: the user tower's query embedding ``[B, D]`` (what the item
+        export's vectors are scored against), from the scorer's lookups; export it with
+        ``activation="none"``. The candidate item and its side features are not read."""
+        user = torch.cat([pooled[f] for f in self.user_features], dim=1) if self.user_features else None
+        hf = self.history_feature
+        return self._user_query(user, sequences[hf] if hf is not None else None,
+                                lengths[hf] if hf is not None else None)
+
+    def _step(self, batch: Batch, seq_out: Any, pooled: Any,
+              neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert batch.sequence is not None
+        b = batch.labels.shape[0]
+        seq = self._by_key(seq_out)
+        cand = seq[self.item_feature]
+        check_one_id_per_row(cand.lengths()[:b], self.item_feature)
+        target_ids = batch.sequence[self.item_feature].values()
+        outputs: dict[str, torch.Tensor] = {}
+        hist = lengths = None
+        if self.history_feature is not None:
+            hist, lengths = self._history(seq, b)
             outputs["history_lengths"] = lengths
             outputs["history_ids"] = batch.sequence[self.history_feature].values()
-        query = self.user_tower(torch.cat(user_parts, dim=1))
-        if self.normalize:
-            query = F.normalize(query, dim=-1)
+        query = self._user_query(pooled.values() if pooled is not None else None, hist, lengths)
         items = self._item_vectors(seq, slice(0, b))
         negatives = self._item_vectors(seq, slice(b, None)) if neg_ids is not None else None
         loss = self._loss(query, items, target_ids, batch.weights, negatives, neg_ids)
@@ -634,6 +654,22 @@ class SASRecModel(_RetrievalBase):
         x = torch.cat([self.bos.expand(b, 1, -1), history], dim=1)
         x = x + self.position_embedding(self.positions).unsqueeze(0)
         return self.final_norm(self.encoder(x, mask=self.causal_mask, is_causal=True))
+
+    def serving_sequence_lengths(self) -> dict[str, int]:
+        """The serving contract (``recsys_trainer.serving``): the history's padded length."""
+        assert self.history_feature is not None
+        return {self.history_feature: self.max_len}
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The serving contract: the query embedding ``[B, D]`` after the last history item
+        (the evaluation's query), from the scorer's lookups; export it with
+        ``activation="none"``."""
+        assert self.history_feature is not None
+        hist, lens = sequences[self.history_feature], lengths[self.history_feature]
+        out = self.encode(hist, lens)
+        last = out.gather(1, lens.long().view(-1, 1, 1).expand(-1, 1, out.shape[-1])).squeeze(1)
+        return self._out(last)
 
     def _step(self, batch: Batch, seq_out: Any, pooled: Any,
               neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
