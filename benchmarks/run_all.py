@@ -11,7 +11,8 @@ model's scorer vs the eager model; quantized tables), ``bench_dynamic.py`` (dyna
 hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
-lost and time to recover per fault kind, under torchrun).
+lost and time to recover per fault kind, under torchrun), ``bench_retrieval.py`` (the retrieval
+losses' step cost vs a pointwise loss; full-corpus evaluation cost vs the corpus size).
 
 The contract with a benchmark script: it runs with the arguments ``BENCHMARKS`` gives it (none
 for most; a script with several modes is listed once per mode); it accepts ``--quick`` if its
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
     "recovery": ("bench_recovery.py", ("faults",)),
+    "retrieval": ("bench_retrieval.py", ()),
 }
 """Name (for ``--only``) -> (script in benchmarks/, the arguments that select its mode)."""
 
