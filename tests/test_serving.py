@@ -233,6 +233,19 @@ def test_a_corrupt_uncommitted_or_pickling_artifact_is_refused_naming_the_file(d
         f.write(b"\x00\x01\x02")
     with pytest.raises(ArtifactError, match="tables.safetensors.*corrupt"):
         Scorer(bad)
+    # A truncated manifest (a copy cut short) and a garbled marker are named, not JSON errors.
+    shutil.copy(os.path.join(dlrm["art"], mf.TABLES), os.path.join(bad, mf.TABLES))
+    manifest = open(os.path.join(bad, mf.MANIFEST), "rb").read()
+    with open(os.path.join(bad, mf.MANIFEST), "wb") as f:
+        f.write(manifest[:len(manifest) // 2])
+    with pytest.raises(ArtifactError, match="manifest of .* does not match its COMMITTED marker"):
+        Scorer(bad)
+    with open(os.path.join(bad, mf.MANIFEST), "wb") as f:
+        f.write(manifest)
+    with open(os.path.join(bad, mf.MARKER), "wb") as f:
+        f.write(b'{"manifest_sha')
+    with pytest.raises(ArtifactError, match="COMMITTED marker of .* is corrupt"):
+        Scorer(bad)
     os.remove(os.path.join(bad, mf.MARKER))
     with pytest.raises(ArtifactError, match="not a committed serving artifact"):
         Scorer(bad)
@@ -401,3 +414,56 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
     again = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "again"), model=model(),
                                features=spec)
     assert again.content_hash == summary.content_hash
+
+
+def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_predict(tmp_path) -> None:
+    """A weighted pooled collection (multi-hot ids with per-id weights, a bucketized feature
+    with ``null_id``) and one sequence table read by a candidate and a truncated history: the
+    Scorer gives ``predict``'s scores, from a table and from dicts, one row at a time too, where
+    a row's empty lists (no tags, no weights, no history) are what training reads, not a type
+    error."""
+    from test_data_inputs_dist import MAX_LEN, SeqModel, seq_spec, write_seq_windows
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.predict import read_predictions
+
+    class ServableSeqModel(SeqModel):
+        def serving_sequence_lengths(self) -> dict[str, int]:
+            return {"item": 1, "hist_item": MAX_LEN}
+
+        def serving_logits(self, dense, pooled, sequences, lengths):  # type: ignore[no-untyped-def]
+            item = sequences["item"].squeeze(1)
+            interest = (sequences["hist_item"] * item.unsqueeze(1)).sum(1)
+            x = torch.cat([dense * 0.01, pooled["user"], pooled["tags"], pooled["age_b"], item,
+                           interest], dim=1)
+            return self.top(x).squeeze(-1)
+
+    spec = seq_spec()
+    write_seq_windows(str(tmp_path / "data"), [[64], [48]])
+    windows = [str(tmp_path / "data" / f"hour={w:02d}" / "part-0.parquet") for w in range(2)]
+    trainer = Trainer(ServableSeqModel(spec), TrainingArguments(output_dir=str(tmp_path / "ckpt"),
+                                                                log_steps=1000),
+                      train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=16),
+                      dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                      sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+                      add_logger_hook=False)
+    trainer.train()
+    trainer.predict(ParquetWindowDataset(windows[1:], dataclasses.replace(spec, passthrough=["row_id"]),
+                                         batch_size=48), str(tmp_path / "pred"))
+    pred = read_predictions(str(tmp_path / "pred"))
+    want = dict(zip(pred.column("row_id").to_pylist(), pred.column("y").to_pylist(), strict=True))
+    export_for_serving(trainer, str(tmp_path / "art"))
+    scorer = Scorer(str(tmp_path / "art"))
+    assert scorer.tables["t_tags"].weighted and scorer.tables["t_item"].kind == "sequence"
+    rows = pq.read_table(windows[1])
+    got = dict(zip(rows.column("row_id").to_pylist(), scorer.score(rows).tolist(), strict=True))
+    assert set(got) == set(want) and max(abs(got[r] - want[r]) for r in want) == 0.0
+    dicts = rows.to_pylist()
+    # Rows whose tags (and their weights) or history are empty lists, one per request.
+    empty = [r for r in dicts if not r["tags"]][:2] + [{**dicts[1], "hist": []}]
+    assert len(empty) == 3 and not empty[0]["tag_w"]
+    typed = scorer.score(pa.Table.from_pylist(empty, schema=rows.schema))
+    one_by_one = np.array([scorer.score([r])[0] for r in empty])
+    assert np.abs(one_by_one - typed).max() <= 1e-6
+    assert abs(typed[0] - want[empty[0]["row_id"]]) <= 1e-6
