@@ -467,3 +467,28 @@ def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_pre
     one_by_one = np.array([scorer.score([r])[0] for r in empty])
     assert np.abs(one_by_one - typed).max() <= 1e-6
     assert abs(typed[0] - want[empty[0]["row_id"]]) <= 1e-6
+
+
+def test_a_delta_that_fails_to_apply_leaves_the_scorer_as_it_was(dlrm, tmp_path) -> None:
+    """A delta directory missing its new dense program (a partial copy) is refused, and the
+    scorer still scores as its base: no table was changed before the failure."""
+    import shutil
+
+    from recsys_trainer.serving import export_delta
+
+    spec, model = su.spec_and_model("dlrm")
+    ckpt = os.path.join(dlrm["root"], "ckpt")
+    base, delta, full = (str(tmp_path / n) for n in ("base", "delta", "full"))
+    export_for_serving(os.path.join(ckpt, "step_00000003"), base, model=model, features=spec)
+    export_delta(os.path.join(ckpt, "step_00000005"), base, delta, full_out_dir=full,
+                 model=su.spec_and_model("dlrm")[1], features=spec)
+    rows = pq.read_table(dlrm["windows"][-1])
+    scorer, before = Scorer(base), Scorer(base).score(rows)
+    program = os.path.join(delta, mf.PROGRAM)
+    shutil.move(program, str(tmp_path / "kept.pt2"))  # the dense part changed: the delta has one
+    with pytest.raises(ArtifactError, match="has no file 'dense.pt2'"):
+        scorer.apply_delta(delta)
+    assert np.array_equal(scorer.score(rows), before) and scorer.step == 3
+    shutil.move(str(tmp_path / "kept.pt2"), program)
+    scorer.apply_delta(delta)
+    assert np.array_equal(scorer.score(rows), Scorer(full).score(rows)) and scorer.step == 5

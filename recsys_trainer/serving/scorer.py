@@ -298,12 +298,14 @@ class Scorer:
         if meta["features_sha256"] != self.manifest["features_sha256"]:
             raise mf.ArtifactError(f"the delta {root.url!r} was exported with another feature "
                                    "spec; load a full export instead.")
-        tables = apply_table_delta(self.tables, delta)
+        # The program before the tables: apply_table_delta writes plain tables' rows in place,
+        # so everything that can fail (a missing or refused file) must have run by then.
         program = None
         if meta["program"] is not None:
             data = delta.read(meta["program"]["file"])
             check_program_archive(data, f"{root.url}/{meta['program']['file']}")
             program = _runnable(torch.export.load(io.BytesIO(data)))
+        tables = apply_table_delta(self.tables, delta)
         # Everything read and built: now switch (a failure above leaves the scorer as it was).
         self.tables = tables
         self._index_tables()
