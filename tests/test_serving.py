@@ -414,6 +414,19 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
     again = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "again"), model=model(),
                                features=spec)
     assert again.content_hash == summary.content_hash
+    # A vocabulary of the same size but other entries is another spec: no delta across it
+    # (it would leave the scorer decoding with the old entries).
+    from recsys_trainer.data.features import Vocabulary
+    from recsys_trainer.serving import export_delta
+
+    genre = trainer.vocabularies["genre"]
+    swapped = dataclasses.replace(spec, sparse=[dataclasses.replace(
+        spec.sparse[0], vocab=Vocabulary(list(reversed(genre.values)), kind=genre.kind,
+                                      source="test")),
+        *spec.sparse[1:]])
+    with pytest.raises(ArtifactError, match="feature spec changed"):
+        export_delta(str(tmp_path / "ckpt"), art, str(tmp_path / "delta"), model=model(),
+                     features=swapped)
 
 
 def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_predict(tmp_path) -> None:

@@ -92,7 +92,9 @@ def _feature_to_json(f: _IdFeature, files: dict[str, bytes]) -> dict[str, Any]:
                     "checkpoint that holds it.")
             name = _vocab_file(f.name)
             files[name] = vocab_to_json(v)
-            v = {"file": name, "kind": v.kind, "size": len(v)}
+            # The entries' hash too: the spec's hash (features_sha256) then pins the vocabulary,
+            # so a delta cannot be taken across a vocabulary that changed at the same size.
+            v = {"file": name, "kind": v.kind, "size": len(v), "sha256": sha256_bytes(files[name])}
         out[fld.name] = _value(v)
     return out
 
