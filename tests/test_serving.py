@@ -100,6 +100,22 @@ def test_an_export_from_the_checkpoint_equals_the_export_from_the_live_trainer(d
     with pytest.raises(FileExistsError, match="already holds a committed serving artifact"):
         export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(tmp_path / "a"), model=model,
                            features=spec)
+    # A directory holding anything an export does not write (a mistyped output_dir: the
+    # checkpoints, a parent of artifacts) is refused and left alone, not cleared.
+    mine = tmp_path / "mine"
+    (mine / "step_00000003").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"holds \['notes.txt', 'step_00000003'\]"):
+        export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(mine), model=model, features=spec)
+    assert (mine / "notes.txt").read_text() == "keep" and (mine / "step_00000003").is_dir()
+    # What an export that died before its marker left is cleared by the next one.
+    left = tmp_path / "left"
+    (left / "vocab").mkdir(parents=True)
+    for name in (mf.TABLES, "manifest.json.tmp.99", "vocab/C1.json"):
+        (left / name).write_bytes(b"partial")
+    export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(left), model=model, features=spec)
+    assert Scorer(str(left)).content_hash == summary.content_hash
+    assert not (left / "manifest.json.tmp.99").exists() and not (left / "vocab").exists()
 
 
 def test_an_artifact_on_object_storage_loads_and_scores_the_same(dlrm) -> None:
