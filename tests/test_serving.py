@@ -519,5 +519,7 @@ def test_a_delta_that_fails_to_apply_leaves_the_scorer_as_it_was(dlrm, tmp_path)
         scorer.apply_delta(delta)
     assert np.array_equal(scorer.score(rows), before) and scorer.step == 3
     shutil.move(str(tmp_path / "kept.pt2"), program)
+    scorer.aot_inductor = True  # as if it ran an AOTInductor package: the delta's program replaces it
     scorer.apply_delta(delta)
+    assert not scorer.aot_inductor
     assert np.array_equal(scorer.score(rows), Scorer(full).score(rows)) and scorer.step == 5

@@ -310,6 +310,11 @@ class Scorer:
         self.tables = tables
         self._index_tables()
         if program is not None:
+            if self.aot_inductor:
+                # Deltas carry the torch.export program only (export_delta builds no package).
+                logger.warning("the delta %s changes the dense part: scoring with its torch.export "
+                               "program from now on, not the AOTInductor package.", root.url)
+                self.aot_inductor = False
             self._program = program
         self.step, self.content_hash = meta["target"]["step"], meta["target"]["content_hash"]
 
