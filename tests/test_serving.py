@@ -142,6 +142,8 @@ def test_rows_as_dicts_with_nulls_and_missing_columns_get_what_training_does_or_
     with pytest.raises(DataError, match="'C9'.*declared sparse id column is missing"):
         scorer.score([{k: v for k, v in r.items() if k != "C9"} for r in rows])
     assert scorer.score(table.slice(0, 0)).shape == (0,)
+    with pytest.raises(DataError, match="column 'C4': its values do not make one column"):
+        scorer.score([rows[0], {**rows[1], "C4": 5}])  # a string column given an int
 
 
 def test_a_negative_dynamic_id_is_refused_as_in_training() -> None:

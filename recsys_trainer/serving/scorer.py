@@ -253,7 +253,15 @@ class Scorer:
         # Every key of any row (from_pylist would take the first row's keys only); a key a
         # row lacks is a null there.
         keys = list(dict.fromkeys(k for r in rows for k in r))
-        table = pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in keys})
+        columns: dict[str, pa.Array] = {}
+        for k in keys:
+            try:
+                columns[k] = pa.array([r.get(k) for r in rows])
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # mixed types: name the column
+                raise DataError(f"its values do not make one column ({e}); give every row the "
+                                "same type (as a file's column has).", column=k,
+                                file="the rows to score") from None
+        table = pa.Table.from_pydict(columns)
         spec = self._decode_spec
         id_type: dict[str, pa.DataType] = {}
         for s in spec.id_features:
