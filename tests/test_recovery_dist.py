@@ -34,6 +34,7 @@ from recsys_trainer.distributed import free_port
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "configs" / "dlrm_synthetic.yaml"
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
 STEPS, SAVE_EVERY = 40, 10
@@ -41,7 +42,21 @@ JOB_TIMEOUT_S = 240
 
 
 def config(tmp_path: Path, out: Path, pace_s: float) -> Path:
-    raw: dict[str, Any] = {
+    """The example's YAML (``examples/configs/dlrm_synthetic.yaml``, as the README's production
+    command runs it) with a smaller model and data, a save period and a pacing hook."""
+    raw: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    for section, values in _small(out, pace_s).items():
+        if isinstance(values, dict):
+            raw[section] = {**raw.get(section, {}), **values}
+        else:
+            raw[section] = values
+    path = tmp_path / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _small(out: Path, pace_s: float) -> dict[str, Any]:
+    return {
         "run": "train",
         "args": {"output_dir": str(out), "train_steps": STEPS, "log_steps": 10,
                  "save_steps": SAVE_EVERY, "save_end": True, "seed": 3},
@@ -53,9 +68,6 @@ def config(tmp_path: Path, out: Path, pace_s: float) -> Path:
         "hooks": [{"class": "custom_components.Progress", "path": str(out) + ".progress",
                    "pace_s": pace_s}],
     }
-    path = tmp_path / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def env() -> dict[str, str]:
