@@ -287,6 +287,23 @@ def test_preemption_grace_s_is_validated_and_none_leaves_the_signals_alone(tmp_p
     assert seen == [handler_before]
 
 
+def test_a_fresh_start_under_torchrun_max_restarts_says_a_restart_needs_resume_from_auto(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """``resume_from=None`` under ``--max-restarts``: the restarted attempt meets the first
+    attempt's checkpoints and fails on every restart; the error says what to set."""
+    build(str(tmp_path), train_steps=2, save_steps=1, resume_from=None).train()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    from recsys_trainer.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"holds committed checkpoints at steps \[1, 2\].*"
+                       r"Under torchrun --max-restarts=2 a restarted attempt must resume from "
+                       r"them: set `resume_from` to \"auto\" \(the default\)"):
+        build(str(tmp_path), train_steps=2, save_steps=1, resume_from=None).train()
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
+    with pytest.raises(CheckpointError, match=r"another `output_dir`\.$"):
+        build(str(tmp_path), train_steps=2, save_steps=1, resume_from=None).train()
+
+
 def test_a_restarted_torchrun_attempt_takes_over_its_earlier_attempts_lease_at_once(
         tmp_path: Path, monkeypatch: Any) -> None:
     """On object storage the output_dir lock is a lease. A restart's new rank 0 may run on
