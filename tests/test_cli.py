@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -233,39 +232,6 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
 
 
 @pytest.mark.distributed
-def test_two_torchrun_nodes_on_localhost_train_the_same_steps(tmp_path: Path) -> None:
-    """Two torchrun agents (``--nnodes=2 --nproc_per_node=1``, c10d rendezvous) run the CLI."""
-    from recsys_trainer.distributed import free_port
-
-    cfg = write_config(tmp_path, tiny(**{"args.train_steps": 5}))
-    port = free_port()
-    procs: list[subprocess.Popen[str]] = []
-    outs: list[str] = []
-    try:
-        for node_rank in range(2):
-            cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                   f"--rdzv_id=cli-test-{port}", f"--node_rank={node_rank}",
-                   "--max_restarts=0", "-m", "recsys_trainer", str(cfg)]
-            procs.append(subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                cwd=REPO, start_new_session=True,
-            ))
-        deadline = time.monotonic() + 180
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append(out)
-    except subprocess.TimeoutExpired:
-        _kill(procs)
-        pytest.fail("the 2-node run did not finish in 180 s")
-    finally:
-        _kill(procs)
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    done = sorted(m for out in outs for m in re.findall(r"rank (\d)/2 done: global_step=(\d+)", out))
-    assert done == [("0", "5"), ("1", "5")], "\n\n".join(o[-2000:] for o in outs)
-
-
 def test_the_console_script_is_callable_as_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from recsys_trainer.cli import main
 
