@@ -290,7 +290,7 @@ class FakeClock:
 
 def test_a_pass_runs_once_eviction_interval_seconds_have_passed_at_a_step_end(
         tmp_path: Any, monkeypatch: Any) -> None:
-    import recsys_trainer.dynamic as dyn
+    import recsys_trainer.dynamic.id_map as dyn
     from recsys_trainer.hooks import LambdaHook
 
     clock = FakeClock()
@@ -449,7 +449,7 @@ def test_ids_unseen_for_n_windows_expire_free_their_rows_and_show_in_stats_and_d
 
 
 def test_ids_unseen_for_n_seconds_expire_at_a_pass(tmp_path: Any, monkeypatch: Any) -> None:
-    import recsys_trainer.dynamic as dyn
+    import recsys_trainer.dynamic.id_map as dyn
     from recsys_trainer.hooks import LambdaHook
 
     clock = FakeClock()
