@@ -103,7 +103,12 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         rank, so reporters know their baseline is gone."""
         self.loaded_segments: list[int] | None = None
         """The shard boundaries of the checkpoint last loaded (set by ``validate_state``)."""
-        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None \
+            = None
+        """(values, position in the map, found, not found) of the training forward's ids:
+        ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
+        self._ones = torch.empty(0, dtype=torch.int64)
+        """``COUNT_ONE`` repeated: the sightings ``profile`` adds to resident ids' counts."""
 
     def rebuild_with_output_id_range(self, output_id_range: tuple[int, int],
                                      output_segments: list[int],
@@ -129,27 +134,32 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         local = (g - self.shard * self.fallback_per_shard).clamp_(0, self.fallback_per_shard - 1)
         return local + first
 
-    def _lookup(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position in the sorted map, found) of mixed ids ``v``; the training forward's
-        ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
+    def _lookup(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(position in the sorted map, found, not found) of mixed ids ``v``."""
         cached = self._lookup_cache
         if cached is not None and cached[0] is v:
-            return cached[1], cached[2]
+            return cached[1], cached[2], cached[3]
         sorted_ids: torch.Tensor = self._mch_sorted_raw_ids
-        # The last entry is always empty (a protected fallback slot): searching the others
-        # keeps every position in range.
-        pos = torch.searchsorted(sorted_ids[:-1], v)
-        return pos, sorted_ids[pos] == v
+        # The last entry is always empty (int64 max, a protected fallback slot) and ids are
+        # below it: every position is in range without searching a slice of the others.
+        pos = torch.searchsorted(sorted_ids, v)
+        found = sorted_ids[pos] == v
+        return pos, found, ~found
 
     def remap(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
               write_weights: torch.Tensor | None = None) -> dict[str, JaggedTensor]:
         """Ids with a row read it; the others read their fallback row."""
+        m: Any = self
         mapping: torch.Tensor = self._mch_remapped_ids_mapping
         out: dict[str, JaggedTensor] = {}
         for name, f in features.items():
             v = f.values()
-            pos, found = self._lookup(v)
-            slots = torch.where(found, mapping[pos], self.fallback_slots(v))
+            pos, found, missing = self._lookup(v)
+            if self.fallback_per_shard == 1:
+                slots = mapping[pos].masked_fill_(
+                    missing, m._output_global_offset + m._zch_size - 1)
+            else:
+                slots = torch.where(found, mapping[pos], self.fallback_slots(v))
             out[name] = JaggedTensor(values=slots, lengths=f.lengths(), offsets=f.offsets(),
                                      weights=f.weights_or_none())
         self._lookup_cache = None
@@ -176,7 +186,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             m._current_iter = int(m._current_iter_tensor.item())
             m._last_eviction_iter = m._current_iter
         m._current_iter += 1
-        m._current_iter_tensor.data += 1
+        m._current_iter_tensor.add_(1)
         if self._last_pass_time == 0.0:
             self._last_pass_time = time.time()
         for f in features.values():
@@ -188,14 +198,18 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             v = f.values()
             if self.decayed:
                 # Resident ids are counted in place; only the others wait in the history.
-                pos, found = self._lookup(v)
-                self._lookup_cache = (v, pos, found)
-                # Adding 0 at, and taking the max with 0 over, the positions of ids not found:
-                # two scatters, no compaction of the positions.
-                m._mch_counts.index_add_(0, pos, found.long() * COUNT_ONE)
-                m._mch_last_access_iter.scatter_reduce_(0, pos, found.long() * m._current_iter,
-                                                        reduce="amax")
-                self._record(v[~found])
+                # Every op here runs per table and forward: on small batches the cost is the
+                # number of ops, not their size.
+                pos, found, missing = self._lookup(v)
+                self._lookup_cache = (v, pos, found, missing)
+                hit = pos[found]
+                if self._ones.numel() < hit.numel():
+                    self._ones = torch.full((2 * hit.numel(),), COUNT_ONE, dtype=torch.int64,
+                                            device=hit.device)
+                m._mch_counts.index_add_(0, hit, self._ones[:hit.numel()])
+                # The forward count only grows: the last access of every id seen is this one.
+                m._mch_last_access_iter.index_fill_(0, hit, m._current_iter)
+                self._record(v[missing])
             else:
                 self._record_growing(v)
         if self.closes_step:
@@ -233,15 +247,27 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         start = m._current_history_buffer_offset
         end = start + values.numel()
         if end <= m._input_history_buffer_size:
+            # The counts past the used part are COUNT_ONE already (``_set_history``).
             m._history_accumulator[start:end] = values
-            m._history_counts[start:end] = COUNT_ONE
             m._current_history_buffer_offset = end
         else:
             self._coalesce(values)
 
-    def _coalesce(self, incoming: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _set_history(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Make ``ids`` with ``counts`` the ``decayed_lfu`` history. The counts after them are
+        set to one sighting, so that ``_record`` only writes ids."""
+        m: Any = self
+        n = ids.numel()
+        m._history_accumulator[:n] = ids
+        m._history_counts[:n] = counts
+        m._history_counts[n:] = COUNT_ONE
+        m._current_history_buffer_offset = n
+
+    def _coalesce(self, incoming: torch.Tensor | None = None, store: bool = True,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Merge the history (and ``incoming`` sightings) into one entry per id, keeping at most
-        half the buffer (the most-seen ids); returns the merged ids and counts."""
+        half the buffer (the most-seen ids); returns the merged ids and counts, and with
+        ``store`` makes them the history."""
         m: Any = self
         used = m._current_history_buffer_offset
         ids, counts = m._history_accumulator[:used], m._history_counts[:used]
@@ -255,11 +281,40 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             top = torch.topk(summed, keep, sorted=False).indices.sort().values
             self.counters["dropped"] += uniq.numel() - keep
             uniq, summed = uniq[top], summed[top]
-        n = uniq.numel()
-        m._history_accumulator[:n] = uniq
-        m._history_counts[:n] = summed
-        m._current_history_buffer_offset = n
+        if store:
+            self._set_history(uniq, summed)
         return uniq, summed
+
+    def _admit(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``decayed_lfu``'s admission: rank new ids ``ids`` (none of them resident: the
+        history holds only ids that had no row when seen, and the map changes only at passes)
+        with the residents by count, residents first on ties; the best ``num_slots`` keep or
+        take a slot. Returns the positions in ``ids`` of those admitted; the slots they take are
+        queued for torchrec's row reset.
+
+        What torchrec's ``_update_and_evict`` with ``DecayedLFUEvictionPolicy`` does, the same
+        tensors bit for bit (tested), without the steps that handle resident ids in the input
+        (a search of the map, updates of no entries) or change nothing: on small batches the
+        cost of a pass is its number of ops."""
+        m: Any = self
+        policy: Any = m._eviction_policy
+        size = m._zch_size
+        # torchrec sorts the new ids by count first; the stable ranking below orders them by
+        # count, then by position, either way: the same pairs of (evicted slot, new id).
+        scores = m._mch_counts.clone()
+        scores[size - policy.protected:] = torch.iinfo(torch.int64).max
+        evicted, selected = policy._compute_selected_eviction_and_replacement_indices(
+            size, torch.cat([scores, counts]))
+        m._mch_counts[evicted] = counts[selected]
+        m._mch_last_access_iter[evicted] = m._current_iter
+        policy.last_admitted = int(selected.numel())
+        m._mch_sorted_raw_ids[evicted] = ids[selected]
+        slots = m._mch_remapped_ids_mapping[evicted]
+        m._evicted_emb_indices = (torch.unique(torch.cat([m._evicted_emb_indices, slots]))
+                                  if m._evicted else slots)
+        m._evicted = True
+        m._sort_mch_buffers()
+        return selected
 
     @torch.no_grad()
     def run_pass(self) -> None:
@@ -271,36 +326,31 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         policy.protected = self.fallback_per_shard
         if self.decayed:
             self._lookup_cache = None  # the map changes
-            uniq, counts = self._coalesce()
+            uniq, counts = self._coalesce(store=False)
             # Only ids at the threshold, and, when no slot is free, above the weakest resident
             # (residents win ties), can take a row: rank just those (a pass sorts what it ranks).
             can = counts >= policy.threshold
             if before >= m._zch_size - self.fallback_per_shard and bool(can.any()):
                 can &= counts > m._mch_counts[:before].min()
             chosen = can.nonzero().squeeze(1)
-            waiting = torch.ones_like(uniq, dtype=torch.bool)
             policy.last_admitted = 0
-            if chosen.numel():
-                m._update_and_evict(uniq[chosen], counts[chosen], {})
-                sorted_ids = m._mch_sorted_raw_ids
-                pos = torch.searchsorted(sorted_ids[:-1], uniq[chosen])
-                waiting[chosen] = sorted_ids[pos] != uniq[chosen]
             # Resident ids' counts decay after the ranking, as the waiting ids' below: at the
             # next pass both hold their new sightings plus their past ones decayed.
+            waiting = None
+            if chosen.numel():
+                waiting = torch.ones_like(uniq, dtype=torch.bool)
+                waiting[chosen[self._admit(uniq[chosen], counts[chosen])]] = False
             policy.decay(m._mch_metadata)
             # Ids that did not get a row wait for the next pass with their decayed count.
-            ids = uniq[waiting]
-            kept = (counts[waiting].double() * policy.factor).floor_().long()
-            live = kept > 0
-            ids, kept = ids[live], kept[live]
+            # (Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.)
+            kept = counts.double().mul_(policy.factor).long()
+            keep = kept > 0 if waiting is None else waiting & (kept > 0)
+            ids, kept = uniq[keep], kept[keep]
             cap = m._input_history_buffer_size // 2
             if ids.numel() > cap:
                 top = torch.topk(kept, cap, sorted=False).indices.sort().values
                 ids, kept = ids[top], kept[top]
-            n = ids.numel()
-            m._history_accumulator[:n] = ids
-            m._history_counts[:n] = kept
-            m._current_history_buffer_offset = n
+            self._set_history(ids, kept)
         else:
             m._coalesce_history()
         admitted = int(policy.last_admitted)
@@ -399,3 +449,5 @@ def _resize_history(m: Any, size: int) -> None:
             m.register_buffer(buf, new, persistent=False)
             m._history_metadata[name] = new
     m._input_history_buffer_size = size
+    if getattr(m, "decayed", False):
+        m._history_counts[keep:] = COUNT_ONE  # see DynamicMCHModule._set_history

@@ -69,7 +69,8 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
     def decay(self, mch_metadata: dict[str, torch.Tensor]) -> None:
         """One pass of decay for the resident ids' counts."""
         counts = mch_metadata["counts"]
-        counts.copy_((counts.double() * self.factor).floor_().long())
+        # Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.
+        counts.copy_(counts.double().mul_(self.factor))
 
     def update_metadata_and_generate_eviction_scores(
         self, current_iter: int, mch_size: int,

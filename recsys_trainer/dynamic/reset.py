@@ -8,6 +8,7 @@ global is patched."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,8 +25,30 @@ def _feature_of_table(tbe: Any, table: int) -> int:
     return list(tbe.feature_table_map).index(table)
 
 
+@dataclass(frozen=True)
+class _HostLayout:
+    """Where each table of a CPU table-batched module lives in its host buffers: per table
+    index, ``(rows, dim, weights offset, momentum offset or None)``. Fixed once the module is
+    built; ``install_eviction_reset`` reads it once, not at every reset."""
+
+    tables: dict[int, tuple[int, int, int, int | None]]
+
+    @staticmethod
+    def of(tbe: Any) -> _HostLayout:
+        rowwise = tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+        w_offsets = tbe.weights_offsets.tolist()
+        m_offsets = tbe.momentum1_offsets.tolist() if rowwise else None
+        tables = {}
+        for t, spec in enumerate(tbe.embedding_specs):
+            f = _feature_of_table(tbe, t)
+            tables[t] = (int(spec[0]), int(spec[1]), w_offsets[f],
+                         m_offsets[f] if m_offsets is not None else None)
+        return _HostLayout(tables)
+
+
 def reset_rows_cpu(tbe: Any, pruned_indices: torch.Tensor, pruned_indices_offsets: torch.Tensor,
-                   logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor) -> None:
+                   logical_table_ids: torch.Tensor, buffer_ids: torch.Tensor,
+                   layout: _HostLayout | None = None) -> None:
     """CPU counterpart of FBGEMM's ``reset_weight_momentum`` for one table-batched module.
 
     What the CUDA kernel does, for each pruned table ``t`` (``logical_table_ids[t]``, here a
@@ -34,26 +57,22 @@ def reset_rows_cpu(tbe: Any, pruned_indices: torch.Tensor, pruned_indices_offset
     and its row-wise Adagrad accumulator. As in FBGEMM's Python wrapper, only row-wise Adagrad
     has state to reset. (torchrec then re-initialises the weights with the table's ``init_fn``.)
     CPU tables live in the ``*_host`` buffers, which the CUDA op's signature does not carry: that
-    is why this is a method replacement, not a kernel registered for the op."""
+    is why this is a method replacement, not a kernel registered for the op. ``layout``: the
+    module's ``_HostLayout`` (read from it when not given); a row outside its table is an
+    ``IndexError``."""
     if tbe.optimizer == EmbOptimType.NONE:
         raise NotImplementedError("resetting rows needs a fused optimizer")
-    weights = tbe.weights_host
-    d_offsets = tbe.D_offsets.tolist()
-    w_offsets = tbe.weights_offsets.tolist()
-    rowwise = tbe.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    lay = layout if layout is not None else _HostLayout.of(tbe)
     bounds = pruned_indices_offsets.tolist()
     for t, b in zip(logical_table_ids.tolist(), buffer_ids.tolist(), strict=True):
         rows = pruned_indices[bounds[b]:bounds[b + 1]].long()
         if rows.numel() == 0:
             continue
-        f = _feature_of_table(tbe, t)
-        dim = d_offsets[f + 1] - d_offsets[f]
+        n, dim, w_offset, m_offset = lay.tables[t]
         with torch.no_grad():
-            table = weights[w_offsets[f]:].as_strided((int(rows.max()) + 1, dim), (dim, 1))
-            table.index_fill_(0, rows, 0.0)
-            if rowwise:
-                momentum = tbe.momentum1_host[int(tbe.momentum1_offsets[f]):]
-                momentum.index_fill_(0, rows, 0.0)
+            tbe.weights_host[w_offset:w_offset + n * dim].view(n, dim).index_fill_(0, rows, 0.0)
+            if m_offset is not None:
+                tbe.momentum1_host[m_offset:m_offset + n].index_fill_(0, rows, 0.0)
 
 
 def _reset_rows_fbgemm(tbe: Any, reset: Any, pruned_indices: torch.Tensor,
@@ -77,7 +96,8 @@ def install_eviction_reset(model: nn.Module) -> int:
             if "reset_embedding_weight_momentum" in vars(tbe):
                 continue
             if tbe.weights_host.numel():
-                tbe.reset_embedding_weight_momentum = functools.partial(reset_rows_cpu, tbe)
+                tbe.reset_embedding_weight_momentum = functools.partial(
+                    reset_rows_cpu, tbe, layout=_HostLayout.of(tbe))
             else:
                 tbe.reset_embedding_weight_momentum = functools.partial(
                     _reset_rows_fbgemm, tbe, tbe.reset_embedding_weight_momentum)

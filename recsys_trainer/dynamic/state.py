@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -112,11 +113,16 @@ def _restore(m: Any, st: dict[str, Any], history: bool) -> None:
         _resize_history(m, max(size, m._input_history_buffer_size))
     elif used > m._input_history_buffer_size:  # a smaller history_slots than the checkpoint's
         _resize_history(m, used)
-    if used:
-        m._history_accumulator[:used] = st["history"]
-        for k, v in st["history_metadata"].items():
-            m._history_metadata[k][:used] = v
-    m._current_history_buffer_offset = used
+    if isinstance(m, DynamicMCHModule) and m.decayed:
+        none = torch.empty(0, dtype=torch.int64)
+        m._set_history(st["history"] if used else none,
+                       st["history_metadata"]["counts"] if used else none)
+    else:
+        if used:
+            m._history_accumulator[:used] = st["history"]
+            for k, v in st["history_metadata"].items():
+                m._history_metadata[k][:used] = v
+        m._current_history_buffer_offset = used
     if not isinstance(m, DynamicMCHModule):
         return
     # Checkpoints from before passes counted steps (format 1, no step keys): forwards were
