@@ -65,11 +65,12 @@ class DynamicMCHModule(MCHManagedCollisionModule):
     def __init__(self, *args: Any, settings: _Settings | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         m: Any = self
-        # torchrec keeps its "init" segments as the very tensor of the buffer that a checkpoint
-        # loads into: a load would overwrite this module's own shard boundaries.
-        m._init_output_segments_tensor = m._init_output_segments_tensor.clone()
         self._settings = settings or _Settings(interval_steps=m._eviction_interval)
-        segments = [int(s) for s in m._init_output_segments_tensor.tolist() if s >= 0]
+        segments = [int(s) for s in m._output_segments_tensor.tolist() if s >= 0]
+        self.segments = segments
+        """This layout's shard boundaries (global rows). torchrec keeps its "init" segments as
+        the very tensor of the buffer that a checkpoint loads into, so a load would overwrite
+        them: ``validate_state`` writes these back."""
         self.shards = len(segments) - 1
         """Shards of this table (its world size when sharded row-wise)."""
         self.shard = segments.index(m._output_global_offset)
@@ -107,8 +108,8 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             = None
         """(values, position in the map, found, not found) of the training forward's ids:
         ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
-        self._ones = torch.empty(0, dtype=torch.int64)
-        """``COUNT_ONE`` repeated: the sightings ``profile`` adds to resident ids' counts."""
+        # One sighting, expanded (no copy) to the resident ids ``profile`` counts.
+        self.register_buffer("_one", torch.tensor([COUNT_ONE], device=m.device), persistent=False)
 
     def rebuild_with_output_id_range(self, output_id_range: tuple[int, int],
                                      output_segments: list[int],
@@ -203,10 +204,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
                 pos, found, missing = self._lookup(v)
                 self._lookup_cache = (v, pos, found, missing)
                 hit = pos[found]
-                if self._ones.numel() < hit.numel():
-                    self._ones = torch.full((2 * hit.numel(),), COUNT_ONE, dtype=torch.int64,
-                                            device=hit.device)
-                m._mch_counts.index_add_(0, hit, self._ones[:hit.numel()])
+                m._mch_counts.index_add_(0, hit, m._one.expand(hit.numel()))
                 # The forward count only grows: the last access of every id seen is this one.
                 m._mch_last_access_iter.index_fill_(0, hit, m._current_iter)
                 self._record(v[missing])
@@ -427,8 +425,11 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         module's own back and re-sort (torchrec asserts that the new boundaries are among the
         old; a checkpoint of another layout is re-routed instead, see ``_relayout``)."""
         m: Any = self
-        self.loaded_segments = [int(s) for s in m._output_segments_tensor.tolist() if s >= 0]
-        m._output_segments_tensor = m._init_output_segments_tensor
+        buf = m._output_segments_tensor
+        self.loaded_segments = [int(s) for s in buf.tolist() if s >= 0]
+        own = torch.full_like(buf, -1)  # torchrec's padding
+        own[:len(self.segments)] = torch.tensor(self.segments, dtype=buf.dtype)
+        buf.copy_(own)
         m._sort_mch_buffers()
 
 

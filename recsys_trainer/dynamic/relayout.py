@@ -89,7 +89,7 @@ def _relayout(model: nn.Module, table: str, saved_world: int, saved_fallback: in
     rank, world = _group_rank_size(group)
     mm: Any = m
     old_seg, fb_old = m.loaded_segments, saved_fallback
-    new_seg = [int(s) for s in mm._init_output_segments_tensor.tolist() if s >= 0]
+    new_seg = list(m.segments)
     shards_new, fb_new = len(new_seg) - 1, m.fallback_per_shard
     names = sorted(mm._mch_metadata)
     ids = mm._mch_sorted_raw_ids
