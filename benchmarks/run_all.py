@@ -7,7 +7,8 @@ hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows,
 memory), ``bench_data.py`` (reader throughput), ``bench_vocab.py`` (vocabularies vs hashing: AUC and
 reader cost), ``bench_checkpoint.py`` (save/restore),
 ``bench_predict.py`` (offline scoring vs evaluation), ``bench_dynamic.py`` (dynamic vs hashed tables
-on a churny id stream: AUC at equal rows and bytes, step time),
+on a churny id stream: AUC at equal rows and bytes, step time), ``bench_dynamic_step.py`` (where
+a dynamic table's step time goes),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk).
 
@@ -40,6 +41,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "checkpoint": ("bench_checkpoint.py", ()),
     "predict": ("bench_predict.py", ()),
     "dynamic": ("bench_dynamic.py", ()),
+    "dynamic_step": ("bench_dynamic_step.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
 }
