@@ -6,11 +6,13 @@ Benchmarks (run in this order, those present): ``bench_trainer.py`` (Trainer ove
 hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows, batch size,
 memory), ``bench_data.py`` (reader throughput), ``bench_vocab.py`` (vocabularies vs hashing: AUC and
 reader cost), ``bench_checkpoint.py`` (save/restore),
-``bench_predict.py`` (offline scoring vs evaluation), ``bench_dynamic.py`` (dynamic vs hashed tables
-on a churny id stream: AUC at equal rows and bytes, step time), ``bench_dynamic_step.py`` (where
-a dynamic table's step time goes),
+``bench_predict.py`` (offline scoring vs evaluation), ``bench_serving.py`` (the exported
+model's scorer vs the eager model; quantized tables), ``bench_dynamic.py`` (dynamic vs
+hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
+``bench_dynamic_step.py`` (where a dynamic table's step time goes),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
---s3`` (checkpoints in a local S3 server vs local disk).
+--s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
+lost and time to recover per fault kind, under torchrun).
 
 The contract with a benchmark script: it runs with the arguments ``BENCHMARKS`` gives it (none
 for most; a script with several modes is listed once per mode); it accepts ``--quick`` if its
@@ -40,10 +42,12 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "vocab": ("bench_vocab.py", ()),
     "checkpoint": ("bench_checkpoint.py", ()),
     "predict": ("bench_predict.py", ()),
+    "serving": ("bench_serving.py", ()),
     "dynamic": ("bench_dynamic.py", ()),
     "dynamic_step": ("bench_dynamic_step.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
+    "recovery": ("bench_recovery.py", ("faults",)),
 }
 """Name (for ``--only``) -> (script in benchmarks/, the arguments that select its mode)."""
 

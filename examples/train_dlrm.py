@@ -59,6 +59,10 @@ def main() -> None:
     p.add_argument("--log-steps", type=int, default=50)
     p.add_argument("--pipeline", choices=["none", "sparse_dist"], default="sparse_dist")
     p.add_argument("--output-dir", default="output/train_dlrm")
+    p.add_argument("--save-steps", type=int, default=None,
+                   help="save a checkpoint every N steps and at the end; the same command then "
+                        "resumes from the newest one (after a SIGTERM, a killed rank under "
+                        "torchrun --max-restarts, a crash)")
     a = p.parse_args()
     setup_logging()
 
@@ -68,7 +72,8 @@ def main() -> None:
     meta = ensure_dataset(a.data, a.hours, a.rows_per_hour)
     windows = partitioned_windows(a.data)
     spec = criteo_features(a.num_embeddings)
-    args = TrainingArguments(output_dir=a.output_dir, log_steps=a.log_steps, pipeline=a.pipeline)
+    args = TrainingArguments(output_dir=a.output_dir, log_steps=a.log_steps, pipeline=a.pipeline,
+                             save_steps=a.save_steps, save_end=a.save_steps is not None)
     seed_everything(args.seed)  # the dense towers are initialised here, before the Trainer exists
     model = DLRMClassifier(SPARSE_COLUMNS, 13, a.num_embeddings, a.embedding_dim,
                            dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1), dense_log1p=True,

@@ -1,28 +1,69 @@
-"""recsys_trainer: a hook-list trainer for recommendation models with a sparse/dense split."""
+"""recsys_trainer: a hook-list trainer for recommendation models with a sparse/dense split.
 
-from recsys_trainer.args import TrainingArguments
-from recsys_trainer.batch import Batch
-from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.distributed import shutdown
-from recsys_trainer.hooks import (
-    EarlyStoppingHook,
-    JsonlMetricsHook,
-    MetricReport,
-    MetricReportHook,
-    NonFiniteLossHook,
-    ProfilerHook,
-    ProgressHook,
-    TensorBoardHook,
-)
-from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
-from recsys_trainer.hooks.lambda_hook import LambdaHook
-from recsys_trainer.hooks.logger import LoggerHook
-from recsys_trainer.logs import setup_logging
-from recsys_trainer.rng import seed_everything
-from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
-from recsys_trainer.trainer import Trainer, TrainerState
+The public names below are imported on first use (PEP 562), not when the package is: a
+process that only scores an exported model (``recsys_trainer.serving``) then never imports
+the trainer, torchrec or ``torch.distributed``'s checkpointing. ``from recsys_trainer import
+Trainer`` works as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recsys_trainer.args import TrainingArguments
+    from recsys_trainer.batch import Batch
+    from recsys_trainer.data.base import WindowedDataset
+    from recsys_trainer.distributed import shutdown
+    from recsys_trainer.hooks import (
+        EarlyStoppingHook,
+        JsonlMetricsHook,
+        MetricReport,
+        MetricReportHook,
+        NonFiniteLossHook,
+        ProfilerHook,
+        ProgressHook,
+        TensorBoardHook,
+    )
+    from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
+    from recsys_trainer.hooks.lambda_hook import LambdaHook
+    from recsys_trainer.hooks.logger import LoggerHook
+    from recsys_trainer.logs import setup_logging
+    from recsys_trainer.preemption import Preempted, Preemption
+    from recsys_trainer.rng import seed_everything
+    from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
+    from recsys_trainer.trainer import Trainer, TrainerState
 
 __version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    "Batch": "recsys_trainer.batch",
+    "EarlyStoppingHook": "recsys_trainer.hooks",
+    "Hook": "recsys_trainer.hooks.base",
+    "JsonlMetricsHook": "recsys_trainer.hooks",
+    "LambdaHook": "recsys_trainer.hooks.lambda_hook",
+    "LoggerHook": "recsys_trainer.hooks.logger",
+    "MetricReport": "recsys_trainer.hooks",
+    "MetricReportHook": "recsys_trainer.hooks",
+    "MicroBatchOutput": "recsys_trainer.hooks.base",
+    "NonFiniteLossHook": "recsys_trainer.hooks",
+    "Preempted": "recsys_trainer.preemption",
+    "Preemption": "recsys_trainer.preemption",
+    "ProfilerHook": "recsys_trainer.hooks",
+    "ProgressHook": "recsys_trainer.hooks",
+    "SparseOptimizer": "recsys_trainer.sharding",
+    "StepOutput": "recsys_trainer.hooks.base",
+    "TensorBoardHook": "recsys_trainer.hooks",
+    "Trainer": "recsys_trainer.trainer",
+    "TrainerState": "recsys_trainer.trainer",
+    "TrainingArguments": "recsys_trainer.args",
+    "WindowedDataset": "recsys_trainer.data.base",
+    "seed_everything": "recsys_trainer.rng",
+    "setup_logging": "recsys_trainer.logs",
+    "shutdown": "recsys_trainer.distributed",
+    "supported_sparse_optimizers": "recsys_trainer.sharding",
+}
 
 __all__ = [
     "Batch",
@@ -35,6 +76,8 @@ __all__ = [
     "MetricReportHook",
     "MicroBatchOutput",
     "NonFiniteLossHook",
+    "Preempted",
+    "Preemption",
     "ProfilerHook",
     "ProgressHook",
     "SparseOptimizer",
@@ -49,3 +92,16 @@ __all__ = [
     "shutdown",
     "supported_sparse_optimizers",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recsys_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -200,6 +200,14 @@ class TrainingArguments:
     can hold up the others. Raise it when ranks legitimately drift apart by more (e.g. a rank
     with far larger table shards writing its part of a huge checkpoint)."""
 
+    preemption_grace_s: float | None = 25.0
+    """While training, SIGTERM/SIGINT (a scheduler's preemption, torchrun's agent forwarding its
+    own, Ctrl-C) stop every rank after the same step and save that step's checkpoint, which
+    must commit within this many seconds of the signal; then ``train()`` raises ``Preempted``
+    (exit code 128 + signal: 143 for SIGTERM). Keep it below the launcher's grace before SIGKILL
+    (torchrun's ``--shutdown-timeout``, Kubernetes' ``terminationGracePeriodSeconds``: 30 s by
+    default). None: no handlers, the signals act as without the Trainer."""
+
     sharding_types: dict[str, str] = field(default_factory=dict)
     """Per-table sharding override, e.g. ``{"t_user": "row_wise"}``. On CPU only table_wise,
     column_wise and data_parallel exist."""
@@ -256,6 +264,7 @@ class TrainingArguments:
         check_number("max_grad_norm", self.max_grad_norm, above=0, allow_none=True)
         check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
         check_number("collective_timeout_s", self.collective_timeout_s, above=0)
+        check_number("preemption_grace_s", self.preemption_grace_s, above=0, allow_none=True)
         check_choice("mixed_precision", self.mixed_precision, ("no", "bf16", "fp16"))
         check_choice("pipeline", self.pipeline, ("none", "sparse_dist"))
         check_choice("non_finite_loss", self.non_finite_loss, ("ignore", "stop", "skip"))

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import yaml
 
+from recsys_trainer.checkpoint import layout
 from recsys_trainer.config import (
     ClassDataConfig,
     ConfigError,
@@ -33,6 +35,7 @@ from recsys_trainer.config import (
     config_to_dict,
     load_config,
 )
+from recsys_trainer.serving.export import export_delta, export_for_serving
 
 USAGE = "recsys-train [-h] [--print-config] [--smoke] CONFIG [--section.key VALUE ...]"
 
@@ -167,6 +170,29 @@ def _predict(trainer: Any, cfg: RunConfig) -> RunResult:
     return {"predicted_rows": summary.rows_written}
 
 
+def _export(trainer: Any, cfg: RunConfig) -> RunResult:
+    # The checkpoint args.resume_from names, as evaluate/predict load it; exported from the
+    # checkpoint itself (the live model gives the tables' layout, the data section the spec).
+    _load_trained(trainer, cfg)
+    if trainer.state.global_step == 0:
+        raise ConfigError(f"`run: export` found no checkpoint to export (args.resume_from="
+                          f"{cfg.args.resume_from!r}, output_dir={cfg.args.output_dir!r}).")
+    where = cfg.args.resume_from
+    ckpt = layout.resolve_checkpoint(cfg.args.output_dir if where in (None, "auto") else where,
+                                     "`args.resume_from`").path
+    e = cfg.export
+    assert e is not None  # RunConfig.from_dict refuses `run: export` without the section
+    if e.delta_from is not None:
+        summary = export_delta(trainer, e.delta_from, e.output_dir, full_out_dir=e.full_output_dir,
+                               output_names=e.output_names, activation=e.activation,
+                               quantize=e.quantize, checkpoint=ckpt)
+    else:
+        summary = export_for_serving(trainer, e.output_dir, aot_inductor=e.aot_inductor,
+                                     output_names=e.output_names, activation=e.activation,
+                                     quantize=e.quantize, checkpoint=ckpt)
+    return {"exported": summary.content_hash}
+
+
 def _train_and_evaluate(trainer: Any, cfg: RunConfig) -> RunResult:
     trainer.train_and_evaluate()
     return {}
@@ -177,6 +203,7 @@ RUNNERS: dict[str, tuple[tuple[str, ...], Callable[[Any, RunConfig], RunResult]]
     "evaluate": (("eval",), _evaluate),
     "train_and_evaluate": (("train", "eval"), _train_and_evaluate),
     "predict": (("eval",), _predict),
+    "export": ((), _export),
 }
 """Run mode -> (the datasets it needs, what it calls on the built Trainer; returns what it adds
 to the summary). A new mode adds an entry here and its name to ``config.RUN_MODES``."""
@@ -199,12 +226,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "stop_reason": st.stop_reason,
         "eval": result.get("eval"),
         "predicted_rows": result.get("predicted_rows"),
+        "exported": result.get("exported"),
         "smoke": trainer.smoke.report if trainer.smoke is not None else None,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The console entry point; returns the exit status (0 ok, 2 config error)."""
+    """The console entry point; returns the exit status (0 ok, 2 config error, 128 + signal
+    after a preemption signal stopped training: 143 for SIGTERM, 130 for SIGINT)."""
     ns, overrides = parse_argv(sys.argv[1:] if argv is None else argv)
     if ns.smoke:
         overrides.append(("args.smoke_test", "true"))
@@ -218,11 +247,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from recsys_trainer.distributed import shutdown
+    from recsys_trainer.preemption import Preempted
     from recsys_trainer.trainer import setup_logging
 
     setup_logging()
     try:
         summary = run(cfg)
+    except Preempted as exc:
+        # Every rank stopped after the same step and saved it (or says why not); a rerun of
+        # the same command resumes there. No shutdown(): the ranks leave together anyway.
+        print(f"recsys-train: rank {os.environ.get('RANK', '0')}: {exc}", file=sys.stderr,
+              flush=True)
+        return int(exc.preemption.exit_code)
     except ConfigError as exc:
         # Raised identically on every rank before any collective: safe to just exit.
         print(f"recsys-train: config error: {exc}", file=sys.stderr)
@@ -246,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"global_step={summary['global_step']} epoch={summary['epoch']} "
         f"stop_reason={summary['stop_reason']!r}"
         + (f" eval={summary['eval']}" if summary["eval"] is not None else "")
-        + (f" predicted_rows={summary['predicted_rows']}" if summary["predicted_rows"] is not None else ""),
+        + (f" predicted_rows={summary['predicted_rows']}" if summary["predicted_rows"] is not None else "")
+        + (f" exported={summary['exported']}" if summary["exported"] is not None else ""),
         flush=True,
     )
     # Success path only: barrier + destroy. On an exception we exit non-zero and let torchrun

@@ -60,12 +60,13 @@ from recsys_trainer.hooks import (
 )
 from recsys_trainer.optimizers import SparseOptimizer
 from recsys_trainer.predict import PredictOptions
+from recsys_trainer.serving.export import ExportOptions
 from recsys_trainer.validation import check_choice, check_int, check_number, check_type
 
-RunMode = Literal["train", "evaluate", "train_and_evaluate", "predict"]
-RUN_MODES = ("train", "evaluate", "train_and_evaluate", "predict")
+RunMode = Literal["train", "evaluate", "train_and_evaluate", "predict", "export"]
+RUN_MODES = ("train", "evaluate", "train_and_evaluate", "predict", "export")
 SECTIONS = ("run", "args", "model", "data", "dense_optimizer", "lr_scheduler", "sparse_optimizer",
-            "table_optimizers", "hooks", "predict")
+            "table_optimizers", "hooks", "predict", "export")
 
 # Dense optimizers by config name -> torch.optim class name.
 DENSE_OPTIMIZERS = {
@@ -582,6 +583,8 @@ class RunConfig:
     hooks: list[HookConfig]
     predict: PredictOptions | None = None
     """Where and how ``run: predict`` writes its scores (``Trainer.predict``)."""
+    export: ExportOptions | None = None
+    """Where and how ``run: export`` writes the serving artifact (``serving.export``)."""
     table_optimizers: dict[str, SparseOptimizer] = field(default_factory=dict)
     """``Trainer(table_optimizers=...)``: ``{table name or glob: SparseOptimizer}``."""
     lr_scheduler: ComponentSpec | None = None
@@ -634,11 +637,15 @@ class RunConfig:
             sparse_optimizer=_build(SparseOptimizer, "sparse_optimizer", raw.get("sparse_optimizer")),
             hooks=_parse_hooks(raw.get("hooks")),
             predict=None if raw.get("predict") is None else _build(PredictOptions, "predict", raw["predict"]),
+            export=None if raw.get("export") is None else _build(ExportOptions, "export", raw["export"]),
             table_optimizers=_parse_table_optimizers(raw.get("table_optimizers")),
         )
         if run == "predict" and cfg.predict is None:
             raise ConfigError("`run: predict` needs a `predict` section with `output_dir` (where "
                               "the scores go).")
+        if run == "export" and cfg.export is None:
+            raise ConfigError("`run: export` needs an `export` section with `output_dir` (where "
+                              "the serving artifact goes).")
         cfg._resolve_schema()
         return cfg
 
@@ -814,6 +821,7 @@ def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
         "table_optimizers": {k: dataclasses.asdict(v) for k, v in cfg.table_optimizers.items()},
         "hooks": [{CLASS_KEY if h.spec else "name": h.name, **h.kwargs} for h in cfg.hooks],
         "predict": None if cfg.predict is None else dataclasses.asdict(cfg.predict),
+        "export": None if cfg.export is None else dataclasses.asdict(cfg.export),
     }
     if cfg.lr_scheduler is not None:
         out["lr_scheduler"] = cfg.lr_scheduler.to_dict()

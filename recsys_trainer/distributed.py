@@ -12,11 +12,17 @@ play rank k of n, and is the gang of a process without ``torch.distributed``.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import gc
+import json
 import logging
 import os
+import signal
 import socket
+import sys
+import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -264,13 +270,24 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
                                             os.environ.get("CUDA_VISIBLE_DEVICES"))
     initialized_by_us = False
     _collect_process_groups_at_exit()
+    stop_with_the_agent()
     if not dist.is_initialized():
         backend = "nccl" if use_cuda else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
         if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
             if use_cuda:
                 torch.cuda.set_device(cuda_index)
-            dist.init_process_group(backend=backend, timeout=timeout)
+            t0 = time.perf_counter()
+            store = attempt_store(timeout_s)
+            if store is None:
+                dist.init_process_group(backend=backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend=backend, store=store, timeout=timeout,
+                                        rank=int(os.environ["RANK"]),
+                                        world_size=int(os.environ["WORLD_SIZE"]))
+            logger.info("process group formed: rank %d of %d, %s, in %.2f s (torchrun restart "
+                        "%s)", dist.get_rank(), dist.get_world_size(), backend,
+                        time.perf_counter() - t0, os.environ.get("TORCHELASTIC_RESTART_COUNT", "-"))
         else:
             dist.init_process_group(
                 backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -295,6 +312,117 @@ def init_distributed(device: str = "auto", timeout_s: float = DEFAULT_COLLECTIVE
         device=dev,
         initialized_by_us=initialized_by_us,
     )
+
+
+_ATTEMPT_STORE_KEY = "recsys_trainer/attempt_store"
+"""The key, in torchrun's agent store, under which rank 0 publishes its attempt's store."""
+_NONCE_KEY = "recsys_trainer/nonce"
+_PROBE_S = 5.0
+"""How long a rank tries to reach a published store that accepts connections before it reads
+the key again."""
+
+
+def attempt_store(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.Store | None:
+    """A store of this attempt's own for the process groups, under torchrun; None elsewhere.
+
+    Why: torchrun's agent hosts one TCPStore for the whole job (``TORCHELASTIC_USE_AGENT_STORE``,
+    torch's default with the c10d rendezvous and ``--standalone``) and keeps it across
+    ``--max-restarts`` restarts, and torch's ``env://`` rendezvous puts no attempt prefix on its
+    keys ("a new TCPStore for every retry", which this agent does not do). Gloo's rendezvous
+    keys (each rank's listening address, per process group) of the dead attempt are still in the
+    store when the next attempt starts, so a rank that reads its peer's address before that peer
+    has written its new one connects to the dead attempt: ``Gloo connectFullMesh failed ...
+    Connection refused`` when nothing listens there any more, or a wait in
+    ``Pair::waitUntilConnected`` that lasts the whole timeout when the port has been reused.
+    Which rank comes first is a race (import and start-up times), so it failed in some runs only.
+    A prefix per ``TORCHELASTIC_RESTART_COUNT`` is not enough: that count is per agent, and
+    agents of a multi-node job restart their workers with different counts (a node that only
+    saw another node rejoin does not count a restart).
+
+    So rank 0 starts a new TCPStore (a port the OS picks) for every attempt and publishes its
+    address with a random nonce in the agent's store; the other ranks read the address and use
+    the store only once it holds that nonce, reading the key again while it still names a store
+    of a dead attempt (one that refuses connections, or holds another nonce). Nothing of an earlier attempt can be read: every
+    key the process groups use lives in a store that did not exist before this attempt.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return _attempt_store(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                          os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout_s)
+
+
+def _attempt_store(rank: int, world_size: int, host: str, port: int,
+                   timeout_s: float) -> dist.Store:
+    """``attempt_store`` for this rank, with the agent's store at ``host:port``."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                            wait_for_workers=False)
+        nonce = uuid.uuid4().hex
+        own.set(_NONCE_KEY, nonce)
+        agent.set(_ATTEMPT_STORE_KEY, json.dumps({"host": host, "port": own.port, "nonce": nonce}))
+        return own
+    deadline = time.monotonic() + timeout_s
+    while True:
+        published = json.loads(agent.get(_ATTEMPT_STORE_KEY))  # waits for rank 0's first one
+        address = (published["host"], int(published["port"]))
+        # A store of a dead attempt refuses the connection at once, where TCPStore's client
+        # would retry until its timeout: ask the OS first.
+        if _accepts_connections(address):
+            try:
+                store = dist.TCPStore(*address, world_size, is_master=False,
+                                      timeout=datetime.timedelta(seconds=_PROBE_S))
+                if store.check([_NONCE_KEY]) and \
+                        store.get(_NONCE_KEY).decode() == published["nonce"]:
+                    store.set_timeout(timeout)
+                    return store
+            except RuntimeError:  # DistNetworkError / DistStoreError: not this attempt's store
+                pass
+        if time.monotonic() > deadline:
+            raise PeerLostError(
+                f"rank {rank}: rank 0 did not start this attempt's store within "
+                f"collective_timeout_s={timeout_s:g} s ({_ATTEMPT_STORE_KEY} in torchrun's store "
+                f"at {host}:{port} still names {published['host']}:{published['port']}); check "
+                "rank 0's log.", reason="timeout")
+        time.sleep(0.05)
+
+
+def _accepts_connections(address: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(address, timeout=_PROBE_S):
+            return True
+    except OSError:
+        return False
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_the_agent() -> None:
+    """Under torchrun on Linux: have the kernel send this worker SIGTERM when its agent dies.
+
+    A torchrun agent killed outright (SIGKILL, an OOM kill of the agent alone) cannot stop its
+    workers: they were left training unsupervised, holding ``output_dir``'s lock and the
+    devices, and nothing restarted them. With ``PR_SET_PDEATHSIG`` the worker gets SIGTERM
+    instead, which the Trainer treats as a preemption (``recsys_trainer.preemption``): every
+    rank stops after the same step, saves it and exits, and a rerun resumes there. Idempotent;
+    a no-op outside torchrun (``TORCHELASTIC_RUN_ID`` unset) and off Linux.
+    """
+    if sys.platform != "linux" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        ok = prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        logger.warning("could not ask to be signalled when torchrun's agent dies (prctl "
+                       "PR_SET_PDEATHSIG failed): if the agent is killed, stop this worker by hand.")
+        return
+    if os.getppid() != agent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def new_control_group(timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> dist.ProcessGroup | None:

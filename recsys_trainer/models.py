@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,15 @@ def normal_init(std: float, mean: float = 0.0) -> TableInit:
     return functools.partial(torch.nn.init.normal_, mean=mean, std=std)
 
 
+def stack_pooled(sparse_arch: nn.Module, pooled: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """What torchrec's ``SparseArch`` returns (``[B, F, D]``, its features in order), from
+    pooled embeddings per feature: the serving side of ``sparse_arch(kjt)``."""
+    arch: Any = sparse_arch  # torchrec's SparseArch: sparse_feature_names, F, D
+    names: list[str] = arch.sparse_feature_names
+    f, d = int(arch.F), int(arch.D)
+    return torch.cat([pooled[n] for n in names], dim=1).reshape(-1, f, d)
+
+
 def make_tables(
     feature_names: list[str],
     num_embeddings: int | list[int],
@@ -220,6 +230,20 @@ class DLRMClassifier(nn.Module):
             init_last_bias(self.dlrm.over_arch, prior_ctr, "`prior_ctr`")
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
-        logits = self.dlrm(dense, batch.sparse).squeeze(-1)
+        logits = self._logits(batch.dense, self.dlrm.sparse_arch(batch.sparse))
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
+
+    def _logits(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """torchrec ``DLRM.forward`` after its sparse arch (``embedded``: ``[B, F, D]``): the
+        part training and serving share."""
+        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
+        d = self.dlrm
+        return d.over_arch(d.inter_arch(dense_features=d.dense_arch(dense),
+                                        sparse_features=embedded)).squeeze(-1)
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
+                       ) -> torch.Tensor:
+        """The logits of ``forward`` from looked-up embeddings (``pooled``: ``[B, D]`` per
+        feature): the serving contract (``recsys_trainer.serving.export``)."""
+        return self._logits(dense, stack_pooled(self.dlrm.sparse_arch, pooled))

@@ -27,6 +27,7 @@ from recsys_trainer.models import (
     init_last_bias,
     make_tables,
     multi_task_bce_with_logits,
+    stack_pooled,
     weighted_bce_with_logits,
 )
 
@@ -175,11 +176,32 @@ class DINClassifier(nn.Module):
         check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len)
         candidate = cand_jt.to_padded_dense(desired_length=1).squeeze(1)  # [B, D]
         history = hist_jt.to_padded_dense(desired_length=self.max_len)  # [B, L, D]
+        return self._logits(dense, self.sparse_arch(batch.sparse), candidate, history, hist_len)
+
+    def _logits(self, dense: torch.Tensor, pooled: torch.Tensor, candidate: torch.Tensor,
+                history: torch.Tensor, hist_len: torch.Tensor) -> torch.Tensor:
+        """After the lookups (dense already transformed): the part training and serving share."""
         mask = (self.positions.unsqueeze(0) < hist_len.unsqueeze(1)).to(history.dtype)
         interest = self.attention(candidate, history, mask)
-        vectors = torch.cat(
-            [self.sparse_arch(batch.sparse), candidate.unsqueeze(1), interest.unsqueeze(1)], dim=1)
+        vectors = torch.cat([pooled, candidate.unsqueeze(1), interest.unsqueeze(1)], dim=1)
         return self.over_arch(self.interaction(self.dense_arch(dense), vectors)).squeeze(-1)
+
+    def serving_sequence_lengths(self) -> dict[str, int]:
+        """The padded length of each sequence feature ``serving_logits`` reads."""
+        return {self.item_feature: 1, self.history_feature: self.max_len}
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
+                       ) -> torch.Tensor:
+        """The logits of ``forward`` from looked-up embeddings: the serving contract
+        (``recsys_trainer.serving.export``). Rows without exactly one candidate id fail as in
+        training (an assert kept in the exported program)."""
+        torch._assert_async((lengths[self.item_feature] == 1).all(),
+                            "the candidate feature must have exactly one id per row (DIN)")
+        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
+        return self._logits(dense, stack_pooled(self.sparse_arch, pooled),
+                            sequences[self.item_feature].squeeze(1), sequences[self.history_feature],
+                            lengths[self.history_feature])
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(batch)
@@ -252,8 +274,19 @@ class MMoEClassifier(nn.Module):
 
     def logits(self, batch: Batch) -> torch.Tensor:
         """``[B, T]`` logits, one column per task."""
-        dense = torch.log1p(batch.dense.clamp_min(0)) if self.dense_log1p else batch.dense
-        shared = self.interaction(self.dense_arch(dense), self.sparse_arch(batch.sparse))
+        return self._logits(batch.dense, self.sparse_arch(batch.sparse))
+
+    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
+                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
+                       ) -> torch.Tensor:
+        """The logits of ``forward`` from looked-up embeddings: the serving contract
+        (``recsys_trainer.serving.export``)."""
+        return self._logits(dense, stack_pooled(self.sparse_arch, pooled))
+
+    def _logits(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """After the lookups (``embedded``: ``[B, F, D]``): the part training and serving share."""
+        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
+        shared = self.interaction(self.dense_arch(dense), embedded)
         experts = torch.stack([e(shared) for e in self.experts], dim=1)  # [B, E, H]
         out = []
         for gate, tower in zip(self.gates, self.towers, strict=True):

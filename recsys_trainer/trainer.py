@@ -42,6 +42,12 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
         end
 
 On an exception: on_exception(exc), then end, then the exception propagates.
+
+On a preemption signal (SIGTERM/SIGINT while training, ``recsys_trainer.preemption``): the next
+batch fetch (training or evaluation) stops every rank, after the same step; an evaluation it
+interrupts is abandoned (a window's is redone on resume). Then the checkpoint of that step
+(within args.preemption_grace_s of the signal), on_preempt(preemption), end, and ``Preempted``
+(a SystemExit with code 128 + signal) propagates; no after_window/after_epoch/after_train.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -65,6 +72,7 @@ from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.checkpoint.contents import RestoreMode
+from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     IterableAsWindow,
@@ -102,12 +110,17 @@ from recsys_trainer.optimizers import (
 from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.precision import Precision
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
+from recsys_trainer.preemption import Preempted, Preemption, PreemptionWatcher, exit_now
 from recsys_trainer.rng import RNGState, seed_everything
 from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model, table_names
 from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
 logger = logging.getLogger("recsys_trainer")
+
+
+class _PreemptionStop(Exception):
+    """Every rank agreed, at a batch fetch, that a preemption signal arrived (internal)."""
 
 
 @dataclass
@@ -198,10 +211,11 @@ class Trainer:
             raise TypeError(f"`args` must be a TrainingArguments, got {type(self.args).__name__}.")
         a = self.args
         cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-        # Before init_distributed: under torchrun, accelerate initialises the process group.
+        # The group first: accelerate would create it itself (torch's env:// rendezvous, whose
+        # keys a torchrun restart finds stale; see distributed.attempt_store) and uses ours.
+        info = init_distributed(self.args.device, self.args.collective_timeout_s)
         self.precision = Precision(a.mixed_precision, cuda=cuda,
                                    gradient_accumulation_steps=a.gradient_accumulation_steps)
-        info = init_distributed(self.args.device, self.args.collective_timeout_s)
         default_logging(info.rank)  # rank 0's INFO lines visible without a logging set-up
         self.device = info.device
         self.rank, self.world_size = info.rank, info.world_size
@@ -279,6 +293,10 @@ class Trainer:
         """True when the last step had a micro-batch skipped for a non-finite loss."""
         self._stop_local = False
         self._non_finite_local = False
+        self._preemption_watcher = PreemptionWatcher()
+        self._exit_now = False
+        self.preemption: Preemption | None = None
+        """What the last preemption did (``recsys_trainer.preemption``); None: none."""
         self._depth = 0
         self._train_it: SyncedIterator | None = None
         self._step_eval: tuple[WindowedDataset, list[str] | None] | None = None
@@ -456,8 +474,12 @@ class Trainer:
     @contextlib.contextmanager
     def _top_level(self) -> Iterator[None]:
         self._depth += 1
+        preempted: Preempted | None = None
         try:
             yield
+        except Preempted as exc:  # the checkpoint is saved; on_preempt has fired
+            preempted = exc
+            raise
         except BaseException as exc:
             # A gloo timeout or closed connection, named: which peer problem, where, what to check.
             lost = peer_lost_error(exc, rank=self.rank, timeout_s=self.args.collective_timeout_s,
@@ -476,16 +498,75 @@ class Trainer:
             self.state.mode = "idle"
             if self._depth == 0:
                 self.hooks.fire("end", self)
+            if preempted is not None and self._exit_now:
+                # The save missed its deadline and its writer thread still holds collectives:
+                # an interpreter exit would wait for it (until the launcher's SIGKILL).
+                exit_now(preempted.preemption.exit_code)
 
     def _where(self) -> str:
         st = self.state
         return f"after step {st.global_step} ({st.mode}, window {st.window_id!r})"
 
     def _train(self, with_eval: bool) -> None:
+        self._stop_local = self._non_finite_local = False
+        self.state.stop_reason = None
+        self.preemption = None
+        grace = self.args.preemption_grace_s
+        watch = self._preemption_watcher.watching(logger.warning) if grace is not None \
+            else contextlib.nullcontext()
+        with watch:
+            try:
+                self._train_loop(with_eval)
+            except _PreemptionStop:
+                self._stop_for_preemption()
+
+    def _stop_flag(self) -> int:
+        """This rank's stop flag for the next fetch: 2 preemption, 1 requested, 0 none."""
+        return 2 if self._preemption_watcher.requested else int(self._stop_local)
+
+    def _stop_for_preemption(self) -> None:
+        """Every rank: name the signal, save this step within the grace period, on_preempt,
+        then raise ``Preempted``."""
+        st, watcher = self.state, self._preemption_watcher
+        agreed_at = time.monotonic()
+        signalled_at = watcher.received_at if watcher.received_at is not None else agreed_at
+        # The signal may have reached some ranks only: every rank names the same one.
+        signum = self.gang.all_reduce_max([watcher.signum or 0])[0]
+        p = Preemption(signal=signal.Signals(signum).name, step=st.global_step,
+                       seconds_to_stop=agreed_at - signalled_at)
+        st.stop_reason = f"preempted by {p.signal}"
+        grace = self.args.preemption_grace_s
+        assert grace is not None
+        if self.is_rank_zero:
+            logger.warning("%s: every rank stopped after step %d (%.2f s after the signal); "
+                           "saving its checkpoint within preemption_grace_s=%g s", p.signal,
+                           p.step, p.seconds_to_stop, grace)
+        if self.checkpointer.will_save():
+            try:
+                p.checkpoint = self.checkpointer.save_within(grace - (agreed_at - signalled_at))
+                p.committed = True
+                p.seconds_to_commit = time.monotonic() - signalled_at
+            except CheckpointError as e:
+                p.error = str(e)
+                self._exit_now = e.kind == "deadline"
+        else:
+            p.error = "this run saves no checkpoints (no save trigger is set)"
+        self.preemption = p
+        if p.committed:
+            logger.warning("%s: checkpoint of step %d committed %.2f s after the signal: %s",
+                           p.signal, p.step, p.seconds_to_commit, p.checkpoint)
+        else:
+            logger.error("PreemptionError: rank %d: %s after step %d, but no checkpoint was "
+                         "committed: %s A rerun resumes from the last committed checkpoint.",
+                         self.rank, p.signal, p.step, p.error)
+        self.hooks.fire("on_preempt", self, p)
+        if not self._exit_now:
+            self.checkpointer.close()  # releases output_dir's lock
+        raise Preempted(p)
+
+    def _train_loop(self, with_eval: bool) -> None:
         train_ds = self._require(self.train_dataset, "train_dataset")
         args, st = self.args, self.state
-        self._stop_local = self._non_finite_local = False
-        st.stop_reason = None
         self.resume()
         self.vocabularies.build(train_ds)  # VocabFromData: from the first windows (unless restored)
         self.hooks.fire("before_train", self)
@@ -563,7 +644,7 @@ class Trainer:
             ds.iter_window(window_id, skip_batches=st.batches_in_window),
             self.gang,
             pad=False,
-            local_flags=lambda: (self._stop_local, self._non_finite_local),
+            local_flags=lambda: (self._stop_flag(), self._non_finite_local),
         )
         try:
             if args.pipeline == "sparse_dist":
@@ -574,6 +655,8 @@ class Trainer:
             # A window cut short (train_steps, an exception) must still release the dataset's
             # read-ahead thread and open files; the pipeline keeps a reference to `it`.
             it.close()
+        if it.state.preempted:
+            raise _PreemptionStop
         if it.state.stop_requested or it.state.non_finite_loss:
             finished = True
             if it.state.non_finite_loss:
@@ -705,7 +788,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self, ds: WindowedDataset, windows: list[str] | None) -> dict[str, float]:
         st, args = self.state, self.args
-        prev_mode = st.mode
+        prev_mode, prev_window = st.mode, st.window_id
         st.mode = "eval"
         self.model.eval()
         self.hooks.fire("before_evaluate", self)
@@ -714,7 +797,8 @@ class Trainer:
             st.window_id = window_id
             self.hooks.fire("before_window", self, window_id)
             it = SyncedIterator(
-                ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch
+                ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch,
+                local_flags=lambda: (2 if self._preemption_watcher.requested else 0, False),
             )
             try:
                 while args.eval_steps is None or steps < args.eval_steps:
@@ -735,6 +819,11 @@ class Trainer:
                     self.hooks.fire("after_eval_step", self, out)
             finally:
                 it.close()  # eval_steps may cut the window short: stop its read-ahead
+            if it.state.preempted:
+                # Abandoned: the checkpoint holds the training position (a window's
+                # evaluation is redone on resume: the position is still in that window).
+                st.mode, st.window_id = prev_mode, prev_window
+                raise _PreemptionStop
             if it.state.out_of_data:
                 self.hooks.fire("out_of_data", self, window_id, 0)
             self.hooks.fire("after_window", self, window_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -86,3 +87,19 @@ def row_windows(root: str, batch_size: int = 8, shuffle: bool = False) -> Parque
 
 
 NOT_CALLABLE = 42
+
+
+class Progress(Hook):
+    """Appends ``step restart pid time`` after every step to ``{path}.rank{r}`` and then sleeps
+    ``pace_s``, so a test can time a fault by the step a job reached (and see which torchrun
+    attempt trained which steps)."""
+
+    def __init__(self, path: str, pace_s: float = 0.0) -> None:
+        self.path = path
+        self.pace_s = pace_s
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        with open(f"{self.path}.rank{trainer.rank}", "a") as f:
+            f.write(f"{trainer.state.global_step} {os.environ.get('TORCHELASTIC_RESTART_COUNT', '-')} "
+                    f"{os.getpid()} {time.time():.3f}\n")
+        time.sleep(self.pace_s)

@@ -11,7 +11,7 @@ class CheckpointError(RuntimeError):
         path: the checkpoint directory or the file at fault, when known.
         kind: a short machine-readable reason (``"missing"``, ``"incomplete"``, ``"corrupt"``,
             ``"mismatch"``, ``"save_failed"``, ``"load_failed"``, ``"reshard"``,
-            ``"unwritable"``, ``"locked"``).
+            ``"unwritable"``, ``"locked"``, ``"deadline"``).
     """
 
     def __init__(self, message: str, *, step: int | None = None, path: str | None = None,

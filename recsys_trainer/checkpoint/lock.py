@@ -10,8 +10,10 @@ On a filesystem without file locks (some FUSE mounts) the lock is skipped with a
 
 Object storage has no locks: :class:`LeaseLock` replaces ``flock`` there with a lease, a
 ``LOCK`` object naming its holder that the holder rewrites every ``ttl_s / 4`` seconds. A lease
-whose last renewal is older than ``ttl_s``, or whose holder is a process on this host that no
-longer exists, is stale and is taken over. Two jobs that start within the same second can both
+whose last renewal is older than ``ttl_s``, whose holder is a process on this host that no
+longer exists, or whose holder is an earlier attempt of this very torchrun job (the same
+``TORCHELASTIC_RUN_ID``: torchrun restarts a worker group only once all of it has stopped), is
+stale and is taken over. Two jobs that start within the same second can both
 write the object; the later write wins, the earlier job reads back the other's token before it
 trains and is refused, and a job that finds its lease taken over later (by a renewal that finds
 another token) fails its next save instead of writing next to the other job.
@@ -129,6 +131,12 @@ class LeaseLock:
     def _stale(self, o: dict[str, object]) -> bool:
         renewed = o.get("renewed")
         if not isinstance(renewed, int | float) or time.time() - renewed > self.ttl_s:
+            return True
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id and o.get("run_id") == run_id:
+            # An earlier attempt of this torchrun job (a restart after a worker died, or after a
+            # node joined): torchrun stops every worker of an attempt before it starts the next,
+            # on every node, so its holder is gone even when on another host.
             return True
         pid = o.get("pid")
         if o.get("host") == socket.gethostname() and isinstance(pid, int):

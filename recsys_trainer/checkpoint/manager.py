@@ -304,7 +304,7 @@ class CheckpointManager:
                     logger.warning("could not remove %s: %s", loc.url, e)
         # Only a run that saves here holds output_dir's lock, and only its own saves would
         # collide with a bad checkpoint left under a step name.
-        source = self._choose_source(may_quarantine=self._will_save())
+        source = self._choose_source(may_quarantine=self.will_save())
         if source is not None:
             logger.info("resuming from %s (step %d)", source.path, source.step)
             self._load_and_notify(source, mode="training", verified=self.resume_from == "auto")
@@ -423,7 +423,7 @@ class CheckpointManager:
         every rank (a probe file) and not in use by another job (rank 0 takes its lock, see
         ``checkpoint.lock``; released when training ends). Every rank learns the outcome, so all
         stop together before anything is trained instead of failing at the first save."""
-        if not self._will_save():
+        if not self.will_save():
             return
         gang = self.gang
         problem = layout.probe_writable(self._out)
@@ -457,7 +457,8 @@ class CheckpointManager:
             "other's state. Wait for that job to end, or use another output_dir. (Its lock, "
             f"{self._lock.path}, is {how}.)", path=self.output_dir, kind="locked")
 
-    def _will_save(self) -> bool:
+    def will_save(self) -> bool:
+        """Whether this run saves checkpoints (any save trigger is set)."""
         triggers = (self.save_steps, self.save_every_n_rows, self.save_every_n_windows,
                     self.save_every_n_epochs)
         return self.save_end or any(t is not None for t in triggers)
@@ -469,7 +470,7 @@ class CheckpointManager:
         and a restart with ``resume_from="auto"`` would load the other run's state. (With
         ``"auto"`` the source is the newest, so this never fires.) Same answer on every rank:
         the ranks agreed on ``source`` and read the same directory."""
-        if not self._will_save():
+        if not self.will_save():
             return
         start = contents.counters(self._components)["global_step"]
         foreign = [i.step for i in layout.list_committed(self._out)
@@ -488,7 +489,7 @@ class CheckpointManager:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes
         seconds for big tables, so do it now, on a helper thread, while the loop trains, instead
         of inside the first save. Only when this run will save asynchronously."""
-        if not self.async_save or not self._will_save():
+        if not self.async_save or not self.will_save():
             return
         try:
             self._staging.prepare(contents.tensor_state(self._components, self.key_filter),
@@ -599,6 +600,46 @@ class CheckpointManager:
         self._load_and_notify(layout.info_of(self._locate(path)), mode=mode, strict=strict,
                               verified=False, path=path)
 
+    def save_within(self, seconds: float) -> str:
+        """Save the current step and wait for its commit, all within ``seconds`` (a preemption's
+        grace period); returns its directory. All ranks call this together.
+
+        The in-flight save (if any) is drained first. This step is then written from the live
+        tensors (the loop is stopped: no staging copy) on the writer thread while this thread
+        watches the clock. A ``CheckpointError`` with ``kind="deadline"`` when time runs out: the
+        write may still be going on, but it commits only if it finishes, and a checkpoint
+        without its commit is never loaded, so the previous one stays the newest. The caller
+        should then end the process (the writer thread holds collectives of the manager's gang).
+        """
+        deadline = time.perf_counter() + seconds
+        self.gang  # noqa: B018 - raises when nothing is attached
+        if self._pending is not None:
+            self._await(self._pending, deadline, "the save in flight")
+            self.wait()
+        step = int(contents.counters(self._components)["global_step"])
+        loc = self._out.join(layout.step_dir_name(step))
+        if layout.is_committed(loc):
+            return loc.url
+        tensors, extra, base, stats, t0 = self._snapshot(step, loc)
+        if self._executor is None:
+            self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        future = self._executor.submit(self._write, loc, writer.exact_views(tensors), extra, base)
+        pending = self._pending = _Pending(step, loc.url, future, stats, started=t0)
+        self._await(pending, deadline, f"the save of step {step}")
+        stats.blocked_s = time.perf_counter() - t0
+        self.wait()
+        return loc.url
+
+    def _await(self, pending: _Pending, deadline: float, what: str) -> None:
+        try:
+            pending.future.exception(timeout=max(0.0, deadline - time.perf_counter()))
+        except cf.TimeoutError:
+            raise CheckpointError(
+                f"{what} ({pending.path!r}) did not commit in time: it ran "
+                f"{time.perf_counter() - pending.started:.1f} s. It is never loaded unless it "
+                "commits; the last committed checkpoint stays the newest.",
+                step=pending.step, path=pending.path, kind="deadline") from None
+
     @property
     def in_flight(self) -> bool:
         """Whether an asynchronous save is still being written."""
@@ -608,23 +649,7 @@ class CheckpointManager:
 
     def _save(self, step: int, loc: Location, blocking: bool) -> None:
         path = loc.url
-        self._listener("before_save_checkpoint", path)
-        t0 = time.perf_counter()
-        gang, comps = self.gang, self._components
-        tensors = contents.tensor_state(comps, self.key_filter)
-        extra = contents.serialize(contents.extra_state(
-            comps, rank=gang.rank, world_size=gang.world_size,
-            manager_state={"windows_done": self.windows_done}, args=self._run_args))
-        counters = contents.counters(comps)
-        base = {
-            "step": step,
-            "epoch": counters["epoch"],
-            "world_size": gang.world_size,
-            "trainer_state": counters,
-            "metrics": dict(self.last_metrics),
-            "args": dict(self._run_args),
-        }
-        stats = SaveStats(step=step, path=path, blocked_s=0.0)
+        tensors, extra, base, stats, t0 = self._snapshot(step, loc)
         if blocking:
             pending = _Pending(step, path, cf.Future(), stats, started=t0)
             try:
@@ -645,6 +670,29 @@ class CheckpointManager:
         future = self._executor.submit(self._write, loc, staged, extra, base)
         stats.blocked_s = time.perf_counter() - t0
         self._pending = _Pending(step, path, future, stats, started=t0)
+
+    def _snapshot(self, step: int, loc: Location) -> tuple[dict[str, Any], bytes, dict[str, Any],
+                                                            SaveStats, float]:
+        """``before_save_checkpoint``, then what a save of ``step`` writes: the tensors (live),
+        this rank's extra state (serialised now), the manifest's base, its stats and start."""
+        path = loc.url
+        self._listener("before_save_checkpoint", path)
+        t0 = time.perf_counter()
+        gang, comps = self.gang, self._components
+        tensors = contents.tensor_state(comps, self.key_filter)
+        extra = contents.serialize(contents.extra_state(
+            comps, rank=gang.rank, world_size=gang.world_size,
+            manager_state={"windows_done": self.windows_done}, args=self._run_args))
+        counters = contents.counters(comps)
+        base = {
+            "step": step,
+            "epoch": counters["epoch"],
+            "world_size": gang.world_size,
+            "trainer_state": counters,
+            "metrics": dict(self.last_metrics),
+            "args": dict(self._run_args),
+        }
+        return tensors, extra, base, SaveStats(step=step, path=path, blocked_s=0.0), t0
 
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Copy every tensor into CPU buffers allocated once (ideally before the first save, see

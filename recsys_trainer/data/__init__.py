@@ -1,6 +1,38 @@
-"""Datasets: windows of batches, the cross-rank exit flag, and feature decoding."""
+"""Datasets: windows of batches, the cross-rank exit flag, and feature decoding.
 
-from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
-from recsys_trainer.data.sync import SyncedIterator, SyncState
+The names below are imported on first use (PEP 562): decoding a table with
+``recsys_trainer.data.spec`` (as the serving scorer does) does not import the datasets, the
+synced exit flag or ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
+    from recsys_trainer.data.sync import SyncedIterator, SyncState
+
+_LAZY: dict[str, str] = {
+    "IterableAsWindow": "recsys_trainer.data.base",
+    "SyncState": "recsys_trainer.data.sync",
+    "SyncedIterator": "recsys_trainer.data.sync",
+    "WindowedDataset": "recsys_trainer.data.base",
+    "as_windowed": "recsys_trainer.data.base",
+}
 
 __all__ = ["IterableAsWindow", "SyncState", "SyncedIterator", "WindowedDataset", "as_windowed"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recsys_trainer.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

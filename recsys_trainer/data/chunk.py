@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys_trainer.batch import Batch
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recsys_trainer.batch import Batch
 
 
 @dataclass
@@ -48,6 +51,11 @@ class DecodedChunk:
 
     def batch(self, lo: int, hi: int) -> Batch:
         """The ``Batch`` of source rows ``[lo, hi)`` (rows dropped for NaN labels left out)."""
+        # Imported here, not with the module: the serving scorer decodes with this module and
+        # must not import torchrec (whose package imports torchrec.distributed).
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from recsys_trainer.batch import Batch
         if self.kept_cum is not None:
             lo, hi = int(self.kept_cum[lo]), int(self.kept_cum[hi])
         n = hi - lo
@@ -81,6 +89,31 @@ class DecodedChunk:
         )
 
 
+    def id_arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """Every pooled key's ``(flat ids int64, ids per row int32, id weights float32 or
+        None)`` over all the chunk's kept rows, as numpy (what ``batch`` puts into the KJT):
+        for readers of the decoded ids that do not build a ``Batch`` (the serving scorer)."""
+        n = len(self.labels)
+        if self.ids is not None:
+            flat = self._block_ids(0, n).reshape(len(self.keys), n)  # key-major: a view
+            ones = np.ones(n, dtype=np.int32)
+            return {k: (flat[j], ones, None) for j, k in enumerate(self.keys)}
+        return {k: (self.values[j], self.lengths[j],
+                    None if self.id_weights is None else self.id_weights[j])
+                for j, k in enumerate(self.keys)}
+
+    def id_matrix(self) -> np.ndarray | None:
+        """``[num_keys, rows]`` int64 ids when every pooled key has exactly one id per row and
+        no id weights (the common case, decoded in one block), else None."""
+        if self.ids is None:
+            return None
+        n = len(self.labels)
+        return self._block_ids(0, n).reshape(len(self.keys), n)
+
+    def sequence_arrays(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every sequence key's ``(flat ids int64, ids per row int32)`` over all kept rows."""
+        return {k: (self.seq_values[j], self.seq_lengths[j]) for j, k in enumerate(self.seq_keys)}
+
     def _block_ids(self, lo: int, hi: int) -> np.ndarray:
         """Key-major flat ids of kept rows ``[lo, hi)``: a view when they are one whole block."""
         assert self.ids is not None
@@ -98,6 +131,7 @@ def _jagged_kjt(keys: list[str], values: list[np.ndarray], lengths: list[np.ndar
                 offsets: list[np.ndarray], weights: list[np.ndarray] | None,
                 lo: int, hi: int) -> KeyedJaggedTensor:
     """Rows ``[lo, hi)`` of per-key flat ids as one key-major KJT (one concatenate per field)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # see DecodedChunk.batch
     bounds = [(int(o[lo]), int(o[hi])) for o in offsets]
     per_key = [b - a for a, b in bounds]
 

@@ -29,6 +29,8 @@ from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeat
 from recsys_trainer.data.vocab import lookup_rows
 
 _INT64_MAX = 2**63 - 1
+_FEW_ROWS = 64
+"""Up to this many rows, ``_regular_ids`` hashes all string columns in one call."""
 
 
 def _not_a_list(s: SequenceFeature, t: pa.DataType) -> str:
@@ -75,13 +77,20 @@ def _regular_ids(sparse: Sequence[SparseFeature], table: pa.Table, n: int,
             np.copyto(ids[full, j, :tail], vals[full * bs:], casting="unsafe")
 
     to_hash: list[int] = []
+    # Few rows (a serving request): the string columns are hashed in one call, not one call
+    # per column, whose fixed numpy cost dominated (26 columns x 1 row: 1.0 ms -> 0.1 ms).
+    # Each string's hash is its own, so the ids are the same either way.
+    strings: list[tuple[int, pa.Array]] = []
     for j, s in enumerate(sparse):
         col = _combine(table.column(s.source))
         if _transformed(s) or col.null_count:
             put(j, _jagged(s, table)[0])
             continue
         if _is_str(col.type):
-            put(j, _mod_inplace(stable_hash_strings(col), s.num_embeddings).view(np.int64))
+            if n <= _FEW_ROWS:
+                strings.append((j, col))
+            else:
+                put(j, _mod_inplace(stable_hash_strings(col), s.num_embeddings).view(np.int64))
             continue
         vals = col.to_numpy(zero_copy_only=False)
         if s.hash:
@@ -93,6 +102,10 @@ def _regular_ids(sparse: Sequence[SparseFeature], table: pa.Table, n: int,
         if n and (int(row.min()) < 0 or int(row.max()) >= s.num_embeddings):
             row = _out_of_range(s, row, np.ones(n, dtype=np.int32), vals)
         put(j, row)
+    if strings:
+        hashed = stable_hash_strings(pa.concat_arrays([c.cast(pa.large_string()) for _, c in strings]))
+        for i, (j, _) in enumerate(strings):
+            put(j, _mod_inplace(hashed[i * n:(i + 1) * n], sparse[j].num_embeddings).view(np.int64))
     # Runs of consecutive hashed keys are one contiguous block of each batch block (of the
     # whole buffer when every key is hashed): one pass each.
     for a, b in _runs(to_hash):

@@ -118,7 +118,23 @@ def stable_hash_strings(arr: pa.Array) -> np.ndarray:
     return sums
 
 
+_POWERS_CACHE = np.ones(1, dtype=np.uint64)
+
+
 def _powers(k: int) -> np.ndarray:
+    """``P^0 .. P^(k-1)`` mod 2^64, from a table kept across calls (strings are short: the
+    table stops growing after the first batches; rebuilding it per call cost a tenth of
+    hashing one short string). Read-only to callers; replaced whole when it grows, so reader
+    threads can share it."""
+    global _POWERS_CACHE
+    table = _POWERS_CACHE
+    if len(table) < k:
+        table = _compute_powers(max(k, 2 * len(table)))
+        _POWERS_CACHE = table
+    return table[:k]
+
+
+def _compute_powers(k: int) -> np.ndarray:
     """``P^0 .. P^(k-1)`` mod 2^64 (by doubling: O(log k) numpy calls)."""
     powers = np.empty(max(k, 1), dtype=np.uint64)
     powers[0] = 1

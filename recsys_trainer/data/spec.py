@@ -31,13 +31,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recsys_trainer.batch import Batch
 from recsys_trainer.data.chunk import DecodedChunk
 from recsys_trainer.data.columns import (
     _combine,
@@ -59,6 +58,10 @@ from recsys_trainer.data.decode import (
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
 from recsys_trainer.data.vocab import check_tables_share_vocabularies
+
+if TYPE_CHECKING:
+    # Annotation only: decoding (what the serving scorer runs) imports no torchrec.
+    from recsys_trainer.batch import Batch
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,7 +2,8 @@
 
 Ranks often hold uneven data (a window's rows do not split evenly). Every rank fetches its next
 local batch, then one ``all_reduce(MAX)`` of ``[out_of_data, has_data, stop, non_finite]`` tells
-all ranks the same thing at the same fetch. The same vector carries one slot per rank for the
+all ranks the same thing at the same fetch. ``stop`` is 1 for a requested stop and 2 for a
+preemption signal (``recsys_trainer.preemption``): the MAX says whether any rank was signalled. The same vector carries one slot per rank for the
 rows of the batch it fetched (MAX of zeros and one rank's count is that count), so every rank
 also learns how many rows all ranks fetched, at no extra collective: the Trainer's
 ``rows_seen``, on which periods in rows agree. A rank whose fetch raised (bad data) still takes part
@@ -28,6 +29,8 @@ class SyncState:
 
     out_of_data: bool = False
     stop_requested: bool = False
+    preempted: bool = False
+    """A rank got a preemption signal (``stop`` level 2); ``stop_requested`` is set too."""
     non_finite_loss: bool = False
     rows_unread: int = 0
     fetched: int = 0
@@ -42,6 +45,10 @@ class SyncedIterator(Iterator[Batch]):
     cheaply, the rest of the local window). Evaluation (``pad=True``): ranks that are out of data
     yield padding batches (zero weights, ``Batch.as_padding``) until *all* ranks are out, so
     every row is evaluated and model collectives stay matched.
+
+    ``local_flags`` returns this rank's ``(stop, non_finite)`` before each agreement: ``stop`` 0
+    (go on), 1 (a stop was requested) or 2 (a preemption signal arrived); any rank's non-zero
+    stop or non-finite flag ends the iteration on every rank.
     """
 
     def __init__(
@@ -50,7 +57,7 @@ class SyncedIterator(Iterator[Batch]):
         gang: Gang,
         *,
         pad: bool,
-        local_flags: Callable[[], tuple[bool, bool]] = lambda: (False, False),
+        local_flags: Callable[[], tuple[int, bool]] = lambda: (0, False),
         padding_batch: Callable[[], Batch | None] = lambda: None,
     ) -> None:
         self._source = source
@@ -100,6 +107,7 @@ class SyncedIterator(Iterator[Batch]):
             raise _peer_failure(reports, self._gang.rank)
         st = self.state
         st.stop_requested, st.non_finite_loss = bool(stop_any), bool(nf_any)
+        st.preempted = stop_any >= 2
         finished = (not has_data) if self._pad else bool(out_of_data)
         if finished or stop_any or nf_any:
             st.out_of_data = bool(finished)

@@ -41,18 +41,19 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_trainer import storage
-from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.data.columns import _is_str
 from recsys_trainer.data.hashing import stable_hash_strings
-from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_int, fail
+
+if TYPE_CHECKING:
+    from recsys_trainer.distributed import Gang
 
 logger = logging.getLogger("recsys_trainer.data")
 
@@ -777,6 +778,10 @@ def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None 
     ``checkpoint.export_model_state_dict``). With ``out_dir``, each is also written to
     ``out_dir/<feature>.txt``, one value per line: ``vocab="out_dir/<feature>.txt"`` maps ids to
     the same rows in a new run. Reads rank 0's state file; no process group needed."""
+    # Imported here, not with the module: lookups (what the serving scorer runs) must not
+    # import the checkpoint package and torch.distributed's checkpointing with it.
+    from recsys_trainer.checkpoint import contents, layout
+
     info = layout.resolve_checkpoint(os.fspath(checkpoint), "`checkpoint`")
     with layout.reading(info.where):
         extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)

@@ -18,6 +18,7 @@ import torch
 from recsys_trainer.batch import Batch
 
 if TYPE_CHECKING:
+    from recsys_trainer.preemption import Preemption
     from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ EVENTS: tuple[str, ...] = (
     "after_load_checkpoint",
     "on_metrics",
     "on_exception",
+    "on_preempt",
     "end",
 )
 
@@ -168,6 +170,13 @@ class Hook:
 
     def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         """When ``train``/``evaluate``/``train_and_evaluate`` raises; ``end`` still follows."""
+
+    def on_preempt(self, trainer: Trainer, preemption: Preemption) -> None:
+        """When a preemption signal (SIGTERM/SIGINT) stopped training on every rank after the
+        same step, once that step's checkpoint was saved (or failed to be:
+        ``preemption.committed``, ``preemption.error``). ``end`` follows, then ``train()``
+        raises ``Preempted``. It runs inside the grace period before the launcher's SIGKILL:
+        keep it short (flush, report), no collectives."""
 
     def end(self, trainer: Trainer) -> None:
         """Exactly once per top-level call (``train``, ``evaluate``, ``train_and_evaluate``),

@@ -1,0 +1,35 @@
+"""Serving: a trained model as a portable artifact, and a scorer that reads it.
+
+``Scorer`` (``scorer.py``) loads an artifact and scores raw rows through the training code's
+own decoding; it imports no torchrec, FBGEMM or ``torch.distributed`` training machinery.
+``export_for_serving`` / ``export_delta`` (``export.py``) write artifacts from a checkpoint or
+a live ``Trainer``; they need the training stack and are imported on first use (PEP 562), so
+``import recsys_trainer.serving`` stays light. The format: ``manifest.py`` and
+docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from recsys_trainer.serving.manifest import ArtifactError
+from recsys_trainer.serving.scorer import Scorer
+
+if TYPE_CHECKING:
+    from recsys_trainer.serving.export import ExportSummary, export_delta, export_for_serving
+
+_LAZY = {"ExportSummary": "recsys_trainer.serving.export",
+         "export_delta": "recsys_trainer.serving.export",
+         "export_for_serving": "recsys_trainer.serving.export"}
+
+__all__ = ["ArtifactError", "ExportSummary", "Scorer", "export_delta", "export_for_serving"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'recsys_trainer.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

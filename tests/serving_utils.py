@@ -1,0 +1,180 @@
+"""Train the bundled examples' models for a few steps on tiny data, score with ``predict`` and
+with the serving ``Scorer``, and compare, row by row (shared by the 1- and 2-rank tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer.data.criteo_synthetic import (
+    SPARSE_COLUMNS,
+    BehaviourSignal,
+    CriteoSignal,
+    behaviour_features,
+    criteo_features,
+    generate_hour,
+)
+from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.dynamic import ID_SPACE, DynamicTable
+from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.predict import read_predictions
+from recsys_trainer.ranking_models import DINClassifier, MMoEClassifier
+
+ROWS = 160
+NUM_EMB = 500
+NUM_ITEMS = 60
+MAX_LEN = 6
+KINDS = ("dlrm", "din", "mmoe", "dynamic")
+
+
+def write_data(root: str, kind: str, hours: int = 2, rows: int = ROWS, seed: int = 0) -> list[str]:
+    """``hours`` windows of the examples' schema (``row_id`` unique); the last window also holds
+    edge rows: strings never seen in training, nulls in dense and id columns."""
+    signal = CriteoSignal.make(max_vocab=300)
+    behaviour = BehaviourSignal.make(num_items=NUM_ITEMS, num_categories=4, max_len=MAX_LEN) \
+        if kind in ("din", "mmoe") else None
+    rng, brng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
+    dirs = []
+    for h in range(hours):
+        table, _ = generate_hour(signal, rows, rng, first_row_id=h * rows, behaviour=behaviour,
+                                 behaviour_rng=brng)
+        if kind == "dynamic":  # raw int64 ids in a wide range: most unseen, some repeated
+            for c in SPARSE_COLUMNS[:3]:
+                ids = rng.integers(0, 40, rows) * 1_000_003 + (h if c == "C1" else 0)
+                i = table.schema.get_field_index(c)
+                table = table.set_column(i, c, pa.array(ids.astype(np.int64)))
+        if h == hours - 1:
+            table = _with_edge_rows(table, kind)
+        d = os.path.join(root, f"hour={h:02d}")
+        os.makedirs(d, exist_ok=True)
+        pq.write_table(table, os.path.join(d, "part-0.parquet"), row_group_size=64)
+        dirs.append(os.path.join(d, "part-0.parquet"))
+    return dirs
+
+
+def _with_edge_rows(table: pa.Table, kind: str) -> pa.Table:
+    rows = table.slice(0, 3).to_pylist()
+    rows[0]["C4"] = "never-seen-string"  # hashed like any string
+    rows[0]["I1"] = None  # dense null -> fill_value
+    rows[1]["C5"] = None  # id null -> no id (an empty bag)
+    if kind == "dynamic":
+        rows[2]["C1"] = 987_654_321_012  # an id no table ever held: the default row
+        rows[2]["C2"] = None
+    for i, r in enumerate(rows):
+        r["row_id"] = 10_000_000 + i
+    return pa.concat_tables([table, pa.Table.from_pylist(rows, schema=table.schema)])
+
+
+def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
+    """The examples' models, small: examples/train_dlrm.py, train_din.py, train_multitask.py,
+    and the DLRM with every table dynamic."""
+    torch.manual_seed(0)
+    if kind == "dlrm":
+        return criteo_features(NUM_EMB), DLRMClassifier(
+            SPARSE_COLUMNS, 13, NUM_EMB, 8, dense_arch=(16, 8), over_arch=(16, 1), dense_log1p=True)
+    if kind == "din":
+        return behaviour_features(NUM_EMB, num_items=NUM_ITEMS, max_len=MAX_LEN), DINClassifier(
+            SPARSE_COLUMNS, 13, num_items=NUM_ITEMS, max_len=MAX_LEN, num_embeddings=NUM_EMB,
+            embedding_dim=8, dense_arch=(16, 8), attention_arch=(8,), over_arch=(16, 1),
+            dense_log1p=True)
+    if kind == "mmoe":
+        feats = [*SPARSE_COLUMNS, "item"]
+        return behaviour_features(NUM_EMB, num_items=NUM_ITEMS, labels=["label", "like"],
+                                  sequence=False), MMoEClassifier(
+            feats, 13, ["label", "like"], num_embeddings=[NUM_EMB] * 26 + [NUM_ITEMS],
+            embedding_dim=8, dense_arch=(16, 8), num_experts=2, expert_arch=(16,), tower_arch=(8,),
+            dense_log1p=True)
+    assert kind == "dynamic"
+    feats = SPARSE_COLUMNS[:3]
+    spec = FeatureSpec(labels=["label"], dense=criteo_features().dense,
+                       sparse=[SparseFeature(name=c, num_embeddings=ID_SPACE) for c in feats])
+    return spec, DLRMClassifier(feats, 13, embedding_dim=8, dense_arch=(16, 8),
+                                over_arch=(16, 1), dense_log1p=True,
+                                dynamic=DynamicTable(num_slots=64, eviction_interval=2, fallback_rows=4))
+
+
+def make_trainer(kind: str, root: str, windows: list[str], steps: int,
+                 save_steps: int | None = None) -> Trainer:
+    spec, model = spec_and_model(kind)
+    return Trainer(
+        model=model,
+        args=TrainingArguments(output_dir=os.path.join(root, "ckpt"), train_steps=steps,
+                               log_steps=1000, seed=0, save_steps=save_steps),
+        train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=32),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        add_logger_hook=False,
+    )
+
+
+def predicted(trainer: Trainer, window: str, out: str) -> dict[int, np.ndarray]:
+    """``trainer.predict`` of ``window``: ``{row_id: scores}`` (every rank's rows)."""
+    spec = trainer.train_dataset.features  # type: ignore[union-attr]
+    spec = dataclasses.replace(spec, passthrough=["row_id"])
+    trainer.predict(ParquetWindowDataset([window], spec, batch_size=50), out)
+    if trainer.world_size > 1:
+        trainer.gang.barrier()
+    t = read_predictions(out)
+    names = [c for c in t.column_names if c not in ("window", "row_id")]
+    scores = np.stack([t.column(n).to_numpy() for n in names], axis=1)
+    return {int(r): s for r, s in zip(t.column("row_id").to_pylist(), scores, strict=True)}
+
+
+def scored(path: str, window: str, **kw: Any) -> dict[int, np.ndarray]:
+    """The serving ``Scorer``'s scores of ``window``'s rows: ``{row_id: scores}``."""
+    from recsys_trainer.serving import Scorer
+
+    table = pq.read_table(window)
+    out = Scorer(path, **kw).score(table)
+    out = out.reshape(len(out), -1)
+    return {int(r): s for r, s in zip(table.column("row_id").to_pylist(), out, strict=True)}
+
+
+def max_diff(a: dict[int, np.ndarray], b: dict[int, np.ndarray]) -> float:
+    assert set(a) == set(b), (len(a), len(b), sorted(set(a) ^ set(b))[:5])
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def check_delta(root: str, kind: str, window: str, first: int, last: int) -> None:
+    """Base = the export of checkpoint ``first``; its delta to ``last`` applied by a Scorer
+    equals a full export of ``last``: every table bitwise, the same scores."""
+    from recsys_trainer.serving import ArtifactError, Scorer, export_delta, export_for_serving
+    from recsys_trainer.serving import manifest as mf
+
+    spec, model = spec_and_model(kind)
+    ckpt = os.path.join(root, "ckpt")
+    base, delta, full = (os.path.join(root, n) for n in ("base", "delta", "full"))
+    export_for_serving(os.path.join(ckpt, f"step_{first:08d}"), base, model=model, features=spec)
+    export_delta(os.path.join(ckpt, f"step_{last:08d}"), base, delta, full_out_dir=full,
+                 model=spec_and_model(kind)[1], features=spec)
+    scorer, reference = Scorer(base), Scorer(full)
+    rows = pq.read_table(window)
+    assert not np.array_equal(scorer.score(rows), reference.score(rows))
+    scorer.apply_delta(delta)
+    assert scorer.step == last and scorer.content_hash == reference.content_hash
+    for name, t in reference.tables.items():
+        mine = scorer.tables[name]
+        if t.dynamic is None:
+            assert mine.weight is not None and t.weight is not None
+            assert torch.equal(mine.weight, t.weight), name
+        else:
+            assert mine.dynamic is not None
+            for f in ("ids", "vectors", "default_rows"):
+                assert torch.equal(getattr(mine.dynamic, f), getattr(t.dynamic, f)), (name, f)
+    assert np.array_equal(scorer.score(rows), reference.score(rows))
+    # Only changed rows are shipped, and a delta applies once: its base is gone now.
+    try:
+        scorer.apply_delta(delta)
+        raise AssertionError("a delta applied twice was not refused")
+    except ArtifactError as e:
+        assert "apply deltas in order" in str(e)
+    assert os.path.getsize(os.path.join(delta, "delta.safetensors")) < \
+        os.path.getsize(os.path.join(full, mf.TABLES))

@@ -1,0 +1,404 @@
+"""The serving export and its Scorer: same scores as ``trainer.predict`` on the bundled
+examples' models, edge rows, the JSON spec, deltas, quantized tables, a fresh process that
+never imports the trainer, and the artifact's integrity checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import serving_utils as su
+import torch
+
+from recsys_trainer.data.features import (
+    DataError,
+    DenseFeature,
+    FeatureSpec,
+    SequenceFeature,
+    SparseFeature,
+)
+from recsys_trainer.serving import ArtifactError, Scorer, export_for_serving
+from recsys_trainer.serving import manifest as mf
+from recsys_trainer.serving.quantize import dequantize, quantize
+from recsys_trainer.serving.routing import Routing, mix_ids
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _in_predict_batches(path: str, window: str) -> dict[int, np.ndarray]:
+    """Scores of ``window`` in the batches ``predict`` scored it in (50 rows, in file order)."""
+    table = pq.read_table(window)
+    scorer = Scorer(path)
+    out = np.concatenate([scorer.score(table.slice(i, 50)).reshape(-1, len(scorer.output_names))
+                          for i in range(0, table.num_rows, 50)])
+    return {int(r): s for r, s in zip(table.column("row_id").to_pylist(), out, strict=True)}
+
+
+def _train_export(kind: str, root: str) -> dict[str, Any]:
+    windows = su.write_data(os.path.join(root, "data"), kind)
+    trainer = su.make_trainer(kind, root, windows, steps=6, save_steps=3)
+    trainer.train()
+    pred = su.predicted(trainer, windows[-1], os.path.join(root, "pred"))
+    art = os.path.join(root, "art")
+    summary = export_for_serving(trainer, art)
+    return {"trainer": trainer, "windows": windows, "pred": pred, "art": art, "summary": summary,
+            "root": root}
+
+
+@pytest.fixture(scope="module")
+def dlrm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The DLRM example's model trained 5 steps (checkpoints at steps 3 and 5), exported."""
+    return _train_export("dlrm", str(tmp_path_factory.mktemp("dlrm")))
+
+
+def _check_parity(case: dict[str, Any]) -> None:
+    window, pred = case["windows"][-1], case["pred"]
+    # Bitwise in predict's batches; all rows in one call differ only by the GEMM's blocking.
+    assert su.max_diff(_in_predict_batches(case["art"], window), pred) == 0.0
+    assert su.max_diff(su.scored(case["art"], window), pred) <= 1e-6
+
+
+def test_the_dlrm_example_scores_exactly_as_predict_including_unseen_strings_and_nulls(dlrm) -> None:
+    _check_parity(dlrm)
+    # The edge rows (an unseen string, null dense and id values) are among those compared.
+    assert {10_000_000, 10_000_001, 10_000_002} <= set(dlrm["pred"])
+    m = Scorer(dlrm["art"]).manifest
+    assert m["step"] == 5 and m["labels"] == ["label"] and m["program"]["outputs"] == ["label"]
+    assert {t["name"]: (t["rows"], t["dim"]) for t in m["tables"]}["t_C1"] == (su.NUM_EMB, 8)
+
+
+@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic"])
+def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, tmp_path) -> None:
+    case = _train_export(kind, str(tmp_path))
+    _check_parity(case)
+    if kind == "dynamic":
+        # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
+        t = Scorer(case["art"]).tables["t_C1"]
+        assert t.dynamic is not None and 987_654_321_012 not in set(t.dynamic.ids.tolist())
+        su.check_delta(case["root"], kind, case["windows"][-1], 3, 5)
+
+
+def test_a_delta_of_plain_tables_reproduces_the_full_export_of_the_later_step(dlrm) -> None:
+    su.check_delta(dlrm["root"], "dlrm", dlrm["windows"][-1], 3, 5)
+
+
+def test_an_export_from_the_checkpoint_equals_the_export_from_the_live_trainer(dlrm, tmp_path) -> None:
+    spec, model = su.spec_and_model("dlrm")
+    summary = export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(tmp_path / "a"),
+                                 model=model, features=spec)
+    assert summary.content_hash == dlrm["summary"].content_hash
+    with pytest.raises(FileExistsError, match="already holds a committed serving artifact"):
+        export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(tmp_path / "a"), model=model,
+                           features=spec)
+
+
+def test_an_artifact_on_object_storage_loads_and_scores_the_same(dlrm) -> None:
+    spec, model = su.spec_and_model("dlrm")
+    url = "memory://serving-test/art"
+    export_for_serving(os.path.join(dlrm["root"], "ckpt"), url, model=model, features=spec)
+    window = pq.read_table(dlrm["windows"][-1])
+    assert np.array_equal(Scorer(url).score(window), Scorer(dlrm["art"]).score(window))
+
+
+def test_rows_as_dicts_with_nulls_and_missing_columns_get_what_training_does_or_a_named_error(dlrm) -> None:
+    scorer = Scorer(dlrm["art"])
+    table = pq.read_table(dlrm["windows"][-1]).slice(0, 4)
+    rows = table.drop_columns(["label", "row_id"]).to_pylist()
+    rows[1]["I2"], rows[2]["C3"] = None, None
+    typed = pa.Table.from_pylist(rows, schema=table.drop_columns(["label", "row_id"]).schema)
+    assert np.array_equal(scorer.score(rows), scorer.score(typed))
+    # A column that is None in every row still decodes as training decodes a null.
+    for r in rows:
+        r["C7"] = None
+    assert scorer.score(rows).shape == (4,)
+    del rows[0]["I3"]  # missing in one row: null there (from_pylist)
+    scorer.score(rows)
+    with pytest.raises(DataError, match="'C9'.*declared sparse id column is missing"):
+        scorer.score([{k: v for k, v in r.items() if k != "C9"} for r in rows])
+    assert scorer.score(table.slice(0, 0)).shape == (0,)
+
+
+def test_a_negative_dynamic_id_is_refused_as_in_training() -> None:
+    from recsys_trainer.serving.tables import DynamicRows, Table
+
+    t = Table(name="t", kind="pooled", dim=2, pooling="sum", weighted=False, features=["f"],
+              quantization=None, weight=None, dynamic=DynamicRows(
+                  ids=torch.tensor([3, 7]), vectors=torch.ones(2, 2), default_rows=torch.zeros(1, 2),
+                  routing=Routing(rule="shard_fallback_rows", shards=1)))
+    assert t.pool(np.array([7, 5]), np.array([1, 1]), None).tolist() == [[1.0, 1.0], [0.0, 0.0]]
+    with pytest.raises(ValueError, match="negative id -4"):
+        t.pool(np.array([-4]), np.array([1]), None)
+
+
+def test_the_spec_round_trips_through_json_with_every_transform_and_decodes_the_same() -> None:
+    spec = FeatureSpec(
+        labels=["y", "z"], weight_column="w", on_nan_label="drop", label_range=(0, 1),
+        passthrough=["rid"],
+        dense=[DenseFeature(column="a", fill_value=-1.5, clip=(0, None), log1p=True,
+                            standardize=(0.25, 3.0)), DenseFeature(column="b", on_non_finite="error")],
+        sparse=[SparseFeature(name="s", num_embeddings=97, weight_column="sw"),
+                SparseFeature(name="bk", column="a2", num_embeddings=4, boundaries=[0.5, 1, 7.25]),
+                SparseFeature(name="dm", column="t", num_embeddings=24, div=3600, mod=24, null_id=0),
+                SparseFeature(name="x", num_embeddings=50, cross=["s", "t"], null_id=3),
+                SparseFeature(name="v", vocab=["b", "a", "ü\n"], null_id=0),
+                SparseFeature(name="vi", column="t", num_embeddings=8, vocab=[5, 3], hash=False),
+                SparseFeature(name="h", column="t", num_embeddings=10, hash=True)],
+        sequence=[SequenceFeature(name="q", num_embeddings=13, max_len=3, on_out_of_range="hash")])
+    raw, files = mf.spec_to_json(spec)
+    back = mf.spec_from_json(json.loads(json.dumps(raw)), lambda n: files[n])
+    assert mf.spec_to_json(back)[0] == raw and back == spec
+    table = pa.table({
+        "y": [0.0, 1.0, 1.0], "z": [1.0, 0.0, 1.0], "w": [1.0, 2.0, 0.5], "rid": ["r1", "r2", "r3"],
+        "a": [None, 2.0, 9.0], "b": [1.0, 2.0, 3.0], "s": ["u1", "u2", None], "sw": [0.5, 1.0, 2.0],
+        "a2": [0.1, 1.0, 8.0], "t": pa.array([7200, None, 86400 * 3 + 5], pa.int64()),
+        "v": ["a", "zz", None], "q": [[1, 2, 3, 40], [], None]})
+    a, b = spec.decode(table), back.decode(table)
+    for x, y in ((a.dense, b.dense), (a.labels, b.labels), (a.weights, b.weights),
+                 (a.sparse.values(), b.sparse.values()), (a.sparse.lengths(), b.sparse.lengths()),
+                 (a.sequence.values(), b.sequence.values())):  # type: ignore[union-attr]
+        assert torch.equal(x, y)
+
+
+def test_serving_id_mixing_and_routing_match_dynamic_tables_and_fbgemm_bucketization() -> None:
+    import fbgemm_gpu  # noqa: F401  (registers the op)
+
+    from recsys_trainer.dynamic import ID_SPACE, DynamicTable
+    from recsys_trainer.dynamic import mix_ids as training_mix
+    from recsys_trainer.dynamic.modules import _mc_module
+
+    ids = torch.randint(0, 2**62, (3000,), generator=torch.Generator().manual_seed(0)) * 2 + 1
+    assert torch.equal(mix_ids(ids), training_mix(ids))
+    mixed = training_mix(ids)
+    for shards, per_shard in ((2, 1), (3, 1), (2, 3), (4, 2)):
+        # Which rank torchrec sends each id to: FBGEMM's block bucketization.
+        lengths, values = torch.ops.fbgemm.block_bucketize_sparse_features(
+            torch.ones(len(ids), dtype=torch.int32), mixed, False, True,
+            torch.tensor([-(-ID_SPACE // shards)]), shards, keep_orig_idx=True)[:2]
+        rank_of = dict(zip(values.tolist(), torch.repeat_interleave(
+            torch.arange(shards), lengths.view(shards, -1).sum(1)).tolist(), strict=True))
+        # Which fallback row that rank's module reads for it: the training module itself.
+        slots = 16 * shards
+        whole = _mc_module("t", DynamicTable(num_slots=slots, fallback_rows=shards * per_shard),
+                           torch.device("cpu"))
+        bounds = [slots // shards * s for s in range(shards + 1)]
+        ranks = torch.tensor([rank_of[m] for m in mixed.tolist()])
+        expect = torch.empty_like(ids)
+        for r in range(shards):
+            shard = whole.rebuild_with_output_id_range((bounds[r], bounds[r + 1]), bounds)
+            assert shard.fallback_per_shard == per_shard
+            mine = ranks == r
+            expect[mine] = r * per_shard + shard.fallback_slots(mixed[mine]) - (bounds[r + 1] - per_shard)
+        routed = Routing(rule="shard_fallback_rows", shards=shards, rows_per_shard=per_shard)
+        assert torch.equal(routed.default_row(ids), expect), (shards, per_shard)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_tables_dequantize_in_plain_torch_exactly_as_fbgemm(kind: str) -> None:
+    w = torch.randn(37, 12) * 3
+    q = quantize(w, kind)
+    ref = (torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat(q) if kind == "int8"
+           else torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(q, 4))
+    assert torch.equal(dequantize(q, kind, 12), ref)
+    assert float((ref - w).abs().max()) < (0.1 if kind == "int8" else 1.5)
+
+
+def test_a_quantized_export_is_smaller_and_scores_close_to_the_float_one(dlrm, tmp_path) -> None:
+    spec, model = su.spec_and_model("dlrm")
+    ckpt = os.path.join(dlrm["root"], "ckpt")
+    export_for_serving(ckpt, str(tmp_path / "q8"), model=model, features=spec, quantize="int8")
+    size = {n: os.path.getsize(os.path.join(p, mf.TABLES))
+            for n, p in (("f", dlrm["art"]), ("q", str(tmp_path / "q8")))}
+    assert size["q"] < 0.6 * size["f"]  # dim 8: (8 + 8) / 32 bytes per row
+    window = pq.read_table(dlrm["windows"][-1])
+    diff = np.abs(Scorer(str(tmp_path / "q8")).score(window) - Scorer(dlrm["art"]).score(window))
+    assert 0 < diff.max() < 0.02
+
+
+def test_a_corrupt_uncommitted_or_pickling_artifact_is_refused_naming_the_file(dlrm, tmp_path) -> None:
+    import shutil
+
+    bad = str(tmp_path / "bad")
+    shutil.copytree(dlrm["art"], bad)
+    with open(os.path.join(bad, mf.TABLES), "r+b") as f:
+        f.seek(-3, 2)
+        f.write(b"\x00\x01\x02")
+    with pytest.raises(ArtifactError, match="tables.safetensors.*corrupt"):
+        Scorer(bad)
+    os.remove(os.path.join(bad, mf.MARKER))
+    with pytest.raises(ArtifactError, match="not a committed serving artifact"):
+        Scorer(bad)
+    # A program archive with a pickled member is refused before torch.export.load sees it.
+    from recsys_trainer.serving.scorer import check_program_archive
+
+    src = os.path.join(dlrm["art"], mf.PROGRAM)
+    out = str(tmp_path / "p.pt2")
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item)
+            if item.filename.endswith("sample_inputs/model.pt"):
+                data = pickle.dumps(print)  # a global weights_only refuses
+            zout.writestr(item, data)
+    with pytest.raises(ArtifactError, match="not a plain tensor file"):
+        check_program_archive(open(out, "rb").read(), out)
+
+
+_FRESH = """
+import json, sys
+import torch
+after_torch = set(sys.modules)
+import pyarrow.parquet as pq
+import recsys_trainer.serving as serving
+after_import = set(sys.modules)
+torch.export.load(sys.argv[1] + "/dense.pt2")  # what torch.export itself imports
+after_torch_export = set(sys.modules)
+scores = serving.Scorer(sys.argv[1]).score(pq.read_table(sys.argv[2]))
+print(json.dumps({"scores": scores.tolist(), "by_import": sorted(after_import - after_torch),
+                  "by_scoring": sorted(set(sys.modules) - after_torch_export),
+                  "all": sorted(sys.modules)}))
+"""
+_TRAINING = ("torchrec", "fbgemm_gpu", "accelerate", "recsys_trainer.trainer",
+             "recsys_trainer.checkpoint", "recsys_trainer.sharding", "recsys_trainer.distributed",
+             "recsys_trainer.batch", "recsys_trainer.dynamic", "recsys_trainer.models")
+_DIST = ("torch.distributed", "torch.nn.parallel")
+
+
+def test_an_export_scores_in_a_fresh_process_that_never_imports_the_trainer_or_torchrec(dlrm) -> None:
+    window = dlrm["windows"][-1]
+    out = subprocess.run([sys.executable, "-c", _FRESH, dlrm["art"], window], capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    # Importing the package adds no torch.distributed module; scoring adds none beyond those
+    # torch.export.load itself imports (torch's own); nothing of the training stack, ever.
+    assert not [m for m in got["by_import"] if m.startswith(_DIST)]
+    assert not [m for m in got["by_scoring"] if m.startswith(_DIST)]
+    assert not [m for m in got["all"] if m.startswith(_TRAINING)]
+    assert np.array_equal(np.array(got["scores"], np.float32),
+                          Scorer(dlrm["art"]).score(pq.read_table(window)))
+
+
+def test_run_export_writes_the_artifact_of_the_newest_checkpoint_of_a_cli_training_run(tmp_path) -> None:
+    import yaml
+    from helpers import FEATURES, NUM_DENSE, ROWS
+    from predict_utils import scoring_spec, write_scoring_windows
+
+    from recsys_trainer.config import ConfigError, load_config
+
+    write_scoring_windows(str(tmp_path / "data"), [[20], [12]])
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "run": "train",
+        "args": {"output_dir": str(tmp_path / "ckpt"), "save_end": True, "resume_from": "auto"},
+        "model": {"embedding_dim": 8, "dense_arch": [16], "over_arch": [16, 1]},
+        "data": {"kind": "parquet", "train": str(tmp_path / "data"), "batch_size": 8, "features": {
+            "labels": ["y"], "dense": [f"d{i}" for i in range(NUM_DENSE)],
+            "sparse": [{"name": f, "num_embeddings": ROWS} for f in FEATURES]}},
+        "dense_optimizer": {"name": "adam", "lr": 0.05},
+        "export": {"output_dir": str(tmp_path / "art"), "quantize": None},
+    }))
+
+    def cli(*extra: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(config), *extra],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    cli()
+    out = cli("--run", "export")
+    scorer = Scorer(str(tmp_path / "art"))
+    assert scorer.step == 5 and f"exported={scorer.content_hash}" in out
+    # The same checkpoint exported in this process, from a model built by the same config.
+    reference = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "ref"),
+                                   model=load_config(str(config), []).model.build(),
+                                   features=scoring_spec(passthrough=[]))
+    assert reference.content_hash == scorer.content_hash
+    with pytest.raises(ConfigError, match="`run: export` needs an `export` section"):
+        load_config(str(config), [("run", "export"), ("export", "null")])
+
+
+def test_a_few_rows_decode_to_the_ids_they_have_among_many() -> None:
+    """Small requests hash their string columns in one call (a serving speed-up in the shared
+    decoder): the ids must be those of the same rows decoded in a large batch."""
+    from recsys_trainer.data.criteo_synthetic import CriteoSignal, criteo_features, generate_hour
+
+    table, _ = generate_hour(CriteoSignal.make(max_vocab=300), 200, np.random.default_rng(3), 0)
+    spec = criteo_features(1000)
+    many = spec.decode(table).sparse
+    for lo, n in ((0, 1), (7, 16), (100, 64)):
+        few = spec.decode(table.slice(lo, n)).sparse
+        for key in spec.sparse_names:
+            assert torch.equal(few[key].values(), many[key].values()[lo:lo + n]), (key, lo, n)
+
+
+def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_scores_as_predict(
+        tmp_path) -> None:
+    """A model of one's own (implementing the serving contract) with ``VocabFromData``
+    vocabularies (strings and integers), a multi-hot list feature and two sequence features
+    reading one table: the export resolves the built vocabularies (from the Trainer, and from
+    the checkpoint in the same way) and scores as ``predict``, unseen values on the OOV row."""
+    from vocab_data import MAX_LEN, TinyModel, write_vocab_windows
+
+    from recsys_trainer.data.features import VocabFromData
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+
+    class ServableTiny(TinyModel):
+        def serving_sequence_lengths(self) -> dict[str, int]:
+            return dict.fromkeys(self.seq_names, MAX_LEN)
+
+        def serving_logits(self, dense, pooled, sequences, lengths):  # type: ignore[no-untyped-def]
+            parts = [dense * 1e-3, torch.cat([pooled[n] for n in self.pooled_names], dim=1),
+                     sum(sequences[n].sum(1) for n in self.seq_names)]
+            return self.top(torch.cat(parts, dim=1)).squeeze(-1)
+
+    spec = FeatureSpec(
+        labels=["y"], dense=["row_id"],
+        sparse=[SparseFeature(name="genre", num_embeddings=12, vocab=VocabFromData()),
+                SparseFeature(name="year", num_embeddings=10, vocab=VocabFromData()),
+                SparseFeature(name="tags", num_embeddings=8, vocab=VocabFromData())],
+        sequence=[SequenceFeature(name="item", num_embeddings=16, vocab=VocabFromData(name="items")),
+                  SequenceFeature(name="hist", num_embeddings=16, max_len=MAX_LEN,
+                                  vocab=VocabFromData(name="items"))])
+    data = str(tmp_path / "data")
+    write_vocab_windows(data, (64, 48), files_per_window=1)
+    windows = [os.path.join(data, f"hour={w:02d}", "part-0.parquet") for w in range(2)]
+
+    def model() -> ServableTiny:
+        m = ServableTiny(spec)
+        m.pooled_names = spec.sparse_names
+        return m
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+
+    trainer = Trainer(model(), TrainingArguments(output_dir=str(tmp_path / "ckpt"), log_steps=1000),
+                      train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=16),
+                      dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                      sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+                      add_logger_hook=False)
+    trainer.train()
+    out = str(tmp_path / "pred")
+    trainer.predict(ParquetWindowDataset(windows[1:], dataclasses.replace(spec, passthrough=["row_id"]),
+                                         batch_size=48), out)
+    from recsys_trainer.predict import read_predictions
+
+    pred = read_predictions(out)
+    art = str(tmp_path / "art")
+    summary = export_for_serving(trainer, art)
+    scorer = Scorer(art)
+    assert list(scorer.features.sparse[0].vocab.values) == list(trainer.vocabularies["genre"].values)
+    rows = pq.read_table(windows[1])
+    got = dict(zip(rows.column("row_id").to_pylist(), scorer.score(rows).tolist(), strict=True))
+    want = dict(zip(pred.column("row_id").to_pylist(), pred.column("y").to_pylist(), strict=True))
+    assert max(abs(got[r] - want[r]) for r in want) <= 1e-6 and set(got) == set(want)
+    again = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "again"), model=model(),
+                               features=spec)
+    assert again.content_hash == summary.content_hash
