@@ -190,8 +190,9 @@ def test_the_spec_round_trips_through_json_with_every_transform_and_decodes_the_
 def test_serving_id_mixing_and_routing_match_dynamic_tables_and_fbgemm_bucketization() -> None:
     import fbgemm_gpu  # noqa: F401  (registers the op)
 
-    from recsys_trainer.dynamic import ID_SPACE, DynamicTable, _mc_module
+    from recsys_trainer.dynamic import ID_SPACE, DynamicTable
     from recsys_trainer.dynamic import mix_ids as training_mix
+    from recsys_trainer.dynamic.modules import _mc_module
 
     ids = torch.randint(0, 2**62, (3000,), generator=torch.Generator().manual_seed(0)) * 2 + 1
     assert torch.equal(mix_ids(ids), training_mix(ids))
