@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -45,6 +46,7 @@ from recsys_trainer import storage
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.component import CLASS_KEY, ComponentSpec, is_component
 from recsys_trainer.data.parquet import ParquetReadOptions
+from recsys_trainer.dynamic import DynamicTable
 from recsys_trainer.hooks import (
     EarlyStoppingHook,
     Hook,
@@ -155,6 +157,27 @@ def _build(cls: type[T], section: str, raw: Any) -> T:
 # ---------------------------------------------------------------------------- model
 
 
+def _dynamic_table(key: str, raw: Any) -> DynamicTable:
+    """The ``DynamicTable`` that the mapping at config key ``key`` gives by field names
+    (``{num_slots: 1000000, eviction_interval_rows: 4096}``); errors name ``key.<field>``."""
+    try:
+        return _build(DynamicTable, key, raw)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace(f"`{key}`: `DynamicTable.", f"`{key}.")) from exc
+
+
+def _takes_dynamic_table(fn: Any) -> bool:
+    """Whether ``fn`` (a model class or function) has a ``dynamic`` argument annotated with
+    ``DynamicTable`` (``DLRMClassifier``, ``DINClassifier``): a mapping given for it in a config
+    is then built into one."""
+    target = getattr(fn, "__init__") if isinstance(fn, type) else fn  # noqa: B009
+    try:
+        hint = typing.get_type_hints(target).get("dynamic")
+    except Exception:  # annotations that do not resolve: leave the argument as written
+        return False
+    return hint is DynamicTable or DynamicTable in typing.get_args(hint)
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """The bundled ``DLRMClassifier`` (``recsys_trainer.models``)."""
@@ -175,9 +198,16 @@ class ModelConfig:
     """Bottom (dense) MLP layer sizes."""
     over_arch: list[int] = field(default_factory=lambda: [64, 1])
     """Top MLP layer sizes (the last must be 1: one logit)."""
+    dynamic: dict[str, Any] | None = None
+    """Make every table dynamic: the fields of ``recsys_trainer.dynamic.DynamicTable``, e.g.
+    ``{num_slots: 1000000}``. Each table then has ``num_slots`` rows and takes raw ids (give a
+    parquet feature ``num_embeddings: 9223372036854775807``, the id space, so that ids pass
+    unhashed); ``num_embeddings`` does not size the tables (synthetic data draws ids below it)."""
 
     def __post_init__(self) -> None:
         check_choice("model.kind", self.kind, ("dlrm",), quote=False)
+        if self.dynamic is not None:
+            _dynamic_table("model.dynamic", self.dynamic)
         if self.sparse_features is not None:
             if isinstance(self.sparse_features, int) and not isinstance(self.sparse_features, bool):
                 check_int("model.sparse_features", self.sparse_features)
@@ -220,6 +250,7 @@ class ModelConfig:
             embedding_dim=self.embedding_dim,
             dense_arch=tuple(self.dense_arch),
             over_arch=tuple(self.over_arch),
+            dynamic=None if self.dynamic is None else _dynamic_table("model.dynamic", self.dynamic),
         )
 
 
@@ -228,14 +259,27 @@ class ClassModelConfig:
     """``model: {class: my_pkg.module.Model, **kwargs}``: any ``nn.Module`` class (or function
     returning one) by import path, called with the other keys. The Trainer's contract applies
     (``forward(batch)`` returns the loss or ``(loss, outputs)``); nothing is derived from the
-    data: pass the feature names and table sizes your constructor wants."""
+    data: pass the feature names and table sizes your constructor wants. A ``dynamic`` argument
+    annotated ``DynamicTable`` (``DINClassifier``'s) takes its fields as a mapping."""
 
     spec: ComponentSpec
+
+    def __post_init__(self) -> None:
+        self._dynamic()  # checked when the config is loaded
+
+    def _dynamic(self) -> DynamicTable | None:
+        raw = self.spec.kwargs.get("dynamic")
+        if not isinstance(raw, Mapping) or not _takes_dynamic_table(self.spec.target):
+            return None
+        return _dynamic_table("model.dynamic", raw)
 
     def build(self) -> Any:
         from torch import nn
 
-        model = self.spec.build()
+        dynamic = self._dynamic()
+        spec = self.spec if dynamic is None else dataclasses.replace(
+            self.spec, kwargs={**self.spec.kwargs, "dynamic": dynamic})
+        model = spec.build()
         if not isinstance(model, nn.Module):
             raise ConfigError(f"`model` ({self.spec.path}) built a {type(model).__name__}, not a "
                               "torch.nn.Module.")

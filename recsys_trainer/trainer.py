@@ -143,6 +143,10 @@ class TrainerState:
     """Training rows of all ranks in the steps done (the same on every rank; periods in rows)."""
     last_step_rows: int = 0
     """Rows of all ranks in the last step."""
+    eval_owed: list[str] | None = None
+    """The evaluation ``train_and_evaluate`` owes after the current train window: its eval
+    window ids (``[]``: all eval data), None when none is owed. Saved, so that a run stopped
+    after its last step but before that evaluation finished evaluates on resume."""
     stop_reason: str | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -150,7 +154,8 @@ class TrainerState:
                 if k not in ("mode", "stop_reason", "last_step_rows")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        state = {"rows_seen": 0, **state}  # checkpoints from before rows_seen existed
+        # Checkpoints from before rows_seen / eval_owed existed.
+        state = {"rows_seen": 0, "eval_owed": None, **state}
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -572,6 +577,10 @@ class Trainer:
         self.hooks.fire("before_train", self)
         # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
         done = args.train_steps is not None and st.global_step >= args.train_steps
+        if done and with_eval and st.eval_owed is not None and self.eval_dataset is not None:
+            # Stopped (signal, crash) after the last step but before the evaluation after it.
+            self._evaluate(self.eval_dataset, st.eval_owed or None)
+            st.eval_owed = None
         start_step, epochs, listed, entered = st.global_step, 0, 0, 0  # to tell "nothing to train"
         while not done and st.epoch < args.train_epoch:
             epochs += 1
@@ -601,11 +610,15 @@ class Trainer:
                 eval_on = [eval_id] if eval_id is not None else None
                 self._step_eval = (eval_ds, eval_on) if with_eval and eval_ds is not None and (
                     eval_on or not paired) else None
+                eval_due = self._step_eval is not None and self._eval_due_after(
+                    "window", index + 1, paired)
+                st.eval_owed = list(eval_on or []) if eval_due else None
                 done = self._train_window(train_ds, window_id)
-                if self._step_eval is not None and self._eval_due_after("window", index + 1, paired):
+                if self._step_eval is not None and eval_due:
                     if paired and not done and pairing.needs_next_train_id():
                         pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
                     self._evaluate(*self._step_eval)
+                st.eval_owed = None
                 self._step_eval = None
                 if not done:
                     # The window is finished: the resume position moves to the next one.
@@ -616,7 +629,9 @@ class Trainer:
             self.hooks.fire("after_epoch", self, st.epoch)
             if with_eval and eval_ds is not None and self._eval_due_after(
                     "epoch", st.epoch + 1, windowed=eval_windows is not None):
+                st.eval_owed = []
                 self._evaluate(eval_ds, None)
+                st.eval_owed = None
             if not done:
                 st.epoch += 1
                 st.window_index = 0

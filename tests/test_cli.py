@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +107,13 @@ def test_a_bad_args_value_raises_the_training_arguments_error() -> None:
      r"unknown key\(s\) `hooks\[0\].patients` for hook 'early_stopping'; allowed: name, metric, mode, patience"),
     ({"hooks": "[{name: early_stopping, patience: 0}]"}, r"`hooks\[0\]` \(early_stopping\): `patience` must be"),
     ({"model.num_dense": "null"}, r"with `data.kind: synthetic` the model defines the schema: set `model.num_dense`"),
+    ({"model.dynamic": "{num_slots: 1}"}, r"^`model.dynamic.num_slots` must be an int >= 2, but is 1\.$"),
+    ({"model.dynamic": "{num_slot: 64}"},
+     r"unknown key `model.dynamic.num_slot`; allowed keys in `model.dynamic`: num_slots, eviction_policy"),
+    ({"model.dynamic": "{num_slots: 64, eviction_policy: lfru}"},
+     r"`model.dynamic.eviction_policy` must be one of 'decayed_lfu', 'distance_lfu', 'lfu', 'lru'"),
+    ({"model.dynamic": "{eviction_interval_rows: 64}"}, r"missing required key `model.dynamic.num_slots`"),
+    ({"model.dynamic": "64"}, r"`model.dynamic` must be a mapping of keys to values, but is 64"),
 ])
 def test_config_errors_name_the_key_and_the_allowed_values(change: dict[str, Any], pattern: str) -> None:
     raw = tiny(**change)
@@ -190,6 +196,31 @@ def test_the_cli_trains_a_yaml_config_in_one_process(tmp_path: Path) -> None:
     assert any('"type": "train"' in r and '"step": 4' in r for r in records)
 
 
+def test_the_cli_trains_saves_and_resumes_a_dlrm_with_dynamic_tables_from_yaml(tmp_path: Path) -> None:
+    raw = apply_overrides(TINY, [("model.dynamic", "{num_slots: 64, eviction_interval_rows: 64}")])
+    p = subprocess.run([PY, "-m", "recsys_trainer", str(write_config(tmp_path, raw)), "--smoke"],
+                       capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "smoke test passed" in p.stdout  # train, evaluate, save, resume
+    # Every table is dynamic (the Trainer's per-window report of each one).
+    for i in range(4):
+        assert re.search(rf"dynamic table t_cat_{i} after window all: \d+/64 slots occupied", p.stderr)
+
+
+def test_a_model_class_with_a_dynamic_table_argument_takes_its_fields_from_yaml() -> None:
+    from recsys_trainer.dynamic import dynamic_table_names, mc_modules
+
+    raw = apply_overrides(TINY, [("model", "{class: recsys_trainer.ranking_models.DINClassifier, "
+                                           "sparse_features: [cat_0], num_dense: 4, num_embeddings: 200, "
+                                           "num_items: 100, dynamic: {num_slots: 64, buckets: 1}}")])
+    model = RunConfig.from_dict(raw).model.build()
+    assert dynamic_table_names(model) == {"t_item"}
+    assert mc_modules(model)["t_item"]._zch_size == 64  # type: ignore[attr-defined]
+    raw["model"]["dynamic"] = {"num_slots": 64, "half_life": 2}
+    with pytest.raises(ConfigError, match=r"unknown key `model.dynamic.half_life`; allowed keys"):
+        RunConfig.from_dict(raw)
+
+
 def test_run_evaluate_loads_the_newest_checkpoint_of_a_cli_training_run(tmp_path: Path) -> None:
     cfg = write_config(tmp_path, tiny(**{"args.train_steps": 3, "args.save_end": "true"}))
     train = subprocess.run([PY, "-m", "recsys_trainer", str(cfg)], capture_output=True, text=True,
@@ -233,39 +264,6 @@ def _kill(procs: list[subprocess.Popen[str]]) -> None:
 
 
 @pytest.mark.distributed
-def test_two_torchrun_nodes_on_localhost_train_the_same_steps(tmp_path: Path) -> None:
-    """Two torchrun agents (``--nnodes=2 --nproc_per_node=1``, c10d rendezvous) run the CLI."""
-    from recsys_trainer.distributed import free_port
-
-    cfg = write_config(tmp_path, tiny(**{"args.train_steps": 5}))
-    port = free_port()
-    procs: list[subprocess.Popen[str]] = []
-    outs: list[str] = []
-    try:
-        for node_rank in range(2):
-            cmd = [PY, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                   "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                   f"--rdzv_id=cli-test-{port}", f"--node_rank={node_rank}",
-                   "--max_restarts=0", "-m", "recsys_trainer", str(cfg)]
-            procs.append(subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                cwd=REPO, start_new_session=True,
-            ))
-        deadline = time.monotonic() + 180
-        for p in procs:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append(out)
-    except subprocess.TimeoutExpired:
-        _kill(procs)
-        pytest.fail("the 2-node run did not finish in 180 s")
-    finally:
-        _kill(procs)
-    for p, out in zip(procs, outs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    done = sorted(m for out in outs for m in re.findall(r"rank (\d)/2 done: global_step=(\d+)", out))
-    assert done == [("0", "5"), ("1", "5")], "\n\n".join(o[-2000:] for o in outs)
-
-
 def test_the_console_script_is_callable_as_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from recsys_trainer.cli import main
 

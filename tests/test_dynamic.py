@@ -290,7 +290,7 @@ class FakeClock:
 
 def test_a_pass_runs_once_eviction_interval_seconds_have_passed_at_a_step_end(
         tmp_path: Any, monkeypatch: Any) -> None:
-    import recsys_trainer.dynamic as dyn
+    import recsys_trainer.dynamic.id_map as dyn
     from recsys_trainer.hooks import LambdaHook
 
     clock = FakeClock()
@@ -449,7 +449,7 @@ def test_ids_unseen_for_n_windows_expire_free_their_rows_and_show_in_stats_and_d
 
 
 def test_ids_unseen_for_n_seconds_expire_at_a_pass(tmp_path: Any, monkeypatch: Any) -> None:
-    import recsys_trainer.dynamic as dyn
+    import recsys_trainer.dynamic.id_map as dyn
     from recsys_trainer.hooks import LambdaHook
 
     clock = FakeClock()
@@ -528,6 +528,67 @@ def build_shared(out: str, spec: DynamicTable, data: Any, **args: Any) -> Traine
                    dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
                    sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
                    add_logger_hook=False)
+
+
+def test_a_reset_row_outside_its_table_is_refused_and_the_next_table_is_untouched(
+        tmp_path: Any) -> None:
+    data = IdStream(FEATS, 100).batches(2, 32, seed=1)
+    t = build(str(tmp_path), DynamicTable(num_slots=32, eviction_interval=1, admission_threshold=1),
+              data, train_steps=2)
+    t.train()
+    coll: Any = next(c for _, c in dynamic_collections(t.model))
+    tbe, _ = coll._table_to_tbe_and_index["t_u"]
+    # The table laid out first in the host buffer: its row 32 would be the next table's row 0.
+    first = min(range(2), key=lambda k: int(tbe.weights_offsets[list(tbe.feature_table_map)
+                                                                 .index(k)]))
+    before = [w.clone() for w in tbe.split_embedding_weights()]
+    with pytest.raises(IndexError):
+        tbe.reset_embedding_weight_momentum(
+            pruned_indices=torch.tensor([32]), pruned_indices_offsets=torch.tensor([0, 1]),
+            logical_table_ids=torch.tensor([first]), buffer_ids=torch.tensor([0], dtype=torch.int))
+    assert all(torch.equal(a, b) for a, b in zip(before, tbe.split_embedding_weights(), strict=True))
+
+
+def test_a_pass_admits_and_evicts_exactly_as_torchrecs_update_and_evict() -> None:
+    # DynamicMCHModule._admit skips torchrec's handling of resident ids in the input (a pass
+    # ranks only ids of the history, which had no row when seen): two maps fed the same ids,
+    # one admitting through torchrec's _update_and_evict, stay equal bit for bit.
+    from recsys_trainer.dynamic import DynamicMCHModule, make_eviction_policy
+
+    def torchrec_admit(m: Any, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        m._update_and_evict(ids, counts, {})
+        pos = torch.searchsorted(m._mch_sorted_raw_ids, ids)
+        return (m._mch_sorted_raw_ids[pos] == ids).nonzero().squeeze(1)
+
+    for seed, fallback, half_life in ((0, 1, 4.0), (1, 3, 1e9), (2, 5, 2.0)):
+        g = torch.Generator().manual_seed(seed)
+        spec = DynamicTable(num_slots=48, eviction_interval=1, fallback_rows=fallback,
+                            count_half_life=half_life, admission_threshold=1)
+        maps: list[Any] = [
+            DynamicMCHModule(zch_size=48, device=torch.device("cpu"),
+                             eviction_policy=make_eviction_policy(spec), eviction_interval=1,
+                             input_hash_size=2**63 - 1, input_hash_func=mix_ids, name="t",
+                             buckets=1).train() for _ in range(2)]
+        for m in maps:
+            m.fallback_per_shard = fallback
+        maps[1]._admit = lambda ids, counts, m=maps[1]: torchrec_admit(m, ids, counts)
+        for step in range(16):  # a full map from the 3rd pass; ties between counts
+            ids = mix_ids(torch.randint(0, 30 + 10 * step, (40,), generator=g))
+            for m in maps:
+                m.profile({"t": JaggedTensor(values=ids, lengths=torch.ones(40, dtype=torch.int64),
+                                             weights=torch.tensor([40]))})
+            evicted = [m.evict() for m in maps]
+            assert (evicted[0] is None) == (evicted[1] is None)
+            assert evicted[0] is None or torch.equal(evicted[0], evicted[1])
+            for k, v in maps[0].state_dict().items():
+                assert torch.equal(v, maps[1].state_dict()[k]), (seed, step, k)
+            assert maps[0].counters == maps[1].counters
+            used = maps[0]._current_history_buffer_offset
+            assert used == maps[1]._current_history_buffer_offset
+            assert torch.equal(maps[0]._history_accumulator[:used],
+                               maps[1]._history_accumulator[:used])
+            assert torch.equal(maps[0]._history_counts, maps[1]._history_counts)
+        assert maps[0].counters["evicted"] > 0 and maps[0].occupied() == 48 - fallback
 
 
 def test_a_table_read_by_several_features_shares_ids_and_rows_and_its_reset_touches_only_it(

@@ -183,6 +183,44 @@ def test_sigint_during_an_evaluation_abandons_it_and_the_rerun_evaluates_that_wi
     assert [w for mode, w in evaluated if mode == "eval"] == ["w1", "w2"]
 
 
+@pytest.mark.parametrize("stop", ["sigterm", "crash"])
+def test_a_run_stopped_during_the_evaluation_after_its_last_step_evaluates_on_rerun(
+        tmp_path: Path, stop: str) -> None:
+    # train_steps=20 ends inside train window w2 (8 steps a window); the evaluation of w2 follows.
+    # "sigterm" commits step 20 during it; "crash" leaves the save_steps checkpoint of step 20,
+    # written before it (a SIGKILL's view). Either way the rerun resumes at the last step.
+    evaluated: list[str] = []
+
+    def before_window(trainer: Trainer, window_id: str) -> None:
+        if trainer.state.mode == "eval":
+            evaluated.append(window_id)
+
+    def after_eval_step(trainer: Trainer, output: StepOutput) -> None:
+        if trainer.state.window_id == "w2" and output.step == 1:
+            if stop == "sigterm":
+                signal_self()
+            else:
+                raise RuntimeError("the host went away")
+
+    out = str(tmp_path / "cut")
+    t = build(out, [LambdaHook(before_window=before_window, after_eval_step=after_eval_step)],
+              eval_windows=3, train_steps=20, save_steps=10)
+    if stop == "sigterm":
+        assert run_preempted(t, with_eval=True).preemption.step == 20
+    else:
+        with pytest.raises(RuntimeError, match="the host went away"):
+            t.train_and_evaluate()
+    assert committed_steps(out) == [10, 20] and evaluated == ["w0", "w1", "w2"]
+    evaluated.clear()
+    metrics: list[dict[str, float]] = []
+    resumed = build(out, [LambdaHook(before_window=before_window,
+                                     after_evaluate=lambda tr, m: metrics.append(m))],
+                    eval_windows=3, train_steps=20, save_steps=10)
+    resumed.train_and_evaluate()
+    assert resumed.state.global_step == 20
+    assert evaluated == ["w2"] and len(metrics) == 1
+
+
 def test_sigterm_at_a_window_change_stops_before_the_new_windows_first_step(
         tmp_path: Path) -> None:
     def before_window(trainer: Trainer, window_id: str) -> None:
@@ -285,6 +323,23 @@ def test_preemption_grace_s_is_validated_and_none_leaves_the_signals_alone(tmp_p
         signal.getsignal(signal.SIGTERM)))], train_steps=1, preemption_grace_s=None)
     t.train()
     assert seen == [handler_before]
+
+
+def test_a_fresh_start_under_torchrun_max_restarts_says_a_restart_needs_resume_from_auto(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """``resume_from=None`` under ``--max-restarts``: the restarted attempt meets the first
+    attempt's checkpoints and fails on every restart; the error says what to set."""
+    build(str(tmp_path), train_steps=2, save_steps=1, resume_from=None).train()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    from recsys_trainer.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"holds committed checkpoints at steps \[1, 2\].*"
+                       r"Under torchrun --max-restarts=2 a restarted attempt must resume from "
+                       r"them: set `resume_from` to \"auto\" \(the default\)"):
+        build(str(tmp_path), train_steps=2, save_steps=1, resume_from=None).train()
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
+    with pytest.raises(CheckpointError, match=r"another `output_dir`\.$"):
+        build(str(tmp_path), train_steps=2, save_steps=1, resume_from=None).train()
 
 
 def test_a_restarted_torchrun_attempt_takes_over_its_earlier_attempts_lease_at_once(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,14 +35,30 @@ from recsys_trainer.distributed import free_port
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "configs" / "dlrm_synthetic.yaml"
 TESTS = Path(__file__).resolve().parent
 PY = sys.executable
 STEPS, SAVE_EVERY = 40, 10
 JOB_TIMEOUT_S = 240
 
 
-def config(tmp_path: Path, out: Path, pace_s: float) -> Path:
-    raw: dict[str, Any] = {
+def config(tmp_path: Path, out: Path, pace_s: float, **replace: Any) -> Path:
+    """The example's YAML (``examples/configs/dlrm_synthetic.yaml``, as the README's production
+    command runs it) with a smaller model and data, a save period and a pacing hook; sections in
+    ``replace`` replace the example's whole."""
+    raw: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    for section, values in {**_small(out, pace_s), **replace}.items():
+        if isinstance(values, dict) and section not in replace:
+            raw[section] = {**raw.get(section, {}), **values}
+        else:
+            raw[section] = values
+    path = tmp_path / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _small(out: Path, pace_s: float) -> dict[str, Any]:
+    return {
         "run": "train",
         "args": {"output_dir": str(out), "train_steps": STEPS, "log_steps": 10,
                  "save_steps": SAVE_EVERY, "save_end": True, "seed": 3},
@@ -53,9 +70,6 @@ def config(tmp_path: Path, out: Path, pace_s: float) -> Path:
         "hooks": [{"class": "custom_components.Progress", "path": str(out) + ".progress",
                    "pace_s": pace_s}],
     }
-    path = tmp_path / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def env() -> dict[str, str]:
@@ -225,6 +239,50 @@ def test_two_nodes_rejoin_after_one_nodes_worker_is_killed_and_resume(
         for j in jobs:
             j.kill()
     assert_same_model(final_model(out), reference)
+
+
+def test_a_repeating_fault_ends_after_the_restart_budget_naming_it_and_keeps_the_checkpoints(
+        tmp_path: Path) -> None:
+    """A corrupt file in the second window under ``--max-restarts=1``: both attempts resume from
+    the newest commit and fail on that file with the named ``DataError``; torchrun gives up and
+    the job ends non-zero within the bound, its committed checkpoints unchanged and verifying."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    rng = np.random.default_rng(0)
+    for hour in range(2):
+        (data / f"hour={hour:02d}").mkdir(parents=True)
+        for part in range(2):
+            pq.write_table(pa.table({"y": rng.integers(0, 2, 640).astype(np.float32),
+                                     "x": rng.random(640, dtype=np.float32),
+                                     "item": rng.integers(0, 100, 640)}),
+                           data / f"hour={hour:02d}" / f"part-{part}.parquet")
+    bad = data / "hour=01" / "part-1.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file")
+    cfg = config(tmp_path, out, pace_s=0.0,
+                 model={"embedding_dim": 8, "dense_arch": [16], "over_arch": [16, 1]},
+                 data={"kind": "parquet", "train": str(data), "batch_size": 32,
+                       "features": {"labels": ["y"], "dense": ["x"],
+                                    "sparse": [{"name": "item", "num_embeddings": 100}]}})
+    job = Job(cfg, tmp_path / "log", "--standalone", "--nproc_per_node=2", "--max-restarts=1")
+    assert job.wait() != 0
+    text = job.text()
+    # The first attempt's saves (window 1: 20 steps, save_steps=10) are what is committed at
+    # the end: the restart resumed from the newest and changed nothing.
+    saved = sorted({int(s) for s in re.findall(r"checkpoint step (\d+) committed", text)})
+    committed = [i.step for i in layout.list_committed(str(out))]
+    assert committed == saved and saved, text[-4000:]
+    assert f"resuming from {out / layout.step_dir_name(saved[-1])}" in text, text[-4000:]
+    for attempt in (0, 1):
+        assert f"(torchrun restart {attempt})" in text, text[-4000:]
+    assert text.count(f"DataError: file {bad}") >= 2, text[-4000:]
+    info = layout.latest_committed(str(out))
+    assert info is not None
+    manifest = layout.read_manifest(info.where)
+    assert manifest is not None
+    layout.verify_files(info.where, manifest, checksums=True)
 
 
 def _one_rank_signalled(root: str) -> dict[str, Any]:

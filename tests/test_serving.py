@@ -100,6 +100,22 @@ def test_an_export_from_the_checkpoint_equals_the_export_from_the_live_trainer(d
     with pytest.raises(FileExistsError, match="already holds a committed serving artifact"):
         export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(tmp_path / "a"), model=model,
                            features=spec)
+    # A directory holding anything an export does not write (a mistyped output_dir: the
+    # checkpoints, a parent of artifacts) is refused and left alone, not cleared.
+    mine = tmp_path / "mine"
+    (mine / "step_00000003").mkdir(parents=True)
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"holds \['notes.txt', 'step_00000003'\]"):
+        export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(mine), model=model, features=spec)
+    assert (mine / "notes.txt").read_text() == "keep" and (mine / "step_00000003").is_dir()
+    # What an export that died before its marker left is cleared by the next one.
+    left = tmp_path / "left"
+    (left / "vocab").mkdir(parents=True)
+    for name in (mf.TABLES, "manifest.json.tmp.99", "vocab/C1.json"):
+        (left / name).write_bytes(b"partial")
+    export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(left), model=model, features=spec)
+    assert Scorer(str(left)).content_hash == summary.content_hash
+    assert not (left / "manifest.json.tmp.99").exists() and not (left / "vocab").exists()
 
 
 def test_an_artifact_on_object_storage_loads_and_scores_the_same(dlrm) -> None:
@@ -126,6 +142,8 @@ def test_rows_as_dicts_with_nulls_and_missing_columns_get_what_training_does_or_
     with pytest.raises(DataError, match="'C9'.*declared sparse id column is missing"):
         scorer.score([{k: v for k, v in r.items() if k != "C9"} for r in rows])
     assert scorer.score(table.slice(0, 0)).shape == (0,)
+    with pytest.raises(DataError, match="column 'C4': its values do not make one column"):
+        scorer.score([rows[0], {**rows[1], "C4": 5}])  # a string column given an int
 
 
 def test_a_negative_dynamic_id_is_refused_as_in_training() -> None:
@@ -172,8 +190,9 @@ def test_the_spec_round_trips_through_json_with_every_transform_and_decodes_the_
 def test_serving_id_mixing_and_routing_match_dynamic_tables_and_fbgemm_bucketization() -> None:
     import fbgemm_gpu  # noqa: F401  (registers the op)
 
-    from recsys_trainer.dynamic import ID_SPACE, DynamicTable, _mc_module
+    from recsys_trainer.dynamic import ID_SPACE, DynamicTable
     from recsys_trainer.dynamic import mix_ids as training_mix
+    from recsys_trainer.dynamic.modules import _mc_module
 
     ids = torch.randint(0, 2**62, (3000,), generator=torch.Generator().manual_seed(0)) * 2 + 1
     assert torch.equal(mix_ids(ids), training_mix(ids))
@@ -232,6 +251,19 @@ def test_a_corrupt_uncommitted_or_pickling_artifact_is_refused_naming_the_file(d
         f.seek(-3, 2)
         f.write(b"\x00\x01\x02")
     with pytest.raises(ArtifactError, match="tables.safetensors.*corrupt"):
+        Scorer(bad)
+    # A truncated manifest (a copy cut short) and a garbled marker are named, not JSON errors.
+    shutil.copy(os.path.join(dlrm["art"], mf.TABLES), os.path.join(bad, mf.TABLES))
+    manifest = open(os.path.join(bad, mf.MANIFEST), "rb").read()
+    with open(os.path.join(bad, mf.MANIFEST), "wb") as f:
+        f.write(manifest[:len(manifest) // 2])
+    with pytest.raises(ArtifactError, match="manifest of .* does not match its COMMITTED marker"):
+        Scorer(bad)
+    with open(os.path.join(bad, mf.MANIFEST), "wb") as f:
+        f.write(manifest)
+    with open(os.path.join(bad, mf.MARKER), "wb") as f:
+        f.write(b'{"manifest_sha')
+    with pytest.raises(ArtifactError, match="COMMITTED marker of .* is corrupt"):
         Scorer(bad)
     os.remove(os.path.join(bad, mf.MARKER))
     with pytest.raises(ArtifactError, match="not a committed serving artifact"):
@@ -401,3 +433,96 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
     again = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "again"), model=model(),
                                features=spec)
     assert again.content_hash == summary.content_hash
+    # A vocabulary of the same size but other entries is another spec: no delta across it
+    # (it would leave the scorer decoding with the old entries).
+    from recsys_trainer.data.features import Vocabulary
+    from recsys_trainer.serving import export_delta
+
+    genre = trainer.vocabularies["genre"]
+    swapped = dataclasses.replace(spec, sparse=[dataclasses.replace(
+        spec.sparse[0], vocab=Vocabulary(list(reversed(genre.values)), kind=genre.kind,
+                                      source="test")),
+        *spec.sparse[1:]])
+    with pytest.raises(ArtifactError, match="feature spec changed"):
+        export_delta(str(tmp_path / "ckpt"), art, str(tmp_path / "delta"), model=model(),
+                     features=swapped)
+
+
+def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_predict(tmp_path) -> None:
+    """A weighted pooled collection (multi-hot ids with per-id weights, a bucketized feature
+    with ``null_id``) and one sequence table read by a candidate and a truncated history: the
+    Scorer gives ``predict``'s scores, from a table and from dicts, one row at a time too, where
+    a row's empty lists (no tags, no weights, no history) are what training reads, not a type
+    error."""
+    from test_data_inputs_dist import MAX_LEN, SeqModel, seq_spec, write_seq_windows
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.predict import read_predictions
+
+    class ServableSeqModel(SeqModel):
+        def serving_sequence_lengths(self) -> dict[str, int]:
+            return {"item": 1, "hist_item": MAX_LEN}
+
+        def serving_logits(self, dense, pooled, sequences, lengths):  # type: ignore[no-untyped-def]
+            item = sequences["item"].squeeze(1)
+            interest = (sequences["hist_item"] * item.unsqueeze(1)).sum(1)
+            x = torch.cat([dense * 0.01, pooled["user"], pooled["tags"], pooled["age_b"], item,
+                           interest], dim=1)
+            return self.top(x).squeeze(-1)
+
+    spec = seq_spec()
+    write_seq_windows(str(tmp_path / "data"), [[64], [48]])
+    windows = [str(tmp_path / "data" / f"hour={w:02d}" / "part-0.parquet") for w in range(2)]
+    trainer = Trainer(ServableSeqModel(spec), TrainingArguments(output_dir=str(tmp_path / "ckpt"),
+                                                                log_steps=1000),
+                      train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=16),
+                      dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                      sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+                      add_logger_hook=False)
+    trainer.train()
+    trainer.predict(ParquetWindowDataset(windows[1:], dataclasses.replace(spec, passthrough=["row_id"]),
+                                         batch_size=48), str(tmp_path / "pred"))
+    pred = read_predictions(str(tmp_path / "pred"))
+    want = dict(zip(pred.column("row_id").to_pylist(), pred.column("y").to_pylist(), strict=True))
+    export_for_serving(trainer, str(tmp_path / "art"))
+    scorer = Scorer(str(tmp_path / "art"))
+    assert scorer.tables["t_tags"].weighted and scorer.tables["t_item"].kind == "sequence"
+    rows = pq.read_table(windows[1])
+    got = dict(zip(rows.column("row_id").to_pylist(), scorer.score(rows).tolist(), strict=True))
+    assert set(got) == set(want) and max(abs(got[r] - want[r]) for r in want) == 0.0
+    dicts = rows.to_pylist()
+    # Rows whose tags (and their weights) or history are empty lists, one per request.
+    empty = [r for r in dicts if not r["tags"]][:2] + [{**dicts[1], "hist": []}]
+    assert len(empty) == 3 and not empty[0]["tag_w"]
+    typed = scorer.score(pa.Table.from_pylist(empty, schema=rows.schema))
+    one_by_one = np.array([scorer.score([r])[0] for r in empty])
+    assert np.abs(one_by_one - typed).max() <= 1e-6
+    assert abs(typed[0] - want[empty[0]["row_id"]]) <= 1e-6
+
+
+def test_a_delta_that_fails_to_apply_leaves_the_scorer_as_it_was(dlrm, tmp_path) -> None:
+    """A delta directory missing its new dense program (a partial copy) is refused, and the
+    scorer still scores as its base: no table was changed before the failure."""
+    import shutil
+
+    from recsys_trainer.serving import export_delta
+
+    spec, model = su.spec_and_model("dlrm")
+    ckpt = os.path.join(dlrm["root"], "ckpt")
+    base, delta, full = (str(tmp_path / n) for n in ("base", "delta", "full"))
+    export_for_serving(os.path.join(ckpt, "step_00000003"), base, model=model, features=spec)
+    export_delta(os.path.join(ckpt, "step_00000005"), base, delta, full_out_dir=full,
+                 model=su.spec_and_model("dlrm")[1], features=spec)
+    rows = pq.read_table(dlrm["windows"][-1])
+    scorer, before = Scorer(base), Scorer(base).score(rows)
+    program = os.path.join(delta, mf.PROGRAM)
+    shutil.move(program, str(tmp_path / "kept.pt2"))  # the dense part changed: the delta has one
+    with pytest.raises(ArtifactError, match="has no file 'dense.pt2'"):
+        scorer.apply_delta(delta)
+    assert np.array_equal(scorer.score(rows), before) and scorer.step == 3
+    shutil.move(str(tmp_path / "kept.pt2"), program)
+    scorer.aot_inductor = True  # as if it ran an AOTInductor package: the delta's program replaces it
+    scorer.apply_delta(delta)
+    assert not scorer.aot_inductor
+    assert np.array_equal(scorer.score(rows), Scorer(full).score(rows)) and scorer.step == 5

@@ -271,20 +271,22 @@ def test_a_stalled_or_killed_rank_fails_the_others_with_a_named_error(tmp_path, 
     assert r0["seconds"] < 60  # hang guard: the default timeout was 1800 s
 
 
-def test_twenty_2_rank_jobs_exit_cleanly_with_no_gloo_thread_left_for_interpreter_finalization(
+def test_2_rank_jobs_exit_cleanly_with_no_gloo_thread_left_for_interpreter_finalization(
         tmp_path) -> None:
     # Each job leaves through a real interpreter exit (tests/exit_driver.py forks the ranks from a
     # process that imported the stack once). A gloo thread still alive when finalization starts
     # can abort a finished job with "terminate called without an active exception" (SIGABRT).
+    # The thread count is deterministic (every process of every job left one before the fix),
+    # so a few jobs catch it; the abort itself is the rare symptom, not what is counted.
     import json
     import subprocess
     import sys
 
     driver = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_driver.py")
-    proc = subprocess.run([sys.executable, driver, "20", str(tmp_path)], capture_output=True,
+    proc = subprocess.run([sys.executable, driver, "5", str(tmp_path)], capture_output=True,
                           text=True, timeout=420, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 40
+    assert len(results) == 10
     bad = [r for r in results if r["exit"] != 0 or r["terminate"] or r["gloo_threads_at_exit"] != 0]
     assert bad == [], bad[:3]

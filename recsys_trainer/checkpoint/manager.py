@@ -33,6 +33,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import logging
+import os
 import socket
 import time
 import zlib
@@ -477,12 +478,18 @@ class CheckpointManager:
                    if i.step >= start and not (source is not None and
                                                layout.same_place(i.where, source.where))]
         if foreign:
+            # Under torchrun --max-restarts a restarted attempt meets its own earlier attempt's
+            # checkpoints here, and every restart would fail the same way.
+            restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+            hint = (f" Under torchrun --max-restarts={restarts} a restarted attempt must resume "
+                    "from them: set `resume_from` to \"auto\" (the default)."
+                    if self.resume_from is None and restarts not in ("", "0") else "")
             raise CheckpointError(
                 f"`output_dir` {self.output_dir!r} holds committed checkpoints at steps "
                 f"{foreign}, at or after step {start} where this run starts (resume_from="
                 f"{self.resume_from!r}); this run's saves of those steps would be skipped, and a "
                 f"restart would resume from them instead of from this run. Move them out of "
-                f"`output_dir`, or use another `output_dir`.",
+                f"`output_dir`, or use another `output_dir`.{hint}",
                 step=start, path=self.output_dir, kind="mismatch")
 
     def _prepare_staging(self) -> None:

@@ -130,14 +130,21 @@ def compute_delta(base: Mapping[str, Any], base_tensors: Mapping[str, torch.Tens
 
 
 def apply_table_delta(tables: Mapping[str, Table], delta: Delta) -> dict[str, Table]:
-    """The tables after ``delta``. Checks every entry first, then writes plain tables' rows in
-    place (their tensors are the scorer's own) and builds new id maps for dynamic tables."""
+    """The tables after ``delta``. Checks every table's entries first (a failure changes
+    nothing), then writes plain tables' rows in place (their tensors are the scorer's own) and
+    builds new id maps for dynamic tables."""
     summary = {t["name"]: t for t in delta.manifest["tables"]}
     if set(summary) != set(tables):
         raise mf.ArtifactError(f"the delta holds tables {sorted(summary)}, the scorer "
                                f"{sorted(tables)}; it belongs to another model.")
     d = delta.tensors
     for name, t in tables.items():
+        keys = (("rows", "values") if t.dynamic is None
+                else ("upsert_ids", "upsert_vectors", "deleted_ids"))
+        missing = [f"{name}.{k}" for k in keys if f"{name}.{k}" not in d]
+        if missing:
+            raise mf.ArtifactError(f"the delta lacks the tensors {missing} of table {name!r}; "
+                                   "export it again.")
         if t.dynamic is None:
             assert t.weight is not None
             rows, values = d[f"{name}.rows"], d[f"{name}.values"]
@@ -146,6 +153,14 @@ def apply_table_delta(tables: Mapping[str, Table], delta: Delta) -> dict[str, Ta
                 raise mf.ArtifactError(f"the delta's rows of table {name!r} do not fit the table "
                                        f"({tuple(values.shape)} {values.dtype} into "
                                        f"{tuple(t.weight.shape)} {t.weight.dtype}).")
+        else:
+            vec = d[f"{name}.upsert_vectors"]
+            if vec.dtype != t.dynamic.vectors.dtype or tuple(vec.shape[1:]) != tuple(
+                    t.dynamic.vectors.shape[1:]) or len(vec) != len(d[f"{name}.upsert_ids"]):
+                raise mf.ArtifactError(f"the delta's rows of dynamic table {name!r} do not fit "
+                                       f"it ({tuple(vec.shape)} {vec.dtype} into "
+                                       f"{tuple(t.dynamic.vectors.shape)} "
+                                       f"{t.dynamic.vectors.dtype}).")
     out: dict[str, Table] = {}
     for name, t in tables.items():
         if t.dynamic is None:

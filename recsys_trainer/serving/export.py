@@ -470,7 +470,13 @@ def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, b
         raise FileExistsError(f"{root.url!r} already holds a committed serving artifact; export "
                               "into a new directory (artifacts are never overwritten).")
     if layout.is_dir(root):
-        layout.remove_tree(root)
+        foreign = _foreign_names(root)
+        if foreign:
+            raise FileExistsError(
+                f"{root.url!r} exists and holds {foreign[:3]}, which no serving export writes; "
+                "export into a new or empty directory (it is not cleared: it may hold your "
+                "checkpoints or other artifacts).")
+        layout.remove_tree(root)  # an export that died before its marker: only its own files
     layout.make_dir(root)
     if any("/" in n for n in files):
         layout.make_dir(root.join(mf.VOCAB_DIR))
@@ -483,6 +489,27 @@ def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, b
     layout.write_bytes(root.join(mf.MARKER), json.dumps(
         {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
     return total + len(body)
+
+
+_ARTIFACT_NAMES = frozenset({mf.MANIFEST, mf.TABLES, mf.PROGRAM, mf.AOTI_PROGRAM, dl.DELTA_TABLES})
+
+
+def _foreign_names(root: storage.Location) -> list[str]:
+    """Names in ``root`` that an export (full or delta, with its temporary files) does not
+    write: a directory holding any is not an unfinished export and must not be cleared."""
+    def ours(name: str, allowed: Any) -> bool:
+        return allowed(name.split(".tmp.", 1)[0])
+
+    foreign = [n for n in layout.list_names(root)
+               if n != mf.VOCAB_DIR and not ours(n, _ARTIFACT_NAMES.__contains__)]
+    if mf.VOCAB_DIR in layout.list_names(root):
+        vocab = root.join(mf.VOCAB_DIR)
+        if not layout.is_dir(vocab):
+            foreign.append(mf.VOCAB_DIR)
+        else:
+            foreign += [f"{mf.VOCAB_DIR}/{n}" for n in layout.list_names(vocab)
+                        if not ours(n, lambda b: b.endswith(".json"))]
+    return sorted(foreign)
 
 
 def _on_rank_zero(trainer: Any, work: Any) -> Any:

@@ -92,7 +92,9 @@ def _feature_to_json(f: _IdFeature, files: dict[str, bytes]) -> dict[str, Any]:
                     "checkpoint that holds it.")
             name = _vocab_file(f.name)
             files[name] = vocab_to_json(v)
-            v = {"file": name, "kind": v.kind, "size": len(v)}
+            # The entries' hash too: the spec's hash (features_sha256) then pins the vocabulary,
+            # so a delta cannot be taken across a vocabulary that changed at the same size.
+            v = {"file": name, "kind": v.kind, "size": len(v), "sha256": sha256_bytes(files[name])}
         out[fld.name] = _value(v)
     return out
 
@@ -165,7 +167,16 @@ def read_manifest(root: storage.Location, *, verify: bool = True) -> dict[str, A
         raise ArtifactError(
             f"{root.url!r} is not a committed serving artifact (no {MARKER} marker: the export "
             "did not finish, or this is another directory).") from None
+    try:
+        committed = json.loads(marker.decode())["manifest_sha256"]
+    except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+        raise ArtifactError(f"the {MARKER} marker of {root.url!r} is corrupt (not the JSON the "
+                            "export writes); export the model again.") from None
     data = read_file(root, MANIFEST)
+    # The marker's hash first: a truncated or garbled manifest is named as such, not a JSON error.
+    if committed != sha256_bytes(data):
+        raise ArtifactError(f"the manifest of {root.url!r} does not match its {MARKER} marker "
+                            "(corrupt, or changed after the export committed).")
     manifest = json.loads(data.decode())
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(
@@ -173,9 +184,6 @@ def read_manifest(root: storage.Location, *, verify: bool = True) -> dict[str, A
             f"{manifest.get('schema_version')!r}; this reader reads {SCHEMA_VERSION}. Export it "
             "again with this version, or read it with the version that wrote it "
             f"({manifest.get('versions', {}).get('recsys_trainer')}).")
-    if json.loads(marker.decode()).get("manifest_sha256") != sha256_bytes(data):
-        raise ArtifactError(f"the manifest of {root.url!r} does not match its {MARKER} marker "
-                            "(changed after the export committed).")
     if verify:
         verify_files(root, manifest["files"], skip=(MANIFEST,))
     return manifest

@@ -32,7 +32,6 @@ from safetensors.torch import load as load_safetensors
 from recsys_trainer import storage
 from recsys_trainer.data.chunk import DecodedChunk
 from recsys_trainer.data.errors import DataError
-from recsys_trainer.data.inputs import SequenceFeature
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.delta import apply_table_delta, read_delta
@@ -248,24 +247,44 @@ class Scorer:
         return table
 
     def _from_pylist(self, rows: list[Mapping[str, Any]]) -> pa.Table:
-        """Dicts -> a table; a column whose values are all None gets the type training reads
-        it as (so a null is what training makes of a null, not a type error)."""
+        """Dicts -> a table. A column without one typed value (all None, or lists that are all
+        empty or None: pyarrow infers ``null`` / ``list<null>``) gets the type training reads it
+        as, so a null or an empty list is what training makes of it, not a type error."""
         # Every key of any row (from_pylist would take the first row's keys only); a key a
         # row lacks is a null there.
         keys = list(dict.fromkeys(k for r in rows for k in r))
-        table = pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in keys})
+        columns: dict[str, pa.Array] = {}
+        for k in keys:
+            try:
+                columns[k] = pa.array([r.get(k) for r in rows])
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:  # mixed types: name the column
+                raise DataError(f"its values do not make one column ({e}); give every row the "
+                                "same type (as a file's column has).", column=k,
+                                file="the rows to score") from None
+        table = pa.Table.from_pydict(columns)
         spec = self._decode_spec
-        for i, f in enumerate(table.schema):
-            if not pa.types.is_null(f.type):
+        id_type: dict[str, pa.DataType] = {}
+        for s in spec.id_features:
+            for c in s.sources:
+                kind = getattr(s.vocab, "kind", None)
+                id_type[c] = pa.float64() if s.boundaries is not None else (
+                    pa.string() if kind == "string" else pa.int64())
+        # A weight column of a multi-hot feature: a list exactly when its id column is one.
+        weight_of = {s.weight_column: s.source for s in spec.sparse if s.weight_column}
+        sequences = {s.source for s in spec.sequence if s.max_len > 1}
+        # Id columns first: a weight column follows the type its id column ends up with.
+        order = sorted(range(table.num_columns), key=lambda i: table.schema[i].name in weight_of)
+        for i in order:
+            f = table.schema.field(i)
+            listed = pa.types.is_list(f.type) or pa.types.is_large_list(f.type)
+            if not (pa.types.is_null(f.type) or (listed and pa.types.is_null(f.type.value_type))):
                 continue
-            typ: pa.DataType = pa.float64()
-            for s in spec.id_features:
-                if f.name in s.sources and s.boundaries is None:
-                    kind = getattr(s.vocab, "kind", None)
-                    typ = pa.string() if kind == "string" else pa.int64()
-                    if isinstance(s, SequenceFeature) and s.max_len > 1:
-                        typ = pa.list_(typ)
-            table = table.set_column(i, f.name, pa.nulls(table.num_rows, typ))
+            elem = id_type.get(f.name, pa.float32() if f.name in weight_of else pa.float64())
+            if f.name in weight_of and weight_of[f.name] in table.schema.names:
+                ids = table.schema.field(weight_of[f.name]).type
+                listed = listed or pa.types.is_list(ids) or pa.types.is_large_list(ids)
+            typ = pa.list_(elem) if listed or f.name in sequences else elem
+            table = table.set_column(i, f.name, table.column(i).cast(typ))
         return table
 
     # ------------------------------------------------------------------ deltas
@@ -287,16 +306,23 @@ class Scorer:
         if meta["features_sha256"] != self.manifest["features_sha256"]:
             raise mf.ArtifactError(f"the delta {root.url!r} was exported with another feature "
                                    "spec; load a full export instead.")
-        tables = apply_table_delta(self.tables, delta)
+        # The program before the tables: apply_table_delta writes plain tables' rows in place,
+        # so everything that can fail (a missing or refused file) must have run by then.
         program = None
         if meta["program"] is not None:
             data = delta.read(meta["program"]["file"])
             check_program_archive(data, f"{root.url}/{meta['program']['file']}")
             program = _runnable(torch.export.load(io.BytesIO(data)))
+        tables = apply_table_delta(self.tables, delta)
         # Everything read and built: now switch (a failure above leaves the scorer as it was).
         self.tables = tables
         self._index_tables()
         if program is not None:
+            if self.aot_inductor:
+                # Deltas carry the torch.export program only (export_delta builds no package).
+                logger.warning("the delta %s changes the dense part: scoring with its torch.export "
+                               "program from now on, not the AOTInductor package.", root.url)
+                self.aot_inductor = False
             self._program = program
         self.step, self.content_hash = meta["target"]["step"], meta["target"]["content_hash"]
 

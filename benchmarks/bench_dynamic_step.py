@@ -1,0 +1,183 @@
+"""Where a dynamic table's step time goes: five models' steps on the same batches, interleaved.
+
+    python benchmarks/bench_dynamic_step.py [--rounds 8] [--quick]
+    torchrun --standalone --nproc_per_node=2 benchmarks/bench_dynamic_step.py   # 2 ranks
+
+The DLRM of ``bench_dynamic.py`` (dim 16, tables ``user`` and ``item``, fused row-wise Adagrad
+0.05, Adam 3e-3), 512 rows per rank and step, ``ChurnStream`` batches (each rank its own):
+
+- ``hashed``: ids hashed into 2,850 rows, an ``EmbeddingBagCollection`` (the baseline: the
+  planner's sharding, FBGEMM's pooled lookup);
+- ``ec_rw``: the same hashed ids through a plain ``EmbeddingCollection`` sharded ``row_wise``
+  and pooled as ``DynamicEmbeddingBagCollection`` pools: the unpooled lookup path that torchrec's
+  managed collision runs on, without any id map (benchmark only: the Trainer shards a plain
+  table row-wise on CPU only here, through the planner constraints of dynamic tables);
+- ``mc``: a dynamic table (1,600 slots) whose map does nothing (no mixing, no counting, no
+  pass, slot = id mod slots): torchrec's managed-collision path itself;
+- ``no_pass``: the default ``DynamicTable``, its passes stopped after the warm-up window (its
+  map full, as ``dynamic``'s: a table that never had a pass holds no id, and every lookup reads
+  its one fallback row, which makes the lookup and the optimizer's row updates cheaper);
+- ``dynamic``: the default ``DynamicTable`` (a pass every 2,048 rows).
+
+Step time is measured per step as process CPU time (what the step costs; other processes on a
+loaded host inflate wall time, not this) and wall time; the models take turns every ``--chunk``
+batches, ``--rounds`` times over 2 windows of 40 batches. Printed: mean and median ratios to
+``hashed``, and the differences between neighbours: the unpooled path (``ec_rw`` - ``hashed``),
+torchrec's managed-collision glue (``mc`` - ``ec_rw``), the map's per-forward work (``no_pass`` -
+``mc``), the passes (``dynamic`` - ``no_pass``). Rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import torch
+from bench_dynamic import FEATS, hashed, make, train_step
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+import recsys_trainer.dynamic as dynamic
+from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, shutdown
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.id_stream import ChurnStream
+from recsys_trainer.dynamic.modules import _pool
+from recsys_trainer.models import DLRMClassifier, make_tables
+
+DIM, SLOTS, HASHED_ROWS = 16, 1600, 2850
+MODELS = ("hashed", "ec_rw", "mc", "no_pass", "dynamic")
+
+
+class RowWiseBag(nn.Module):
+    """An ``EmbeddingBagCollection`` look-alike over a plain ``EmbeddingCollection``, pooled like
+    ``DynamicEmbeddingBagCollection`` (the unpooled path without an id map)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self._configs = make_tables(list(FEATS), rows, DIM)
+        self.ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name=t.name, embedding_dim=DIM, num_embeddings=rows,
+                            feature_names=t.feature_names) for t in self._configs],
+            device=torch.device("meta"))
+
+    def embedding_bag_configs(self) -> list[Any]:
+        return self._configs
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        looked_up = self.ec(features)
+        return KeyedTensor(keys=list(FEATS), length_per_key=[DIM] * len(FEATS),
+                           values=torch.cat([_pool(looked_up[f], False) for f in FEATS], dim=1))
+
+
+def make_ec_rw(out: str) -> Trainer:
+    torch.manual_seed(0)
+    model = DLRMClassifier(list(FEATS), 4, num_embeddings=HASHED_ROWS, embedding_dim=DIM,
+                           dense_arch=(32,), over_arch=(32, 1))
+    model.dlrm.sparse_arch.embedding_bag_collection = RowWiseBag(HASHED_ROWS)
+    planner_constraints = dynamic.planner_constraints
+
+    def row_wise(m: nn.Module, device_type: str) -> dict[str, dict[str, Any]]:
+        if any(isinstance(x, RowWiseBag) for x in m.modules()):
+            return {f"t_{f}": {"sharding_types": ["row_wise"], "compute_kernels": ["fused"]}
+                    for f in FEATS}
+        return planner_constraints(m, device_type)
+
+    dynamic.planner_constraints = row_wise  # read by recsys_trainer.sharding while it plans
+    try:
+        return Trainer(model=model, args=TrainingArguments(output_dir=out, log_steps=10**9),
+                       dense_optimizers=(lambda p: torch.optim.Adam(p, lr=3e-3), None),
+                       sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
+                       add_logger_hook=False)
+    finally:
+        dynamic.planner_constraints = planner_constraints
+
+
+def make_mc(out: str) -> Trainer:
+    """A dynamic table whose map does no work: torchrec's managed-collision path alone."""
+    t = make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS, eviction_interval_rows=2**62), out)
+    for m in dynamic.mc_modules(t.model).values():
+        mm: Any = m
+
+        def remap(features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
+                  write_weights: torch.Tensor | None = None, mm: Any = mm,
+                  ) -> dict[str, JaggedTensor]:
+            return {k: JaggedTensor(values=f.values().remainder(mm._zch_size)
+                                    + mm._output_global_offset, lengths=f.lengths())
+                    for k, f in features.items()}
+
+        mm.profile = lambda features: features
+        mm.remap = remap
+        mm._input_hash_func = lambda ids, size: ids
+    return t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="2 rounds")
+    ap.add_argument("--out", default="output/bench_dynamic_step")
+    a = ap.parse_args()
+    if a.quick:
+        a.rounds = 2
+    torch.set_flush_denormal(True)
+    rank = int(os.environ.get("RANK", "0"))
+    stream = ChurnStream(windows=3, num_users=20_000, num_items=20_000, seed=0)
+    raw = [stream.window(w, 40, 512, seed=1 + 10 * rank) for w in range(3)]
+    hashed_ids = [hashed(w, HASHED_ROWS) for w in raw]
+    trainers: dict[str, tuple[Trainer, list[list[Batch]]]] = {
+        "hashed": (make(HASHED_ROWS, None, f"{a.out}/hashed"), hashed_ids),
+        "ec_rw": (make_ec_rw(f"{a.out}/ec_rw"), hashed_ids),
+        "mc": (make_mc(f"{a.out}/mc"), raw),
+        "no_pass": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS), f"{a.out}/no_pass"), raw),
+        "dynamic": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS), f"{a.out}/dynamic"), raw),
+    }
+    for t, data in trainers.values():  # warm-up: the first window (the maps fill)
+        for b in data[0]:
+            train_step(t, b)
+    for m in dynamic.mc_modules(trainers["no_pass"][0].model).values():
+        m._settings = dataclasses.replace(m._settings, interval_rows=2**62)  # no more passes
+    wall: dict[str, list[float]] = {k: [] for k in MODELS}
+    cpu: dict[str, list[float]] = {k: [] for k in MODELS}
+    load = os.getloadavg()[0]
+    for _ in range(a.rounds):
+        for w in (1, 2):
+            for lo in range(0, 40, a.chunk):
+                for k, (t, data) in trainers.items():
+                    for b in data[w][lo:lo + a.chunk]:
+                        c0 = time.process_time()
+                        wall[k].append(train_step(t, b))
+                        cpu[k].append(time.process_time() - c0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0:
+        def ratio(d: dict[str, list[float]], k: str, f: Any) -> float:
+            return float(f(d[k]) / f(d["hashed"]))
+
+        print(f"# bench_dynamic_step\n\n{platform.machine()}, {os.cpu_count()} cores, "
+              f"{torch.get_num_threads()} threads, {world} rank(s), load average {load:.1f} "
+              f"(start) {os.getloadavg()[0]:.1f} (end); {len(cpu['hashed'])} steps per model\n")
+        print("| model | CPU ms/step mean | CPU x hashed (mean / median) | wall x hashed "
+              "(mean / median) |\n|---|---|---|---|")
+        for k in MODELS:
+            print(f"| {k} | {1e3 * statistics.fmean(cpu[k]):.2f} | "
+                  f"{ratio(cpu, k, statistics.fmean):.3f} / {ratio(cpu, k, statistics.median):.3f} | "
+                  f"{ratio(wall, k, statistics.fmean):.3f} / {ratio(wall, k, statistics.median):.3f} |")
+        parts = (("unpooled row-wise path (ec_rw - hashed)", "ec_rw", "hashed"),
+                 ("managed-collision glue (mc - ec_rw)", "mc", "ec_rw"),
+                 ("the map per forward (no_pass - mc)", "no_pass", "mc"),
+                 ("passes (dynamic - no_pass)", "dynamic", "no_pass"))
+        print("\n| where the extra CPU time goes (x hashed, means) | |\n|---|---|")
+        for name, hi, lo in parts:
+            print(f"| {name} | {ratio(cpu, hi, statistics.fmean) - ratio(cpu, lo, statistics.fmean):+.3f} |")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Dynamic embedding tables: raw 64-bit ids mapped without collisions into a fixed capacity.
+
+Built on torchrec's managed-collision modules, not a home-made table:
+
+* ``ManagedCollisionEmbeddingCollection`` holds an ``EmbeddingCollection`` (the rows, a fused
+  FBGEMM table with its in-backward sparse optimizer) and a ``ManagedCollisionCollection`` with
+  one ``MCHManagedCollisionModule`` per table: a sorted id -> slot map with per-slot metadata.
+* ``DynamicMCHModule`` is torchrec's ``MCHManagedCollisionModule`` with these changes:
+
+  - **passes** (admission and eviction) run every ``eviction_interval_rows`` training rows (all
+    ranks' rows together), every ``eviction_interval_seconds``, or every ``eviction_interval``
+    optimizer steps (the Trainer marks the micro-batches that do not end one,
+    ``StepBoundaries``), at the end of a step;
+  - the default policy, ``decayed_lfu`` (``DecayedLFUEvictionPolicy``, a torchrec
+    ``MCHEvictionPolicy``), ranks ids by a count that halves every ``count_half_life`` passes;
+    ids that did not get a row keep their decayed count in the **history** for the next pass,
+    so admission (``admission_threshold``) is counted over a decaying window, not one interval.
+    The history is bounded (``history_slots``): when full it is coalesced in place and, if still
+    too full, its least-seen ids are dropped (counted as ``dropped``);
+  - **fallback rows**: an id without a row reads one of ``fallback_rows`` rows of its table
+    (the last rows of each shard), chosen by its position in the id space, instead of one
+    shared default row per shard. They train like any row;
+  - **expiry**: ids unseen for ``expire_after_windows`` train windows or
+    ``expire_after_seconds`` lose their row even when the table is not full;
+  - the legacy policies (torchrec's ``distance_lfu``, ``lfu``, ``lru``) keep torchrec's own pass
+    over a history that grows (it never drops ids; torchrec sizes it from the first batch).
+
+Pooled features use the same unpooled collection plus a sum/mean pool
+(``DynamicEmbeddingBagCollection``): ``ManagedCollisionEmbeddingBagCollection`` cannot be
+sharded on CPU (torchrec issue 2958). Sequence features use the collection directly
+(``dynamic_embedding_collection``). A table may be read by several features (a candidate item
+and a history sequence): they share its ids, rows and passes.
+
+Sharding: managed collision exists only ``row_wise`` in torchrec (each rank owns a contiguous
+slot range and the ids of its block of the (mixed) id space), with the ``fused`` kernel on CPU.
+On CUDA the planner picks the kernel (``fused``, UVM caching...); that path has **not run on a
+GPU**.
+
+Eviction resets an evicted slot's row and optimizer state with FBGEMM's
+``reset_weight_momentum`` op, which has only a CUDA kernel and takes a *feature* index where
+torchrec passes a *table* index. ``install_eviction_reset`` gives each table-batched module of a
+sharded dynamic collection a reset that maps the table to its first feature: on CPU our
+implementation of the kernel (``reset_rows_cpu``), on CUDA FBGEMM's own op. Instance attributes:
+nothing global is patched.
+
+Checkpoints: ``DynamicTablesState`` saves what torchrec keeps outside ``state_dict()``; a
+checkpoint of another world size (or fallback layout) is re-routed on load (``_relayout``).
+
+Layout (each module one concern; the arrows point down this list):
+
+* ``ids``: the id space, ``mix_ids`` / ``unmix_ids``, ``shard_of``, ``fallback_index`` (torch only);
+* ``config``: ``DynamicTable``;
+* ``policy``: the eviction policies (``DecayedLFUEvictionPolicy``, torchrec's legacy ones);
+* ``id_map``: ``DynamicMCHModule``, one table's map on one shard;
+* ``modules``: ``dynamic_embedding_collection``, ``DynamicEmbeddingBagCollection``;
+* ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
+  ask of them (``StepBoundaries``, ``end_window``);
+* ``reset``: ``install_eviction_reset``;
+* ``relayout`` and ``state``: the checkpoint component and the re-routing at another layout;
+* ``stats``: ``table_stats``, ``table_memory``, ``is_resident``.
+
+Everything public is importable from ``recsys_trainer.dynamic``.
+"""
+
+
+from __future__ import annotations
+
+from recsys_trainer.dynamic.config import (
+    DEFAULT_ADMISSION,
+    DEFAULT_HALF_LIFE,
+    DEFAULT_HISTORY_FRACTION,
+    DEFAULT_INTERVAL_ROWS,
+    DYNAMIC_SPARSE_OPTIMIZERS,
+    EVICTION_POLICIES,
+    DynamicTable,
+    EvictionPolicyName,
+)
+from recsys_trainer.dynamic.id_map import (
+    DynamicMCHModule,
+)
+from recsys_trainer.dynamic.ids import (
+    EMPTY_SLOT,
+    ID_SPACE,
+    fallback_index,
+    mix_ids,
+    shard_of,
+    unmix_ids,
+)
+from recsys_trainer.dynamic.modules import (
+    DynamicEmbeddingBagCollection,
+    dynamic_embedding_collection,
+)
+from recsys_trainer.dynamic.policy import (
+    COUNT_ONE,
+    DecayedLFUEvictionPolicy,
+    make_eviction_policy,
+)
+from recsys_trainer.dynamic.reset import (
+    install_cpu_eviction,
+    install_eviction_reset,
+    reset_rows_cpu,
+)
+from recsys_trainer.dynamic.state import (
+    STATE_FORMAT,
+    DynamicTablesState,
+)
+from recsys_trainer.dynamic.stats import (
+    is_resident,
+    table_memory,
+    table_stats,
+)
+from recsys_trainer.dynamic.tables import (
+    StepBoundaries,
+    check_buckets,
+    check_sparse_optimizer,
+    dynamic_collections,
+    dynamic_table_names,
+    end_window,
+    mc_modules,
+    planner_constraints,
+)
+
+__all__ = [
+    "COUNT_ONE",
+    "DEFAULT_ADMISSION",
+    "DEFAULT_HALF_LIFE",
+    "DEFAULT_HISTORY_FRACTION",
+    "DEFAULT_INTERVAL_ROWS",
+    "DYNAMIC_SPARSE_OPTIMIZERS",
+    "DecayedLFUEvictionPolicy",
+    "DynamicEmbeddingBagCollection",
+    "DynamicMCHModule",
+    "DynamicTable",
+    "DynamicTablesState",
+    "EMPTY_SLOT",
+    "EVICTION_POLICIES",
+    "EvictionPolicyName",
+    "ID_SPACE",
+    "STATE_FORMAT",
+    "StepBoundaries",
+    "check_buckets",
+    "check_sparse_optimizer",
+    "dynamic_collections",
+    "dynamic_embedding_collection",
+    "dynamic_table_names",
+    "end_window",
+    "fallback_index",
+    "install_cpu_eviction",
+    "install_eviction_reset",
+    "is_resident",
+    "make_eviction_policy",
+    "mc_modules",
+    "mix_ids",
+    "planner_constraints",
+    "reset_rows_cpu",
+    "shard_of",
+    "table_memory",
+    "table_stats",
+    "unmix_ids",
+]

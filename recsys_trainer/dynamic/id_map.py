@@ -1,0 +1,454 @@
+"""``DynamicMCHModule``: one dynamic table's id -> slot map on one shard (torchrec's
+``MCHManagedCollisionModule``) with passes every so many rows, seconds or steps, the bounded
+``decayed_lfu`` history, fallback rows and expiry."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torchrec.modules.mc_modules import MCHManagedCollisionModule
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from recsys_trainer.dynamic.config import DynamicTable
+from recsys_trainer.dynamic.ids import EMPTY_SLOT, fallback_index
+from recsys_trainer.dynamic.policy import COUNT_ONE, DecayedLFUEvictionPolicy
+from recsys_trainer.validation import fail
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """What ``DynamicMCHModule`` takes from ``DynamicTable`` beyond torchrec's arguments."""
+
+    interval_steps: int | None = None
+    interval_rows: int | None = None
+    interval_seconds: float | None = None
+    fallback_rows: int = 1
+    history_slots: int | None = None
+    expire_windows: int | None = None
+    expire_seconds: float | None = None
+
+    @staticmethod
+    def of(spec: DynamicTable) -> _Settings:
+        return _Settings(interval_steps=spec.eviction_interval,
+                         interval_rows=spec.eviction_interval_rows,
+                         interval_seconds=spec.eviction_interval_seconds,
+                         fallback_rows=spec.fallback_rows,
+                         history_slots=spec.history_slots,
+                         expire_windows=spec.expire_after_windows,
+                         expire_seconds=spec.expire_after_seconds)
+
+
+_COUNTERS = ("admitted", "evicted", "expired", "passes", "dropped")
+
+
+class DynamicMCHModule(MCHManagedCollisionModule):
+    """torchrec's ``MCHManagedCollisionModule`` (one table's sorted id -> slot map on one
+    shard) with passes every so many rows, seconds or steps, fallback rows, expiry, and, for
+    ``DecayedLFUEvictionPolicy``, a bounded history that carries waiting ids' counts across
+    passes (see the module docstring).
+
+    Memory per shard: the map (sorted ids, slots, and the policy's per-slot metadata: 8 bytes
+    each, 32 per slot for ``decayed_lfu``), and the history: ``decayed_lfu`` 16 bytes per entry
+    for ``2 * history_slots / shards`` entries (half is kept for the ids waiting over passes,
+    half takes new sightings before they are coalesced); the legacy policies 8 or 16 bytes per
+    id *sighting* since the last pass, for the larger of torchrec's first size (the first
+    batch's ids x ``eviction_interval`` x 1.25) and twice the most one interval brought.
+
+    torchrec's constructor plus ``settings``; ``rebuild_with_output_id_range`` (sharding) keeps
+    them. Reads and writes torchrec 1.8's private attributes of the module; the tests of
+    resume, expiry and fallback rows fail if they change.
+    """
+
+    def __init__(self, *args: Any, settings: _Settings | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        m: Any = self
+        self._settings = settings or _Settings(interval_steps=m._eviction_interval)
+        segments = [int(s) for s in m._output_segments_tensor.tolist() if s >= 0]
+        self.segments = segments
+        """This layout's shard boundaries (global rows). torchrec keeps its "init" segments as
+        the very tensor of the buffer that a checkpoint loads into, so a load would overwrite
+        them: ``validate_state`` writes these back."""
+        self.shards = len(segments) - 1
+        """Shards of this table (its world size when sharded row-wise)."""
+        self.shard = segments.index(m._output_global_offset)
+        self.fallback_per_shard = max(1, -(-self._settings.fallback_rows // self.shards))
+        """The last rows of this shard that ids without a row read."""
+        if self.fallback_per_shard >= m._zch_size:
+            fail(f"DynamicTable.fallback_rows (table {m._name!r})", f"fewer than the "
+                 f"{m._zch_size} rows of each of its {self.shards} shard(s)",
+                 self._settings.fallback_rows)
+        self.decayed = isinstance(m._eviction_policy, DecayedLFUEvictionPolicy)
+        if self.decayed:
+            slots = self._settings.history_slots or m._zch_size
+            _resize_history(m, 2 * -(-slots // self.shards))
+        self.closes_step = True
+        """Whether the current training forward is the last micro-batch of its step."""
+        self._steps = 0
+        """Optimizer steps this module has taken part in (forwards that closed a step)."""
+        self._last_pass_step = 0
+        self._rows_since_pass = 0
+        self._last_pass_time = 0.0
+        self._windows = 0
+        self._window_marks: list[int] = []
+        """The forward count at the end of each of the last train windows (expiry in windows)."""
+        self._time_marks: list[tuple[int, float]] = []
+        """(forward count, wall time) every 1/16 of ``expire_seconds`` (expiry in seconds)."""
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        """Since the run started (restored on resume): ids given a row, residents that lost
+        theirs to another id, residents expired, passes, and ids dropped from a full history."""
+        self.counters_epoch = 0
+        """Times the counters restarted (a resume at another world size); the same on every
+        rank, so reporters know their baseline is gone."""
+        self.loaded_segments: list[int] | None = None
+        """The shard boundaries of the checkpoint last loaded (set by ``validate_state``)."""
+        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None \
+            = None
+        """(values, position in the map, found, not found) of the training forward's ids:
+        ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
+        # One sighting, expanded (no copy) to the resident ids ``profile`` counts.
+        self.register_buffer("_one", torch.tensor([COUNT_ONE], device=m.device), persistent=False)
+
+    def rebuild_with_output_id_range(self, output_id_range: tuple[int, int],
+                                     output_segments: list[int],
+                                     device: torch.device | None = None) -> DynamicMCHModule:
+        m: Any = self
+        return type(self)(
+            name=m._name, zch_size=output_id_range[1] - output_id_range[0],
+            device=device or self.device, eviction_policy=m._eviction_policy,
+            eviction_interval=m._eviction_interval, input_hash_size=m._input_hash_size,
+            input_hash_func=m._input_hash_func, output_global_offset=output_id_range[0],
+            output_segments=output_segments, buckets=len(output_segments) - 1,
+            settings=self._settings)
+
+    # ---------------------------------------------------------------- lookups
+
+    def fallback_slots(self, mixed: torch.Tensor) -> torch.Tensor:
+        """The fallback slot (global row) each mixed id of this shard reads."""
+        m: Any = self
+        first = m._output_global_offset + m._zch_size - self.fallback_per_shard
+        if self.fallback_per_shard == 1:
+            return torch.full_like(mixed, first)
+        g = fallback_index(mixed, self.fallback_per_shard * self.shards)
+        local = (g - self.shard * self.fallback_per_shard).clamp_(0, self.fallback_per_shard - 1)
+        return local + first
+
+    def _lookup(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(position in the sorted map, found, not found) of mixed ids ``v``."""
+        cached = self._lookup_cache
+        if cached is not None and cached[0] is v:
+            return cached[1], cached[2], cached[3]
+        sorted_ids: torch.Tensor = self._mch_sorted_raw_ids
+        # The last entry is always empty (int64 max, a protected fallback slot) and ids are
+        # below it: every position is in range without searching a slice of the others.
+        pos = torch.searchsorted(sorted_ids, v)
+        found = sorted_ids[pos] == v
+        return pos, found, ~found
+
+    def remap(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
+              write_weights: torch.Tensor | None = None) -> dict[str, JaggedTensor]:
+        """Ids with a row read it; the others read their fallback row."""
+        m: Any = self
+        mapping: torch.Tensor = self._mch_remapped_ids_mapping
+        out: dict[str, JaggedTensor] = {}
+        for name, f in features.items():
+            v = f.values()
+            pos, found, missing = self._lookup(v)
+            if self.fallback_per_shard == 1:
+                slots = mapping[pos].masked_fill_(
+                    missing, m._output_global_offset + m._zch_size - 1)
+            else:
+                slots = torch.where(found, mapping[pos], self.fallback_slots(v))
+            out[name] = JaggedTensor(values=slots, lengths=f.lengths(), offsets=f.offsets(),
+                                     weights=f.weights_or_none())
+        self._lookup_cache = None
+        return out
+
+    def occupied(self) -> int:
+        """Slots holding an id."""
+        return int(torch.searchsorted(self._mch_sorted_raw_ids, self._delimiter).item())
+
+    def open_slots(self) -> torch.Tensor:
+        m: Any = self
+        return torch.tensor([m._zch_size - self.fallback_per_shard - self.occupied()])
+
+    # ---------------------------------------------------------------- training
+
+    @torch.no_grad()
+    def profile(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        """Record this batch's ids in the history; run a pass when the interval is over."""
+        m: Any = self  # torchrec's attributes are untyped
+        if not self.training:
+            return features
+        if m._current_iter == -1:
+            # As torchrec: the iteration restored with the buffers (a resume sets it itself).
+            m._current_iter = int(m._current_iter_tensor.item())
+            m._last_eviction_iter = m._current_iter
+        m._current_iter += 1
+        m._current_iter_tensor.add_(1)
+        if self._last_pass_time == 0.0:
+            self._last_pass_time = time.time()
+        for f in features.values():
+            # One length per feature and row of the whole (all ranks') batch; `weights` holds
+            # one id count per feature of the table.
+            w = f.weights_or_none()
+            self._rows_since_pass += f.lengths().numel() // max(1, w.numel() if w is not None
+                                                                else 1)
+            v = f.values()
+            if self.decayed:
+                # Resident ids are counted in place; only the others wait in the history.
+                # Every op here runs per table and forward: on small batches the cost is the
+                # number of ops, not their size.
+                pos, found, missing = self._lookup(v)
+                self._lookup_cache = (v, pos, found, missing)
+                hit = pos[found]
+                m._mch_counts.index_add_(0, hit, m._one.expand(hit.numel()))
+                # The forward count only grows: the last access of every id seen is this one.
+                m._mch_last_access_iter.index_fill_(0, hit, m._current_iter)
+                self._record(v[missing])
+            else:
+                self._record_growing(v)
+        if self.closes_step:
+            self._steps += 1
+            if self._pass_due():
+                self.run_pass()
+        return features
+
+    def _pass_due(self) -> bool:
+        s = self._settings
+        if s.interval_rows is not None:
+            return self._rows_since_pass >= s.interval_rows
+        if s.interval_seconds is not None:
+            return time.time() - self._last_pass_time >= s.interval_seconds
+        m: Any = self
+        return self._steps - self._last_pass_step >= (s.interval_steps or m._eviction_interval)
+
+    def _record_growing(self, values: torch.Tensor) -> None:
+        # torchrec sizes the history from the first batch and drops what does not fit; this
+        # keeps that size as a floor and grows.
+        m: Any = self
+        start = m._current_history_buffer_offset
+        end = start + values.numel()
+        if end > m._input_history_buffer_size:
+            grown = 2 * m._input_history_buffer_size if m._input_history_buffer_size > 0 else \
+                int(end * m._eviction_interval * 1.25)  # torchrec's first size, now a floor
+            _resize_history(m, max(end, grown))
+        m._history_accumulator[start:end] = values
+        m._eviction_policy.record_history_metadata(
+            m._current_iter, values, {k: b[start:end] for k, b in m._history_metadata.items()})
+        m._current_history_buffer_offset = end
+
+    def _record(self, values: torch.Tensor) -> None:
+        m: Any = self
+        start = m._current_history_buffer_offset
+        end = start + values.numel()
+        if end <= m._input_history_buffer_size:
+            # The counts past the used part are COUNT_ONE already (``_set_history``).
+            m._history_accumulator[start:end] = values
+            m._current_history_buffer_offset = end
+        else:
+            self._coalesce(values)
+
+    def _set_history(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
+        """Make ``ids`` with ``counts`` the ``decayed_lfu`` history. The counts after them are
+        set to one sighting, so that ``_record`` only writes ids."""
+        m: Any = self
+        n = ids.numel()
+        m._history_accumulator[:n] = ids
+        m._history_counts[:n] = counts
+        m._history_counts[n:] = COUNT_ONE
+        m._current_history_buffer_offset = n
+
+    def _coalesce(self, incoming: torch.Tensor | None = None, store: bool = True,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge the history (and ``incoming`` sightings) into one entry per id, keeping at most
+        half the buffer (the most-seen ids); returns the merged ids and counts, and with
+        ``store`` makes them the history."""
+        m: Any = self
+        used = m._current_history_buffer_offset
+        ids, counts = m._history_accumulator[:used], m._history_counts[:used]
+        if incoming is not None:
+            ids = torch.cat([ids, incoming])
+            counts = torch.cat([counts, torch.full_like(incoming, COUNT_ONE)])
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros_like(uniq).scatter_add_(0, inverse, counts)
+        keep = m._input_history_buffer_size // 2
+        if incoming is not None and uniq.numel() > keep:
+            top = torch.topk(summed, keep, sorted=False).indices.sort().values
+            self.counters["dropped"] += uniq.numel() - keep
+            uniq, summed = uniq[top], summed[top]
+        if store:
+            self._set_history(uniq, summed)
+        return uniq, summed
+
+    def _admit(self, ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``decayed_lfu``'s admission: rank new ids ``ids`` (none of them resident: the
+        history holds only ids that had no row when seen, and the map changes only at passes)
+        with the residents by count, residents first on ties; the best ``num_slots`` keep or
+        take a slot. Returns the positions in ``ids`` of those admitted; the slots they take are
+        queued for torchrec's row reset.
+
+        What torchrec's ``_update_and_evict`` with ``DecayedLFUEvictionPolicy`` does, the same
+        tensors bit for bit (tested), without the steps that handle resident ids in the input
+        (a search of the map, updates of no entries) or change nothing: on small batches the
+        cost of a pass is its number of ops."""
+        m: Any = self
+        policy: Any = m._eviction_policy
+        size = m._zch_size
+        # torchrec sorts the new ids by count first; the stable ranking below orders them by
+        # count, then by position, either way: the same pairs of (evicted slot, new id).
+        scores = m._mch_counts.clone()
+        scores[size - policy.protected:] = torch.iinfo(torch.int64).max
+        evicted, selected = policy._compute_selected_eviction_and_replacement_indices(
+            size, torch.cat([scores, counts]))
+        m._mch_counts[evicted] = counts[selected]
+        m._mch_last_access_iter[evicted] = m._current_iter
+        policy.last_admitted = int(selected.numel())
+        m._mch_sorted_raw_ids[evicted] = ids[selected]
+        slots = m._mch_remapped_ids_mapping[evicted]
+        m._evicted_emb_indices = (torch.unique(torch.cat([m._evicted_emb_indices, slots]))
+                                  if m._evicted else slots)
+        m._evicted = True
+        m._sort_mch_buffers()
+        return selected
+
+    @torch.no_grad()
+    def run_pass(self) -> None:
+        """Admission and eviction now, over the ids seen since the last pass (then expiry in
+        seconds, if set). The evicted slots are reset by torchrec in this forward."""
+        m: Any = self
+        before = self.occupied()
+        policy: Any = m._eviction_policy
+        policy.protected = self.fallback_per_shard
+        if self.decayed:
+            self._lookup_cache = None  # the map changes
+            uniq, counts = self._coalesce(store=False)
+            # Only ids at the threshold, and, when no slot is free, above the weakest resident
+            # (residents win ties), can take a row: rank just those (a pass sorts what it ranks).
+            can = counts >= policy.threshold
+            if before >= m._zch_size - self.fallback_per_shard and bool(can.any()):
+                can &= counts > m._mch_counts[:before].min()
+            chosen = can.nonzero().squeeze(1)
+            policy.last_admitted = 0
+            # Resident ids' counts decay after the ranking, as the waiting ids' below: at the
+            # next pass both hold their new sightings plus their past ones decayed.
+            waiting = None
+            if chosen.numel():
+                waiting = torch.ones_like(uniq, dtype=torch.bool)
+                waiting[chosen[self._admit(uniq[chosen], counts[chosen])]] = False
+            policy.decay(m._mch_metadata)
+            # Ids that did not get a row wait for the next pass with their decayed count.
+            # (Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.)
+            kept = counts.double().mul_(policy.factor).long()
+            keep = kept > 0 if waiting is None else waiting & (kept > 0)
+            ids, kept = uniq[keep], kept[keep]
+            cap = m._input_history_buffer_size // 2
+            if ids.numel() > cap:
+                top = torch.topk(kept, cap, sorted=False).indices.sort().values
+                ids, kept = ids[top], kept[top]
+            self._set_history(ids, kept)
+        else:
+            m._coalesce_history()
+        admitted = int(policy.last_admitted)
+        self.counters["admitted"] += admitted
+        self.counters["evicted"] += before + admitted - self.occupied()
+        self.counters["passes"] += 1
+        self._last_pass_step = self._steps
+        self._rows_since_pass = 0
+        self._last_pass_time = time.time()
+        m._last_eviction_iter = m._current_iter
+        if self._settings.expire_seconds is not None:
+            self._expire_by_time()
+
+    # ---------------------------------------------------------------- expiry
+
+    def _expire_by_time(self) -> None:
+        m: Any = self
+        span = float(self._settings.expire_seconds or 0.0)
+        now = time.time()
+        marks = self._time_marks
+        if not marks or now - marks[-1][1] >= span / 16:
+            marks.append((int(m._current_iter), now))
+        old = [it for it, t in marks if t <= now - span]
+        if old:
+            # Keep the newest mark older than the span, and the ones after it.
+            del marks[:len(old) - 1]
+            self.expire(old[-1], keep_history=False)
+
+    def end_window(self) -> None:
+        """A train window ended: with ``expire_after_windows=N``, evict the ids unseen during
+        the last N windows (those still in the history count as seen)."""
+        m: Any = self
+        self._windows += 1
+        n = self._settings.expire_windows
+        if n is None:
+            return
+        self._window_marks.append(max(0, int(m._current_iter)))
+        del self._window_marks[:-(n + 1)]
+        if len(self._window_marks) == n + 1:
+            self.expire(self._window_marks[0], keep_history=True)
+
+    @torch.no_grad()
+    def expire(self, horizon_iter: int, keep_history: bool) -> int:
+        """Evict the ids last seen at or before forward ``horizon_iter``; their slots are queued
+        for torchrec's row reset. Returns how many."""
+        m: Any = self
+        ids: torch.Tensor = m._mch_sorted_raw_ids
+        old = (ids != EMPTY_SLOT) & (m._mch_metadata["last_access_iter"] <= horizon_iter)
+        used = m._current_history_buffer_offset
+        if keep_history and used > 0:
+            old &= ~torch.isin(ids, m._history_accumulator[:used])
+        idx = old.nonzero().squeeze(1)
+        n = int(idx.numel())
+        if n == 0:
+            return 0
+        self._lookup_cache = None  # the map changes
+        ids[idx] = EMPTY_SLOT
+        for buf in m._mch_metadata.values():
+            buf[idx] = 0
+        slots = m._mch_remapped_ids_mapping[idx]
+        if m._evicted:
+            m._evicted_emb_indices = torch.unique(torch.cat([m._evicted_emb_indices, slots]))
+        else:
+            m._evicted_emb_indices = slots
+        m._evicted = True
+        m._sort_mch_buffers()
+        self.counters["expired"] += n
+        return n
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def validate_state(self) -> None:
+        """After ``load_state_dict``: remember the checkpoint's shard boundaries, take this
+        module's own back and re-sort (torchrec asserts that the new boundaries are among the
+        old; a checkpoint of another layout is re-routed instead, see ``_relayout``)."""
+        m: Any = self
+        buf = m._output_segments_tensor
+        self.loaded_segments = [int(s) for s in buf.tolist() if s >= 0]
+        own = torch.full_like(buf, -1)  # torchrec's padding
+        own[:len(self.segments)] = torch.tensor(self.segments, dtype=buf.dtype)
+        buf.copy_(own)
+        m._sort_mch_buffers()
+
+
+def _resize_history(m: Any, size: int) -> None:
+    """(Re)allocate an MCH module's history buffers (the ids seen since the last pass, and the
+    policy's per-id history metadata) at ``size`` ids, keeping the ids already recorded."""
+    keep = min(m._current_history_buffer_offset, size) if m._input_history_buffer_size > 0 else 0
+    acc = torch.empty(size, dtype=torch.int64, device=m.device)
+    if keep:
+        acc[:keep] = m._history_accumulator[:keep]
+    m._history_accumulator = acc
+    for name, _is_mch, is_history in m._eviction_policy.metadata_info:
+        if is_history:
+            buf = "_history_" + name
+            new = torch.zeros(size, dtype=torch.int64, device=m.device)
+            if keep:
+                new[:keep] = m._history_metadata[name][:keep]
+            m.register_buffer(buf, new, persistent=False)
+            m._history_metadata[name] = new
+    m._input_history_buffer_size = size
+    if getattr(m, "decayed", False):
+        m._history_counts[keep:] = COUNT_ONE  # see DynamicMCHModule._set_history

@@ -1,0 +1,136 @@
+"""The modules a model builds dynamic tables with: ``dynamic_embedding_collection`` (sequence
+features, torchrec's ``ManagedCollisionEmbeddingCollection``) and
+``DynamicEmbeddingBagCollection`` (pooled features)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+from torchrec.modules.mc_modules import ManagedCollisionCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+from recsys_trainer.dynamic.config import DynamicTable
+from recsys_trainer.dynamic.id_map import DynamicMCHModule, _Settings
+from recsys_trainer.dynamic.ids import ID_SPACE, mix_ids
+from recsys_trainer.dynamic.policy import make_eviction_policy
+
+
+def _world_size() -> int:
+    # Models are usually built before the Trainer starts the process group: torchrun's
+    # WORLD_SIZE says how many ranks there will be.
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _mc_module(name: str, spec: DynamicTable, device: torch.device) -> DynamicMCHModule:
+    return DynamicMCHModule(
+        zch_size=spec.num_slots,
+        device=device,
+        eviction_policy=make_eviction_policy(spec),
+        eviction_interval=spec.eviction_interval or 1,
+        input_hash_size=ID_SPACE,
+        input_hash_func=mix_ids,
+        name=name,
+        buckets=spec.buckets or _world_size(),
+        settings=_Settings.of(spec),
+    )
+
+
+def dynamic_embedding_collection(
+    tables: list[EmbeddingConfig], dynamic: DynamicTable | dict[str, DynamicTable],
+    device: torch.device | None = None,
+) -> ManagedCollisionEmbeddingCollection:
+    """A torchrec ``ManagedCollisionEmbeddingCollection`` over ``tables`` (sequence features:
+    its forward returns ``(Dict[feature, JaggedTensor], None)``). ``dynamic`` is one spec for
+    every table or one per table name; each table's ``num_embeddings`` must equal its spec's
+    ``num_slots``. A table may list several features (they share its ids and rows). The rows
+    are built on ``device`` (default meta: DMP materialises shards); the id maps on CPU (the
+    sharder moves them to the compute device)."""
+    specs = _specs_for(tables, dynamic)
+    ec = EmbeddingCollection(tables=tables, device=device or torch.device("meta"))
+    mcc = ManagedCollisionCollection(
+        {t.name: _mc_module(t.name, specs[t.name], torch.device("cpu")) for t in tables}, tables)
+    # allow_in_place_embed_weight_update: re-initialising evicted rows through .data, so it
+    # does not trip autograd's version check on the table views used by this step's graph.
+    return ManagedCollisionEmbeddingCollection(ec, mcc, return_remapped_features=False,
+                                               allow_in_place_embed_weight_update=True)
+
+
+def _specs_for(tables: list[EmbeddingConfig], dynamic: DynamicTable | dict[str, DynamicTable],
+               ) -> dict[str, DynamicTable]:
+    names = [t.name for t in tables]
+    if isinstance(dynamic, DynamicTable):
+        specs = {n: dynamic for n in names}
+    else:
+        missing = sorted(set(names) - set(dynamic))
+        extra = sorted(set(dynamic) - set(names))
+        if missing or extra:
+            raise ValueError(f"`dynamic` must name exactly the tables {names}; missing "
+                             f"{missing}, unknown {extra}.")
+        specs = dict(dynamic)
+    for t in tables:
+        if t.num_embeddings != specs[t.name].num_slots:
+            raise ValueError(f"table {t.name!r}: `num_embeddings` ({t.num_embeddings}) must equal "
+                             f"its DynamicTable.num_slots ({specs[t.name].num_slots}).")
+    return specs
+
+
+class DynamicEmbeddingBagCollection(nn.Module):
+    """Pooled dynamic features: an ``EmbeddingBagCollection`` look-alike (``forward(kjt) ->
+    KeyedTensor``, ``embedding_bag_configs()``) over a managed-collision collection whose
+    per-id rows are pooled here (sum or mean, per table's ``pooling``). A table may be read by
+    several features (each pooled on its own).
+
+    Pooling is one ``segment_reduce`` per feature, after the sharded lookup; the collection
+    itself is what DMP shards, so the KJT reaches it unchanged (TorchRec pipelines can trace).
+    """
+
+    def __init__(self, tables: list[EmbeddingBagConfig],
+                 dynamic: DynamicTable | dict[str, DynamicTable],
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        for t in tables:
+            if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"table {t.name!r}: `pooling` must be SUM or MEAN for a dynamic "
+                                 f"table, but is {t.pooling}.")
+        self._bag_configs = list(tables)
+        self._mean = {f: t.pooling == PoolingType.MEAN for t in tables for f in t.feature_names}
+        self._features = [f for t in tables for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        configs = [EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim,
+                                   num_embeddings=t.num_embeddings, feature_names=t.feature_names,
+                                   weight_init_max=t.weight_init_max,
+                                   weight_init_min=t.weight_init_min, init_fn=t.init_fn)
+                   for t in tables]
+        self.mc_ec = dynamic_embedding_collection(configs, dynamic, device)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """The pooled tables (what torchrec's DLRM reads for dimensions)."""
+        return self._bag_configs
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        looked_up, _ = self.mc_ec(features)
+        pooled = [_pool(looked_up[f], self._mean[f]) for f in self._features]
+        return KeyedTensor(keys=self._features, length_per_key=self._dims,
+                           values=torch.cat(pooled, dim=1))
+
+
+@torch.fx.wrap
+def _pool(jt: JaggedTensor, mean: bool) -> torch.Tensor:
+    lengths, values = jt.lengths(), jt.values()
+    # One id per row (as many ids as rows, none more than one): nothing to pool. Checked on CPU
+    # only, where reading the maximum costs no device synchronisation.
+    if values.device.type == "cpu" and values.shape[0] == lengths.numel() and (
+            not values.shape[0] or int(lengths.max()) == 1):
+        return values
+    out = torch.segment_reduce(values, "sum", lengths=lengths, axis=0, unsafe=True)
+    if mean:
+        out = out / lengths.clamp_min(1).unsqueeze(1).to(out.dtype)
+    return out
