@@ -334,3 +334,30 @@ def test_the_metric_hook_names_what_a_model_lacks_for_full_corpus_evaluation() -
         RetrievalMetricHook(k=[0])
     with pytest.raises(ValueError, match="`user_fn` and `time_fn` go together"):
         RetrievalMetricHook(user_fn=lambda b: b.labels)
+
+
+def test_a_cut_off_above_the_corpus_size_is_refused_before_the_evaluation_pass() -> None:
+    from types import SimpleNamespace
+
+    from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+
+    # A top K holding the whole corpus reads recall 1.0 whatever the model: refuse it, naming K.
+    corpus = torch.randn(20, 4)
+    with pytest.raises(ValueError, match=r"k=\[21\] exceed the item corpus of 20 items"):
+        full_corpus_metrics(_TableModel(corpus), torch.randn(3, 4), Jagged.one_per_row(torch.tensor([1, 2, 3])),
+                            [5, 21])
+    assert full_corpus_metrics(_TableModel(corpus), torch.randn(3, 4),
+                               Jagged.one_per_row(torch.tensor([1, 2, 3])), [20])["recall@20"] == 1.0
+    hook = RetrievalMetricHook(k=[10, 50])
+    with pytest.raises(ValueError, match=r"k=\[50\] exceed the item corpus of 20 items"):
+        hook.before_evaluate(SimpleNamespace(model=_two_tower()))  # type: ignore[arg-type]
+
+
+def test_an_item_catalog_without_a_side_feature_column_is_named(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    path = tmp_path / "_items.parquet"
+    pq.write_table(pa.table({"item_id": np.arange(20)}), path)
+    with pytest.raises(ValueError, match=r"_items.parquet' lacks column\(s\) \['item_cat'\]; it has \['item_id'\]"):
+        TwoTowerModel(["u"], num_items=20, item_side_features={"item_cat": 3}, item_catalog=str(path),
+                      table_device="cpu")

@@ -12,7 +12,12 @@ import numpy as np
 import torch
 
 from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
-from recsys_trainer.retrieval.metrics import METRICS, Jagged, full_corpus_metrics
+from recsys_trainer.retrieval.metrics import (
+    METRICS,
+    Jagged,
+    check_k_fits_corpus,
+    full_corpus_metrics,
+)
 from recsys_trainer.retrieval.models import find_retrieval_model
 
 if TYPE_CHECKING:
@@ -93,7 +98,8 @@ class RetrievalMetricHook(Hook):
         self._rows: list[dict[str, Any]] = []
 
     def before_evaluate(self, trainer: Trainer) -> None:
-        find_retrieval_model(trainer.model)  # a model without an item tower: say so before the pass
+        # A model without an item tower, or a K the corpus cannot fill: say so before the pass.
+        check_k_fits_corpus(self.ks, find_retrieval_model(trainer.model).num_items)
         self._rows = []
 
     def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:

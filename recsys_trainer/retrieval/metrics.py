@@ -228,6 +228,16 @@ def _dedupe(targets: Jagged) -> Jagged:
     return Jagged(lengths, pairs[1])
 
 
+def check_k_fits_corpus(ks: Sequence[int], num_items: int) -> None:
+    """Refuse a cut-off above the corpus size: its top K would hold every item (recall 1.0 by
+    construction), a number that says nothing about the model."""
+    too_big = [k for k in ks if k > num_items]
+    if too_big:
+        raise ValueError(f"retrieval cut-off(s) k={too_big} exceed the item corpus of {num_items} "
+                         f"items (model.num_items): every item would be in the top K. Use k <= "
+                         f"{num_items}.")
+
+
 def full_corpus_metrics(model: RetrievalModel, queries: torch.Tensor, targets: Jagged,
                         ks: Sequence[int], *, exclude: Jagged | None = None,
                         num_items: int | None = None, device: torch.device | None = None,
@@ -244,6 +254,7 @@ def full_corpus_metrics(model: RetrievalModel, queries: torch.Tensor, targets: J
         raise ValueError(f"`k` must be a list of ints >= 1, but is {list(ks)!r}.")
     dev = device if device is not None else queries.device
     n = model.num_items if num_items is None else num_items
+    check_k_fits_corpus(ks, n)
     start, corpus = embed_corpus(model, n, dev, chunk_size=corpus_chunk_size, group=group)
     k = max(ks)
     scores, ids = sharded_top_k(queries.to(dev), corpus, start, k, exclude=exclude,
@@ -260,6 +271,7 @@ def full_corpus_metrics(model: RetrievalModel, queries: torch.Tensor, targets: J
 __all__ = [
     "METRICS",
     "Jagged",
+    "check_k_fits_corpus",
     "corpus_share",
     "embed_corpus",
     "full_corpus_metrics",

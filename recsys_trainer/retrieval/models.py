@@ -101,6 +101,12 @@ def load_item_catalog(source: str | os.PathLike[str] | Mapping[str, Any], id_col
         import pyarrow.parquet as pq
 
         where = f"item catalog {os.fspath(source)!r}"
+        # Check the schema first: reading a missing column raises an ArrowInvalid naming
+        # neither the catalog nor the feature.
+        have = pq.read_schema(source).names
+        absent = [c for c in (id_column, *columns) if c not in have]
+        if absent:
+            raise ValueError(f"{where} lacks column(s) {absent}; it has {sorted(have)}.")
         read = pq.read_table(source, columns=[id_column, *columns])
         table = {c: read.column(c).to_numpy() for c in read.column_names}
     missing = [c for c in (id_column, *columns) if c not in table]
