@@ -18,7 +18,7 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
   the logQ correction;
 - ``sasrec``: ``retrieval.SASRecModel``: a causal transformer (one layer, dim 32) over the
   history, next-item loss at the last 10 positions of each row against the batch's items plus
-  128 uniformly sampled ones.
+  128 uniformly sampled ones (``--sasrec-*`` flags change it; docs/retrieval.md has a sweep).
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
 ``--faiss`` then builds an exact faiss index (``IndexFlatIP``) from the export, searches it with
