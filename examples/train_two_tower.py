@@ -18,7 +18,7 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
   the logQ correction;
 - ``sasrec``: ``retrieval.SASRecModel``: a causal transformer (one layer, dim 32) over the
   history, next-item loss at the last 10 positions of each row against the batch's items plus
-  128 uniformly sampled ones.
+  128 uniformly sampled ones (``--sasrec-*`` flags change it; docs/retrieval.md has a sweep).
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
 ``--faiss`` then builds an exact faiss index (``IndexFlatIP``) from the export, searches it with
@@ -67,9 +67,11 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
             cross_rank_negatives=a.cross_rank)
     else:
         spec = interaction_features(meta, user_features=False, item_side_features=False)
-        model = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=32,
-                            num_layers=1, num_heads=2, dropout=0.1, temperature=0.05,
-                            train_positions=10, num_uniform_negatives=max(a.uniform_negatives, 128),
+        model = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"],
+                            embedding_dim=a.sasrec_dim, num_layers=a.sasrec_layers,
+                            num_heads=a.sasrec_heads, dropout=a.sasrec_dropout, temperature=0.05,
+                            train_positions=a.sasrec_positions or None,
+                            num_uniform_negatives=max(a.uniform_negatives, a.sasrec_negatives),
                             log_q_correction=not a.no_log_q, cross_rank_negatives=a.cross_rank)
     return model, spec
 
@@ -77,6 +79,8 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
 def fit(name: str, a: argparse.Namespace, meta: dict[str, Any], windows: list[Any]
         ) -> tuple[Trainer, list[dict[str, float]]]:
     model, spec = build(name, meta, a)
+    lr = a.sasrec_lr if name == "sasrec" and a.sasrec_lr is not None else a.lr
+    sparse_lr = a.sasrec_sparse_lr if name == "sasrec" and a.sasrec_sparse_lr is not None else a.sparse_lr
     hook = RetrievalMetricHook(k=KS)
     trainer = Trainer(
         model=model,
@@ -85,8 +89,8 @@ def fit(name: str, a: argparse.Namespace, meta: dict[str, Any], windows: list[An
         train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=a.batch_size,
                                            shuffle=a.shuffle, seed=a.seed),
         eval_dataset=ParquetWindowDataset(windows[-1:], spec, batch_size=2048),
-        dense_optimizers=(lambda params: torch.optim.Adam(params, lr=a.lr), None),
-        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=a.sparse_lr),
+        dense_optimizers=(lambda params: torch.optim.Adam(params, lr=lr), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=sparse_lr),
         hooks=[hook],
     )
     trainer.train_and_evaluate()
@@ -136,6 +140,16 @@ def main() -> None:
     p.add_argument("--no-log-q", action="store_true", help="turn the logQ correction off")
     p.add_argument("--export", default=None, help="write the last model's item embeddings here")
     p.add_argument("--faiss", action="store_true", help="check a faiss index of the export (needs --export)")
+    s = p.add_argument_group("sasrec", "SASRecModel's settings (the two-tower's are fixed in build())")
+    s.add_argument("--sasrec-dim", type=int, default=32, help="embedding (and transformer) dim")
+    s.add_argument("--sasrec-layers", type=int, default=1)
+    s.add_argument("--sasrec-heads", type=int, default=2)
+    s.add_argument("--sasrec-dropout", type=float, default=0.1)
+    s.add_argument("--sasrec-positions", type=int, default=10,
+                   help="train on the last N positions of each row (0: every position)")
+    s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
+    s.add_argument("--sasrec-lr", type=float, default=None, help="dense Adam lr (default: --lr)")
+    s.add_argument("--sasrec-sparse-lr", type=float, default=None, help="table lr (default: --sparse-lr)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-steps", type=int, default=200)
     p.add_argument("--output-dir", default="output/train_two_tower")
