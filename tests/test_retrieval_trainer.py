@@ -177,3 +177,57 @@ def test_the_serving_export_scores_raw_rows_to_the_query_the_model_ranks_the_cor
     got = Scorer(str(tmp_path / "art")).score(rows.slice(0, len(out["query"])))
     assert got.shape == tuple(out["query"].shape)
     np.testing.assert_allclose(got, out["query"].numpy(), atol=1e-5)
+
+
+def test_string_item_ids_are_refused_not_hashed_into_unrelated_rows(log, tmp_path) -> None:
+    # The model maps item id i to row i (catalog, metrics, export): a string item column must
+    # not be hashed into the table by default, and hash=True on it is refused.
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from recsys_trainer.data.features import DataError
+
+    root, meta = log
+    window = partitioned_windows(root)[0]
+    table = pa.concat_tables(pq.read_table(f) for f in window.files)
+    table = table.set_column(table.schema.get_field_index("item"), "item",
+                             pc.cast(table.column("item"), pa.string()))
+    (tmp_path / "hour=00").mkdir()
+    pq.write_table(table, tmp_path / "hour=00" / "part-0.parquet")
+    spec = interaction_features(meta, user_features=False, item_side_features=False)
+
+    def trainer(features: Any) -> Trainer:
+        net = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=16,
+                          num_layers=1)
+        return Trainer(net, TrainingArguments(output_dir=str(tmp_path / "out"), log_steps=10**6),
+                       train_dataset=ParquetWindowDataset(partitioned_windows(str(tmp_path)),
+                                                          features, batch_size=256),
+                       add_logger_hook=False)
+
+    with pytest.raises(DataError, match="'item'"):
+        trainer(spec).train()
+    hashed = dataclasses.replace(spec, sequence=[dataclasses.replace(f, hash=True)
+                                                 for f in spec.sequence])
+    with pytest.raises(ValueError, match=r"set hash=True, but the model looks their ids up as rows"):
+        trainer(hashed)
+
+
+def test_row_id_features_leave_the_users_spec_to_a_later_model_and_keep_what_the_user_set() -> None:
+    import types
+
+    from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
+    from recsys_trainer.data.spec import apply_row_id_features
+
+    user = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="u", num_embeddings=9)],
+                       sequence=[SequenceFeature(name="item", num_embeddings=9, max_len=1),
+                                 SequenceFeature(name="tag", num_embeddings=9, max_len=1,
+                                                 vocab=["a", "b"])])
+    ds = types.SimpleNamespace(features=user)
+    apply_row_id_features([ds], ["item", "tag"])
+    hashes = {f.name: f.hash for f in (*ds.features.sparse, *ds.features.sequence)}
+    assert hashes == {"u": None, "item": False, "tag": None}  # a vocabulary maps rows already
+    apply_row_id_features([ds], [])  # the same dataset given to a ranking model
+    assert ds.features == user

@@ -26,7 +26,7 @@ from recsys_trainer.data.hashing import (
     stable_hash_strings,
 )
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature, _IdFeature
-from recsys_trainer.data.vocab import lookup_rows
+from recsys_trainer.data.vocab import column_problem, lookup_rows
 
 _INT64_MAX = 2**63 - 1
 _FEW_ROWS = 64
@@ -202,8 +202,7 @@ def _ids(s: _IdFeature, flat: pa.Array, lens: np.ndarray) -> np.ndarray:
         ids = lookup_rows(s.vocab, flat, s.name)
     elif _is_str(flat.type):
         if s.hash is False:
-            raise DataError(f"feature {s.name!r} sets hash=False, but its column holds strings; "
-                            "give it a `vocab` (or hash=True).", column=s.source)
+            raise DataError(str(column_problem(None, False, "string", s.name)), column=s.source)
         ids = _mod_inplace(stable_hash_strings(flat), n_emb).view(np.int64)
     else:
         raw = flat.to_numpy(zero_copy_only=False)

@@ -504,6 +504,47 @@ def apply_label_range(datasets: Iterable[Any], label_range: tuple[float, float] 
             setattr(ds, _MODEL_LABEL_RANGE, spec.label_range)
 
 
+_SPEC_BEFORE_ROW_IDS = "_spec_before_row_id_features"
+
+
+def apply_row_id_features(datasets: Iterable[Any], names: Sequence[str]) -> None:
+    """Make each dataset's id features ``names`` (ids the model treats as table rows, e.g. a
+    retrieval model's items: its catalog, metrics and export map id ``i`` to row ``i``) never
+    hashed: a feature left at ``hash=None`` becomes ``hash=False``, so a string column is a named
+    ``DataError`` (give it a ``vocab``) instead of ids hashed into unrelated rows; ``hash=True``
+    is refused here. Features with a ``vocab`` are left as they are. A dataset used again with
+    another model gets its user's spec back first. Datasets without a spec are left alone."""
+    wanted = set(names)
+    for ds in datasets:
+        spec = getattr(ds, "features", None)
+        if not isinstance(spec, FeatureSpec):
+            continue
+        before = getattr(ds, _SPEC_BEFORE_ROW_IDS, None)
+        # An earlier Trainer's model changed the spec: start from its user's (label_range is
+        # apply_label_range's, kept as it is now).
+        base = spec if before is None else dataclasses.replace(before, label_range=spec.label_range)
+        hashed = [f.name for f in (*base.sparse, *base.sequence)
+                  if f.name in wanted and f.hash is True and f.vocab is None]
+        if hashed:
+            raise ValueError(
+                f"features {hashed} set hash=True, but the model looks their ids up as rows of its "
+                "tables (its item catalog, metrics and export map id i to row i): hashing sends "
+                "them to other rows. Set hash=False (for string ids, give the feature a vocab).")
+
+        def unhashed(f: Any) -> Any:
+            keep = f.name not in wanted or f.hash is not None or f.vocab is not None
+            return f if keep else dataclasses.replace(f, hash=False)
+
+        new = dataclasses.replace(base, sparse=[unhashed(f) for f in base.sparse],
+                                  sequence=[unhashed(f) for f in base.sequence])
+        if new != base:
+            setattr(ds, _SPEC_BEFORE_ROW_IDS, base)
+        elif before is not None:
+            delattr(ds, _SPEC_BEFORE_ROW_IDS)
+        if new != spec:
+            ds.features = new
+
+
 def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str, int | None]],
                               sequence_tables: Sequence[tuple[str, str, int | None]] = ()) -> None:
     """Refuse a spec whose features do not fit the model's tables it feeds.

@@ -438,9 +438,10 @@ def column_problem(vocab: object, hash: bool | None, kind: str, feature: str) ->
     None: ``hash=False`` on strings without a vocabulary, or a vocabulary of the other kind."""
     if vocab is None:
         if hash is False and kind == "string":
-            return (f"feature {feature!r} sets hash=False, but its column holds strings, which "
-                    "only a hash or a vocabulary maps to rows; give it a vocabulary (vocab=[...], "
-                    "a file, or VocabFromData(...)), or hash=True (or leave hash unset).")
+            return (f"feature {feature!r} sets hash=False (by the spec, or by a model whose ids "
+                    "are table rows), but its column holds strings, which only a hash or a "
+                    "vocabulary maps to rows; give it a vocabulary (vocab=[...], a file, or "
+                    "VocabFromData(...)), or, where its ids need not be rows, hash=True.")
         return None
     if isinstance(vocab, Vocabulary):
         problem = vocab.kind_problem("string" if kind == "string" else "integer")

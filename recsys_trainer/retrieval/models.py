@@ -287,6 +287,9 @@ class _RetrievalBase(nn.Module):
         self.num_uniform_negatives, self.temperature = num_uniform_negatives, float(temperature)
         self.log_q_correction, self.cross_rank_negatives = log_q_correction, cross_rank_negatives
         item_features = [item_feature] + ([history_feature] if history_feature else [])
+        self.row_id_features: tuple[str, ...] = (*item_features, *side_tables)
+        """Features whose ids are table rows (the catalog, the metrics and the export map id i
+        to row i): the Trainer makes the datasets refuse to hash them (``apply_row_id_features``)."""
         if len(set(item_features) | set(side_tables)) != len(item_features) + len(side_tables):
             raise ValueError(f"feature names must be distinct, but are {item_features} and "
                              f"{sorted(side_tables)}.")
