@@ -8,8 +8,9 @@ Trainer`` works as before.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from recsys_trainer.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from recsys_trainer.args import TrainingArguments
@@ -94,14 +95,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'recsys_trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__, __dir__ = lazy_attributes("recsys_trainer", _LAZY)
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])

@@ -7,8 +7,9 @@ synced exit flag or ``torch.distributed``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from recsys_trainer.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from recsys_trainer.data.base import IterableAsWindow, WindowedDataset, as_windowed
@@ -25,14 +26,6 @@ _LAZY: dict[str, str] = {
 __all__ = ["IterableAsWindow", "SyncState", "SyncedIterator", "WindowedDataset", "as_windowed"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'recsys_trainer.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes("recsys_trainer.data", _LAZY)
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])

@@ -10,9 +10,9 @@ docs/serving.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from recsys_trainer.lazy import lazy_attributes
 from recsys_trainer.serving.manifest import ArtifactError
 from recsys_trainer.serving.scorer import Scorer
 
@@ -26,10 +26,4 @@ _LAZY = {"ExportSummary": "recsys_trainer.serving.export",
 __all__ = ["ArtifactError", "ExportSummary", "Scorer", "export_delta", "export_for_serving"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'recsys_trainer.serving' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_attributes("recsys_trainer.serving", _LAZY)
