@@ -104,7 +104,7 @@ class DINClassifier(nn.Module):
     label_range: tuple[float, float] | None = BINARY_LABELS
     """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
     no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
-    row on every rank (``data.spec.apply_label_range``)."""
+    row on every rank (``data.spec.apply_model_to_specs``)."""
 
     positions: torch.Tensor
 
@@ -222,7 +222,7 @@ class MMoEClassifier(nn.Module):
     label_range: tuple[float, float] | None = BINARY_LABELS
     """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
     no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
-    row on every rank (``data.spec.apply_label_range``)."""
+    row on every rank (``data.spec.apply_model_to_specs``)."""
 
     def __init__(
         self,

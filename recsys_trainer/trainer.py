@@ -82,7 +82,7 @@ from recsys_trainer.data.base import (
     as_windowed,
     nothing_to_train_error,
 )
-from recsys_trainer.data.spec import apply_label_range, apply_row_id_features
+from recsys_trainer.data.spec import apply_model_to_specs
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import (
@@ -237,8 +237,8 @@ class Trainer:
             table_names(model), self.sparse_optimizer_spec, table_optimizers)
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
-        apply_row_id_features((train_dataset, eval_dataset), getattr(model, "row_id_features", ()))
-        apply_label_range((train_dataset, eval_dataset), getattr(model, "label_range", None))
+        apply_model_to_specs((train_dataset, eval_dataset), label_range=getattr(model, "label_range", None),
+                             row_id_features=getattr(model, "row_id_features", ()))
         self.model = shard_model(
             model,
             self.sparse_optimizer_spec,

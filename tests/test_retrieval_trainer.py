@@ -219,15 +219,15 @@ def test_row_id_features_leave_the_users_spec_to_a_later_model_and_keep_what_the
     import types
 
     from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
-    from recsys_trainer.data.spec import apply_row_id_features
+    from recsys_trainer.data.spec import apply_model_to_specs
 
     user = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="u", num_embeddings=9)],
                        sequence=[SequenceFeature(name="item", num_embeddings=9, max_len=1),
                                  SequenceFeature(name="tag", num_embeddings=9, max_len=1,
                                                  vocab=["a", "b"])])
     ds = types.SimpleNamespace(features=user)
-    apply_row_id_features([ds], ["item", "tag"])
+    apply_model_to_specs([ds], label_range=None, row_id_features=["item", "tag"])
     hashes = {f.name: f.hash for f in (*ds.features.sparse, *ds.features.sequence)}
     assert hashes == {"u": None, "item": False, "tag": None}  # a vocabulary maps rows already
-    apply_row_id_features([ds], [])  # the same dataset given to a ranking model
+    apply_model_to_specs([ds], label_range=None)  # the same dataset given to a ranking model
     assert ds.features == user

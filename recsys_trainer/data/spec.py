@@ -478,52 +478,36 @@ _EXPECTED = {
 }
 
 
-_MODEL_LABEL_RANGE = "_label_range_from_model"
-"""The dataset attribute where ``apply_label_range`` notes the range it gave a spec (so that it
-is the model's, not the user's: the next Trainer's model decides it again)."""
+_SPEC_FROM_MODEL = "_spec_from_model"
+"""The dataset attributes where ``apply_model_to_specs`` keeps ``(the user's spec, the spec it
+derived)``: the next Trainer's model derives again from the user's."""
 
 
-def apply_label_range(datasets: Iterable[Any], label_range: tuple[float, float] | None) -> None:
-    """Give ``label_range`` (the labels the model's loss accepts, e.g. ``(0, 1)`` for a logistic
-    loss) to each dataset whose ``FeatureSpec`` sets none: its reader then refuses a label outside
-    it with a ``DataError`` naming the column, file and row, on every rank, where the loss would
-    refuse it on one rank naming only the value. A range the spec sets is kept. A range an
-    earlier Trainer's model gave is replaced (by ``label_range``, or None): a dataset used again
-    with another model reads as its user declared it. Datasets without a spec (plain iterables
-    of ``Batch``) are left as they are."""
+def apply_model_to_specs(datasets: Iterable[Any], *, label_range: tuple[float, float] | None,
+                         row_id_features: Sequence[str] = ()) -> None:
+    """Derive each dataset's ``FeatureSpec`` from its user's and what the model declares, so its
+    reader refuses what the model cannot use with a ``DataError`` naming the column, file and
+    row, on every rank (where the model would fail on one rank naming only a value, or train
+    silently):
+
+    - ``label_range`` (the labels the model's loss accepts, e.g. ``(0, 1)``) where the user's
+      spec sets none;
+    - ``hash=False`` on the ``row_id_features`` the user left at ``hash=None`` (ids the model
+      treats as table rows, e.g. a retrieval model's items: its catalog, metrics and export map
+      id ``i`` to row ``i``), so a string column is a named error instead of ids hashed into
+      unrelated rows; ``hash=True`` on one of them is refused here. Features with a ``vocab``
+      are left as they are.
+
+    A dataset used again with another model starts from its user's spec. Datasets without a spec
+    (plain iterables of ``Batch``) are left as they are."""
+    wanted = set(row_id_features)
     for ds in datasets:
         spec = getattr(ds, "features", None)
         if not isinstance(spec, FeatureSpec):
             continue
-        given = getattr(ds, _MODEL_LABEL_RANGE, None)
-        if spec.label_range is not None and spec.label_range != given:
-            continue  # the user's own
-        if spec.label_range != label_range:
-            ds.features = spec = dataclasses.replace(spec, label_range=label_range)
-        if given != spec.label_range:
-            setattr(ds, _MODEL_LABEL_RANGE, spec.label_range)
-
-
-_SPEC_BEFORE_ROW_IDS = "_spec_before_row_id_features"
-
-
-def apply_row_id_features(datasets: Iterable[Any], names: Sequence[str]) -> None:
-    """Make each dataset's id features ``names`` (ids the model treats as table rows, e.g. a
-    retrieval model's items: its catalog, metrics and export map id ``i`` to row ``i``) never
-    hashed: a feature left at ``hash=None`` becomes ``hash=False``, so a string column is a named
-    ``DataError`` (give it a ``vocab``) instead of ids hashed into unrelated rows; ``hash=True``
-    is refused here. Features with a ``vocab`` are left as they are. A dataset used again with
-    another model gets its user's spec back first. Datasets without a spec are left alone."""
-    wanted = set(names)
-    for ds in datasets:
-        spec = getattr(ds, "features", None)
-        if not isinstance(spec, FeatureSpec):
-            continue
-        before = getattr(ds, _SPEC_BEFORE_ROW_IDS, None)
-        # An earlier Trainer's model changed the spec: start from its user's (label_range is
-        # apply_label_range's, kept as it is now).
-        base = spec if before is None else dataclasses.replace(before, label_range=spec.label_range)
-        hashed = [f.name for f in (*base.sparse, *base.sequence)
+        kept = getattr(ds, _SPEC_FROM_MODEL, None)
+        user = kept[0] if kept is not None and kept[1] is spec else spec
+        hashed = [f.name for f in (*user.sparse, *user.sequence)
                   if f.name in wanted and f.hash is True and f.vocab is None]
         if hashed:
             raise ValueError(
@@ -535,14 +519,14 @@ def apply_row_id_features(datasets: Iterable[Any], names: Sequence[str]) -> None
             keep = f.name not in wanted or f.hash is not None or f.vocab is not None
             return f if keep else dataclasses.replace(f, hash=False)
 
-        new = dataclasses.replace(base, sparse=[unhashed(f) for f in base.sparse],
-                                  sequence=[unhashed(f) for f in base.sequence])
-        if new != base:
-            setattr(ds, _SPEC_BEFORE_ROW_IDS, base)
-        elif before is not None:
-            delattr(ds, _SPEC_BEFORE_ROW_IDS)
-        if new != spec:
-            ds.features = new
+        derived = dataclasses.replace(
+            user, sparse=[unhashed(f) for f in user.sparse],
+            sequence=[unhashed(f) for f in user.sequence],
+            label_range=user.label_range if user.label_range is not None else label_range)
+        if derived == user:
+            derived = user
+        ds.features = derived
+        setattr(ds, _SPEC_FROM_MODEL, (user, derived))
 
 
 def check_features_fit_tables(spec: FeatureSpec, tables: Sequence[tuple[str, str, int | None]],

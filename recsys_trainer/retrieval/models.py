@@ -289,7 +289,7 @@ class _RetrievalBase(nn.Module):
         item_features = [item_feature] + ([history_feature] if history_feature else [])
         self.row_id_features: tuple[str, ...] = (*item_features, *side_tables)
         """Features whose ids are table rows (the catalog, the metrics and the export map id i
-        to row i): the Trainer makes the datasets refuse to hash them (``apply_row_id_features``)."""
+        to row i): the Trainer makes the datasets refuse to hash them (``data.spec.apply_model_to_specs``)."""
         if len(set(item_features) | set(side_tables)) != len(item_features) + len(side_tables):
             raise ValueError(f"feature names must be distinct, but are {item_features} and "
                              f"{sorted(side_tables)}.")
