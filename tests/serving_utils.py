@@ -160,6 +160,8 @@ def check_delta(root: str, kind: str, window: str, first: int, last: int) -> Non
     assert not np.array_equal(scorer.score(rows), reference.score(rows))
     scorer.apply_delta(delta)
     assert scorer.step == last and scorer.content_hash == reference.content_hash
+    assert len(scorer.applied_deltas) == 1 and scorer.applied_deltas[0].endswith("delta")
+    assert scorer.manifest["step"] == first  # the base's manifest, as documented
     for name, t in reference.tables.items():
         mine = scorer.tables[name]
         if t.dynamic is None:
@@ -176,5 +178,6 @@ def check_delta(root: str, kind: str, window: str, first: int, last: int) -> Non
         raise AssertionError("a delta applied twice was not refused")
     except ArtifactError as e:
         assert "apply deltas in order" in str(e)
+    assert len(scorer.applied_deltas) == 1
     assert os.path.getsize(os.path.join(delta, "delta.safetensors")) < \
         os.path.getsize(os.path.join(full, mf.TABLES))

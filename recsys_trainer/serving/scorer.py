@@ -89,6 +89,9 @@ class Scorer:
                  verify: bool = True, aot_inductor: bool = False) -> None:
         self.root = storage.resolve(os.fspath(path), filesystem)
         self.manifest: dict[str, Any] = mf.read_manifest(self.root, verify=False)
+        """The manifest of the full export loaded. ``apply_delta`` leaves it as it is (its
+        tables' row counts and hashes are the base's); ``step``, ``content_hash`` and
+        ``applied_deltas`` say which state is scored."""
         self._verify = verify
         self._files: dict[str, Any] = self.manifest["files"]
         spec = mf.spec_from_json(self.manifest["features"], self._read)
@@ -114,6 +117,8 @@ class Scorer:
         self.content_hash: str = self.manifest["content_hash"]
         """Identifies the model state scored with: the full export's content hash, or after
         ``apply_delta`` the content hash of the full export the deltas reproduce."""
+        self.applied_deltas: list[str] = []
+        """The URLs of the deltas applied since the full export, in order."""
 
     # ------------------------------------------------------------------ loading
 
@@ -325,6 +330,7 @@ class Scorer:
                 self.aot_inductor = False
             self._program = program
         self.step, self.content_hash = meta["target"]["step"], meta["target"]["content_hash"]
+        self.applied_deltas.append(root.url)
 
 
 __all__ = ["DynamicRows", "Scorer", "Table", "check_program_archive"]
