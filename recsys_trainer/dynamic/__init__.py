@@ -100,6 +100,11 @@ from recsys_trainer.dynamic.reset import (
     install_eviction_reset,
     reset_rows_cpu,
 )
+from recsys_trainer.dynamic.sharders import (
+    PaddedPooledReduceScatter,
+    install_uneven_reduce_scatter,
+    sharders,
+)
 from recsys_trainer.dynamic.state import (
     STATE_FORMAT,
     DynamicTablesState,
@@ -136,6 +141,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicyName",
     "ID_SPACE",
+    "PaddedPooledReduceScatter",
     "STATE_FORMAT",
     "StepBoundaries",
     "check_buckets",
@@ -147,6 +153,7 @@ __all__ = [
     "fallback_index",
     "install_cpu_eviction",
     "install_eviction_reset",
+    "install_uneven_reduce_scatter",
     "is_resident",
     "make_eviction_policy",
     "mc_modules",
@@ -154,6 +161,7 @@ __all__ = [
     "planner_constraints",
     "reset_rows_cpu",
     "shard_of",
+    "sharders",
     "table_memory",
     "table_stats",
     "unmix_ids",
