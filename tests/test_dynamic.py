@@ -729,6 +729,23 @@ def test_a_checkpoint_of_the_former_format_resumes_and_a_changed_policy_is_named
         DynamicTablesState(decayed.model, 1).load_state_dict(old)
 
 
+def test_a_checkpoint_of_the_unpooled_lookup_is_refused_by_the_pooled_one_naming_the_setting(
+        tmp_path: Any) -> None:
+    from recsys_trainer.checkpoint.errors import CheckpointError
+
+    data = IdStream(FEATS, 200).batches(4, 32, seed=0)
+    unpooled = DynamicTable(num_slots=32, eviction_interval_rows=32, pooled_lookup=False)
+    build(str(tmp_path / "a"), unpooled, data, train_steps=2, save_steps=2).train()
+    saved = str(tmp_path / "a" / "step_00000002")
+    with pytest.raises(CheckpointError, match=r"saved by the unpooled lookup .*build the model "
+                                              r"with DynamicTable\(\.\.\., pooled_lookup=False\)"):
+        build(str(tmp_path / "b"), dataclasses.replace(unpooled, pooled_lookup=True),
+              data).load_checkpoint(saved)
+    again = build(str(tmp_path / "c"), unpooled, data)
+    again.load_checkpoint(saved)
+    assert table_stats(again.model)["t_u"]["occupied"] > 0
+
+
 # -------------------------------------------------------------------------- two ranks
 
 SHARED_SPEC = DynamicTable(num_slots=32, eviction_interval_rows=128, admission_threshold=2,

@@ -89,6 +89,7 @@ from recsys_trainer.dynamic.ids import (
 from recsys_trainer.dynamic.modules import (
     DynamicEmbeddingBagCollection,
     dynamic_embedding_collection,
+    lookup_path_hint,
 )
 from recsys_trainer.dynamic.policy import (
     COUNT_ONE,
@@ -155,6 +156,7 @@ __all__ = [
     "install_eviction_reset",
     "install_uneven_reduce_scatter",
     "is_resident",
+    "lookup_path_hint",
     "make_eviction_policy",
     "mc_modules",
     "mix_ids",

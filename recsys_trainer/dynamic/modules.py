@@ -6,6 +6,7 @@ features, torchrec's ``ManagedCollisionEmbeddingCollection``) and
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -170,3 +171,20 @@ def _pool(jt: JaggedTensor, mean: bool) -> torch.Tensor:
     if mean:
         out = out / lengths.clamp_min(1).unsqueeze(1).to(out.dtype)
     return out
+
+
+def lookup_path_hint(missing: Iterable[str], saved: Iterable[str]) -> str:
+    """What to do when a checkpoint's pooled dynamic tables were saved by the other lookup path
+    (``DynamicTable.pooled_lookup``: the rows are under ``mc_ec`` or ``mc_ebc``), given the
+    state keys the model lacks in the checkpoint and those the checkpoint has; '' otherwise."""
+    wants_pooled = any(".mc_ebc." in k for k in missing)
+    wants_unpooled = any(".mc_ec." in k for k in missing)
+    saved = list(saved)
+    if wants_pooled and any(".mc_ec." in k for k in saved):
+        return (" Its dynamic tables were saved by the unpooled lookup (the default before "
+                "pooled lookups): build the model with DynamicTable(..., pooled_lookup=False) "
+                "to load it.")
+    if wants_unpooled and any(".mc_ebc." in k for k in saved):
+        return (" Its dynamic tables were saved by the pooled lookup: build the model with "
+                "DynamicTable(..., pooled_lookup=True) (the default) to load it.")
+    return ""
