@@ -102,6 +102,16 @@ def test_bad_dynamic_settings_name_the_field_and_the_fix(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="`DynamicTable.fallback_rows` must be less than "
                                          "num_slots"):
         DynamicTable(num_slots=8, fallback_rows=8)
+    with pytest.raises(ValueError, match="`DynamicTable.pooled_lookup` must be true or false, "
+                                         "but is 'no'"):
+        DynamicTable(num_slots=8, pooled_lookup="no")  # type: ignore[arg-type]
+    from recsys_trainer.models import make_tables
+
+    with pytest.raises(ValueError, match="`DynamicTable.pooled_lookup` must be the same for the "
+                                         "tables of one DynamicEmbeddingBagCollection"):
+        DynamicEmbeddingBagCollection(make_tables(list(FEATS), 8, 4), {
+            "t_u": DynamicTable(num_slots=8),
+            "t_i": DynamicTable(num_slots=8, pooled_lookup=False)})
     # 15 fallback rows over 2 shards of 8 rows: 8 per shard leaves no slot for an id.
     model = DLRMClassifier(list(FEATS), 4, embedding_dim=8,
                            dynamic=DynamicTable(num_slots=16, fallback_rows=15))
