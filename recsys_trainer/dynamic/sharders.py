@@ -17,7 +17,12 @@ from torchrec.distributed.mc_embeddingbag import (
 )
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.sharding_plan import get_default_sharders
-from torchrec.distributed.types import Awaitable, ModuleSharder, ShardingType
+from torchrec.distributed.types import (
+    Awaitable,
+    ModuleSharder,
+    QuantizedCommCodecs,
+    ShardingType,
+)
 
 from recsys_trainer.dynamic.tables import dynamic_collections
 
@@ -73,20 +78,22 @@ class PaddedPooledReduceScatter(nn.Module):
     largest batch, reduced and scattered with torchrec's equal-split op (its backward an equal
     all-gather), and the padding cut off. Equal splits go to torchrec's op unchanged."""
 
-    def __init__(self, pg: dist.ProcessGroup) -> None:
+    def __init__(self, pg: dist.ProcessGroup, codecs: QuantizedCommCodecs | None = None) -> None:
         super().__init__()
         self._pg = pg
+        self._codecs = codecs
 
     def forward(self, local_embs: torch.Tensor, input_splits: list[int] | None = None,
                 ) -> PooledEmbeddingsAwaitable:
         if not input_splits or len(set(input_splits)) == 1:
-            return PooledEmbeddingsAwaitable(reduce_scatter_base_pooled(local_embs, self._pg))
+            return PooledEmbeddingsAwaitable(
+                reduce_scatter_base_pooled(local_embs, self._pg, codecs=self._codecs))
         most = max(input_splits)
         chunks = torch.split(local_embs, input_splits)
         padded = torch.cat([F.pad(c, (0, 0, 0, most - c.shape[0])) for c in chunks])
         mine = input_splits[dist.get_rank(self._pg)]
         return PooledEmbeddingsAwaitable(
-            _Rows(reduce_scatter_base_pooled(padded, self._pg), mine))
+            _Rows(reduce_scatter_base_pooled(padded, self._pg, codecs=self._codecs), mine))
 
 
 def install_uneven_reduce_scatter(model: nn.Module) -> int:
@@ -101,6 +108,7 @@ def install_uneven_reduce_scatter(model: nn.Module) -> int:
             pg = getattr(out_dist, "_pg", None)
             if (isinstance(out_dist, RwPooledEmbeddingDist) and pg is not None
                     and dist.get_backend(pg) == "gloo"):
-                out_dist._dist = PaddedPooledReduceScatter(pg)  # type: ignore[assignment]
+                out_dist._dist = PaddedPooledReduceScatter(  # type: ignore[assignment]
+                    pg, out_dist._codecs)
                 n += 1
     return n
