@@ -120,7 +120,8 @@ def parse_sets(items: list[str]) -> dict[str, Any]:
                 break
             except ValueError:
                 pass
-        out[key] = None if text == "None" else value
+        booleans = {"true": True, "false": False}
+        out[key] = None if text == "None" else booleans.get(text.lower(), value)
     return out
 
 

@@ -8,23 +8,22 @@ The DLRM of ``bench_dynamic.py`` (dim 16, tables ``user`` and ``item``, fused ro
 
 - ``hashed``: ids hashed into 2,850 rows, an ``EmbeddingBagCollection`` (the baseline: the
   planner's sharding, FBGEMM's pooled lookup);
-- ``ec_rw``: the same hashed ids through a plain ``EmbeddingCollection`` sharded ``row_wise``
-  and pooled as ``DynamicEmbeddingBagCollection`` pools: the unpooled lookup path that torchrec's
-  managed collision runs on, without any id map (benchmark only: the Trainer shards a plain
-  table row-wise on CPU only here, through the planner constraints of dynamic tables);
 - ``mc``: a dynamic table (1,600 slots) whose map does nothing (no mixing, no counting, no
-  pass, slot = id mod slots): torchrec's managed-collision path itself;
+  pass, slot = id mod slots): torchrec's managed-collision pooled path itself
+  (``ManagedCollisionEmbeddingBagCollection``, row-wise);
 - ``no_pass``: the default ``DynamicTable``, its passes stopped after the warm-up window (its
   map full, as ``dynamic``'s: a table that never had a pass holds no id, and every lookup reads
   its one fallback row, which makes the lookup and the optimizer's row updates cheaper);
-- ``dynamic``: the default ``DynamicTable`` (a pass every 2,048 rows).
+- ``dynamic``: the default ``DynamicTable`` (a pass every 2,048 rows);
+- ``unpooled``: the default table on the former lookup path (``pooled_lookup=False``: the
+  unpooled ``ManagedCollisionEmbeddingCollection``, pooled after).
 
 Step time is measured per step as process CPU time (what the step costs; other processes on a
 loaded host inflate wall time, not this) and wall time; the models take turns every ``--chunk``
 batches, ``--rounds`` times over 2 windows of 40 batches. Printed: mean and median ratios to
-``hashed``, and the differences between neighbours: the unpooled path (``ec_rw`` - ``hashed``),
-torchrec's managed-collision glue (``mc`` - ``ec_rw``), the map's per-forward work (``no_pass`` -
-``mc``), the passes (``dynamic`` - ``no_pass``). Rank 0 prints.
+``hashed``, and the differences between neighbours: torchrec's managed-collision pooled path
+(``mc`` - ``hashed``), the map's per-forward work (``no_pass`` - ``mc``), the passes (``dynamic``
+- ``no_pass``), and what the pooled lookup saves (``unpooled`` - ``dynamic``). Rank 0 prints.
 """
 
 from __future__ import annotations
@@ -38,65 +37,16 @@ import time
 from typing import Any
 
 import torch
-from bench_dynamic import FEATS, hashed, make, train_step
-from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from bench_dynamic import hashed, make, train_step
+from torchrec.sparse.jagged_tensor import JaggedTensor
 
 import recsys_trainer.dynamic as dynamic
-from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, shutdown
+from recsys_trainer import Trainer, shutdown
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.id_stream import ChurnStream
-from recsys_trainer.dynamic.modules import _pool
-from recsys_trainer.models import DLRMClassifier, make_tables
 
 DIM, SLOTS, HASHED_ROWS = 16, 1600, 2850
-MODELS = ("hashed", "ec_rw", "mc", "no_pass", "dynamic")
-
-
-class RowWiseBag(nn.Module):
-    """An ``EmbeddingBagCollection`` look-alike over a plain ``EmbeddingCollection``, pooled like
-    ``DynamicEmbeddingBagCollection`` (the unpooled path without an id map)."""
-
-    def __init__(self, rows: int) -> None:
-        super().__init__()
-        self._configs = make_tables(list(FEATS), rows, DIM)
-        self.ec = EmbeddingCollection(tables=[
-            EmbeddingConfig(name=t.name, embedding_dim=DIM, num_embeddings=rows,
-                            feature_names=t.feature_names) for t in self._configs],
-            device=torch.device("meta"))
-
-    def embedding_bag_configs(self) -> list[Any]:
-        return self._configs
-
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        looked_up = self.ec(features)
-        return KeyedTensor(keys=list(FEATS), length_per_key=[DIM] * len(FEATS),
-                           values=torch.cat([_pool(looked_up[f], False) for f in FEATS], dim=1))
-
-
-def make_ec_rw(out: str) -> Trainer:
-    torch.manual_seed(0)
-    model = DLRMClassifier(list(FEATS), 4, num_embeddings=HASHED_ROWS, embedding_dim=DIM,
-                           dense_arch=(32,), over_arch=(32, 1))
-    model.dlrm.sparse_arch.embedding_bag_collection = RowWiseBag(HASHED_ROWS)
-    planner_constraints = dynamic.planner_constraints
-
-    def row_wise(m: nn.Module, device_type: str) -> dict[str, dict[str, Any]]:
-        if any(isinstance(x, RowWiseBag) for x in m.modules()):
-            return {f"t_{f}": {"sharding_types": ["row_wise"], "compute_kernels": ["fused"]}
-                    for f in FEATS}
-        return planner_constraints(m, device_type)
-
-    dynamic.planner_constraints = row_wise  # read by recsys_trainer.sharding while it plans
-    try:
-        return Trainer(model=model, args=TrainingArguments(output_dir=out, log_steps=10**9),
-                       dense_optimizers=(lambda p: torch.optim.Adam(p, lr=3e-3), None),
-                       sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
-                       add_logger_hook=False)
-    finally:
-        dynamic.planner_constraints = planner_constraints
+MODELS = ("hashed", "mc", "no_pass", "dynamic", "unpooled")
 
 
 def make_mc(out: str) -> Trainer:
@@ -134,10 +84,11 @@ def main() -> None:
     hashed_ids = [hashed(w, HASHED_ROWS) for w in raw]
     trainers: dict[str, tuple[Trainer, list[list[Batch]]]] = {
         "hashed": (make(HASHED_ROWS, None, f"{a.out}/hashed"), hashed_ids),
-        "ec_rw": (make_ec_rw(f"{a.out}/ec_rw"), hashed_ids),
         "mc": (make_mc(f"{a.out}/mc"), raw),
         "no_pass": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS), f"{a.out}/no_pass"), raw),
         "dynamic": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS), f"{a.out}/dynamic"), raw),
+        "unpooled": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS, pooled_lookup=False),
+                          f"{a.out}/unpooled"), raw),
     }
     for t, data in trainers.values():  # warm-up: the first window (the maps fill)
         for b in data[0]:
@@ -169,10 +120,10 @@ def main() -> None:
             print(f"| {k} | {1e3 * statistics.fmean(cpu[k]):.2f} | "
                   f"{ratio(cpu, k, statistics.fmean):.3f} / {ratio(cpu, k, statistics.median):.3f} | "
                   f"{ratio(wall, k, statistics.fmean):.3f} / {ratio(wall, k, statistics.median):.3f} |")
-        parts = (("unpooled row-wise path (ec_rw - hashed)", "ec_rw", "hashed"),
-                 ("managed-collision glue (mc - ec_rw)", "mc", "ec_rw"),
+        parts = (("managed-collision pooled path (mc - hashed)", "mc", "hashed"),
                  ("the map per forward (no_pass - mc)", "no_pass", "mc"),
-                 ("passes (dynamic - no_pass)", "dynamic", "no_pass"))
+                 ("passes (dynamic - no_pass)", "dynamic", "no_pass"),
+                 ("the former unpooled path (unpooled - dynamic)", "unpooled", "dynamic"))
         print("\n| where the extra CPU time goes (x hashed, means) | |\n|---|---|")
         for name, hi, lo in parts:
             print(f"| {name} | {ratio(cpu, hi, statistics.fmean) - ratio(cpu, lo, statistics.fmean):+.3f} |")

@@ -30,7 +30,6 @@ from torchrec.distributed.planner.types import (
     TopologyFactory,
     TrainerConfig,
 )
-from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -213,7 +212,7 @@ def plan_sharding(
     planner = EmbeddingShardingPlanner(
         topology=topology, batch_size=batch_size, constraints=constraints, debug=False
     )
-    sharders: Any = get_default_sharders()
+    sharders: Any = dynamic.sharders()
     memory_note = (f"each of the {ranks_here} rank(s) on this host may use "
                    f"{memory / ranks_here / 2**30:.2f} GiB of host memory ({source}: "
                    f"{memory / 2**30:.2f} GiB{f' / {ranks_here} local ranks' if ranks_here > 1 else ''})")
@@ -303,10 +302,14 @@ def shard_model(
         env=env,
         device=device,
         plan=plan,
+        sharders=dynamic.sharders(),
         data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
     )
     # FBGEMM's row reset on eviction is CUDA-only and indexes features, not tables.
     dynamic.install_eviction_reset(dmp)
+    # Row-wise pooled dynamic tables on gloo: torchrec's reduce-scatter of batches of
+    # different sizes needs NCCL.
+    dynamic.install_uneven_reduce_scatter(dmp)
     return dmp
 
 

@@ -3,6 +3,7 @@ on CPU, checkpoints and exports; at 1 rank in-process and 2 real gloo ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -101,6 +102,16 @@ def test_bad_dynamic_settings_name_the_field_and_the_fix(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="`DynamicTable.fallback_rows` must be less than "
                                          "num_slots"):
         DynamicTable(num_slots=8, fallback_rows=8)
+    with pytest.raises(ValueError, match="`DynamicTable.pooled_lookup` must be true or false, "
+                                         "but is 'no'"):
+        DynamicTable(num_slots=8, pooled_lookup="no")  # type: ignore[arg-type]
+    from recsys_trainer.models import make_tables
+
+    with pytest.raises(ValueError, match="`DynamicTable.pooled_lookup` must be the same for the "
+                                         "tables of one DynamicEmbeddingBagCollection"):
+        DynamicEmbeddingBagCollection(make_tables(list(FEATS), 8, 4), {
+            "t_u": DynamicTable(num_slots=8),
+            "t_i": DynamicTable(num_slots=8, pooled_lookup=False)})
     # 15 fallback rows over 2 shards of 8 rows: 8 per shard leaves no slot for an id.
     model = DLRMClassifier(list(FEATS), 4, embedding_dim=8,
                            dynamic=DynamicTable(num_slots=16, fallback_rows=15))
@@ -482,12 +493,13 @@ class SharedTableModel(nn.Module):
     """Pooled features: ``i`` (a candidate item) and ``h`` (a list of past items) read one
     dynamic table ``t_i``; ``u`` reads ``t_u``; a linear layer over them and the dense part."""
 
-    def __init__(self, spec: DynamicTable, dim: int = 8) -> None:
+    def __init__(self, spec: DynamicTable, dim: int = 8, mean_items: bool = False) -> None:
         super().__init__()
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
         tables = [EmbeddingBagConfig(name="t_i", embedding_dim=dim, num_embeddings=spec.num_slots,
-                                     feature_names=["i", "h"]),
+                                     feature_names=["i", "h"],
+                                     pooling=PoolingType.MEAN if mean_items else PoolingType.SUM),
                   EmbeddingBagConfig(name="t_u", embedding_dim=dim, num_embeddings=spec.num_slots,
                                      feature_names=["u"])]
         self.ebc = DynamicEmbeddingBagCollection(tables, spec, device=torch.device("meta"))
@@ -520,11 +532,21 @@ def shared_batches(sizes: list[int], items: tuple[int, int], seed: int) -> list[
     return out
 
 
-def build_shared(out: str, spec: DynamicTable, data: Any, **args: Any) -> Trainer:
+def _reseed(trainer: Trainer) -> None:
+    # An evicted or newly admitted row is re-initialised from the global RNG, whose state the
+    # two lookup paths leave differently after sharding: seed it by step (resume-safe).
+    torch.manual_seed(1000 + trainer.state.global_step)
+
+
+def build_shared(out: str, spec: DynamicTable, data: Any, mean_items: bool = False,
+                 **args: Any) -> Trainer:
+    from recsys_trainer.hooks import LambdaHook
+
     torch.manual_seed(0)
     args.setdefault("log_steps", 1000)
-    return Trainer(model=SharedTableModel(spec), args=TrainingArguments(output_dir=out, **args),
-                   train_dataset=data, hooks=[],
+    return Trainer(model=SharedTableModel(spec, mean_items=mean_items),
+                   args=TrainingArguments(output_dir=out, **args),
+                   train_dataset=data, hooks=[LambdaHook(before_step=_reseed)],
                    dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
                    sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
                    add_logger_hook=False)
@@ -622,6 +644,44 @@ def test_a_table_read_by_several_features_shares_ids_and_rows_and_its_reset_touc
     assert torch.equal(after_u[rest], w_u[rest])
 
 
+def lookup_paths_differ(pooled: Trainer, unpooled: Trainer) -> list[str]:
+    """What differs between two runs of one model, one on the pooled lookup
+    (``ManagedCollisionEmbeddingBagCollection``), the other on the unpooled one pooled after:
+    the id maps and every counter must be equal, the rows, the optimizer state and the dense
+    part equal up to the float sums' order."""
+    def state(t: Trainer) -> dict[str, torch.Tensor]:
+        return {k.replace("mc_ec.", "mc_ebc.").replace(".embeddings.", ".embedding_bags."): v
+                for k, v in snapshot(t).items()}
+
+    a, b = state(pooled), state(unpooled)
+    bad = sorted(set(a) ^ set(b))
+    for k, v in a.items():
+        if k in b and not (torch.equal(v, b[k]) if "_mch_" in k or not v.is_floating_point()
+                           else torch.allclose(v, b[k], rtol=1e-4, atol=1e-5)):
+            bad.append(k)
+    if table_stats(pooled.model) != table_stats(unpooled.model):
+        bad.append("table_stats")
+    return bad
+
+
+@pytest.mark.parametrize("mean_items", [False, True])
+def test_the_pooled_lookup_trains_as_the_unpooled_one_with_passes_evictions_and_expiry(
+        tmp_path: Any, mean_items: bool) -> None:
+    # The default lookup is torchrec's ManagedCollisionEmbeddingBagCollection, sharded row-wise
+    # on CPU; `pooled_lookup=False` is the unpooled collection pooled after (the former path).
+    data = shared_windows(0, 3)
+    pooled = build_shared(str(tmp_path / "p"), SHARED_SPEC, data, mean_items=mean_items)
+    unpooled = build_shared(str(tmp_path / "u"), dataclasses.replace(
+        SHARED_SPEC, pooled_lookup=False), data, mean_items=mean_items)
+    assert [n for n, _ in dynamic_collections(pooled.model)][0].endswith("ebc.mc_ebc")
+    assert [n for n, _ in dynamic_collections(unpooled.model)][0].endswith("ebc.mc_ec")
+    pooled.train()
+    unpooled.train()
+    stats = table_stats(pooled.model)["t_i"]
+    assert stats["evicted"] > 0 and stats["expired"] > 0  # rows were reset on both paths
+    assert lookup_paths_differ(pooled, unpooled) == []
+
+
 def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_path: Any) -> None:
     from recsys_trainer.ranking_models import DINClassifier
 
@@ -679,6 +739,23 @@ def test_a_checkpoint_of_the_former_format_resumes_and_a_changed_policy_is_named
         DynamicTablesState(decayed.model, 1).load_state_dict(old)
 
 
+def test_a_checkpoint_of_the_unpooled_lookup_is_refused_by_the_pooled_one_naming_the_setting(
+        tmp_path: Any) -> None:
+    from recsys_trainer.checkpoint.errors import CheckpointError
+
+    data = IdStream(FEATS, 200).batches(4, 32, seed=0)
+    unpooled = DynamicTable(num_slots=32, eviction_interval_rows=32, pooled_lookup=False)
+    build(str(tmp_path / "a"), unpooled, data, train_steps=2, save_steps=2).train()
+    saved = str(tmp_path / "a" / "step_00000002")
+    with pytest.raises(CheckpointError, match=r"saved by the unpooled lookup .*build the model "
+                                              r"with DynamicTable\(\.\.\., pooled_lookup=False\)"):
+        build(str(tmp_path / "b"), dataclasses.replace(unpooled, pooled_lookup=True),
+              data).load_checkpoint(saved)
+    again = build(str(tmp_path / "c"), unpooled, data)
+    again.load_checkpoint(saved)
+    assert table_stats(again.model)["t_u"]["occupied"] > 0
+
+
 # -------------------------------------------------------------------------- two ranks
 
 SHARED_SPEC = DynamicTable(num_slots=32, eviction_interval_rows=128, admission_threshold=2,
@@ -707,8 +784,14 @@ def _two_rank_run(root: str) -> dict[str, Any]:
     build_shared(cut, SHARED_SPEC, data, train_steps=4, save_steps=4).train()
     resumed = build_shared(cut, SHARED_SPEC, data)
     resumed.train()
+    # The former, unpooled lookup path: the same maps and stats, the same rows up to float sums
+    # (rank 0's batches are 3x rank 1's: the pooled rows' reduce-scatter has unequal splits).
+    unpooled = build_shared(os.path.join(root, "unpooled"), dataclasses.replace(
+        SHARED_SPEC, pooled_lookup=False), data)
+    unpooled.train()
     m: Any = mc_modules(full.model)["t_i"]
     return {"equal": bitwise_verdict(snapshot(resumed), snapshot(full)), "passes": passes,
+            "paths_differ": lookup_paths_differ(full, unpooled),
             "stats": table_stats(full.model), "stats_resumed": table_stats(resumed.model),
             "mixed": m._mch_sorted_raw_ids[m._mch_sorted_raw_ids != EMPTY_SLOT].tolist()}
 
@@ -744,6 +827,7 @@ def test_two_ranks_resume_bitwise_and_a_checkpoint_moves_to_one_rank_and_back(
     r0, r1 = run_distributed(_two_rank_run, world_size=2, timeout_s=300, args=(root,))
     for r in (r0, r1):
         assert r["equal"] == "yes", r["equal"]
+        assert r["paths_differ"] == []
         assert r["stats"] == r["stats_resumed"]
         # 64 rows a step (48 + 16) over both ranks: a pass every 2 steps on each rank.
         assert r["passes"] == [0, 1, 1, 2, 2, 3, 3, 4, 4]

@@ -103,7 +103,10 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     for key in sorted(k for k in state if k.endswith(_IDS) and _MC in k):
         prefix = key[: -len(_IDS)]
         owner, table = prefix.split(_MC)
-        weight_key = f"{owner}._embedding_module.embeddings.{table}.weight"
+        # The pooled lookup's rows are ``embedding_bags``, the unpooled one's ``embeddings``.
+        weight_key = next((k for k in (f"{owner}._embedding_module.{g}.{table}.weight"
+                                       for g in ("embedding_bags", "embeddings")) if k in state),
+                          f"{owner}._embedding_module.embeddings.{table}.weight")
         if weight_key not in state:
             raise KeyError(f"checkpoint {ckpt_dir!r} has the id map of {table!r} but not its rows "
                            f"{weight_key!r} (left out by params_not_save?)")

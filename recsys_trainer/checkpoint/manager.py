@@ -64,6 +64,7 @@ from recsys_trainer.distributed import (
     ProcessGroupGang,
     new_gloo_group,
 )
+from recsys_trainer.dynamic import lookup_path_hint
 from recsys_trainer.storage import Location, resolve
 
 logger = logging.getLogger(__name__)
@@ -950,7 +951,8 @@ class CheckpointManager:
             raise CheckpointError(
                 f"checkpoint step {step} at {path!r} lacks {len(missing)} entries this trainer "
                 f"has, e.g. {missing[:5]}; is it from another model? (Use the model bank to "
-                f"initialise from a different model.)", step=step, path=path, kind="mismatch")
+                f"initialise from a different model.){lookup_path_hint(missing, saved)}",
+                step=step, path=path, kind="mismatch")
         # Model keys only: every rank's model state dict names every table (sharded tensors),
         # but a rank's fused optimizer state holds only its own shards' entries.
         have = {f"model.{k}" for k in target["model"]}

@@ -2,9 +2,11 @@
 
 Built on torchrec's managed-collision modules, not a home-made table:
 
-* ``ManagedCollisionEmbeddingCollection`` holds an ``EmbeddingCollection`` (the rows, a fused
-  FBGEMM table with its in-backward sparse optimizer) and a ``ManagedCollisionCollection`` with
-  one ``MCHManagedCollisionModule`` per table: a sorted id -> slot map with per-slot metadata.
+* ``ManagedCollisionEmbeddingBagCollection`` (pooled features) and
+  ``ManagedCollisionEmbeddingCollection`` (sequence features) hold an ``EmbeddingBagCollection``
+  or an ``EmbeddingCollection`` (the rows, a fused FBGEMM table with its in-backward sparse
+  optimizer) and a ``ManagedCollisionCollection`` with one ``MCHManagedCollisionModule`` per
+  table: a sorted id -> slot map with per-slot metadata.
 * ``DynamicMCHModule`` is torchrec's ``MCHManagedCollisionModule`` with these changes:
 
   - **passes** (admission and eviction) run every ``eviction_interval_rows`` training rows (all
@@ -25,16 +27,19 @@ Built on torchrec's managed-collision modules, not a home-made table:
   - the legacy policies (torchrec's ``distance_lfu``, ``lfu``, ``lru``) keep torchrec's own pass
     over a history that grows (it never drops ids; torchrec sizes it from the first batch).
 
-Pooled features use the same unpooled collection plus a sum/mean pool
-(``DynamicEmbeddingBagCollection``): ``ManagedCollisionEmbeddingBagCollection`` cannot be
-sharded on CPU (torchrec issue 2958). Sequence features use the collection directly
+Pooled features (``DynamicEmbeddingBagCollection``) use torchrec's
+``ManagedCollisionEmbeddingBagCollection``: the id maps in front of FBGEMM's fused pooled lookup
+(``DynamicTable.pooled_lookup``; False: the unpooled collection plus a sum/mean pool, the path
+before, slower). Sequence features use ``ManagedCollisionEmbeddingCollection`` directly
 (``dynamic_embedding_collection``). A table may be read by several features (a candidate item
 and a history sequence): they share its ids, rows and passes.
 
 Sharding: managed collision exists only ``row_wise`` in torchrec (each rank owns a contiguous
 slot range and the ids of its block of the (mixed) id space), with the ``fused`` kernel on CPU.
-On CUDA the planner picks the kernel (``fused``, UVM caching...); that path has **not run on a
-GPU**.
+torchrec offers row-wise pooled sharding on CUDA only (torchrec issue 2958): ``sharders`` adds
+it on CPU for the managed-collision bag sharder, and ``install_uneven_reduce_scatter`` pads
+gloo's reduce-scatter of pooled rows when the ranks' batches differ. On CUDA the planner picks
+the kernel (``fused``, UVM caching...); that path has **not run on a GPU**.
 
 Eviction resets an evicted slot's row and optimizer state with FBGEMM's
 ``reset_weight_momentum`` op, which has only a CUDA kernel and takes a *feature* index where
@@ -52,9 +57,11 @@ Layout (each module one concern; the arrows point down this list):
 * ``config``: ``DynamicTable``;
 * ``policy``: the eviction policies (``DecayedLFUEvictionPolicy``, torchrec's legacy ones);
 * ``id_map``: ``DynamicMCHModule``, one table's map on one shard;
-* ``modules``: ``dynamic_embedding_collection``, ``DynamicEmbeddingBagCollection``;
+* ``modules``: ``dynamic_embedding_collection``, ``DynamicEmbeddingBagCollection``,
+  ``lookup_path_hint``;
 * ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
   ask of them (``StepBoundaries``, ``end_window``);
+* ``sharders``: ``sharders`` (row-wise pooled sharding on CPU), ``install_uneven_reduce_scatter``;
 * ``reset``: ``install_eviction_reset``;
 * ``relayout`` and ``state``: the checkpoint component and the re-routing at another layout;
 * ``stats``: ``table_stats``, ``table_memory``, ``is_resident``.
@@ -89,6 +96,7 @@ from recsys_trainer.dynamic.ids import (
 from recsys_trainer.dynamic.modules import (
     DynamicEmbeddingBagCollection,
     dynamic_embedding_collection,
+    lookup_path_hint,
 )
 from recsys_trainer.dynamic.policy import (
     COUNT_ONE,
@@ -99,6 +107,11 @@ from recsys_trainer.dynamic.reset import (
     install_cpu_eviction,
     install_eviction_reset,
     reset_rows_cpu,
+)
+from recsys_trainer.dynamic.sharders import (
+    PaddedPooledReduceScatter,
+    install_uneven_reduce_scatter,
+    sharders,
 )
 from recsys_trainer.dynamic.state import (
     STATE_FORMAT,
@@ -136,6 +149,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicyName",
     "ID_SPACE",
+    "PaddedPooledReduceScatter",
     "STATE_FORMAT",
     "StepBoundaries",
     "check_buckets",
@@ -147,13 +161,16 @@ __all__ = [
     "fallback_index",
     "install_cpu_eviction",
     "install_eviction_reset",
+    "install_uneven_reduce_scatter",
     "is_resident",
+    "lookup_path_hint",
     "make_eviction_policy",
     "mc_modules",
     "mix_ids",
     "planner_constraints",
     "reset_rows_cpu",
     "shard_of",
+    "sharders",
     "table_memory",
     "table_stats",
     "unmix_ids",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from recsys_trainer.validation import check_choice, check_int, check_number, fail
+from recsys_trainer.validation import check_choice, check_int, check_number, check_type, fail
 
 EvictionPolicyName = Literal["decayed_lfu", "distance_lfu", "lfu", "lru"]
 EVICTION_POLICIES: tuple[str, ...] = ("decayed_lfu", "distance_lfu", "lfu", "lru")
@@ -75,6 +75,14 @@ class DynamicTable:
     buckets: int | None = None
     """Id buckets for torchrec's planner (a multiple of the world size). None: the world size
     when the model is built (the process group's, else the ``WORLD_SIZE`` variable)."""
+    pooled_lookup: bool = True
+    """Pooled features (``DynamicEmbeddingBagCollection``, the DLRM's tables): look them up
+    with torchrec's ``ManagedCollisionEmbeddingBagCollection`` (FBGEMM's pooled lookup, the
+    id map in front; default) or, with False, with the unpooled
+    ``ManagedCollisionEmbeddingCollection`` pooled afterwards (the path before: slower,
+    docs/dynamic.md "Step time"; its checkpoints name the rows ``embeddings``, not
+    ``embedding_bags``, so they load only with False). One value for a collection's tables.
+    Sequence features always take the unpooled collection."""
 
     def __post_init__(self) -> None:
         check_int("DynamicTable.num_slots", self.num_slots, minimum=2)
@@ -125,6 +133,7 @@ class DynamicTable:
                  "('decayed_lfu', 'distance_lfu' or 'lru') with expire_after_*", "lfu")
         check_number("DynamicTable.decay_exponent", self.decay_exponent, above=0.0)
         check_int("DynamicTable.buckets", self.buckets, allow_none=True)
+        check_type("DynamicTable.pooled_lookup", self.pooled_lookup, (bool,), "true or false")
         if self.admission_threshold > 1 and self.eviction_policy == "lru":  # type: ignore[operator]
             fail("DynamicTable.admission_threshold", "1 with eviction_policy='lru' (LRU keeps no "
                  "counts to admit by; use 'decayed_lfu', 'distance_lfu' or 'lfu')",

@@ -1,17 +1,22 @@
 """The modules a model builds dynamic tables with: ``dynamic_embedding_collection`` (sequence
 features, torchrec's ``ManagedCollisionEmbeddingCollection``) and
-``DynamicEmbeddingBagCollection`` (pooled features)."""
+``DynamicEmbeddingBagCollection`` (pooled features: torchrec's
+``ManagedCollisionEmbeddingBagCollection``, or the unpooled collection pooled here)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingCollection
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.mc_embedding_modules import (
+    ManagedCollisionEmbeddingBagCollection,
+    ManagedCollisionEmbeddingCollection,
+)
 from torchrec.modules.mc_modules import ManagedCollisionCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
@@ -84,12 +89,17 @@ def _specs_for(tables: list[EmbeddingConfig], dynamic: DynamicTable | dict[str, 
 
 class DynamicEmbeddingBagCollection(nn.Module):
     """Pooled dynamic features: an ``EmbeddingBagCollection`` look-alike (``forward(kjt) ->
-    KeyedTensor``, ``embedding_bag_configs()``) over a managed-collision collection whose
-    per-id rows are pooled here (sum or mean, per table's ``pooling``). A table may be read by
-    several features (each pooled on its own).
+    KeyedTensor``, ``embedding_bag_configs()``). A table may be read by several features (each
+    pooled on its own).
 
-    Pooling is one ``segment_reduce`` per feature, after the sharded lookup; the collection
-    itself is what DMP shards, so the KJT reaches it unchanged (TorchRec pipelines can trace).
+    By default (``DynamicTable.pooled_lookup``) it holds torchrec's
+    ``ManagedCollisionEmbeddingBagCollection`` (``mc_ebc``): the id maps in front of a pooled
+    ``EmbeddingBagCollection``, FBGEMM's fused pooled lookup, sharded ``row_wise`` (also on CPU,
+    through ``dynamic.sharders``). With ``pooled_lookup=False`` it holds the unpooled
+    ``ManagedCollisionEmbeddingCollection`` (``mc_ec``) whose per-id rows are pooled here (sum
+    or mean, one ``segment_reduce`` per feature after the sharded lookup): the former path,
+    slower (docs/dynamic.md, "Step time"). Either way the collection is what DMP shards, so
+    the KJT reaches it unchanged (TorchRec pipelines can trace).
     """
 
     def __init__(self, tables: list[EmbeddingBagConfig],
@@ -104,18 +114,45 @@ class DynamicEmbeddingBagCollection(nn.Module):
         self._mean = {f: t.pooling == PoolingType.MEAN for t in tables for f in t.feature_names}
         self._features = [f for t in tables for f in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        specs = _specs_for(tables, dynamic)
+        lookups = {s.pooled_lookup for s in specs.values()}
+        if len(lookups) > 1:
+            raise ValueError("`DynamicTable.pooled_lookup` must be the same for the tables of one "
+                             "DynamicEmbeddingBagCollection, but is "
+                             f"{ {n: s.pooled_lookup for n, s in specs.items()} }.")
+        self.pooled_lookup = lookups.pop() if lookups else True
+        """Whether the lookup is torchrec's pooled one (``mc_ebc``) or the unpooled one
+        pooled here (``mc_ec``)."""
+        if self.pooled_lookup:
+            ebc = EmbeddingBagCollection(tables=tables, device=device or torch.device("meta"))
+            mcc = ManagedCollisionCollection(
+                {t.name: _mc_module(t.name, specs[t.name], torch.device("cpu")) for t in tables},
+                tables)
+            # allow_in_place_embed_weight_update: as in dynamic_embedding_collection.
+            self.mc_ebc = ManagedCollisionEmbeddingBagCollection(
+                ebc, mcc, return_remapped_features=False,
+                allow_in_place_embed_weight_update=True)
+            return
         configs = [EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim,
                                    num_embeddings=t.num_embeddings, feature_names=t.feature_names,
                                    weight_init_max=t.weight_init_max,
                                    weight_init_min=t.weight_init_min, init_fn=t.init_fn)
                    for t in tables]
-        self.mc_ec = dynamic_embedding_collection(configs, dynamic, device)
+        self.mc_ec = dynamic_embedding_collection(configs, specs, device)
+
+    @property
+    def collection_name(self) -> str:
+        """The attribute holding the managed-collision collection (``mc_ebc`` or ``mc_ec``)."""
+        return "mc_ebc" if self.pooled_lookup else "mc_ec"
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The pooled tables (what torchrec's DLRM reads for dimensions)."""
         return self._bag_configs
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if self.pooled_lookup:
+            pooled_kt, _ = self.mc_ebc(features)
+            return pooled_kt
         looked_up, _ = self.mc_ec(features)
         pooled = [_pool(looked_up[f], self._mean[f]) for f in self._features]
         return KeyedTensor(keys=self._features, length_per_key=self._dims,
@@ -134,3 +171,20 @@ def _pool(jt: JaggedTensor, mean: bool) -> torch.Tensor:
     if mean:
         out = out / lengths.clamp_min(1).unsqueeze(1).to(out.dtype)
     return out
+
+
+def lookup_path_hint(missing: Iterable[str], saved: Iterable[str]) -> str:
+    """What to do when a checkpoint's pooled dynamic tables were saved by the other lookup path
+    (``DynamicTable.pooled_lookup``: the rows are under ``mc_ec`` or ``mc_ebc``), given the
+    state keys the model lacks in the checkpoint and those the checkpoint has; '' otherwise."""
+    wants_pooled = any(".mc_ebc." in k for k in missing)
+    wants_unpooled = any(".mc_ec." in k for k in missing)
+    saved = list(saved)
+    if wants_pooled and any(".mc_ec." in k for k in saved):
+        return (" Its dynamic tables were saved by the unpooled lookup (the default before "
+                "pooled lookups): build the model with DynamicTable(..., pooled_lookup=False) "
+                "to load it.")
+    if wants_unpooled and any(".mc_ebc." in k for k in saved):
+        return (" Its dynamic tables were saved by the pooled lookup: build the model with "
+                "DynamicTable(..., pooled_lookup=True) (the default) to load it.")
+    return ""

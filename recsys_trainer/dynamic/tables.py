@@ -11,7 +11,7 @@ from torch import nn
 from torchrec.distributed.mc_embedding_modules import (
     BaseShardedManagedCollisionEmbeddingCollection,
 )
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
+from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
 from recsys_trainer.dynamic.config import DYNAMIC_SPARSE_OPTIMIZERS
@@ -20,9 +20,10 @@ from recsys_trainer.validation import fail
 
 
 def dynamic_collections(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Managed-collision embedding collections in ``model``, sharded or not (name, module)."""
+    """Managed-collision embedding collections in ``model`` (pooled or not), sharded or not
+    (name, module)."""
     for name, m in model.named_modules():
-        if isinstance(m, ManagedCollisionEmbeddingCollection
+        if isinstance(m, BaseManagedCollisionEmbeddingCollection
                       | BaseShardedManagedCollisionEmbeddingCollection):
             yield name, m
 
@@ -42,7 +43,7 @@ def dynamic_table_names(model: nn.Module) -> set[str]:
     """Names of the tables that are dynamic (before or after sharding)."""
     names: set[str] = set()
     for _, coll in dynamic_collections(model):
-        if isinstance(coll, ManagedCollisionEmbeddingCollection):
+        if isinstance(coll, BaseManagedCollisionEmbeddingCollection):
             names.update(c.name for c in coll._managed_collision_collection.embedding_configs())
         else:
             names.update(mc_modules(coll))

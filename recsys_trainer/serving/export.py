@@ -162,8 +162,10 @@ def table_modules(model: nn.Module) -> list[_TableModule]:
         skip.append(path)
         if isinstance(m, DynamicEmbeddingBagCollection):
             cfgs = m.embedding_bag_configs()
-            out.append(_TableModule(f"{path}.mc_ec" if path else "mc_ec", path, "pooled", cfgs, True,
-                                    {c.name: _pooling(c) for c in cfgs}, m.mc_ec))
+            inner = m.collection_name
+            out.append(_TableModule(f"{path}.{inner}" if path else inner, path, "pooled", cfgs,
+                                    True, {c.name: _pooling(c) for c in cfgs},
+                                    getattr(m, inner)))
         elif isinstance(m, ManagedCollisionEmbeddingCollection):
             cfgs = m._embedding_module.embedding_configs()  # type: ignore[operator]
             out.append(_TableModule(path, path, "sequence", cfgs, True,
@@ -263,7 +265,10 @@ def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: s
             tensors[f"{name}.weight"] = stored(state[key])
         else:
             mc = f"{prefix}{_MC}.{name}."
-            weight = state[f"{prefix}_embedding_module.embeddings.{name}.weight"]
+            # The pooled lookup's rows are ``embedding_bags``, the unpooled one's ``embeddings``.
+            weight = state.get(f"{prefix}_embedding_module.embedding_bags.{name}.weight")
+            if weight is None:
+                weight = state[f"{prefix}_embedding_module.embeddings.{name}.weight"]
             raw, slots = state[mc + "_mch_sorted_raw_ids"], state[mc + "_mch_remapped_ids_mapping"]
             segments = state[mc + "_output_segments_tensor"]
             keep = raw != EMPTY_SLOT
