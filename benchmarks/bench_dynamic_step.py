@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="2 rounds")
+    ap.add_argument("--batch-size", type=int, default=512, help="rows per rank and step")
     ap.add_argument("--out", default="output/bench_dynamic_step")
     a = ap.parse_args()
     if a.quick:
@@ -80,7 +81,7 @@ def main() -> None:
     torch.set_flush_denormal(True)
     rank = int(os.environ.get("RANK", "0"))
     stream = ChurnStream(windows=3, num_users=20_000, num_items=20_000, seed=0)
-    raw = [stream.window(w, 40, 512, seed=1 + 10 * rank) for w in range(3)]
+    raw = [stream.window(w, 40, a.batch_size, seed=1 + 10 * rank) for w in range(3)]
     hashed_ids = [hashed(w, HASHED_ROWS) for w in raw]
     trainers: dict[str, tuple[Trainer, list[list[Batch]]]] = {
         "hashed": (make(HASHED_ROWS, None, f"{a.out}/hashed"), hashed_ids),
@@ -112,7 +113,8 @@ def main() -> None:
             return float(f(d[k]) / f(d["hashed"]))
 
         print(f"# bench_dynamic_step\n\n{platform.machine()}, {os.cpu_count()} cores, "
-              f"{torch.get_num_threads()} threads, {world} rank(s), load average {load:.1f} "
+              f"{torch.get_num_threads()} threads, {world} rank(s), {a.batch_size} rows per rank "
+              f"and step, load average {load:.1f} "
               f"(start) {os.getloadavg()[0]:.1f} (end); {len(cpu['hashed'])} steps per model\n")
         print("| model | CPU ms/step mean | CPU x hashed (mean / median) | wall x hashed "
               "(mean / median) |\n|---|---|---|---|")
