@@ -66,8 +66,14 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
             num_uniform_negatives=a.uniform_negatives, log_q_correction=not a.no_log_q,
             cross_rank_negatives=a.cross_rank)
     else:
-        spec = interaction_features(meta, user_features=False, item_side_features=False)
+        spec = interaction_features(meta, user_features=a.sasrec_user_features,
+                                    item_side_features=a.sasrec_side_features,
+                                    history_side_features=a.sasrec_side_features)
+        user = ["user_id", "segment"] if a.sasrec_user_features else []
+        side = {"item_cat": meta["num_clusters"]} if a.sasrec_side_features else {}
         model = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"],
+                            user_features=user, user_num_embeddings=[meta["num_users"], meta["num_segments"]][:len(user)],
+                            item_side_features=side, item_catalog=f"{a.data}/_items.parquet" if side else None,
                             embedding_dim=a.sasrec_dim, num_layers=a.sasrec_layers,
                             num_heads=a.sasrec_heads, dropout=a.sasrec_dropout, temperature=0.05,
                             train_positions=a.sasrec_positions or None,
@@ -148,6 +154,10 @@ def main() -> None:
     s.add_argument("--sasrec-positions", type=int, default=10,
                    help="train on the last N positions of each row (0: every position)")
     s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
+    s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=False,
+                   help="user id and segment, projected into every query")
+    s.add_argument("--sasrec-side-features", action=argparse.BooleanOptionalAction, default=False,
+                   help="the item category added to every history item's and candidate's vector")
     s.add_argument("--sasrec-lr", type=float, default=None, help="dense Adam lr (default: --lr)")
     s.add_argument("--sasrec-sparse-lr", type=float, default=None, help="table lr (default: --sparse-lr)")
     p.add_argument("--seed", type=int, default=0)
