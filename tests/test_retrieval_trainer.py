@@ -53,10 +53,17 @@ def _trainer(root: str, meta: dict[str, Any], out: str, *, model: str = "two_tow
             item_side_features={"item_cat": meta["num_clusters"]},
             item_catalog=f"{root}/_items.parquet", max_len=meta["max_len"], embedding_dim=16,
             tower_dims=(32, 16), **kw)
-    else:
+    elif model == "sasrec":
         spec = interaction_features(meta, user_features=False, item_side_features=False)
         net = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=16,
                           num_layers=1, **kw)
+    else:  # "sasrec_side": with the user features and the item category (history and candidate)
+        spec = interaction_features(meta, history_side_features=True)
+        net = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=16,
+                          num_layers=1, user_features=["user_id", "segment"],
+                          user_num_embeddings=[meta["num_users"], meta["num_segments"]],
+                          item_side_features={"item_cat": meta["num_clusters"]},
+                          item_catalog=f"{root}/_items.parquet", **kw)
     windows = partitioned_windows(root)
     return Trainer(
         net, TrainingArguments(output_dir=out, log_steps=10**6, pipeline=pipeline,
@@ -160,7 +167,7 @@ def test_the_example_exports_the_items_and_a_faiss_index_of_them_returns_the_exa
     assert "exported 5000 item embeddings" in p.stdout
 
 
-@pytest.mark.parametrize("model", ["two_tower", "sasrec"])
+@pytest.mark.parametrize("model", ["two_tower", "sasrec", "sasrec_side"])
 def test_the_serving_export_scores_raw_rows_to_the_query_the_model_ranks_the_corpus_with(log, tmp_path, model) -> None:
     root, meta = log
     trainer = _trainer(root, meta, str(tmp_path / "t"), model=model, train_steps=2, num_uniform_negatives=8)
