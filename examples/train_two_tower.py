@@ -17,8 +17,11 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
   its most recent item (user tower), item id and category (item tower), in-batch softmax with
   the logQ correction;
 - ``sasrec``: ``retrieval.SASRecModel``: a causal transformer (one layer, dim 32) over the
-  history, next-item loss at the last 10 positions of each row against the batch's items plus
-  128 uniformly sampled ones (``--sasrec-*`` flags change it; docs/retrieval.md has a sweep).
+  history, each item the sum of its id's and its category's embeddings (history and candidate),
+  the user id and segment projected into every query; next-item loss at the last 10 positions
+  of each row against the batch's items plus 128 uniformly sampled ones (``--sasrec-*`` flags
+  change it, ``--no-sasrec-user-features`` / ``--no-sasrec-side-features`` drop those inputs;
+  docs/retrieval.md has the measurements).
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
 ``--faiss`` then builds an exact faiss index (``IndexFlatIP``) from the export, searches it with
@@ -33,6 +36,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from torch import nn
 
@@ -154,9 +158,9 @@ def main() -> None:
     s.add_argument("--sasrec-positions", type=int, default=10,
                    help="train on the last N positions of each row (0: every position)")
     s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
-    s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=False,
-                   help="user id and segment, projected into every query")
-    s.add_argument("--sasrec-side-features", action=argparse.BooleanOptionalAction, default=False,
+    s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=True,
+                   help="user id and segment, projected into every query (--no-...: the history only)")
+    s.add_argument("--sasrec-side-features", action=argparse.BooleanOptionalAction, default=True,
                    help="the item category added to every history item's and candidate's vector")
     s.add_argument("--sasrec-lr", type=float, default=None, help="dense Adam lr (default: --lr)")
     s.add_argument("--sasrec-sparse-lr", type=float, default=None, help="table lr (default: --sparse-lr)")
@@ -170,6 +174,11 @@ def main() -> None:
     init_distributed()
     meta = ensure_dataset(a.data, a.hours, a.rows_per_hour, signal=InteractionSignal.make())
     windows = partitioned_windows(a.data)
+    if "sasrec" in a.models and a.sasrec_side_features and \
+            "hist_item_cat" not in pq.read_schema(windows[0].files[0]).names:
+        p.error(f"{a.data} was written before the log carried hist_item_cat (the history's "
+                "categories, SASRec's side feature): delete it to write it anew, or give "
+                "--no-sasrec-side-features")
     oracle = meta["per_window"][windows[-1].id]["oracle"] if windows[-1].id in meta["per_window"] \
         else meta["oracle"]
     results: dict[str, list[dict[str, float]]] = {}
