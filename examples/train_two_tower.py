@@ -17,10 +17,10 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
   its most recent item (user tower), item id and category (item tower), in-batch softmax with
   the logQ correction;
 - ``sasrec``: ``retrieval.SASRecModel``: a causal transformer (one layer, dim 32) over the
-  history, each item the sum of its id's and its category's embeddings (history and candidate),
-  the user id and segment projected into every query; next-item loss at the last 10 positions
-  of each row against the batch's items plus 128 uniformly sampled ones (``--sasrec-*`` flags
-  change it, ``--no-sasrec-user-features`` / ``--no-sasrec-side-features`` drop those inputs;
+  history, each item the sum of its id's and its category's embeddings (history and candidate);
+  next-item loss at the last 10 positions of each row against the batch's items plus 128
+  uniformly sampled ones (``--sasrec-*`` flags change it: ``--sasrec-user-features`` adds the
+  user id and segment to every query, ``--no-sasrec-side-features`` drops the category;
   docs/retrieval.md has the measurements).
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
@@ -158,10 +158,12 @@ def main() -> None:
     s.add_argument("--sasrec-positions", type=int, default=10,
                    help="train on the last N positions of each row (0: every position)")
     s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
-    s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=True,
-                   help="user id and segment, projected into every query (--no-...: the history only)")
+    s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=False,
+                   help="user id and segment, projected into every query (measured: a head start, "
+                        "then it overfits)")
     s.add_argument("--sasrec-side-features", action=argparse.BooleanOptionalAction, default=True,
-                   help="the item category added to every history item's and candidate's vector")
+                   help="the item category added to every history item's and candidate's vector "
+                        "(--no-sasrec-side-features: the item ids only)")
     s.add_argument("--sasrec-lr", type=float, default=None, help="dense Adam lr (default: --lr)")
     s.add_argument("--sasrec-sparse-lr", type=float, default=None, help="table lr (default: --sparse-lr)")
     p.add_argument("--seed", type=int, default=0)
