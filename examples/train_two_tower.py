@@ -17,8 +17,11 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
   its most recent item (user tower), item id and category (item tower), in-batch softmax with
   the logQ correction;
 - ``sasrec``: ``retrieval.SASRecModel``: a causal transformer (one layer, dim 32) over the
-  history, next-item loss at the last 10 positions of each row against the batch's items plus
-  128 uniformly sampled ones (``--sasrec-*`` flags change it; docs/retrieval.md has a sweep).
+  history, each item the sum of its id's and its category's embeddings (history and candidate);
+  next-item loss at the last 10 positions of each row against the batch's items plus 128
+  uniformly sampled ones (``--sasrec-*`` flags change it: ``--sasrec-user-features`` adds the
+  user id and segment to every query, ``--no-sasrec-side-features`` drops the category;
+  docs/retrieval.md has the measurements).
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
 ``--faiss`` then builds an exact faiss index (``IndexFlatIP``) from the export, searches it with
@@ -33,6 +36,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 from torch import nn
 
@@ -66,8 +70,14 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
             num_uniform_negatives=a.uniform_negatives, log_q_correction=not a.no_log_q,
             cross_rank_negatives=a.cross_rank)
     else:
-        spec = interaction_features(meta, user_features=False, item_side_features=False)
+        spec = interaction_features(meta, user_features=a.sasrec_user_features,
+                                    item_side_features=a.sasrec_side_features,
+                                    history_side_features=a.sasrec_side_features)
+        user = ["user_id", "segment"] if a.sasrec_user_features else []
+        side = {"item_cat": meta["num_clusters"]} if a.sasrec_side_features else {}
         model = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"],
+                            user_features=user, user_num_embeddings=[meta["num_users"], meta["num_segments"]][:len(user)],
+                            item_side_features=side, item_catalog=f"{a.data}/_items.parquet" if side else None,
                             embedding_dim=a.sasrec_dim, num_layers=a.sasrec_layers,
                             num_heads=a.sasrec_heads, dropout=a.sasrec_dropout, temperature=0.05,
                             train_positions=a.sasrec_positions or None,
@@ -148,6 +158,12 @@ def main() -> None:
     s.add_argument("--sasrec-positions", type=int, default=10,
                    help="train on the last N positions of each row (0: every position)")
     s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
+    s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=False,
+                   help="user id and segment, projected into every query (measured: a head start, "
+                        "then it overfits)")
+    s.add_argument("--sasrec-side-features", action=argparse.BooleanOptionalAction, default=True,
+                   help="the item category added to every history item's and candidate's vector "
+                        "(--no-sasrec-side-features: the item ids only)")
     s.add_argument("--sasrec-lr", type=float, default=None, help="dense Adam lr (default: --lr)")
     s.add_argument("--sasrec-sparse-lr", type=float, default=None, help="table lr (default: --sparse-lr)")
     p.add_argument("--seed", type=int, default=0)
@@ -160,6 +176,11 @@ def main() -> None:
     init_distributed()
     meta = ensure_dataset(a.data, a.hours, a.rows_per_hour, signal=InteractionSignal.make())
     windows = partitioned_windows(a.data)
+    if "sasrec" in a.models and a.sasrec_side_features and \
+            "hist_item_cat" not in pq.read_schema(windows[0].files[0]).names:
+        p.error(f"{a.data} was written before the log carried hist_item_cat (the history's "
+                "categories, SASRec's side feature): delete it to write it anew, or give "
+                "--no-sasrec-side-features")
     oracle = meta["per_window"][windows[-1].id]["oracle"] if windows[-1].id in meta["per_window"] \
         else meta["oracle"]
     results: dict[str, list[dict[str, float]]] = {}

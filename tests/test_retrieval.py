@@ -207,14 +207,19 @@ def test_full_corpus_metrics_equal_a_brute_force_ranking_with_exclusions_and_sev
 
 
 def _tt_batch(items: list[int], hist: list[list[int]], weights: list[float] | None = None,
-              keys: tuple[str, ...] = ("item", "hist_item", "item_cat")) -> Batch:
+              keys: tuple[str, ...] = ("item", "hist_item", "item_cat"), users: list[int] | None = None,
+              item_cats: list[int] | None = None, hist_cats: list[list[int]] | None = None) -> Batch:
+    """A batch of ``items`` with histories ``hist``; categories ``id % 3`` unless given."""
     b = len(items)
-    per_key = {"item": ([[i] for i in items]), "hist_item": hist, "item_cat": [[i % 3] for i in items]}
+    per_key = {"item": ([[i] for i in items]), "hist_item": hist,
+               "item_cat": [[c] for c in (item_cats or [i % 3 for i in items])],
+               "hist_item_cat": hist_cats if hist_cats is not None else [[h % 3 for h in r] for r in hist]}
     lists = [per_key[k] for k in keys]
     return Batch(
         dense=torch.zeros(b, 0),
         sparse=KeyedJaggedTensor.from_lengths_sync(
-            keys=["user_id"], values=torch.arange(b), lengths=torch.ones(b, dtype=torch.int32)),
+            keys=["user_id"], values=torch.tensor(users) if users is not None else torch.arange(b),
+            lengths=torch.ones(b, dtype=torch.int32)),
         labels=torch.ones(b),
         weights=None if weights is None else torch.tensor(weights),
         sequence=KeyedJaggedTensor.from_lengths_sync(
@@ -272,6 +277,52 @@ def test_sasrec_queries_see_only_the_past_and_padding_rows_cost_nothing() -> Non
     full = model.encode(hist.to_padded_dense(5), torch.tensor([3]))
     assert torch.allclose(F.normalize(model.final_norm.weight.new_tensor(0.0) + full[0, 2], dim=-1),
                           short[0], atol=1e-5)
+
+
+def test_sasrec_user_and_side_features_reach_its_queries_and_candidates_and_padding_stays_free() -> None:
+    torch.manual_seed(0)
+    catalog = {"item_id": np.arange(20), "item_cat": np.arange(20) % 3}
+    model = SASRecModel(num_items=20, max_len=5, embedding_dim=8, num_uniform_negatives=3, dropout=0.0,
+                        user_features=["user_id"], user_num_embeddings=10,
+                        item_side_features={"item_cat": 3}, item_catalog=catalog, table_device="cpu")
+    keys = ("item", "hist_item", "item_cat", "hist_item_cat")
+    assert model.sequence_keys == list(keys) and set(model.row_id_features) == set(keys)
+    assert model.serving_sequence_lengths() == {"hist_item": 5, "hist_item_cat": 5}
+    batch = _tt_batch([1, 2], [[3, 4, 5], [6]], keys=keys)
+    loss, out = model(batch)
+    assert torch.isfinite(loss) and out["query"].shape == (2, 8)
+    assert float(model(batch.as_padding())[0]) == 0.0
+    model.eval()
+
+    def query(**kw: object) -> torch.Tensor:
+        return model(_tt_batch([1], [[3, 4]], keys=keys, **kw))[1]["query"]  # type: ignore[arg-type]
+
+    def loss_of(**kw: object) -> float:
+        return float(model(_tt_batch([1, 2], [[3, 4], [5]], keys=keys, **kw))[0])  # type: ignore[arg-type]
+
+    base = query(users=[0])
+    # The user's id reaches the query (through the projection), and so do the history items'
+    # categories: the same item ids with other categories are another history.
+    assert not torch.allclose(base, query(users=[1]), atol=1e-4)
+    assert not torch.allclose(base, query(users=[0], hist_cats=[[0, 2]]), atol=1e-4)
+    assert torch.allclose(base, query(users=[0], hist_cats=[[0, 1]]), atol=1e-6)  # = id % 3
+    # The candidate's category reaches the loss (its vector is the item's plus its category's).
+    assert loss_of(item_cats=[1, 2]) != pytest.approx(loss_of(item_cats=[0, 0]), abs=1e-5)
+    # The corpus: item row + category row at the catalog's id, normalised.
+    ids = torch.tensor([0, 4, 17])
+    item_rows = model.items.embeddings["t_item"].weight[ids]
+    cat_rows = model.items.embeddings["t_item_cat"].weight[ids % 3]
+    assert torch.allclose(model.item_embeddings(ids), F.normalize(item_rows + cat_rows, dim=-1), atol=1e-6)
+    # A history side feature is one id per history item.
+    with pytest.raises(ValueError, match=r"row 0 of the batch has 1 'hist_item_cat' ids but 2 'hist_item' items"):
+        model(_tt_batch([1], [[3, 4]], keys=keys, hist_cats=[[0]]))
+    with pytest.raises(ValueError, match=r"in the order \['item', 'hist_item', 'item_cat', 'hist_item_cat'\]"):
+        model(_tt_batch([1], [[3, 4]], keys=("item", "hist_item", "item_cat")))
+    with pytest.raises(ValueError, match="have no history key"):
+        SASRecModel(num_items=20, item_side_features={"item_cat": 3}, item_catalog=catalog,
+                    history_side_features={}, table_device="cpu")
+    with pytest.raises(ValueError, match="need `item_catalog`"):
+        SASRecModel(num_items=20, item_side_features={"item_cat": 3}, table_device="cpu")
 
 
 def test_the_oracle_rank_of_every_event_equals_a_brute_force_ranking_of_the_corpus(tmp_path: Path) -> None:

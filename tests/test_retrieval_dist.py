@@ -1,7 +1,8 @@
 """Retrieval on two real gloo ranks: the cross-rank in-batch softmax against the one-process
 softmax over the same rows, the frequency sketch kept identical on both ranks, and the
-full-corpus metrics of a sharded two-tower model (per row and per user, history excluded)
-against a brute-force numpy ranking of the same embeddings."""
+full-corpus metrics of a sharded two-tower model (per row and per user, history excluded) and
+of a SASRec with user and side features against a brute-force numpy ranking of the same
+embeddings."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
 from recsys_trainer.retrieval.losses import in_batch_softmax_loss
 from recsys_trainer.retrieval.models import (
+    SASRecModel,
     TwoTowerModel,
     count_items,
     find_retrieval_model,
@@ -83,7 +85,46 @@ def _worker(root: str, out: str) -> dict[str, Any]:
         user_fn=lambda b: torch.as_tensor(np.array(b.passthrough["user_id"])),
         time_fn=lambda b: torch.as_tensor(np.array(b.passthrough["ts"])))
     seen: list[dict[str, Any]] = []
+    trainer = Trainer(
+        model, TrainingArguments(output_dir=out, log_steps=10**6),
+        train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=100),
+        eval_dataset=ParquetWindowDataset(windows[1:], spec, batch_size=128),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        hooks=[per_row, per_user, _keeper(seen)], add_logger_hook=False)
+    trainer.train()
+    metrics = trainer.evaluate()
+    corpus = _corpus(trainer, meta["num_items"])
+    freq = trainer.model.module.frequency
 
+    # 3. A sharded SASRec with the user features and the item category (history and candidate:
+    # the side table is read by two features), trained and evaluated the same way.
+    spec = dataclasses.replace(interaction_features(meta, history_side_features=True),
+                               passthrough=["user_id", "ts"])
+    torch.manual_seed(0)
+    sasrec = SASRecModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=8,
+                         num_layers=1, user_features=["user_id", "segment"],
+                         user_num_embeddings=[meta["num_users"], meta["num_segments"]],
+                         item_side_features={"item_cat": meta["num_clusters"]},
+                         item_catalog=f"{root}/_items.parquet", num_uniform_negatives=16)
+    sas_seen: list[dict[str, Any]] = []
+    sas_hook = RetrievalMetricHook(k=[5, 20], log=False)
+    sas = Trainer(
+        sasrec, TrainingArguments(output_dir=f"{out}_sasrec", log_steps=10**6),
+        train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=100),
+        eval_dataset=ParquetWindowDataset(windows[1:], spec, batch_size=128),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        hooks=[sas_hook, _keeper(sas_seen)], add_logger_hook=False)
+    sas.train()
+    return {**part1, "metrics": metrics, "seen": seen, "corpus": corpus,
+            "freq": (freq.counts.clone(), freq.total.clone(), int(freq.step)),
+            "steps": trainer.state.global_step, "sas_metrics": sas.evaluate(), "sas_seen": sas_seen,
+            "sas_corpus": _corpus(sas, meta["num_items"]), "sas_steps": sas.state.global_step}
+
+
+def _keeper(seen: list[dict[str, Any]]) -> LambdaHook:
+    """A hook keeping every real evaluation row's query, target, history, user and time."""
     def keep(trainer: Trainer, output: Any) -> None:
         if output.is_padding:
             return
@@ -93,22 +134,13 @@ def _worker(root: str, out: str) -> dict[str, Any]:
                          "lengths": o["history_lengths"].clone(), "ids": o["history_ids"].clone(),
                          "user": np.asarray(b.passthrough["user_id"]), "ts": np.asarray(b.passthrough["ts"])})
 
-    trainer = Trainer(
-        model, TrainingArguments(output_dir=out, log_steps=10**6),
-        train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=100),
-        eval_dataset=ParquetWindowDataset(windows[1:], spec, batch_size=128),
-        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
-        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
-        hooks=[per_row, per_user, LambdaHook(after_eval_step=keep)], add_logger_hook=False)
-    trainer.train()
-    metrics = trainer.evaluate()
+    return LambdaHook(after_eval_step=keep)
+
+
+def _corpus(trainer: Trainer, num_items: int) -> np.ndarray:
     retrieval = find_retrieval_model(trainer.model)
     with torch.no_grad():  # a collective: the item table is sharded
-        corpus = retrieval.item_embeddings(torch.arange(meta["num_items"]))
-    freq = trainer.model.module.frequency
-    return {**part1, "metrics": metrics, "seen": seen, "corpus": corpus.numpy(),
-            "freq": (freq.counts.clone(), freq.total.clone(), int(freq.step)),
-            "steps": trainer.state.global_step}
+        return retrieval.item_embeddings(torch.arange(num_items)).numpy()
 
 
 def _per_user(rows: list[dict[str, Any]]) -> tuple[np.ndarray, list[list[int]], list[list[int]]]:
@@ -182,3 +214,17 @@ def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_pro
         assert r0["metrics"]["user/" + name] == pytest.approx(value, abs=1e-9), name
     assert expected_users["num_queries"] < expected_rows["num_queries"]
     assert expected_users["recall@20"] != expected_users["hitrate@20"]
+
+    # The side-feature SASRec trained on both ranks and its metrics are exact too.
+    assert r0["sas_steps"] == r1["sas_steps"] > 1
+    assert r0["sas_metrics"] == r1["sas_metrics"]
+    assert np.allclose(r0["sas_corpus"], r1["sas_corpus"])
+    rows = r0["sas_seen"] + r1["sas_seen"]
+    assert r0["sas_seen"] and r1["sas_seen"]
+    queries = np.concatenate([r["query"].numpy() for r in rows])
+    targets = [[int(t)] for r in rows for t in r["target"].numpy()]
+    expected_sas = brute_force_metrics(queries, r0["sas_corpus"], targets, None, [5, 20])
+    assert expected_sas["num_queries"] == r0["sas_metrics"]["num_samples"]
+    for name, value in expected_sas.items():
+        assert r0["sas_metrics"][name] == pytest.approx(value, abs=1e-9), name
+    assert r0["sas_metrics"]["recall@20"] > 2 * 20 / 300  # above chance after a few steps

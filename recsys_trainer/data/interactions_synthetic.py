@@ -5,7 +5,8 @@ oracle Recall@K: the data of retrieval (candidate generation) models.
 
 Each row is one interaction (an event) in time order: ``user_id`` and ``segment`` (user
 features), ``item`` (the item interacted with) and its ``item_cat``, ``hist_item`` (the user's
-previous items, oldest first, at most ``max_len``), ``ts`` (the event's global order), ``label``
+previous items, oldest first, at most ``max_len``) and ``hist_item_cat`` (their categories,
+aligned with ``hist_item``: a sequential model's history side feature), ``ts`` (the event's global order), ``label``
 (always 1: a retrieval log holds positives only) and ``row_id``. Layout:
 ``OUT/dt=YYYY-MM-DD/hour=HH/part-0.parquet``; ``OUT/_items.parquet`` is the item catalog
 (``item_id``, ``item_cat``) and ``OUT/_signal.json`` the oracle's metrics.
@@ -291,6 +292,8 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 8, rows_per_hour: in
             "item": pa.array(ev["item"].astype(np.int64)),
             "item_cat": pa.array(sig.item_cluster[ev["item"]].astype(np.int64)),
             "hist_item": pa.ListArray.from_arrays(pa.array(offsets), pa.array(ev["hist_ids"])),
+            "hist_item_cat": pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(sig.item_cluster[ev["hist_ids"]].astype(np.int64))),
         })
         part = root / f"dt={t:%Y-%m-%d}" / f"hour={t:%H}"
         part.mkdir(parents=True, exist_ok=True)
@@ -320,18 +323,26 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 8, rows_per_hour: in
 
 
 def interaction_features(meta: dict[str, Any], *, user_features: bool = True,
-                         item_side_features: bool = True) -> FeatureSpec:
+                         item_side_features: bool = True,
+                         history_side_features: bool = False) -> FeatureSpec:
     """The FeatureSpec for these files (``meta``: their ``_signal.json``).
 
     Sequence keys in the order the retrieval models read them: ``item``, ``hist_item`` (the
-    last ``max_len`` items), then ``item_cat`` with ``item_side_features`` (a
-    ``TwoTowerModel`` with ``item_side_features={"item_cat": ...}``); ``user_features``:
-    ``user_id`` and ``segment`` in ``Batch.sparse``. A ``SASRecModel`` reads neither."""
+    last ``max_len`` items), then ``item_cat`` with ``item_side_features`` (a model with
+    ``item_side_features={"item_cat": ...}``), then ``hist_item_cat`` (the history items'
+    categories, as long as ``hist_item``) with ``history_side_features`` (a ``SASRecModel``
+    with side features); ``user_features``: ``user_id`` and ``segment`` in ``Batch.sparse``."""
+    if history_side_features and not item_side_features:
+        raise ValueError("history_side_features=True needs item_side_features=True: the model reads "
+                         "item_cat (the candidate's) before hist_item_cat (the history's).")
     n_items, max_len = int(meta["num_items"]), int(meta["max_len"])
+    n_cats = int(meta["num_clusters"])
     sequence = [SequenceFeature(name="item", num_embeddings=n_items),
                 SequenceFeature(name="hist_item", num_embeddings=n_items, max_len=max_len)]
     if item_side_features:
-        sequence.append(SequenceFeature(name="item_cat", num_embeddings=int(meta["num_clusters"])))
+        sequence.append(SequenceFeature(name="item_cat", num_embeddings=n_cats))
+    if history_side_features:
+        sequence.append(SequenceFeature(name="hist_item_cat", num_embeddings=n_cats, max_len=max_len))
     sparse = [SparseFeature(name="user_id", num_embeddings=int(meta["num_users"])),
               SparseFeature(name="segment", num_embeddings=int(meta["num_segments"]))] if user_features else []
     return FeatureSpec(labels=["label"], sparse=sparse, sequence=sequence)

@@ -153,6 +153,23 @@ def check_history_lengths(lengths: torch.Tensor, max_len: int, feature: str) -> 
             "(the reader keeps the most recent ids) or build the model with a larger max_len.")
 
 
+def check_aligned_history(side_lengths: torch.Tensor, lengths: torch.Tensor, feature: str,
+                          history_feature: str) -> None:
+    """A history side feature must hold one id per history item (its i-th id is the i-th
+    item's): refuse a row where the two lengths differ."""
+    ok = (side_lengths == lengths).all()
+    if lengths.is_cuda:
+        torch._assert_async(ok, "a history side feature is not as long as the history")
+        return
+    if not bool(ok):
+        row = int(torch.nonzero(side_lengths != lengths)[0, 0])
+        raise ValueError(
+            f"row {row} of the batch has {int(side_lengths[row])} {feature!r} ids but "
+            f"{int(lengths[row])} {history_feature!r} items: a history side feature holds one id "
+            f"per history item, in the same order. Write them together and give both "
+            "SequenceFeatures the same max_len.")
+
+
 def check_sequence_keys(sequence: KeyedJaggedTensor | None, expected: list[str]) -> None:
     """The batch's sequence keys must be the model's, in its order: a sharded table fixes its
     feature order at its first input, and the model's own lookups (negatives, the corpus) use
@@ -239,7 +256,8 @@ def retrieval_step(model: Any, batch: Batch, seq: Any, pooled: Any,
     return model._step(batch, seq, pooled, neg_ids)  # type: ignore[no-any-return]
 
 
-for _leaf in ("retrieval_step", "check_one_id_per_row", "check_history_lengths", "check_sequence_keys",
+for _leaf in ("retrieval_step", "check_one_id_per_row", "check_history_lengths", "check_aligned_history",
+              "check_sequence_keys",
               "with_extra_row", "items_only_input", "gather_candidates", "count_items",
               "candidate_log_q"):
     torch.fx.wrap(_leaf)
@@ -256,11 +274,31 @@ def tower(sizes: Sequence[int]) -> nn.Sequential:
     return nn.Sequential(mlp(sizes[:-1]), nn.Linear(sizes[-2], sizes[-1]))
 
 
+def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int], embedding_dim: int,
+                table_device: str) -> EmbeddingBagCollection | None:
+    """One pooled table ``t_<feature>`` per user feature (``batch.sparse``), or None without."""
+    features = list(user_features)
+    if isinstance(user_features, str) or len(set(features)) != len(features):
+        raise ValueError(f"`user_features` must be a list of distinct feature names, but is {user_features!r}.")
+    if not features:
+        return None
+    sizes = ([int(num_embeddings)] * len(features) if isinstance(num_embeddings, int)
+             else [int(n) for n in num_embeddings])
+    if len(sizes) != len(features):
+        raise ValueError(f"`user_num_embeddings` must be one int or one per user feature "
+                         f"{features}, but is {num_embeddings!r}.")
+    return EmbeddingBagCollection(tables=[
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f])
+        for f, n in zip(features, sizes, strict=True)], device=torch.device(table_device))
+
+
 class _RetrievalBase(nn.Module):
     """The item table, the negatives and the loss the two models share."""
 
     def __init__(self, *, num_items: int, item_feature: str, history_feature: str | None,
                  max_len: int, embedding_dim: int, side_tables: Mapping[str, int],
+                 history_side_features: Mapping[str, str],
+                 item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None, item_id_column: str,
                  loss: LossKind, num_uniform_negatives: int, temperature: float,
                  log_q_correction: bool, cross_rank_negatives: bool,
                  frequency_buckets: int | None, frequency_hashes: int,
@@ -287,21 +325,44 @@ class _RetrievalBase(nn.Module):
         self.num_uniform_negatives, self.temperature = num_uniform_negatives, float(temperature)
         self.log_q_correction, self.cross_rank_negatives = log_q_correction, cross_rank_negatives
         item_features = [item_feature] + ([history_feature] if history_feature else [])
-        self.row_id_features: tuple[str, ...] = (*item_features, *side_tables)
+        unknown = [k for k in history_side_features if k not in side_tables]
+        if unknown:
+            raise ValueError(f"`history_side_features` names {unknown}, which are not item side "
+                             f"features ({sorted(side_tables)}): give each side feature's history key.")
+        hist_side = [history_side_features[k] for k in side_tables if k in history_side_features]
+        self.history_side_features = {k: history_side_features[k] for k in side_tables
+                                      if k in history_side_features}
+        """Side feature -> the ``batch.sequence`` key holding it for each history item."""
+        names = [*item_features, *side_tables, *hist_side]
+        self.row_id_features: tuple[str, ...] = tuple(names)
         """Features whose ids are table rows (the catalog, the metrics and the export map id i
         to row i): the Trainer makes the datasets refuse to hash them (``data.spec.apply_model_to_specs``)."""
-        if len(set(item_features) | set(side_tables)) != len(item_features) + len(side_tables):
-            raise ValueError(f"feature names must be distinct, but are {item_features} and "
-                             f"{sorted(side_tables)}.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"feature names must be distinct, but are {item_features}, "
+                             f"{sorted(side_tables)} and {hist_side}.")
         init = {} if item_init_max is None else {
             "weight_init_min": -item_init_max, "weight_init_max": item_init_max}
         tables = [EmbeddingConfig(name=f"t_{item_feature}", embedding_dim=embedding_dim,
                                   num_embeddings=num_items, feature_names=item_features, **init)]
-        tables += [EmbeddingConfig(name=f"t_{name}", embedding_dim=embedding_dim,
-                                   num_embeddings=rows, feature_names=[name])
+        # A side table is read by the candidate's side feature and, for a sequential model, by
+        # the history's (as the item table by the item and the history).
+        tables += [EmbeddingConfig(name=f"t_{name}", embedding_dim=embedding_dim, num_embeddings=rows,
+                                   feature_names=[name, *([self.history_side_features[name]]
+                                                          if name in self.history_side_features else [])])
                    for name, rows in side_tables.items()]
-        self.sequence_keys = [*item_features, *side_tables]
+        self.sequence_keys = names
         """The keys of ``batch.sequence`` the model reads, in this order."""
+        self.side_features = list(side_tables)
+        catalog: dict[str, torch.Tensor] = {}
+        if side_tables:
+            if item_catalog is None:
+                raise ValueError(f"item side features {self.side_features} need `item_catalog` "
+                                 "(each item's side-feature ids) to embed items outside a batch.")
+            catalog = load_item_catalog(item_catalog, item_id_column, self.side_features, num_items)
+        for name, ids in catalog.items():
+            if int(ids.min()) < 0 or int(ids.max()) >= side_tables[name]:
+                raise ValueError(f"item catalog column {name!r} holds ids outside [0, {side_tables[name]}).")
+            self.register_buffer(f"catalog_{name}", ids, persistent=False)
         self.items = EmbeddingCollection(tables=tables, device=torch.device(table_device))
         self.frequency = ItemFrequencyEstimator(
             frequency_buckets if frequency_buckets is not None else num_items,
@@ -320,9 +381,16 @@ class _RetrievalBase(nn.Module):
         gen = None if self.training else torch.Generator().manual_seed(0)
         return torch.randint(0, self.num_items, (self.num_uniform_negatives,), generator=gen).to(device)
 
-    def _negative_features(self, neg_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The ids a uniform negative adds to the lookup: its item id (and side features)."""
-        return {self.item_feature: neg_ids}
+    def _catalog(self, name: str) -> torch.Tensor:
+        return getattr(self, f"catalog_{name}")  # type: ignore[no-any-return]
+
+    def _item_features(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ids an item adds to a lookup (a uniform negative, the corpus): its item id and
+        its side features from the catalog."""
+        feats = {self.item_feature: ids}
+        feats.update({name: self._catalog(name)[ids.to(self._catalog(name).device)]
+                      for name in self.side_features})
+        return feats
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # Only the table lookups happen here (TorchRec's pipeline traces this far); the rest
@@ -330,7 +398,7 @@ class _RetrievalBase(nn.Module):
         check_sequence_keys(batch.sequence, self.sequence_keys)
         neg_ids = self._uniform_negatives(batch.labels.device)
         kjt = batch.sequence if neg_ids is None else with_extra_row(
-            batch.sequence, self._negative_features(neg_ids))
+            batch.sequence, self._item_features(neg_ids))
         seq = self.items(kjt)
         users = getattr(self, "users", None)
         pooled = users(batch.sparse) if users is not None else None
@@ -449,53 +517,27 @@ class TwoTowerModel(_RetrievalBase):
         side = dict(item_side_features or {})
         super().__init__(
             num_items=num_items, item_feature=item_feature, history_feature=history_feature,
-            max_len=max_len, embedding_dim=embedding_dim, side_tables=side, loss=loss,
+            max_len=max_len, embedding_dim=embedding_dim, side_tables=side, history_side_features={},
+            item_catalog=item_catalog, item_id_column=item_id_column, loss=loss,
             num_uniform_negatives=num_uniform_negatives, temperature=temperature,
             log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
             frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
             frequency_half_life_steps=frequency_half_life_steps, item_init_max=item_init_max,
             table_device=table_device)
+        self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
         self.user_features = list(user_features)
-        if isinstance(user_features, str) or len(set(self.user_features)) != len(self.user_features):
-            raise ValueError(f"`user_features` must be a list of distinct feature names, but is {user_features!r}.")
         if not self.user_features and history_feature is None:
             raise ValueError("the user tower needs user features, a history feature, or both.")
-        self.side_features = list(side)
         self.normalize = normalize
         if not isinstance(recent_items, int) or not 0 <= recent_items <= max_len or (
                 recent_items and history_feature is None):
             raise ValueError(f"`recent_items` must be an int in [0, max_len={max_len}] (0 without a "
                              f"history feature), but is {recent_items!r}.")
         self.recent_items = recent_items
-        self.users: EmbeddingBagCollection | None = None
-        if self.user_features:
-            sizes = ([int(user_num_embeddings)] * len(self.user_features)
-                     if isinstance(user_num_embeddings, int) else [int(n) for n in user_num_embeddings])
-            if len(sizes) != len(self.user_features):
-                raise ValueError(f"`user_num_embeddings` must be one int or one per user feature "
-                                 f"{self.user_features}, but is {user_num_embeddings!r}.")
-            self.users = EmbeddingBagCollection(tables=[
-                EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n,
-                                   feature_names=[f])
-                for f, n in zip(self.user_features, sizes, strict=True)],
-                device=torch.device(table_device))
         dims = list(tower_dims)
         user_in = embedding_dim * (len(self.user_features) + (history_feature is not None) + recent_items)
         self.user_tower = tower([user_in, *dims])
         self.item_tower = tower([embedding_dim * (1 + len(side)), *dims])
-        catalog: dict[str, torch.Tensor] = {}
-        if side:
-            if item_catalog is None:
-                raise ValueError(f"item side features {self.side_features} need `item_catalog` "
-                                 "(each item's side-feature ids) to embed items outside a batch.")
-            catalog = load_item_catalog(item_catalog, item_id_column, self.side_features, num_items)
-        for name, ids in catalog.items():
-            if int(ids.min()) < 0 or int(ids.max()) >= side[name]:
-                raise ValueError(f"item catalog column {name!r} holds ids outside [0, {side[name]}).")
-            self.register_buffer(f"catalog_{name}", ids, persistent=False)
-
-    def _catalog(self, name: str) -> torch.Tensor:
-        return getattr(self, f"catalog_{name}")  # type: ignore[no-any-return]
 
     def _item_vectors(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
         parts = [seq[self.item_feature].values()[rows]]
@@ -506,16 +548,8 @@ class TwoTowerModel(_RetrievalBase):
     def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` item-tower embeddings of item ids ``[n]`` (side features from the
         catalog). Under DMP every rank calls this together."""
-        feats = {self.item_feature: ids}
-        feats.update({name: self._catalog(name)[ids.to(self._catalog(name).device)]
-                      for name in self.side_features})
-        seq = self.items(items_only_input(self.sequence_keys, feats))
+        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
         return self._item_vectors({k: seq[k] for k in self.sequence_keys}, slice(None))
-
-    def _negative_features(self, neg_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        feats = {self.item_feature: neg_ids}
-        feats.update({name: self._catalog(name)[neg_ids] for name in self.side_features})
-        return feats
 
     def _user_query(self, pooled: torch.Tensor | None, hist: torch.Tensor | None,
                     lengths: torch.Tensor | None) -> torch.Tensor:
@@ -584,15 +618,39 @@ class SASRecModel(_RetrievalBase):
     item table, plus learned positions); the output at position ``p`` is the query for the item
     that followed ``h_p``: ``h_{p+1}``, and the row's target item (``item_feature``) after the
     last. Every position is a training query (SASRec's objective), or with ``train_positions=t``
-    the last ``t`` of each row (``1``: the target only; fewer queries, a cheaper loss). The loss scores each query against its positive and shared
-    negatives: the batch's target items and ``num_uniform_negatives`` uniform items, with the
-    logQ correction (``loss="in_batch"``; ``"sampled"``: the uniform items only). In evaluation
-    the query is the output after the last history item. The item tower is the item table
-    itself (L2-normalised when ``normalize``), shared by input and output (as in SASRec).
+    the last ``t`` of each row (``1``: the target only; fewer queries, a cheaper loss). The loss
+    scores each query against its positive and shared negatives: the batch's target items and
+    ``num_uniform_negatives`` uniform items, with the logQ correction (``loss="in_batch"``;
+    ``"sampled"``: the uniform items only). In evaluation the query is the output after the
+    last history item.
 
-    The ``FeatureSpec`` that feeds it: ``sequence=[SequenceFeature(name=item_feature,
-    num_embeddings=num_items), SequenceFeature(name=history_feature, num_embeddings=num_items,
-    max_len=max_len)]``.
+    An item's vector is its row of the item table plus, with ``item_side_features``, the rows
+    of its side features (one table ``t_<name>`` each): the same vector is the input at a
+    history position and the candidate a query is scored against (L2-normalised when
+    ``normalize``), shared as in SASRec. The candidate's side ids come from ``batch.sequence``
+    (``name``, one per row), the history's from ``history_side_features[name]`` (one per
+    history item, as long as the history: the data carries them so that serving, which sees
+    embeddings and no ids, gets them too), and those of items outside a batch (uniform
+    negatives, the corpus) from ``item_catalog``.
+
+    With ``user_features`` (pooled tables ``t_<name>`` over ``batch.sparse``, e.g. the user id
+    and segment), a linear projection of the concatenated user embeddings is added to the
+    transformer's output at every position: each query is "this history, from this user".
+
+    The ``FeatureSpec`` that feeds it: ``sparse=[SparseFeature(name=f) for f in
+    user_features]``, ``sequence=[SequenceFeature(name=item_feature, num_embeddings=num_items),
+    SequenceFeature(name=history_feature, num_embeddings=num_items, max_len=max_len), *one
+    SequenceFeature per side feature (one id per row), *one per history side feature
+    (max_len=max_len)]``, in the order of ``sequence_keys``.
+
+    Args (besides the loss options, as ``TwoTowerModel``'s):
+        user_features: pooled user features (``batch.sparse`` keys); none by default.
+        user_num_embeddings: rows per user table (one int or one per feature).
+        item_side_features: ``{feature: rows}`` of item side features; none by default.
+        history_side_features: ``{feature: history key}``; default ``hist_<feature>`` for each
+            side feature.
+        item_catalog: a parquet file (or mapping of arrays) with ``item_id_column`` and one
+            column per side feature, listing every item once; needed with side features.
     """
 
     def __init__(
@@ -601,6 +659,12 @@ class SASRecModel(_RetrievalBase):
         num_items: int,
         item_feature: str = "item",
         history_feature: str = "hist_item",
+        user_features: Sequence[str] = (),
+        user_num_embeddings: int | Sequence[int] = 10_000,
+        item_side_features: Mapping[str, int] | None = None,
+        history_side_features: Mapping[str, str] | None = None,
+        item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+        item_id_column: str = "item_id",
         max_len: int = 50,
         embedding_dim: int = 32,
         num_layers: int = 2,
@@ -619,9 +683,19 @@ class SASRecModel(_RetrievalBase):
         item_init_max: float | None = None,
         table_device: str = "meta",
     ) -> None:
+        side = dict(item_side_features or {})
+        hist_side = ({name: f"hist_{name}" for name in side} if history_side_features is None
+                     else dict(history_side_features))
+        missing = [name for name in side if name not in hist_side]
+        if missing:
+            raise ValueError(f"item side features {missing} have no history key in "
+                             f"`history_side_features` ({hist_side}): a sequential model adds them "
+                             "to every history item, so the data must carry them per history item.")
         super().__init__(
             num_items=num_items, item_feature=item_feature, history_feature=history_feature,
-            max_len=max_len, embedding_dim=embedding_dim, side_tables={}, loss=loss,
+            max_len=max_len, embedding_dim=embedding_dim, side_tables=side,
+            history_side_features=hist_side, item_catalog=item_catalog,
+            item_id_column=item_id_column, loss=loss,
             num_uniform_negatives=num_uniform_negatives, temperature=temperature,
             log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
             frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
@@ -634,6 +708,11 @@ class SASRecModel(_RetrievalBase):
         if train_positions is not None and (not isinstance(train_positions, int) or train_positions < 1):
             raise ValueError(f"`train_positions` must be an int >= 1 or None, but is {train_positions!r}.")
         self.train_positions, self.normalize = train_positions, normalize
+        self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
+        self.user_features = list(user_features)
+        self.user_projection = (nn.Linear(embedding_dim * len(self.user_features), embedding_dim)
+                                if self.user_features else None)
+        """The user features' term of every query (None without user features)."""
         self.bos = nn.Parameter(torch.zeros(embedding_dim).normal_(0, 0.02))
         self.position_embedding = nn.Embedding(max_len + 1, embedding_dim)
         nn.init.normal_(self.position_embedding.weight, 0, 0.02)
@@ -649,25 +728,43 @@ class SASRecModel(_RetrievalBase):
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         return F.normalize(x, dim=-1) if self.normalize else x
 
-    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[n, D]`` embeddings of item ids ``[n]`` (the item table). Under DMP every rank
-        calls this together."""
-        seq = self.items(items_only_input(self.sequence_keys, {self.item_feature: ids}))
-        return self._out(seq[self.item_feature].values())
+    def _item_sum(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
+        """``[n, D]`` item vectors (before normalisation) of the lookup's one-id-per-row
+        ``rows``: the item's row plus its side features' rows."""
+        out = seq[self.item_feature].values()[rows]
+        for name in self.side_features:
+            out = out + seq[name].values()[rows]
+        return out
 
-    def encode(self, history: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """``[B, L + 1, D]`` outputs for ``[BOS, history]`` (``history [B, L, D]``, left-
-        aligned; positions after ``lengths`` are padding, which the causal mask keeps out of
-        every real position's view)."""
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` embeddings of item ids ``[n]`` (the item table plus the side tables at
+        the catalog's ids). Under DMP every rank calls this together."""
+        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
+        return self._out(self._item_sum(self._by_key(seq), slice(None)))
+
+    def encode(self, history: torch.Tensor, lengths: torch.Tensor,
+               user: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L + 1, D]`` outputs for ``[BOS, history]`` (``history [B, L, D]``: item vectors,
+        left-aligned; positions after ``lengths`` are padding, which the causal mask keeps out
+        of every real position's view), plus the projection of ``user [B, F * D]`` (the pooled
+        user features, in ``user_features`` order) when the model has user features."""
+        if (user is None) != (self.user_projection is None):
+            raise ValueError(f"this model's user features are {self.user_features}: give `user` "
+                             "(their pooled embeddings) exactly when it has some.")
         b = history.shape[0]
         x = torch.cat([self.bos.expand(b, 1, -1), history], dim=1)
         x = x + self.position_embedding(self.positions).unsqueeze(0)
-        return self.final_norm(self.encoder(x, mask=self.causal_mask, is_causal=True))
+        out = self.final_norm(self.encoder(x, mask=self.causal_mask, is_causal=True))
+        if self.user_projection is not None and user is not None:
+            out = out + self.user_projection(user).unsqueeze(1)
+        return out
 
     def serving_sequence_lengths(self) -> dict[str, int]:
-        """The serving contract (``recsys_trainer.serving``): the history's padded length."""
+        """The serving contract (``recsys_trainer.serving``): the history's padded length (and
+        its side features')."""
         assert self.history_feature is not None
-        return {self.history_feature: self.max_len}
+        return {self.history_feature: self.max_len,
+                **{key: self.max_len for key in self.history_side_features.values()}}
 
     def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
                        sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -676,7 +773,10 @@ class SASRecModel(_RetrievalBase):
         ``activation="none"``."""
         assert self.history_feature is not None
         hist, lens = sequences[self.history_feature], lengths[self.history_feature]
-        out = self.encode(hist, lens)
+        for key in self.history_side_features.values():
+            hist = hist + sequences[key]  # zero-padded as the history: padding stays zero
+        user = torch.cat([pooled[f] for f in self.user_features], dim=1) if self.user_features else None
+        out = self.encode(hist, lens, user)
         last = out.gather(1, lens.long().view(-1, 1, 1).expand(-1, 1, out.shape[-1])).squeeze(1)
         return self._out(last)
 
@@ -687,14 +787,20 @@ class SASRecModel(_RetrievalBase):
         seq = self._by_key(seq_out)
         cand = seq[self.item_feature]
         check_one_id_per_row(cand.lengths()[:b], self.item_feature)
+        for name in self.side_features:
+            check_one_id_per_row(seq[name].lengths()[:b], name)
         target_ids = batch.sequence[self.item_feature].values()
         hist, lengths = self._history(seq, b)
+        for key in self.history_side_features.values():
+            side = seq[key]
+            check_aligned_history(side.lengths()[:b], lengths, key, self.history_feature)
+            hist = hist + JaggedTensor(values=side.values(), lengths=lengths).to_padded_dense(self.max_len)
         hist_ids_jt = batch.sequence[self.history_feature]
-        out = self.encode(hist, lengths)  # [B, L+1, D]
+        out = self.encode(hist, lengths, pooled.values() if pooled is not None else None)  # [B, L+1, D]
         last = out[torch.arange(b, device=out.device), lengths.long()]  # after the last item
         query = self._out(last)
-        target_emb = self._out(cand.values()[:b])
-        negatives = self._out(cand.values()[b:]) if neg_ids is not None else None
+        target_emb = self._out(self._item_sum(seq, slice(0, b)))
+        negatives = self._out(self._item_sum(seq, slice(b, None))) if neg_ids is not None else None
         weights = batch.weights
         # Positions 0..n-1 predict h_1..h_n; position n (after the last item) the target.
         valid = self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]: p < n
