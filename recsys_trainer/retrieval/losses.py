@@ -45,17 +45,67 @@ def _weighted_mean(per_row: torch.Tensor, weights: torch.Tensor | None) -> torch
     return torch.where(total > 0, (per_row * w).sum() / total.clamp_min(1e-12), total)
 
 
-def _softmax_loss(logits: torch.Tensor, positive: torch.Tensor, masked: torch.Tensor | None,
-                  weights: torch.Tensor | None) -> torch.Tensor:
-    """Cross-entropy of ``logits [B, C]`` against the column ``positive [B]``, with the
-    ``masked [B, C]`` entries removed (never a row's own positive)."""
-    logits = logits.float()
-    if masked is not None:
-        # A very negative finite value, not -inf: exp() underflows to 0 exactly, and no NaN can
-        # reach a gradient (every row keeps its positive).
-        logits = logits.masked_fill(masked, torch.finfo(logits.dtype).min / 2)
-    per_row = F.cross_entropy(logits, positive, reduction="none")
-    return _weighted_mean(per_row, weights)
+def _masked_pairs(candidate_ids: torch.Tensor | None, positive_ids: torch.Tensor,
+                  positive_cols: torch.Tensor | None, invalid: torch.Tensor | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(row, column)`` entries of a ``[B, C]`` logit matrix to mask, as index pairs: the
+    accidental hits (``candidate_ids[c] == positive_ids[r]``, when ``candidate_ids`` is given)
+    and the ``invalid [C]`` columns, never a row's own positive (``positive_cols [B]``).
+
+    Sparse, not a ``[B, C]`` boolean mask: both sets are small (a popular item's repeats, a
+    short batch's padding), and the dense mask's compare, fill and or-ing cost as much as the
+    softmax itself. Hits come from one sort of the candidates and a binary search per row."""
+    parts_r, parts_c = [], []
+    b, device = positive_ids.shape[0], positive_ids.device
+    if candidate_ids is not None:
+        sorted_ids, order = torch.sort(candidate_ids)
+        lo = torch.searchsorted(sorted_ids, positive_ids)
+        counts = torch.searchsorted(sorted_ids, positive_ids, right=True) - lo
+        r = torch.repeat_interleave(torch.arange(b, device=device), counts)
+        # Position of each pair inside its row's run of equal ids: a global arange minus the
+        # run's start in the pair list.
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        within = torch.arange(r.shape[0], device=device) - first
+        parts_r.append(r)
+        parts_c.append(order[torch.repeat_interleave(lo, counts) + within])
+    if invalid is not None:
+        cols = torch.nonzero(invalid).reshape(-1)
+        if cols.numel():  # a short batch's padding rows: every row masks those columns
+            parts_r.append(torch.arange(b, device=device).repeat_interleave(cols.numel()))
+            parts_c.append(cols.repeat(b))
+    if not parts_r:
+        return None
+    r, c = torch.cat(parts_r), torch.cat(parts_c)
+    if positive_cols is not None:
+        keep = c != positive_cols[r]
+        r, c = r[keep], c[keep]
+    return r, c
+
+
+def _mask(logits: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    if pairs is None or pairs[0].numel() == 0:
+        return logits
+    # A very negative finite value, not -inf: exp() underflows to 0 exactly, and no NaN can
+    # reach a gradient (every row keeps its positive). In place: the logits are a fresh matmul
+    # output that its backward does not read.
+    fill = torch.tensor(torch.finfo(logits.dtype).min / 2, dtype=logits.dtype, device=logits.device)
+    return logits.index_put_(pairs, fill)
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """The softmax in at least float32 (half-precision logits would round the logQ terms)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _column_bias(log_q: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor | None:
+    return None if log_q is None else (-log_q.to(like.dtype)).reshape(1, n)
+
+
+def _scores(scaled: torch.Tensor, candidates: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``scaled @ candidates.t() + bias``: one fused matmul (the logQ term added in it)."""
+    if bias is None:
+        return scaled @ candidates.t()
+    return torch.addmm(bias, scaled, candidates.t())
 
 
 def expected_candidate_log_q(probability: torch.Tensor, num_in_batch: int | torch.Tensor,
@@ -104,35 +154,29 @@ def in_batch_softmax_loss(
     """
     check_temperature(temperature)
     b = query.shape[0]
-    rows = torch.arange(b, device=query.device)
-    positive = rows + positive_offset
-    scaled = query / temperature  # [B, D]: cheaper than dividing the [B, C] logits
-    logits = scaled @ items.t()
-    if item_log_q is not None:
-        logits = logits - item_log_q.to(logits.dtype)
-    candidate_ids = item_ids
+    positive = torch.arange(b, device=query.device) + positive_offset
     if item_weights is None and weights is not None and items.shape[0] == b:
         item_weights = weights
-    valid = None if item_weights is None else item_weights > 0
+    candidates, candidate_ids, log_q = items, item_ids, item_log_q
+    invalid = None if item_weights is None else ~(item_weights > 0)
     if negatives is not None:
         if negative_ids is None:
             raise ValueError("`negatives` need `negative_ids` (for accidental hits).")
-        neg_logits = scaled @ negatives.t()
-        if negative_log_q is not None:
-            neg_logits = neg_logits - negative_log_q.to(neg_logits.dtype)
-        logits = torch.cat([logits, neg_logits], dim=1)
-        candidate_ids = torch.cat([item_ids, negative_ids])
-        if valid is not None:
-            valid = torch.cat([valid, torch.ones_like(negative_ids, dtype=torch.bool)])
-    masked = None
-    if remove_accidental_hits:
-        masked = candidate_ids[None, :] == item_ids[positive][:, None]
-    if valid is not None:
-        invalid = ~valid[None, :]
-        masked = invalid.expand(b, -1).clone() if masked is None else masked | invalid
-    if masked is not None:
-        masked[rows, positive] = False  # never a row's own positive
-    return _softmax_loss(logits, positive, masked, weights)
+        # One [C + S] candidate set: one matmul and one softmax pass, not two and a concat.
+        candidates = torch.cat([items, negatives.to(items.dtype)])
+        candidate_ids = torch.cat([item_ids, negative_ids.to(item_ids.dtype)])
+        if log_q is not None or negative_log_q is not None:
+            log_q = torch.cat([
+                log_q if log_q is not None else items.new_zeros(items.shape[0]),
+                negative_log_q if negative_log_q is not None else items.new_zeros(negatives.shape[0])])
+        if invalid is not None:
+            invalid = torch.cat([invalid, invalid.new_zeros(negatives.shape[0])])
+    # Divide the [B, D] query, not the [B, C] logits, by the temperature.
+    logits = _scores(query / temperature, candidates, _column_bias(log_q, candidates.shape[0], query))
+    pairs = _masked_pairs(candidate_ids if remove_accidental_hits else None,
+                          item_ids[positive], positive, invalid)
+    per_row = F.cross_entropy(_mask(_upcast(logits), pairs), positive, reduction="none")
+    return _weighted_mean(per_row, weights)
 
 
 def sampled_softmax_loss(
@@ -167,23 +211,18 @@ def sampled_softmax_loss(
     """
     check_temperature(temperature)
     scaled = query / temperature
-    pos = (scaled * positives).sum(-1, keepdim=True)
-    neg = scaled @ negatives.t()
+    pos = (scaled * positives).sum(-1)
     if positive_log_q is not None:
-        pos = pos - positive_log_q.to(pos.dtype)[:, None]
-    if negative_log_q is not None:
-        neg = neg - negative_log_q.to(neg.dtype)[None, :]
-    masked = None
-    if remove_accidental_hits:
-        masked = negative_ids[None, :] == positive_ids[:, None]
-    if negative_weights is not None:
-        invalid = ~(negative_weights > 0)[None, :]
-        masked = invalid if masked is None else masked | invalid
-    logits = torch.cat([pos, neg], dim=1)
-    if masked is not None:
-        masked = torch.cat([torch.zeros_like(masked[:, :1]), masked.expand(neg.shape)], dim=1)
-    positive = torch.zeros(query.shape[0], dtype=torch.int64, device=query.device)
-    return _softmax_loss(logits, positive, masked, weights)
+        pos = pos - positive_log_q.to(pos.dtype)
+    neg = _scores(scaled, negatives, _column_bias(negative_log_q, negatives.shape[0], query))
+    invalid = None if negative_weights is None else ~(negative_weights > 0)
+    pairs = _masked_pairs(negative_ids if remove_accidental_hits else None, positive_ids, None, invalid)
+    neg = _mask(_upcast(neg), pairs)
+    # -log softmax of the positive against [pos, neg] without concatenating them:
+    # log(e^pos + sum e^neg) - pos.
+    pos = _upcast(pos)
+    per_row = torch.logaddexp(torch.logsumexp(neg, dim=1), pos) - pos
+    return _weighted_mean(per_row, weights)
 
 
 __all__ = [
