@@ -7,8 +7,9 @@ mean-pooled 1..50-item history; item id and category; 100k items, dim 64) on in-
 with each loss, interleaved in rounds, against the *same towers with a pointwise loss* (binary
 cross-entropy of each row's positive and of one shuffled in-batch item as its negative), the
 baseline: ``in_batch`` (in-batch softmax with the streaming logQ correction), ``in_batch_no_logq``,
-``mixed`` (+1024 uniform negatives), ``sampled`` (1024 uniform negatives only) and, at 2+ ranks,
-``cross_rank`` (in-batch negatives of every rank). Reported: step time (median round) / pointwise step time. Goal: <= 1.2x.
+``mixed_S`` (+S uniform negatives), ``sampled_S`` (S uniform negatives only; S from
+``--negatives``, default 128 and 1024) and, at 2+ ranks, ``cross_rank`` (in-batch negatives of
+every rank). Reported: step time (median round) / pointwise step time. Goal: <= 1.2x.
 
 **Evaluation** (``--part eval``): ``retrieval.metrics.full_corpus_metrics`` (the item tower over
 the corpus, every query scored against all of it, sharded top-K merged across ranks) for corpus
@@ -45,7 +46,7 @@ class PointwiseTwoTower(TwoTowerModel):
 
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
-              negative_ids: torch.Tensor | None) -> torch.Tensor:
+              negative_ids: torch.Tensor | None, pending: Any = None) -> torch.Tensor:
         from recsys_trainer.models import weighted_bce_with_logits
 
         pos = (query * items).sum(-1) / self.temperature
@@ -55,15 +56,22 @@ class PointwiseTwoTower(TwoTowerModel):
         return weighted_bce_with_logits(torch.cat([pos, neg]), labels, w)
 
 
+def expand_variants(variants: list[str], negatives: list[int]) -> list[str]:
+    """``mixed`` / ``sampled`` once per number of uniform negatives (``mixed_128``, ...)."""
+    return [f"{v}_{n}" if v in ("mixed", "sampled") else v
+            for v in variants for n in (negatives if v in ("mixed", "sampled") else [0])]
+
+
 def model_for(variant: str, num_items: int, table_device: str = "meta") -> TwoTowerModel:
     kw: dict[str, Any] = {}
-    if variant == "in_batch_no_logq":
+    kind, _, n = variant.partition("_") if variant.startswith(("mixed_", "sampled_")) else (variant, "", "")
+    if kind == "in_batch_no_logq":
         kw["log_q_correction"] = False
-    elif variant == "mixed":
-        kw["num_uniform_negatives"] = 1024
-    elif variant == "sampled":
-        kw.update(loss="sampled", num_uniform_negatives=1024)
-    elif variant == "cross_rank":
+    elif kind == "mixed":
+        kw["num_uniform_negatives"] = int(n)
+    elif kind == "sampled":
+        kw.update(loss="sampled", num_uniform_negatives=int(n))
+    elif kind == "cross_rank":
         kw["cross_rank_negatives"] = True
     cls = PointwiseTwoTower if variant == "pointwise" else TwoTowerModel
     catalog = {"item_id": torch.arange(num_items).numpy(), "item_cat": (torch.arange(num_items) % NUM_CATS).numpy()}
@@ -121,7 +129,7 @@ def losses_worker(a: argparse.Namespace) -> dict[str, Any]:
     from recsys_trainer.distributed import init_distributed
 
     info = init_distributed(a.device)
-    variants = [v for v in a.variants if v != "cross_rank" or info.world_size > 1]
+    variants = [v for v in expand_variants(a.variants, a.negatives) if v != "cross_rank" or info.world_size > 1]
     batches = make_batches(4, a.batch_size, a.num_items, seed=info.rank)
     runs = {}
     for v in variants:
@@ -229,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(LOSS_VARIANTS), choices=LOSS_VARIANTS)
+    p.add_argument("--negatives", type=int, nargs="+", default=[128, 1024],
+                   help="uniform negatives of the mixed and sampled variants (one variant each)")
     p.add_argument("--corpus", type=int, nargs="+", default=[25_000, 100_000, 400_000])
     p.add_argument("--queries", type=int, default=4096, help="eval queries per rank")
     p.add_argument("--eval-repeats", type=int, default=2)
@@ -247,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     common = [f"--num-items={a.num_items}", f"--batch-size={a.batch_size}", f"--warmup={a.warmup}",
               f"--steps={a.steps}", f"--rounds={a.rounds}", f"--queries={a.queries}",
               f"--eval-repeats={a.eval_repeats}", f"--device={a.device}",
-              "--variants", *a.variants, "--corpus", *map(str, a.corpus)]
+              "--variants", *a.variants, "--negatives", *map(str, a.negatives),
+              "--corpus", *map(str, a.corpus)]
     sections = []
     for part in a.part:
         results = [torchrun(os.path.abspath(__file__), n, ["--part", part, *common], a.timeout)
