@@ -25,8 +25,9 @@ a sampled negative that is the positive) is an *accidental hit* and is masked ou
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
 
 def check_temperature(temperature: float) -> None:
@@ -82,30 +83,64 @@ def _masked_pairs(candidate_ids: torch.Tensor | None, positive_ids: torch.Tensor
     return r, c
 
 
-def _mask(logits: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    if pairs is None or pairs[0].numel() == 0:
-        return logits
-    # A very negative finite value, not -inf: exp() underflows to 0 exactly, and no NaN can
-    # reach a gradient (every row keeps its positive). In place: the logits are a fresh matmul
-    # output that its backward does not read.
-    fill = torch.tensor(torch.finfo(logits.dtype).min / 2, dtype=logits.dtype, device=logits.device)
-    return logits.index_put_(pairs, fill)
-
-
 def _upcast(x: torch.Tensor) -> torch.Tensor:
     """The softmax in at least float32 (half-precision logits would round the logQ terms)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def _column_bias(log_q: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor | None:
-    return None if log_q is None else (-log_q.to(like.dtype)).reshape(1, n)
+class _MaskedLogSumExp(torch.autograd.Function):
+    """``logsumexp`` over each row of ``scaled @ candidates.t() - log_q`` with the ``pairs``
+    entries left out, and its gradient, without autograd's copies of the ``[B, C]`` matrix.
+
+    The matrix is the cost of a softmax over many candidates; autograd's chain (a bias copy
+    into ``addmm``, the masked copy, ``log_softmax``, a zero-filled ``nll`` gradient, the masked
+    gradient's copy) writes it about nine times. Here the matmul makes it, it is masked in
+    place, and backward turns it into the softmax in place (``d lse / d logits = softmax``),
+    which feeds the two gradient matmuls directly. A masked entry's softmax is exactly 0 (its
+    logit is a finite, very negative value), so it gets no gradient, as with a masked fill."""
+
+    @staticmethod
+    def forward(ctx: Any, scaled: torch.Tensor, candidates: torch.Tensor, log_q: torch.Tensor | None,
+                rows: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Tensor:
+        if log_q is None:
+            logits = scaled @ candidates.t()
+        else:  # the logQ term inside the matmul: [scaled, -1] . [candidate, log_q]
+            logits = torch.cat([scaled, scaled.new_full((scaled.shape[0], 1), -1.0)], 1) @ torch.cat(
+                [candidates, log_q.to(candidates.dtype).reshape(-1, 1)], 1).t()
+        logits = _upcast(logits)
+        if rows is not None and cols is not None and rows.numel():
+            # Very negative but finite, not -inf: exp() underflows to exactly 0, and a row whose
+            # every entry is masked still has a finite logsumexp (no NaN in any gradient).
+            fill = torch.tensor(torch.finfo(logits.dtype).min / 2, dtype=logits.dtype, device=logits.device)
+            logits.index_put_((rows, cols), fill)
+        top = logits.amax(dim=1, keepdim=True)
+        exp = logits.sub_(top).exp_()  # in place: the matrix becomes exp(logit - row max)
+        total = exp.sum(dim=1, keepdim=True)
+        ctx.save_for_backward(scaled, candidates, exp, total)
+        ctx.used = False
+        return (top + total.log()).squeeze(1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                        None, None, None]:
+        if ctx.used:  # the softmax below overwrote the saved matrix
+            raise RuntimeError("the retrieval softmax losses support one backward pass per forward "
+                               "(a second backward after retain_graph=True is not supported).")
+        ctx.used = True
+        scaled, candidates, exp, total = ctx.saved_tensors
+        # d logsumexp / d logit = softmax = exp / total, times the incoming gradient, in place.
+        p = exp.mul_(grad.to(exp.dtype).unsqueeze(1) / total).to(scaled.dtype)
+        grad_scaled = p @ candidates if ctx.needs_input_grad[0] else None
+        grad_candidates = p.t() @ scaled if ctx.needs_input_grad[1] else None
+        return grad_scaled, grad_candidates, None, None, None
 
 
-def _scores(scaled: torch.Tensor, candidates: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``scaled @ candidates.t() + bias``: one fused matmul (the logQ term added in it)."""
-    if bias is None:
-        return scaled @ candidates.t()
-    return torch.addmm(bias, scaled, candidates.t())
+def _masked_logsumexp(scaled: torch.Tensor, candidates: torch.Tensor, log_q: torch.Tensor | None,
+                      pairs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``[B]``: per row, ``log sum_c exp(scaled . candidates[c] - log_q[c])`` over the columns
+    not masked by ``pairs`` (``_MaskedLogSumExp``)."""
+    rows, cols = pairs if pairs is not None else (None, None)
+    return _MaskedLogSumExp.apply(scaled, candidates, log_q, rows, cols)  # type: ignore[no-any-return]
 
 
 def expected_candidate_log_q(probability: torch.Tensor, num_in_batch: int | torch.Tensor,
@@ -172,10 +207,14 @@ def in_batch_softmax_loss(
         if invalid is not None:
             invalid = torch.cat([invalid, invalid.new_zeros(negatives.shape[0])])
     # Divide the [B, D] query, not the [B, C] logits, by the temperature.
-    logits = _scores(query / temperature, candidates, _column_bias(log_q, candidates.shape[0], query))
+    scaled = query / temperature
     pairs = _masked_pairs(candidate_ids if remove_accidental_hits else None,
                           item_ids[positive], positive, invalid)
-    per_row = F.cross_entropy(_mask(_upcast(logits), pairs), positive, reduction="none")
+    # -log softmax at the positive = logsumexp over the candidates - the positive's logit.
+    own = _upcast((scaled * items[positive]).sum(-1))
+    if item_log_q is not None:
+        own = own - item_log_q[positive].to(own.dtype)
+    per_row = _masked_logsumexp(scaled, candidates, log_q, pairs) - own
     return _weighted_mean(per_row, weights)
 
 
@@ -214,14 +253,12 @@ def sampled_softmax_loss(
     pos = (scaled * positives).sum(-1)
     if positive_log_q is not None:
         pos = pos - positive_log_q.to(pos.dtype)
-    neg = _scores(scaled, negatives, _column_bias(negative_log_q, negatives.shape[0], query))
     invalid = None if negative_weights is None else ~(negative_weights > 0)
     pairs = _masked_pairs(negative_ids if remove_accidental_hits else None, positive_ids, None, invalid)
-    neg = _mask(_upcast(neg), pairs)
     # -log softmax of the positive against [pos, neg] without concatenating them:
     # log(e^pos + sum e^neg) - pos.
     pos = _upcast(pos)
-    per_row = torch.logaddexp(torch.logsumexp(neg, dim=1), pos) - pos
+    per_row = torch.logaddexp(_masked_logsumexp(scaled, negatives, negative_log_q, pairs), pos) - pos
     return _weighted_mean(per_row, weights)
 
 
