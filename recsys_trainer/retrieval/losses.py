@@ -94,10 +94,11 @@ class _MaskedLogSumExp(torch.autograd.Function):
 
     The matrix is the cost of a softmax over many candidates; autograd's chain (a bias copy
     into ``addmm``, the masked copy, ``log_softmax``, a zero-filled ``nll`` gradient, the masked
-    gradient's copy) writes it about nine times. Here the matmul makes it, it is masked in
-    place, and backward turns it into the softmax in place (``d lse / d logits = softmax``),
-    which feeds the two gradient matmuls directly. A masked entry's softmax is exactly 0 (its
-    logit is a finite, very negative value), so it gets no gradient, as with a masked fill."""
+    gradient's copy) writes it about nine times. Here the matmul makes it (the logQ term inside
+    it), it is masked and exponentiated in place, and backward scales it into the softmax
+    (``d lse / d logits = softmax``) that feeds the two gradient matmuls. A masked entry's
+    softmax is exactly 0 (its logit is a finite, very negative value), so it gets no gradient,
+    as with a masked fill."""
 
     @staticmethod
     def forward(ctx: Any, scaled: torch.Tensor, candidates: torch.Tensor, log_q: torch.Tensor | None,
@@ -117,19 +118,15 @@ class _MaskedLogSumExp(torch.autograd.Function):
         exp = logits.sub_(top).exp_()  # in place: the matrix becomes exp(logit - row max)
         total = exp.sum(dim=1, keepdim=True)
         ctx.save_for_backward(scaled, candidates, exp, total)
-        ctx.used = False
         return (top + total.log()).squeeze(1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                                         None, None, None]:
-        if ctx.used:  # the softmax below overwrote the saved matrix
-            raise RuntimeError("the retrieval softmax losses support one backward pass per forward "
-                               "(a second backward after retain_graph=True is not supported).")
-        ctx.used = True
         scaled, candidates, exp, total = ctx.saved_tensors
-        # d logsumexp / d logit = softmax = exp / total, times the incoming gradient, in place.
-        p = exp.mul_(grad.to(exp.dtype).unsqueeze(1) / total).to(scaled.dtype)
+        # d logsumexp / d logit = softmax = exp / total, times the incoming gradient (a new
+        # matrix, not in place: a second backward, retain_graph=True, finds exp intact).
+        p = (exp * (grad.to(exp.dtype).unsqueeze(1) / total)).to(scaled.dtype)
         grad_scaled = p @ candidates if ctx.needs_input_grad[0] else None
         grad_candidates = p.t() @ scaled if ctx.needs_input_grad[1] else None
         return grad_scaled, grad_candidates, None, None, None
