@@ -189,6 +189,8 @@ def eval_worker(a: argparse.Namespace) -> dict[str, Any]:
 
 def worker(a: argparse.Namespace) -> None:
     quiet_torchrec()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)
     result = losses_worker(a) if a.part == "losses" else eval_worker(a)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -252,6 +254,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads per rank (default: the cores split over the ranks; 1 "
+                        "compares 1 and 2 ranks at equal threads and keeps a shared host sane)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     common = [f"--num-items={a.num_items}", f"--batch-size={a.batch_size}", f"--warmup={a.warmup}",
               f"--steps={a.steps}", f"--rounds={a.rounds}", f"--queries={a.queries}",
-              f"--eval-repeats={a.eval_repeats}", f"--device={a.device}",
+              f"--eval-repeats={a.eval_repeats}", f"--device={a.device}", f"--threads={a.threads}",
               "--variants", *a.variants, "--negatives", *map(str, a.negatives),
               "--corpus", *map(str, a.corpus)]
     sections = []
