@@ -9,7 +9,8 @@ cross-entropy of each row's positive and of one shuffled in-batch item as its ne
 baseline: ``in_batch`` (in-batch softmax with the streaming logQ correction), ``in_batch_no_logq``,
 ``mixed_S`` (+S uniform negatives), ``sampled_S`` (S uniform negatives only; S from
 ``--negatives``, default 128 and 1024) and, at 2+ ranks, ``cross_rank`` (in-batch negatives of
-every rank). Reported: step time (median round) / pointwise step time, and the same for rank
+every rank; ``cross_rank_sync``: the same with the gather made where the loss needs it, not
+overlapped with the user tower). Reported: step time (median round) / pointwise step time, and the same for rank
 0's process CPU time (all its threads; less inflated by other jobs on a shared host, but blind to
 what overlapping a collective with compute saves). Goal: <= 1.2x.
 
@@ -39,7 +40,8 @@ from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics
 from recsys_trainer.retrieval.models import TwoTowerModel
 
 NUM_USERS, NUM_CATS, MAX_LEN = 100_000, 100, 50
-LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled", "cross_rank")
+LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled", "cross_rank",
+                 "cross_rank_sync")
 
 
 class PointwiseTwoTower(TwoTowerModel):
@@ -58,6 +60,14 @@ class PointwiseTwoTower(TwoTowerModel):
         return weighted_bce_with_logits(torch.cat([pos, neg]), labels, w)
 
 
+class SyncGatherTwoTower(TwoTowerModel):
+    """Cross-rank negatives gathered where the loss needs them (after the user tower), not
+    launched before it: what overlapping the exchange with the user tower saves."""
+
+    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
+        return None
+
+
 def expand_variants(variants: list[str], negatives: list[int]) -> list[str]:
     """``mixed`` / ``sampled`` once per number of uniform negatives (``mixed_128``, ...)."""
     return [f"{v}_{n}" if v in ("mixed", "sampled") else v
@@ -73,9 +83,9 @@ def model_for(variant: str, num_items: int, table_device: str = "meta") -> TwoTo
         kw["num_uniform_negatives"] = int(n)
     elif kind == "sampled":
         kw.update(loss="sampled", num_uniform_negatives=int(n))
-    elif kind == "cross_rank":
+    elif kind in ("cross_rank", "cross_rank_sync"):
         kw["cross_rank_negatives"] = True
-    cls = PointwiseTwoTower if variant == "pointwise" else TwoTowerModel
+    cls = {"pointwise": PointwiseTwoTower, "cross_rank_sync": SyncGatherTwoTower}.get(variant, TwoTowerModel)
     catalog = {"item_id": torch.arange(num_items).numpy(), "item_cat": (torch.arange(num_items) % NUM_CATS).numpy()}
     return cls(["user_id", "segment"], num_items=num_items, user_num_embeddings=[NUM_USERS, NUM_CATS],
                item_side_features={"item_cat": NUM_CATS}, item_catalog=catalog, max_len=MAX_LEN,
@@ -131,7 +141,8 @@ def losses_worker(a: argparse.Namespace) -> dict[str, Any]:
     from recsys_trainer.distributed import init_distributed
 
     info = init_distributed(a.device)
-    variants = [v for v in expand_variants(a.variants, a.negatives) if v != "cross_rank" or info.world_size > 1]
+    variants = [v for v in expand_variants(a.variants, a.negatives)
+                if not v.startswith("cross_rank") or info.world_size > 1]
     batches = make_batches(4, a.batch_size, a.num_items, seed=info.rank)
     runs = {}
     for v in variants:

@@ -373,6 +373,12 @@ class _RetrievalBase(nn.Module):
     def _cross_rank(self) -> bool:
         return self.cross_rank_negatives and self.loss_kind == "in_batch"
 
+    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                           ) -> collectives.PendingRows | None:
+        """Launch the cross-rank gather of the in-batch candidates now (``start_candidates``),
+        for ``_loss`` to wait on; None without cross-rank negatives (or to gather in ``_loss``)."""
+        return start_candidates(items, ids, valid, self._cross_rank())
+
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
               negative_ids: torch.Tensor | None, pending: collectives.PendingRows | None = None,
@@ -587,7 +593,7 @@ class TwoTowerModel(_RetrievalBase):
         negatives = vectors[b:] if neg_ids is not None else None
         weights = batch.weights
         valid = torch.ones_like(target_ids, dtype=torch.bool) if weights is None else weights > 0
-        pending = start_candidates(items, target_ids, valid, self._cross_rank())
+        pending = self._launch_candidates(items, target_ids, valid)
         outputs: dict[str, torch.Tensor] = {}
         hist = lengths = None
         if self.history_feature is not None:
