@@ -7,7 +7,7 @@ padding batch) gives 0, and a zero-weight row is never a negative for another ro
 * ``in_batch_softmax_loss``: the candidates are the batch's own positive items (row ``i``'s
   positive is candidate ``positive_offset + i``), optionally extended by shared ``negatives``
   (*mixed* negatives: in-batch plus items sampled uniformly from the corpus, Yang et al. 2020)
-  and by other ranks' items (``collectives.all_gather_with_grad``).
+  and by other ranks' items (``collectives.start_gather_with_grad``).
 * ``sampled_softmax_loss``: each query against its own positive and one shared set of sampled
   negatives (from a shared item table; the sequential model scores every position this way).
 
