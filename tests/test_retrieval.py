@@ -281,6 +281,18 @@ def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_i
                       item_catalog={"item_id": np.arange(19), "item_cat": np.zeros(19, int)})
     with pytest.raises(ValueError, match="num_uniform_negatives"):
         _two_tower(loss="sampled")
+    # Cross-rank negatives in one process (no group): the early-launched gather hands back the
+    # local rows, so the loss and every gradient are the plain in-batch ones.
+    plain, crossed = _two_tower(num_uniform_negatives=4), _two_tower(num_uniform_negatives=4, cross_rank_negatives=True)
+    crossed.load_state_dict(plain.state_dict())
+    grads = []
+    for m in (plain, crossed):
+        torch.manual_seed(1)  # the same uniform negatives
+        loss, _ = m(batch)
+        loss.backward()
+        grads.append((float(loss), [p.grad.clone() for p in m.user_tower.parameters() if p.grad is not None]))
+    assert grads[0][0] == grads[1][0] and len(grads[0][1]) == 4
+    assert all(torch.equal(x, y) for x, y in zip(grads[0][1], grads[1][1], strict=True))
 
 
 def test_sasrec_queries_see_only_the_past_and_padding_rows_cost_nothing() -> None:
