@@ -96,9 +96,8 @@ class _MaskedLogSumExp(torch.autograd.Function):
     into ``addmm``, the masked copy, ``log_softmax``, a zero-filled ``nll`` gradient, the masked
     gradient's copy) writes it about nine times. Here the matmul makes it (the logQ term inside
     it), it is masked and exponentiated in place, and backward scales it into the softmax
-    (``d lse / d logits = softmax``) that feeds the two gradient matmuls. A masked entry's
-    softmax is exactly 0 (its logit is a finite, very negative value), so it gets no gradient,
-    as with a masked fill."""
+    (``d lse / d logits = softmax``) that feeds the two gradient matmuls. A masked entry gets
+    no gradient, as with a masked fill."""
 
     @staticmethod
     def forward(ctx: Any, scaled: torch.Tensor, candidates: torch.Tensor, log_q: torch.Tensor | None,
@@ -117,16 +116,21 @@ class _MaskedLogSumExp(torch.autograd.Function):
         top = logits.amax(dim=1, keepdim=True)
         exp = logits.sub_(top).exp_()  # in place: the matrix becomes exp(logit - row max)
         total = exp.sum(dim=1, keepdim=True)
-        ctx.save_for_backward(scaled, candidates, exp, total)
+        ctx.save_for_backward(scaled, candidates, exp, total, rows, cols)
         return (top + total.log()).squeeze(1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                                         None, None, None]:
-        scaled, candidates, exp, total = ctx.saved_tensors
+        scaled, candidates, exp, total, rows, cols = ctx.saved_tensors
         # d logsumexp / d logit = softmax = exp / total, times the incoming gradient (a new
         # matrix, not in place: a second backward, retain_graph=True, finds exp intact).
-        p = (exp * (grad.to(exp.dtype).unsqueeze(1) / total)).to(scaled.dtype)
+        p = exp * (grad.to(exp.dtype).unsqueeze(1) / total)
+        if rows is not None and cols is not None and rows.numel():
+            # A masked entry's softmax is already 0 unless its whole row is masked (then the
+            # row is uniform over fill values); a masked entry never passes a gradient on.
+            p.index_put_((rows, cols), p.new_zeros(()))
+        p = p.to(scaled.dtype)
         grad_scaled = p @ candidates if ctx.needs_input_grad[0] else None
         grad_candidates = p.t() @ scaled if ctx.needs_input_grad[1] else None
         return grad_scaled, grad_candidates, None, None, None
