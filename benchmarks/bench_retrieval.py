@@ -7,8 +7,12 @@ mean-pooled 1..50-item history; item id and category; 100k items, dim 64) on in-
 with each loss, interleaved in rounds, against the *same towers with a pointwise loss* (binary
 cross-entropy of each row's positive and of one shuffled in-batch item as its negative), the
 baseline: ``in_batch`` (in-batch softmax with the streaming logQ correction), ``in_batch_no_logq``,
-``mixed`` (+1024 uniform negatives), ``sampled`` (1024 uniform negatives only) and, at 2+ ranks,
-``cross_rank`` (in-batch negatives of every rank). Reported: step time (median round) / pointwise step time. Goal: <= 1.2x.
+``mixed_S`` (+S uniform negatives), ``sampled_S`` (S uniform negatives only; S from
+``--negatives``, default 128 and 1024) and, at 2+ ranks, ``cross_rank`` (in-batch negatives of
+every rank; ``cross_rank_sync``: the same with the gather made where the loss needs it, not
+overlapped with the user tower). Reported: step time (median round) / pointwise step time, and the same for rank
+0's process CPU time (all its threads; less inflated by other jobs on a shared host, but blind to
+what overlapping a collective with compute saves). Goal: <= 1.2x.
 
 **Evaluation** (``--part eval``): ``retrieval.metrics.full_corpus_metrics`` (the item tower over
 the corpus, every query scored against all of it, sharded top-K merged across ranks) for corpus
@@ -36,7 +40,8 @@ from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics
 from recsys_trainer.retrieval.models import TwoTowerModel
 
 NUM_USERS, NUM_CATS, MAX_LEN = 100_000, 100, 50
-LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled", "cross_rank")
+LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled", "cross_rank",
+                 "cross_rank_sync")
 
 
 class PointwiseTwoTower(TwoTowerModel):
@@ -45,7 +50,7 @@ class PointwiseTwoTower(TwoTowerModel):
 
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
-              negative_ids: torch.Tensor | None) -> torch.Tensor:
+              negative_ids: torch.Tensor | None, pending: Any = None) -> torch.Tensor:
         from recsys_trainer.models import weighted_bce_with_logits
 
         pos = (query * items).sum(-1) / self.temperature
@@ -55,17 +60,32 @@ class PointwiseTwoTower(TwoTowerModel):
         return weighted_bce_with_logits(torch.cat([pos, neg]), labels, w)
 
 
+class SyncGatherTwoTower(TwoTowerModel):
+    """Cross-rank negatives gathered where the loss needs them (after the user tower), not
+    launched before it: what overlapping the exchange with the user tower saves."""
+
+    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
+        return None
+
+
+def expand_variants(variants: list[str], negatives: list[int]) -> list[str]:
+    """``mixed`` / ``sampled`` once per number of uniform negatives (``mixed_128``, ...)."""
+    return [f"{v}_{n}" if v in ("mixed", "sampled") else v
+            for v in variants for n in (negatives if v in ("mixed", "sampled") else [0])]
+
+
 def model_for(variant: str, num_items: int, table_device: str = "meta") -> TwoTowerModel:
     kw: dict[str, Any] = {}
-    if variant == "in_batch_no_logq":
+    kind, _, n = variant.partition("_") if variant.startswith(("mixed_", "sampled_")) else (variant, "", "")
+    if kind == "in_batch_no_logq":
         kw["log_q_correction"] = False
-    elif variant == "mixed":
-        kw["num_uniform_negatives"] = 1024
-    elif variant == "sampled":
-        kw.update(loss="sampled", num_uniform_negatives=1024)
-    elif variant == "cross_rank":
+    elif kind == "mixed":
+        kw["num_uniform_negatives"] = int(n)
+    elif kind == "sampled":
+        kw.update(loss="sampled", num_uniform_negatives=int(n))
+    elif kind in ("cross_rank", "cross_rank_sync"):
         kw["cross_rank_negatives"] = True
-    cls = PointwiseTwoTower if variant == "pointwise" else TwoTowerModel
+    cls = {"pointwise": PointwiseTwoTower, "cross_rank_sync": SyncGatherTwoTower}.get(variant, TwoTowerModel)
     catalog = {"item_id": torch.arange(num_items).numpy(), "item_cat": (torch.arange(num_items) % NUM_CATS).numpy()}
     return cls(["user_id", "segment"], num_items=num_items, user_num_embeddings=[NUM_USERS, NUM_CATS],
                item_side_features={"item_cat": NUM_CATS}, item_catalog=catalog, max_len=MAX_LEN,
@@ -121,7 +141,8 @@ def losses_worker(a: argparse.Namespace) -> dict[str, Any]:
     from recsys_trainer.distributed import init_distributed
 
     info = init_distributed(a.device)
-    variants = [v for v in a.variants if v != "cross_rank" or info.world_size > 1]
+    variants = [v for v in expand_variants(a.variants, a.negatives)
+                if not v.startswith("cross_rank") or info.world_size > 1]
     batches = make_batches(4, a.batch_size, a.num_items, seed=info.rank)
     runs = {}
     for v in variants:
@@ -130,18 +151,23 @@ def losses_worker(a: argparse.Namespace) -> dict[str, Any]:
         runs[v](a.warmup)
     seconds = {v: 0.0 for v in variants}
     rounds: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     for r in range(a.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             runs[v](a.steps)
+            c1 = time.process_time()
             dist.barrier()
             took = time.perf_counter() - t0
             seconds[v] += took
             rounds[v].append(took)
-    # The median round: other processes on a shared host make single rounds spike.
+            cpu[v].append(c1 - c0)
+    # The median round: other processes on a shared host make single rounds spike. The process
+    # CPU time (all its threads, this rank's) is less inflated by them than the wall time.
     return {"world_size": info.world_size, "device": device_name(info.device),
             "step_s": {v: statistics.median(rounds[v]) / a.steps for v in variants},
+            "cpu_step_s": {v: statistics.median(cpu[v]) / a.steps for v in variants},
             "mean_step_s": {v: seconds[v] / (a.steps * a.rounds) for v in variants}, "rounds": rounds}
 
 
@@ -174,6 +200,8 @@ def eval_worker(a: argparse.Namespace) -> dict[str, Any]:
 
 def worker(a: argparse.Namespace) -> None:
     quiet_torchrec()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)
     result = losses_worker(a) if a.part == "losses" else eval_worker(a)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -187,18 +215,19 @@ def worker(a: argparse.Namespace) -> None:
 def report_losses(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
     rows = []
     for res in results:
-        base = res["step_s"]["pointwise"]
+        base, cpu_base = res["step_s"]["pointwise"], res["cpu_step_s"]["pointwise"]
         for v, s in res["step_s"].items():
-            r = res["rounds"][v]
+            r, c = res["rounds"][v], res["cpu_step_s"][v]
             rows.append([res["world_size"], v, f"{s * 1000:.1f}", f"{s / base:.2f}",
-                         f"{max(r) / min(r):.2f}"])
+                         f"{max(r) / min(r):.2f}", f"{c * 1000:.1f}", f"{c / cpu_base:.2f}"])
     return "\n".join([
         "## Retrieval losses: step cost", "",
         f"TwoTowerModel, {a.num_items:,} items, dim 64, towers (128, 64), batch {a.batch_size}/rank, "
         f"{a.rounds} interleaved rounds x {a.steps} steps after {a.warmup} warm-up (ms/step: the "
         f"median round), on "
         f"{results[0]['device']}", "",
-        markdown_table(["ranks", "loss", "ms/step", "x pointwise", "round spread"], rows), "",
+        markdown_table(["ranks", "loss", "ms/step", "x pointwise", "round spread", "CPU ms/step",
+                        "CPU x pointwise"], rows), "",
         "Goal: each softmax loss <= 1.2x the pointwise step of the same towers."])
 
 
@@ -229,11 +258,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", nargs="+", default=list(LOSS_VARIANTS), choices=LOSS_VARIANTS)
+    p.add_argument("--negatives", type=int, nargs="+", default=[128, 1024],
+                   help="uniform negatives of the mixed and sampled variants (one variant each)")
     p.add_argument("--corpus", type=int, nargs="+", default=[25_000, 100_000, 400_000])
     p.add_argument("--queries", type=int, default=4096, help="eval queries per rank")
     p.add_argument("--eval-repeats", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads per rank (default: the cores split over the ranks; 1 "
+                        "compares 1 and 2 ranks at equal threads and keeps a shared host sane)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -246,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     common = [f"--num-items={a.num_items}", f"--batch-size={a.batch_size}", f"--warmup={a.warmup}",
               f"--steps={a.steps}", f"--rounds={a.rounds}", f"--queries={a.queries}",
-              f"--eval-repeats={a.eval_repeats}", f"--device={a.device}",
-              "--variants", *a.variants, "--corpus", *map(str, a.corpus)]
+              f"--eval-repeats={a.eval_repeats}", f"--device={a.device}", f"--threads={a.threads}",
+              "--variants", *a.variants, "--negatives", *map(str, a.negatives),
+              "--corpus", *map(str, a.corpus)]
     sections = []
     for part in a.part:
         results = [torchrun(os.path.abspath(__file__), n, ["--part", part, *common], a.timeout)

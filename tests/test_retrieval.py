@@ -102,6 +102,32 @@ def test_mixed_negatives_and_sampled_softmax_match_manual_softmaxes() -> None:
     assert float(sampled) == pytest.approx(per_row[[0, 1, 3]].mean(), rel=1e-5)
 
 
+def test_the_softmax_losses_gradients_equal_finite_differences_with_masks_log_q_and_padding() -> None:
+    # The losses compute their gradient by hand (one matrix, no autograd copies of it): check it
+    # against finite differences in float64, with accidental hits, padding candidates, logQ
+    # terms, another rank's candidate before this rank's rows and shared negatives.
+    g = torch.Generator().manual_seed(3)
+    q, items, negs = (torch.randn(n, 4, generator=g, dtype=torch.float64).requires_grad_(True) for n in (5, 7, 3))
+    ids = torch.tensor([3, 3, 7, 3, 9, 4, 8])  # candidate 0 (another rank's) hits rows 0 and 2
+    w = torch.tensor([1.0, 2.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    item_w = torch.tensor([1.0, 1.0, 2.0, 1.0, 0.0, 1.0, 0.0], dtype=torch.float64)  # this rank's at 1..5
+    neg_ids = torch.tensor([7, 11, 3])
+    lq, nlq = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(3, generator=g, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda q, it, ng: in_batch_softmax_loss(q, it, ids, w, temperature=0.5, positive_offset=1,
+                                                item_weights=item_w, item_log_q=lq, negatives=ng,
+                                                negative_ids=neg_ids, negative_log_q=nlq),
+        (q, items, negs))
+    pos_ids = ids[1:6]
+    for hits in (True, False):  # without hit removal, the padding negative alone is masked
+        def sampled(q: torch.Tensor, p: torch.Tensor, ng: torch.Tensor, hits: bool = hits) -> torch.Tensor:
+            return sampled_softmax_loss(q, p, pos_ids, ng, neg_ids, w, temperature=0.5, positive_log_q=lq[:5],
+                                        negative_log_q=nlq, negative_weights=torch.tensor([1.0, 0.0, 1.0]),
+                                        remove_accidental_hits=hits)
+
+        assert torch.autograd.gradcheck(sampled, (q, items[:5], negs))
+
+
 def test_the_log_q_term_is_the_log_expected_count_of_each_item_in_the_candidate_set() -> None:
     p = torch.tensor([0.5, 0.1, 0.0], dtype=torch.float64)
     out = expected_candidate_log_q(p, 100, num_uniform=50, corpus_size=10)
@@ -260,6 +286,18 @@ def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_i
                       item_catalog={"item_id": np.arange(19), "item_cat": np.zeros(19, int)})
     with pytest.raises(ValueError, match="num_uniform_negatives"):
         _two_tower(loss="sampled")
+    # Cross-rank negatives in one process (no group): the early-launched gather hands back the
+    # local rows, so the loss and every gradient are the plain in-batch ones.
+    plain, crossed = _two_tower(num_uniform_negatives=4), _two_tower(num_uniform_negatives=4, cross_rank_negatives=True)
+    crossed.load_state_dict(plain.state_dict())
+    grads = []
+    for m in (plain, crossed):
+        torch.manual_seed(1)  # the same uniform negatives
+        loss, _ = m(batch)
+        loss.backward()
+        grads.append((float(loss), [p.grad.clone() for p in m.user_tower.parameters() if p.grad is not None]))
+    assert grads[0][0] == grads[1][0] and len(grads[0][1]) == 4
+    assert all(torch.equal(x, y) for x, y in zip(grads[0][1], grads[1][1], strict=True))
 
 
 def test_sasrec_queries_see_only_the_past_and_padding_rows_cost_nothing() -> None:

@@ -33,6 +33,7 @@ from recsys_trainer.retrieval.models import (
     count_items,
     find_retrieval_model,
     gather_candidates,
+    start_candidates,
 )
 
 B, D = 6, 8
@@ -44,6 +45,17 @@ def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = torch.tensor([1, 2, 3, 4, 5, 6, 7, 2, 8, 9, 1, 10])
     w = torch.tensor([1.0] * 9 + [0.0, 0.0, 2.0])  # rank 1 holds two padding rows
     return torch.randn(2 * B, D, generator=g), torch.randn(2 * B, D, generator=g), ids, w
+
+
+def _user_tower() -> torch.Tensor:
+    return torch.randn(D, D, generator=torch.Generator().manual_seed(7))
+
+
+# Unequal ranks for the launched-early gather: rank 1 holds 4 rows (a window's short batch),
+# and the ids lie beyond float32's (and float64's) exact integers, so the id columns carried in
+# the embeddings' message must come back bit for bit.
+UNEQUAL = (slice(0, B), slice(B, 2 * B - 2))
+BIG = 2**60
 
 
 def _worker(root: str, out: str) -> dict[str, Any]:
@@ -65,6 +77,18 @@ def _worker(root: str, out: str) -> dict[str, Any]:
     count_items(est, ids[mine], w[mine] > 0, gathered=False)
     part1 = {"loss": float(loss.detach()), "q_grad": q_r.grad, "items_grad": items_r.grad,
              "counts": est.counts.clone()}
+    # 1b. The model's path: the gather launched before the user tower runs, waited for by the
+    # loss (and its backward all-reduce in flight during the user tower's backward).
+    rows = UNEQUAL[rank]
+    q_u, items_u = q[rows].clone().requires_grad_(True), items[rows].clone().requires_grad_(True)
+    pending = start_candidates(items_u, ids[rows] + BIG, w[rows] > 0, True)
+    query = torch.tanh(q_u @ _user_tower())
+    cand, cand_ids, cand_valid, offset = gather_candidates(items_u, ids[rows] + BIG, w[rows] > 0, True, pending)
+    loss = in_batch_softmax_loss(query, cand, cand_ids, w[rows], temperature=0.3, positive_offset=offset,
+                                 item_weights=cand_valid.float())
+    loss.backward()
+    part1["early"] = {"loss": float(loss.detach()), "q_grad": q_u.grad, "items_grad": items_u.grad,
+                      "ids": cand_ids, "valid": cand_valid, "offset": offset}
 
     # 2. A sharded two-tower trained with cross-rank and uniform negatives, then evaluated.
     import json
@@ -191,6 +215,25 @@ def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_pro
     # Both ranks count every rank's real items, identically.
     expected = torch.bincount(ids[w > 0], minlength=16).to(torch.float64)
     assert torch.equal(r0["counts"][0], expected) and torch.equal(r1["counts"][0], expected)
+
+    # The same with the gather launched before the user tower, on ranks of 6 and 4 rows.
+    idx = torch.cat([torch.arange(12)[r] for r in UNEQUAL])
+    for r, res in enumerate((r0["early"], r1["early"])):
+        assert torch.equal(res["ids"], ids[idx] + BIG) and torch.equal(res["valid"], w[idx] > 0)
+        assert res["offset"] == (0, B)[r]
+    qe = q.detach()[idx].clone().requires_grad_(True)
+    ie = items.detach()[idx].clone().requires_grad_(True)
+    we = w[idx]
+    user = torch.tanh(qe @ _user_tower())
+    per_rank = [in_batch_softmax_loss(user[sl], ie, ids[idx], we[sl], temperature=0.3,
+                                      positive_offset=sl.start, item_weights=we)
+                for sl in (slice(0, B), slice(B, 2 * B - 2))]
+    (per_rank[0] + per_rank[1]).backward()
+    assert qe.grad is not None and ie.grad is not None
+    assert r0["early"]["loss"] == pytest.approx(float(per_rank[0].detach()), rel=1e-6)
+    assert r1["early"]["loss"] == pytest.approx(float(per_rank[1].detach()), rel=1e-6)
+    assert torch.allclose(torch.cat([r0["early"]["q_grad"], r1["early"]["q_grad"]]), qe.grad, atol=1e-6)
+    assert torch.allclose(torch.cat([r0["early"]["items_grad"], r1["early"]["items_grad"]]), ie.grad, atol=1e-6)
 
     # The trained model's frequency sketches are identical on both ranks (checkpoints hold one).
     for a, b in zip(r0["freq"], r1["freq"], strict=True):

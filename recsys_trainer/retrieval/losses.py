@@ -7,7 +7,7 @@ padding batch) gives 0, and a zero-weight row is never a negative for another ro
 * ``in_batch_softmax_loss``: the candidates are the batch's own positive items (row ``i``'s
   positive is candidate ``positive_offset + i``), optionally extended by shared ``negatives``
   (*mixed* negatives: in-batch plus items sampled uniformly from the corpus, Yang et al. 2020)
-  and by other ranks' items (``collectives.all_gather_with_grad``).
+  and by other ranks' items (``collectives.start_gather_with_grad``).
 * ``sampled_softmax_loss``: each query against its own positive and one shared set of sampled
   negatives (from a shared item table; the sequential model scores every position this way).
 
@@ -25,8 +25,9 @@ a sampled negative that is the positive) is an *accidental hit* and is masked ou
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
 
 def check_temperature(temperature: float) -> None:
@@ -45,17 +46,102 @@ def _weighted_mean(per_row: torch.Tensor, weights: torch.Tensor | None) -> torch
     return torch.where(total > 0, (per_row * w).sum() / total.clamp_min(1e-12), total)
 
 
-def _softmax_loss(logits: torch.Tensor, positive: torch.Tensor, masked: torch.Tensor | None,
-                  weights: torch.Tensor | None) -> torch.Tensor:
-    """Cross-entropy of ``logits [B, C]`` against the column ``positive [B]``, with the
-    ``masked [B, C]`` entries removed (never a row's own positive)."""
-    logits = logits.float()
-    if masked is not None:
-        # A very negative finite value, not -inf: exp() underflows to 0 exactly, and no NaN can
-        # reach a gradient (every row keeps its positive).
-        logits = logits.masked_fill(masked, torch.finfo(logits.dtype).min / 2)
-    per_row = F.cross_entropy(logits, positive, reduction="none")
-    return _weighted_mean(per_row, weights)
+def _masked_pairs(candidate_ids: torch.Tensor | None, positive_ids: torch.Tensor,
+                  positive_cols: torch.Tensor | None, invalid: torch.Tensor | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(row, column)`` entries of a ``[B, C]`` logit matrix to mask, as index pairs: the
+    accidental hits (``candidate_ids[c] == positive_ids[r]``, when ``candidate_ids`` is given)
+    and the ``invalid [C]`` columns, never a row's own positive (``positive_cols [B]``).
+
+    Sparse, not a ``[B, C]`` boolean mask: both sets are small (a popular item's repeats, a
+    short batch's padding), and the dense mask's compare, fill and or-ing cost as much as the
+    softmax itself. Hits come from one sort of the candidates and a binary search per row."""
+    parts_r, parts_c = [], []
+    b, device = positive_ids.shape[0], positive_ids.device
+    if candidate_ids is not None:
+        sorted_ids, order = torch.sort(candidate_ids)
+        lo = torch.searchsorted(sorted_ids, positive_ids)
+        counts = torch.searchsorted(sorted_ids, positive_ids, right=True) - lo
+        r = torch.repeat_interleave(torch.arange(b, device=device), counts)
+        # Position of each pair inside its row's run of equal ids: a global arange minus the
+        # run's start in the pair list.
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        within = torch.arange(r.shape[0], device=device) - first
+        parts_r.append(r)
+        parts_c.append(order[torch.repeat_interleave(lo, counts) + within])
+    if invalid is not None:
+        cols = torch.nonzero(invalid).reshape(-1)
+        if cols.numel():  # a short batch's padding rows: every row masks those columns
+            parts_r.append(torch.arange(b, device=device).repeat_interleave(cols.numel()))
+            parts_c.append(cols.repeat(b))
+    if not parts_r:
+        return None
+    r, c = torch.cat(parts_r), torch.cat(parts_c)
+    if positive_cols is not None:
+        keep = c != positive_cols[r]
+        r, c = r[keep], c[keep]
+    return r, c
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """The softmax in at least float32 (half-precision logits would round the logQ terms)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class _MaskedLogSumExp(torch.autograd.Function):
+    """``logsumexp`` over each row of ``scaled @ candidates.t() - log_q`` with the ``pairs``
+    entries left out, and its gradient, without autograd's copies of the ``[B, C]`` matrix.
+
+    The matrix is the cost of a softmax over many candidates; autograd's chain (a bias copy
+    into ``addmm``, the masked copy, ``log_softmax``, a zero-filled ``nll`` gradient, the masked
+    gradient's copy) writes it about nine times. Here the matmul makes it (the logQ term inside
+    it), it is masked and exponentiated in place, and backward scales it into the softmax
+    (``d lse / d logits = softmax``) that feeds the two gradient matmuls. A masked entry gets
+    no gradient, as with a masked fill."""
+
+    @staticmethod
+    def forward(ctx: Any, scaled: torch.Tensor, candidates: torch.Tensor, log_q: torch.Tensor | None,
+                rows: torch.Tensor | None, cols: torch.Tensor | None) -> torch.Tensor:
+        if log_q is None:
+            logits = scaled @ candidates.t()
+        else:  # the logQ term inside the matmul: [scaled, -1] . [candidate, log_q]
+            logits = torch.cat([scaled, scaled.new_full((scaled.shape[0], 1), -1.0)], 1) @ torch.cat(
+                [candidates, log_q.to(candidates.dtype).reshape(-1, 1)], 1).t()
+        logits = _upcast(logits)
+        if rows is not None and cols is not None and rows.numel():
+            # Very negative but finite, not -inf: exp() underflows to exactly 0, and a row whose
+            # every entry is masked still has a finite logsumexp (no NaN in any gradient).
+            fill = torch.tensor(torch.finfo(logits.dtype).min / 2, dtype=logits.dtype, device=logits.device)
+            logits.index_put_((rows, cols), fill)
+        top = logits.amax(dim=1, keepdim=True)
+        exp = logits.sub_(top).exp_()  # in place: the matrix becomes exp(logit - row max)
+        total = exp.sum(dim=1, keepdim=True)
+        ctx.save_for_backward(scaled, candidates, exp, total, rows, cols)
+        return (top + total.log()).squeeze(1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                                        None, None, None]:
+        scaled, candidates, exp, total, rows, cols = ctx.saved_tensors
+        # d logsumexp / d logit = softmax = exp / total, times the incoming gradient (a new
+        # matrix, not in place: a second backward, retain_graph=True, finds exp intact).
+        p = exp * (grad.to(exp.dtype).unsqueeze(1) / total)
+        if rows is not None and cols is not None and rows.numel():
+            # A masked entry's softmax is already 0 unless its whole row is masked (then the
+            # row is uniform over fill values); a masked entry never passes a gradient on.
+            p.index_put_((rows, cols), p.new_zeros(()))
+        p = p.to(scaled.dtype)
+        grad_scaled = p @ candidates if ctx.needs_input_grad[0] else None
+        grad_candidates = p.t() @ scaled if ctx.needs_input_grad[1] else None
+        return grad_scaled, grad_candidates, None, None, None
+
+
+def _masked_logsumexp(scaled: torch.Tensor, candidates: torch.Tensor, log_q: torch.Tensor | None,
+                      pairs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``[B]``: per row, ``log sum_c exp(scaled . candidates[c] - log_q[c])`` over the columns
+    not masked by ``pairs`` (``_MaskedLogSumExp``)."""
+    rows, cols = pairs if pairs is not None else (None, None)
+    return _MaskedLogSumExp.apply(scaled, candidates, log_q, rows, cols)  # type: ignore[no-any-return]
 
 
 def expected_candidate_log_q(probability: torch.Tensor, num_in_batch: int | torch.Tensor,
@@ -104,35 +190,33 @@ def in_batch_softmax_loss(
     """
     check_temperature(temperature)
     b = query.shape[0]
-    rows = torch.arange(b, device=query.device)
-    positive = rows + positive_offset
-    scaled = query / temperature  # [B, D]: cheaper than dividing the [B, C] logits
-    logits = scaled @ items.t()
-    if item_log_q is not None:
-        logits = logits - item_log_q.to(logits.dtype)
-    candidate_ids = item_ids
+    positive = torch.arange(b, device=query.device) + positive_offset
     if item_weights is None and weights is not None and items.shape[0] == b:
         item_weights = weights
-    valid = None if item_weights is None else item_weights > 0
+    candidates, candidate_ids, log_q = items, item_ids, item_log_q
+    invalid = None if item_weights is None else ~(item_weights > 0)
     if negatives is not None:
         if negative_ids is None:
             raise ValueError("`negatives` need `negative_ids` (for accidental hits).")
-        neg_logits = scaled @ negatives.t()
-        if negative_log_q is not None:
-            neg_logits = neg_logits - negative_log_q.to(neg_logits.dtype)
-        logits = torch.cat([logits, neg_logits], dim=1)
-        candidate_ids = torch.cat([item_ids, negative_ids])
-        if valid is not None:
-            valid = torch.cat([valid, torch.ones_like(negative_ids, dtype=torch.bool)])
-    masked = None
-    if remove_accidental_hits:
-        masked = candidate_ids[None, :] == item_ids[positive][:, None]
-    if valid is not None:
-        invalid = ~valid[None, :]
-        masked = invalid.expand(b, -1).clone() if masked is None else masked | invalid
-    if masked is not None:
-        masked[rows, positive] = False  # never a row's own positive
-    return _softmax_loss(logits, positive, masked, weights)
+        # One [C + S] candidate set: one matmul and one softmax pass, not two and a concat.
+        candidates = torch.cat([items, negatives.to(items.dtype)])
+        candidate_ids = torch.cat([item_ids, negative_ids.to(item_ids.dtype)])
+        if log_q is not None or negative_log_q is not None:
+            log_q = torch.cat([
+                log_q if log_q is not None else items.new_zeros(items.shape[0]),
+                negative_log_q if negative_log_q is not None else items.new_zeros(negatives.shape[0])])
+        if invalid is not None:
+            invalid = torch.cat([invalid, invalid.new_zeros(negatives.shape[0])])
+    # Divide the [B, D] query, not the [B, C] logits, by the temperature.
+    scaled = query / temperature
+    pairs = _masked_pairs(candidate_ids if remove_accidental_hits else None,
+                          item_ids[positive], positive, invalid)
+    # -log softmax at the positive = logsumexp over the candidates - the positive's logit.
+    own = _upcast((scaled * items[positive]).sum(-1))
+    if item_log_q is not None:
+        own = own - item_log_q[positive].to(own.dtype)
+    per_row = _masked_logsumexp(scaled, candidates, log_q, pairs) - own
+    return _weighted_mean(per_row, weights)
 
 
 def sampled_softmax_loss(
@@ -167,23 +251,16 @@ def sampled_softmax_loss(
     """
     check_temperature(temperature)
     scaled = query / temperature
-    pos = (scaled * positives).sum(-1, keepdim=True)
-    neg = scaled @ negatives.t()
+    pos = (scaled * positives).sum(-1)
     if positive_log_q is not None:
-        pos = pos - positive_log_q.to(pos.dtype)[:, None]
-    if negative_log_q is not None:
-        neg = neg - negative_log_q.to(neg.dtype)[None, :]
-    masked = None
-    if remove_accidental_hits:
-        masked = negative_ids[None, :] == positive_ids[:, None]
-    if negative_weights is not None:
-        invalid = ~(negative_weights > 0)[None, :]
-        masked = invalid if masked is None else masked | invalid
-    logits = torch.cat([pos, neg], dim=1)
-    if masked is not None:
-        masked = torch.cat([torch.zeros_like(masked[:, :1]), masked.expand(neg.shape)], dim=1)
-    positive = torch.zeros(query.shape[0], dtype=torch.int64, device=query.device)
-    return _softmax_loss(logits, positive, masked, weights)
+        pos = pos - positive_log_q.to(pos.dtype)
+    invalid = None if negative_weights is None else ~(negative_weights > 0)
+    pairs = _masked_pairs(negative_ids if remove_accidental_hits else None, positive_ids, None, invalid)
+    # -log softmax of the positive against [pos, neg] without concatenating them:
+    # log(e^pos + sum e^neg) - pos.
+    pos = _upcast(pos)
+    per_row = torch.logaddexp(_masked_logsumexp(scaled, negatives, negative_log_q, pairs), pos) - pos
+    return _weighted_mean(per_row, weights)
 
 
 __all__ = [

@@ -220,14 +220,30 @@ def items_only_input(keys: list[str], item_ids: Mapping[str, torch.Tensor]) -> K
         lengths=torch.cat(lengths)).to(device)
 
 
-def gather_candidates(items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
-                      cross_rank: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def start_candidates(items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                     cross_rank: bool) -> collectives.PendingRows | None:
+    """Launch the gather of every rank's in-batch candidates (items, with their ids and
+    validity in the same message) when ``cross_rank``; the model computes its user tower while
+    it is in flight and ``gather_candidates`` waits for it. None without ``cross_rank``."""
+    if not cross_rank:
+        return None
+    meta = torch.stack([ids.to(torch.int64), valid.to(torch.int64)], 1)
+    return collectives.start_gather_with_grad(items, meta)
+
+
+def gather_candidates(items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, cross_rank: bool,
+                      pending: collectives.PendingRows | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The in-batch candidates: this rank's, or every rank's (differentiable: every rank's loss
-    reaches every rank's items). Returns ``(items, ids, valid, offset of this rank's rows)``."""
+    reaches every rank's items; ``pending``: the gather ``start_candidates`` launched). Returns
+    ``(items, ids, valid, offset of this rank's rows)``."""
     if not cross_rank:
         return items, ids, valid, 0
-    all_items, offset = collectives.all_gather_with_grad(items)
-    meta, _ = collectives.all_gather_rows(torch.stack([ids.to(torch.int64), valid.to(torch.int64)], 1))
+    if pending is None:
+        pending = start_candidates(items, ids, valid, True)
+    assert pending is not None
+    all_items, meta, offset = pending.wait()
+    assert meta is not None
     return all_items, meta[:, 0], meta[:, 1] > 0, offset
 
 
@@ -258,7 +274,7 @@ def retrieval_step(model: Any, batch: Batch, seq: Any, pooled: Any,
 
 for _leaf in ("retrieval_step", "check_one_id_per_row", "check_history_lengths", "check_aligned_history",
               "check_sequence_keys",
-              "with_extra_row", "items_only_input", "gather_candidates", "count_items",
+              "with_extra_row", "items_only_input", "start_candidates", "gather_candidates", "count_items",
               "candidate_log_q"):
     torch.fx.wrap(_leaf)
 
@@ -422,13 +438,24 @@ class _RetrievalBase(nn.Module):
         emb = JaggedTensor(values=jt.values(), lengths=lengths).to_padded_dense(self.max_len)
         return emb, lengths
 
+    def _cross_rank(self) -> bool:
+        return self.cross_rank_negatives and self.loss_kind == "in_batch"
+
+    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+                           ) -> collectives.PendingRows | None:
+        """Launch the cross-rank gather of the in-batch candidates now (``start_candidates``),
+        for ``_loss`` to wait on; None without cross-rank negatives (or to gather in ``_loss``)."""
+        return start_candidates(items, ids, valid, self._cross_rank())
+
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
-              negative_ids: torch.Tensor | None) -> torch.Tensor:
-        """The configured loss of ``query [B, D]`` against ``items [B, D]`` (the positives)."""
+              negative_ids: torch.Tensor | None, pending: collectives.PendingRows | None = None,
+              ) -> torch.Tensor:
+        """The configured loss of ``query [B, D]`` against ``items [B, D]`` (the positives);
+        ``pending``: the cross-rank gather of ``items`` already launched (``start_candidates``)."""
         valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
         cand, cand_ids, cand_valid, offset = gather_candidates(
-            items, item_ids, valid, self.cross_rank_negatives and self.loss_kind == "in_batch")
+            items, item_ids, valid, self._cross_rank(), pending)
         if self.training:
             count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
         s = self.num_uniform_negatives
@@ -592,6 +619,15 @@ class TwoTowerModel(_RetrievalBase):
         cand = seq[self.item_feature]
         check_one_id_per_row(cand.lengths()[:b], self.item_feature)
         target_ids = batch.sequence[self.item_feature].values()
+        # The item tower first (the batch's items and the uniform negatives in one call), so
+        # that the cross-rank gather of the items is in flight while the user tower runs (and
+        # in backward, the all-reduce of their gradient while the user tower's backward runs).
+        vectors = self._item_vectors(seq, slice(None))
+        items = vectors[:b]
+        negatives = vectors[b:] if neg_ids is not None else None
+        weights = batch.weights
+        valid = torch.ones_like(target_ids, dtype=torch.bool) if weights is None else weights > 0
+        pending = self._launch_candidates(items, target_ids, valid)
         outputs: dict[str, torch.Tensor] = {}
         hist = lengths = None
         if self.history_feature is not None:
@@ -599,9 +635,7 @@ class TwoTowerModel(_RetrievalBase):
             outputs["history_lengths"] = lengths
             outputs["history_ids"] = batch.sequence[self.history_feature].values()
         query = self._user_query(pooled.values() if pooled is not None else None, hist, lengths)
-        items = self._item_vectors(seq, slice(0, b))
-        negatives = self._item_vectors(seq, slice(b, None)) if neg_ids is not None else None
-        loss = self._loss(query, items, target_ids, batch.weights, negatives, neg_ids)
+        loss = self._loss(query, items, target_ids, weights, negatives, neg_ids, pending)
         outputs["query"] = query.detach()
         outputs["target"] = target_ids
         return loss, outputs
