@@ -10,7 +10,9 @@ baseline: ``in_batch`` (in-batch softmax with the streaming logQ correction), ``
 ``mixed_S`` (+S uniform negatives), ``sampled_S`` (S uniform negatives only; S from
 ``--negatives``, default 128 and 1024) and, at 2+ ranks, ``cross_rank`` (in-batch negatives of
 every rank; ``cross_rank_sync``: the same with the gather made where the loss needs it, not
-overlapped with the user tower). Reported: step time (median round) / pointwise step time, and the same for rank
+overlapped with the user tower); beside ``mixed_S``/``sampled_S``, ``pointwise_S``: the pointwise
+loss also scoring the S uniform negatives as 0 (the same items through the same towers, so the
+ratio to it is the softmax's own cost). Reported: step time (median round) / pointwise step time, and the same for rank
 0's process CPU time (all its threads; less inflated by other jobs on a shared host, but blind to
 what overlapping a collective with compute saves). Goal: <= 1.2x.
 
@@ -46,7 +48,9 @@ LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled"
 
 class PointwiseTwoTower(TwoTowerModel):
     """The same towers trained pointwise: BCE of (query, positive) as 1 and (query, another
-    row's item) as 0: the baseline the softmax losses are measured against."""
+    row's item) as 0: the baseline the softmax losses are measured against. With uniform
+    negatives (``pointwise_S``), also (query, each of them) as 0: the same items through the
+    same towers as ``mixed_S`` and ``sampled_S``, so that the ratio is the loss's own cost."""
 
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
@@ -55,9 +59,13 @@ class PointwiseTwoTower(TwoTowerModel):
 
         pos = (query * items).sum(-1) / self.temperature
         neg = (query * items.roll(1, 0)).sum(-1) / self.temperature
-        labels = torch.cat([torch.ones_like(pos), torch.zeros_like(neg)])
-        w = None if weights is None else torch.cat([weights, weights])
-        return weighted_bce_with_logits(torch.cat([pos, neg]), labels, w)
+        logits = [pos, neg]
+        if negatives is not None:
+            logits.append((query @ negatives.T).flatten() / self.temperature)
+        labels = torch.cat([torch.ones_like(pos)] + [torch.zeros_like(x) for x in logits[1:]])
+        w = None if weights is None else torch.cat(
+            [weights, weights] + ([] if negatives is None else [weights.repeat_interleave(len(negatives))]))
+        return weighted_bce_with_logits(torch.cat(logits), labels, w)
 
 
 class SyncGatherTwoTower(TwoTowerModel):
@@ -69,14 +77,21 @@ class SyncGatherTwoTower(TwoTowerModel):
 
 
 def expand_variants(variants: list[str], negatives: list[int]) -> list[str]:
-    """``mixed`` / ``sampled`` once per number of uniform negatives (``mixed_128``, ...)."""
-    return [f"{v}_{n}" if v in ("mixed", "sampled") else v
-            for v in variants for n in (negatives if v in ("mixed", "sampled") else [0])]
+    """``mixed`` / ``sampled`` once per number of uniform negatives (``mixed_128``, ...), and
+    ``pointwise_S`` beside them: the pointwise loss over the same uniform negatives."""
+    out = [f"{v}_{n}" if v in ("mixed", "sampled") else v
+           for v in variants for n in (negatives if v in ("mixed", "sampled") else [0])]
+    if "pointwise" in variants and ("mixed" in variants or "sampled" in variants):
+        out[out.index("pointwise") + 1:out.index("pointwise") + 1] = [f"pointwise_{n}" for n in negatives]
+    return out
 
 
 def model_for(variant: str, num_items: int, table_device: str = "meta") -> TwoTowerModel:
     kw: dict[str, Any] = {}
-    kind, _, n = variant.partition("_") if variant.startswith(("mixed_", "sampled_")) else (variant, "", "")
+    kind, _, n = variant.partition("_") if variant.startswith(("mixed_", "sampled_", "pointwise_")) \
+        else (variant, "", "")
+    if kind == "pointwise" and n:
+        kw["num_uniform_negatives"] = int(n)
     if kind == "in_batch_no_logq":
         kw["log_q_correction"] = False
     elif kind == "mixed":
@@ -85,7 +100,7 @@ def model_for(variant: str, num_items: int, table_device: str = "meta") -> TwoTo
         kw.update(loss="sampled", num_uniform_negatives=int(n))
     elif kind in ("cross_rank", "cross_rank_sync"):
         kw["cross_rank_negatives"] = True
-    cls = {"pointwise": PointwiseTwoTower, "cross_rank_sync": SyncGatherTwoTower}.get(variant, TwoTowerModel)
+    cls = {"pointwise": PointwiseTwoTower, "cross_rank_sync": SyncGatherTwoTower}.get(kind, TwoTowerModel)
     catalog = {"item_id": torch.arange(num_items).numpy(), "item_cat": (torch.arange(num_items) % NUM_CATS).numpy()}
     return cls(["user_id", "segment"], num_items=num_items, user_num_embeddings=[NUM_USERS, NUM_CATS],
                item_side_features={"item_cat": NUM_CATS}, item_catalog=catalog, max_len=MAX_LEN,
@@ -218,7 +233,10 @@ def report_losses(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
         base, cpu_base = res["step_s"]["pointwise"], res["cpu_step_s"]["pointwise"]
         for v, s in res["step_s"].items():
             r, c = res["rounds"][v], res["cpu_step_s"][v]
-            rows.append([res["world_size"], v, f"{s * 1000:.1f}", f"{s / base:.2f}",
+            # mixed_S / sampled_S against pointwise_S: the same items through the same towers.
+            same = f"pointwise_{v.partition('_')[2]}" if v.startswith(("mixed_", "sampled_")) else ""
+            vs_same = f"{s / res['step_s'][same]:.2f}" if same in res["step_s"] else ""
+            rows.append([res["world_size"], v, f"{s * 1000:.1f}", f"{s / base:.2f}", vs_same,
                          f"{max(r) / min(r):.2f}", f"{c * 1000:.1f}", f"{c / cpu_base:.2f}"])
     return "\n".join([
         "## Retrieval losses: step cost", "",
@@ -226,8 +244,8 @@ def report_losses(results: list[dict[str, Any]], a: argparse.Namespace) -> str:
         f"{a.rounds} interleaved rounds x {a.steps} steps after {a.warmup} warm-up (ms/step: the "
         f"median round), on "
         f"{results[0]['device']}", "",
-        markdown_table(["ranks", "loss", "ms/step", "x pointwise", "round spread", "CPU ms/step",
-                        "CPU x pointwise"], rows), "",
+        markdown_table(["ranks", "loss", "ms/step", "x pointwise", "x pointwise_S (same items)",
+                        "round spread", "CPU ms/step", "CPU x pointwise"], rows), "",
         "Goal: each softmax loss <= 1.2x the pointwise step of the same towers."])
 
 
