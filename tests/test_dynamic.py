@@ -747,8 +747,10 @@ def test_a_checkpoint_of_the_unpooled_lookup_is_refused_by_the_pooled_one_naming
     unpooled = DynamicTable(num_slots=32, eviction_interval_rows=32, pooled_lookup=False)
     build(str(tmp_path / "a"), unpooled, data, train_steps=2, save_steps=2).train()
     saved = str(tmp_path / "a" / "step_00000002")
+    # The setting is named for Python and for YAML (a CLI user's model is built from the config).
     with pytest.raises(CheckpointError, match=r"saved by the unpooled lookup .*build the model "
-                                              r"with DynamicTable\(\.\.\., pooled_lookup=False\)"):
+                                              r"with DynamicTable\(\.\.\., pooled_lookup=False\) "
+                                              r"\(YAML: `model.dynamic.pooled_lookup: false`\)"):
         build(str(tmp_path / "b"), dataclasses.replace(unpooled, pooled_lookup=True),
               data).load_checkpoint(saved)
     again = build(str(tmp_path / "c"), unpooled, data)
