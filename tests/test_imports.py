@@ -166,3 +166,19 @@ def test_the_cycle_finder_sees_deferred_and_type_checking_imports() -> None:
     hooks_only = graph_of([Edge("recsys_trainer.hooks.x", "recsys_trainer.trainer", 1, True),
                            Edge("recsys_trainer.trainer", "recsys_trainer.hooks.x", 1, False)])
     assert find_cycles(hooks_only) == []
+
+
+def test_no_name_in_a_package_hides_one_of_its_modules() -> None:
+    # `import recsys_trainer.dynamic.x as m` binds the package's attribute `x`: a function named
+    # like its module (re-exported by the package's __init__) would be bound instead.
+    import importlib
+    import pkgutil
+
+    hidden = []
+    for info in pkgutil.walk_packages(recsys_trainer.__path__, f"{ROOT}."):
+        module = importlib.import_module(info.name)
+        parent, _, leaf = info.name.rpartition(".")
+        bound = getattr(importlib.import_module(parent), leaf, None)
+        if bound is not module:
+            hidden.append(f"{info.name} (the package's {leaf!r} is a {type(bound).__name__})")
+    assert not hidden, hidden

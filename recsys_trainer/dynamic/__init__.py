@@ -61,7 +61,8 @@ Layout (each module one concern; the arrows point down this list):
   ``lookup_path_hint``;
 * ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
   ask of them (``StepBoundaries``, ``end_window``);
-* ``sharders``: ``sharders`` (row-wise pooled sharding on CPU), ``install_uneven_reduce_scatter``;
+* ``pooled_sharding``: ``sharders`` (row-wise pooled sharding on CPU),
+  ``install_uneven_reduce_scatter``;
 * ``reset``: ``install_eviction_reset``;
 * ``relayout`` and ``state``: the checkpoint component and the re-routing at another layout;
 * ``stats``: ``table_stats``, ``table_memory``, ``is_resident``.
@@ -103,15 +104,15 @@ from recsys_trainer.dynamic.policy import (
     DecayedLFUEvictionPolicy,
     make_eviction_policy,
 )
+from recsys_trainer.dynamic.pooled_sharding import (
+    PaddedPooledReduceScatter,
+    install_uneven_reduce_scatter,
+    sharders,
+)
 from recsys_trainer.dynamic.reset import (
     install_cpu_eviction,
     install_eviction_reset,
     reset_rows_cpu,
-)
-from recsys_trainer.dynamic.sharders import (
-    PaddedPooledReduceScatter,
-    install_uneven_reduce_scatter,
-    sharders,
 )
 from recsys_trainer.dynamic.state import (
     STATE_FORMAT,

@@ -183,8 +183,9 @@ def lookup_path_hint(missing: Iterable[str], saved: Iterable[str]) -> str:
     if wants_pooled and any(".mc_ec." in k for k in saved):
         return (" Its dynamic tables were saved by the unpooled lookup (the default before "
                 "pooled lookups): build the model with DynamicTable(..., pooled_lookup=False) "
-                "to load it.")
+                "(YAML: `model.dynamic.pooled_lookup: false`) to load it.")
     if wants_unpooled and any(".mc_ebc." in k for k in saved):
         return (" Its dynamic tables were saved by the pooled lookup: build the model with "
-                "DynamicTable(..., pooled_lookup=True) (the default) to load it.")
+                "DynamicTable(..., pooled_lookup=True) (the default; YAML: "
+                "`model.dynamic.pooled_lookup: true`) to load it.")
     return ""
