@@ -125,6 +125,13 @@ class _MaskedLogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                                         None, None, None]:
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative
+            # exp was made without a graph, so the ops below would record a derivative that
+            # misses its dependence on the inputs: refuse rather than return a wrong one.
+            raise RuntimeError(
+                "the retrieval softmax losses compute their gradient by hand and are "
+                "differentiable once: backward with create_graph=True (a second derivative, "
+                "e.g. a gradient penalty) is not supported through them.")
         scaled, candidates, exp, total, rows, cols = ctx.saved_tensors
         # d logsumexp / d logit = softmax = exp / total, times the incoming gradient (a new
         # matrix, not in place: a second backward, retain_graph=True, finds exp intact).
