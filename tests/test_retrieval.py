@@ -128,6 +128,35 @@ def test_the_softmax_losses_gradients_equal_finite_differences_with_masks_log_q_
         assert torch.autograd.gradcheck(sampled, (q, items[:5], negs))
 
 
+def test_the_softmax_losses_of_an_empty_batch_or_an_empty_negative_set_are_zero_with_zero_gradients() -> None:
+    # A rank whose batch has no rows (no candidates either without cross-rank negatives), and a
+    # sampled softmax with no negatives (the positive alone: probability 1), cost exactly 0.
+    q0, it0 = torch.zeros(0, 4, requires_grad=True), torch.zeros(0, 4, requires_grad=True)
+    empty = in_batch_softmax_loss(q0, it0, torch.zeros(0, dtype=torch.int64), None, temperature=0.1,
+                                  item_log_q=torch.zeros(0))
+    empty.backward()
+    assert float(empty.detach()) == 0.0 and q0.grad is not None and q0.grad.shape == (0, 4)
+    q, pos = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    alone = sampled_softmax_loss(q, pos, torch.tensor([1, 2, 3]), torch.zeros(0, 4),
+                                 torch.zeros(0, dtype=torch.int64), None, temperature=0.1,
+                                 positive_log_q=torch.randn(3), negative_log_q=torch.zeros(0))
+    alone.backward()
+    assert float(alone.detach()) == 0.0
+    assert q.grad is not None and torch.equal(q.grad, torch.zeros(3, 4))
+
+
+def test_a_second_derivative_through_the_softmax_losses_is_refused_not_silently_wrong() -> None:
+    # The hand-written backward reuses the forward's exp matrix (made without a graph): with
+    # create_graph=True its ops would record a derivative missing that dependence.
+    q, items = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    loss = in_batch_softmax_loss(q, items, torch.tensor([1, 2, 1]), None, temperature=0.5)
+    with pytest.raises(RuntimeError, match="differentiable once: backward with create_graph=True"):
+        torch.autograd.grad(loss, q, create_graph=True)
+    (g,) = torch.autograd.grad(in_batch_softmax_loss(q, items, torch.tensor([1, 2, 1]), None,
+                                                     temperature=0.5), q)
+    assert torch.isfinite(g).all()  # a first derivative is as before
+
+
 def test_the_log_q_term_is_the_log_expected_count_of_each_item_in_the_candidate_set() -> None:
     p = torch.tensor([0.5, 0.1, 0.0], dtype=torch.float64)
     out = expected_candidate_log_q(p, 100, num_uniform=50, corpus_size=10)

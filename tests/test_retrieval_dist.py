@@ -89,6 +89,16 @@ def _worker(root: str, out: str) -> dict[str, Any]:
     loss.backward()
     part1["early"] = {"loss": float(loss.detach()), "q_grad": q_u.grad, "items_grad": items_u.grad,
                       "ids": cand_ids, "valid": cand_valid, "offset": offset}
+    # 1c. Rank 1 with no rows at all: it still sends its (empty) part and takes every rank's.
+    n = (3, 0)[rank]
+    q_z, items_z = q[:n].clone().requires_grad_(True), items[:n].clone().requires_grad_(True)
+    pending = start_candidates(items_z, ids[:n] + BIG, w[:n] > 0, True)
+    cand, cand_ids, cand_valid, offset = gather_candidates(items_z, ids[:n] + BIG, w[:n] > 0, True, pending)
+    loss = in_batch_softmax_loss(q_z, cand, cand_ids, None, temperature=0.3, positive_offset=offset,
+                                 item_weights=cand_valid.float())
+    loss.backward()
+    part1["empty"] = {"loss": float(loss.detach()), "items_grad": items_z.grad, "ids": cand_ids,
+                      "offset": offset}
 
     # 2. A sharded two-tower trained with cross-rank and uniform negatives, then evaluated.
     import json
@@ -234,6 +244,16 @@ def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_pro
     assert r1["early"]["loss"] == pytest.approx(float(per_rank[1].detach()), rel=1e-6)
     assert torch.allclose(torch.cat([r0["early"]["q_grad"], r1["early"]["q_grad"]]), qe.grad, atol=1e-6)
     assert torch.allclose(torch.cat([r0["early"]["items_grad"], r1["early"]["items_grad"]]), ie.grad, atol=1e-6)
+
+    # A rank with no rows: its loss is 0, the other's is the one-process loss over its rows.
+    for r, res in enumerate((r0["empty"], r1["empty"])):
+        assert torch.equal(res["ids"], ids[:3] + BIG) and res["offset"] == (0, 3)[r]
+    assert r1["empty"]["loss"] == 0.0 and r1["empty"]["items_grad"].shape == (0, D)
+    iz = items.detach()[:3].clone().requires_grad_(True)
+    alone = in_batch_softmax_loss(q.detach()[:3], iz, ids[:3], None, temperature=0.3)
+    alone.backward()
+    assert r0["empty"]["loss"] == pytest.approx(float(alone.detach()), rel=1e-6)
+    assert iz.grad is not None and torch.allclose(r0["empty"]["items_grad"], iz.grad, atol=1e-6)
 
     # The trained model's frequency sketches are identical on both ranks (checkpoints hold one).
     for a, b in zip(r0["freq"], r1["freq"], strict=True):

@@ -155,7 +155,10 @@ def start_gather_with_grad(x: torch.Tensor, extra: torch.Tensor | None = None,
     if extra is not None:
         # The int64 columns reinterpreted as x's dtype (a view, bit for bit; the gather copies
         # bytes, no arithmetic touches them): one message instead of two. Their gradient is 0.
-        meta = extra.to(torch.int64).contiguous().view(x.dtype).reshape(x.shape[0], -1)
+        # [n_r, k] from extra's own shape, not reshape(n_r, -1): a rank with no rows has
+        # nothing to infer a -1 from (and would fail alone, leaving the others in the gather).
+        meta = extra.to(torch.int64)
+        meta = (meta.unsqueeze(1) if meta.dim() == 1 else meta.flatten(1)).contiguous().view(x.dtype)
         rows = torch.cat([x, meta], dim=1)
     padded = torch.cat([rows, rows.new_zeros((longest - rows.shape[0], *rows.shape[1:]))])
     state = _Pending(group, rank, size, longest)

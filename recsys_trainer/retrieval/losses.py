@@ -37,8 +37,8 @@ def check_temperature(temperature: float) -> None:
 
 
 def _weighted_mean(per_row: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    if weights is None:
-        return per_row.mean()
+    if weights is None:  # a batch with no rows costs 0, as an all-padding one (mean() gives NaN)
+        return per_row.sum() / max(per_row.shape[0], 1)
     w = weights.to(per_row.dtype)
     total = w.sum()
     # where, not a product: a padding row's loss may be anything, its weight makes it vanish.
@@ -113,7 +113,10 @@ class _MaskedLogSumExp(torch.autograd.Function):
             # every entry is masked still has a finite logsumexp (no NaN in any gradient).
             fill = torch.tensor(torch.finfo(logits.dtype).min / 2, dtype=logits.dtype, device=logits.device)
             logits.index_put_((rows, cols), fill)
-        top = logits.amax(dim=1, keepdim=True)
+        # No candidates (a rank with no rows and nothing gathered, no sampled negatives): the
+        # logsumexp of nothing is -inf (log 0), as torch.logsumexp's; amax has no such case.
+        top = (logits.amax(dim=1, keepdim=True) if logits.shape[1]
+               else logits.new_zeros((logits.shape[0], 1)))
         exp = logits.sub_(top).exp_()  # in place: the matrix becomes exp(logit - row max)
         total = exp.sum(dim=1, keepdim=True)
         ctx.save_for_backward(scaled, candidates, exp, total, rows, cols)
@@ -122,6 +125,13 @@ class _MaskedLogSumExp(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None,
                                                         None, None, None]:
+        if torch.is_grad_enabled():  # backward(create_graph=True): a second derivative
+            # exp was made without a graph, so the ops below would record a derivative that
+            # misses its dependence on the inputs: refuse rather than return a wrong one.
+            raise RuntimeError(
+                "the retrieval softmax losses compute their gradient by hand and are "
+                "differentiable once: backward with create_graph=True (a second derivative, "
+                "e.g. a gradient penalty) is not supported through them.")
         scaled, candidates, exp, total, rows, cols = ctx.saved_tensors
         # d logsumexp / d logit = softmax = exp / total, times the incoming gradient (a new
         # matrix, not in place: a second backward, retain_graph=True, finds exp intact).
