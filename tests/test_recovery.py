@@ -289,29 +289,37 @@ def test_a_save_that_misses_the_grace_period_ends_the_process_and_keeps_the_prev
 
 def test_a_second_signal_is_the_same_preemption_when_it_comes_at_once_and_ends_the_process_later(
         ) -> None:
-    killed: list[int] = []
-    watcher = PreemptionWatcher(kill=killed.append)
-    previous = signal.getsignal(signal.SIGTERM)
-    with watcher.watching():
-        signal_self()
-        signal_self()  # e.g. Slurm's SIGTERM and the one torchrun's agent forwards
-        assert watcher.signal_name == "SIGTERM" and killed == []
-        assert watcher.received_at is not None
-        watcher.received_at -= DUPLICATE_WINDOW_S + 1  # "much later"
-        signal_self(signal.SIGINT)
-        assert killed == [signal.SIGINT] and watcher.signal_name == "SIGTERM"
-    assert signal.getsignal(signal.SIGTERM) is previous
-    assert not watcher.requested
-    # Without the test's stand-in, the later signal goes to the handler from before: Python's
-    # SIGINT handler raises KeyboardInterrupt (SIGTERM's default would end the process).
-    real = PreemptionWatcher()
-    with pytest.raises(KeyboardInterrupt), real.watching():
-        signal_self(signal.SIGINT)
-        assert real.received_at is not None
-        real.received_at -= DUPLICATE_WINDOW_S + 1
-        signal_self(signal.SIGINT)
-        time.sleep(1)  # the handler runs at the next bytecode boundary
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # SIGINT as a process started from a terminal has it (Python's handler): a process a shell
+    # started in the background (`.ci/run &` without job control) has it ignored, and the
+    # signal handed on below would then be ignored, not raise KeyboardInterrupt.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        killed: list[int] = []
+        watcher = PreemptionWatcher(kill=killed.append)
+        previous = signal.getsignal(signal.SIGTERM)
+        with watcher.watching():
+            signal_self()
+            signal_self()  # e.g. Slurm's SIGTERM and the one torchrun's agent forwards
+            assert watcher.signal_name == "SIGTERM" and killed == []
+            assert watcher.received_at is not None
+            watcher.received_at -= DUPLICATE_WINDOW_S + 1  # "much later"
+            signal_self(signal.SIGINT)
+            assert killed == [signal.SIGINT] and watcher.signal_name == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) is previous
+        assert not watcher.requested
+        # Without the test's stand-in, the later signal goes to the handler from before:
+        # Python's SIGINT handler raises KeyboardInterrupt (SIGTERM's default would end the
+        # process).
+        real = PreemptionWatcher()
+        with pytest.raises(KeyboardInterrupt), real.watching():
+            signal_self(signal.SIGINT)
+            assert real.received_at is not None
+            real.received_at -= DUPLICATE_WINDOW_S + 1
+            signal_self(signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode boundary
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_preemption_grace_s_is_validated_and_none_leaves_the_signals_alone(tmp_path: Path) -> None:
