@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import markdown_table, quiet_torchrec, torchrun  # noqa: E402
+from common import markdown_table, quiet_torchrec, torchrun, worker_result  # noqa: E402
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments  # noqa: E402
 from recsys_trainer.checkpoint import CheckpointManager  # noqa: E402
@@ -273,17 +273,14 @@ def bench_s3(rows: int, dim: int, root: str, repeats: int) -> dict[str, Any]:
 
 
 def worker(a: argparse.Namespace) -> None:
-    from recsys_trainer.distributed import init_distributed, shutdown
+    from recsys_trainer.distributed import init_distributed
 
     quiet_torchrec()
     logging.getLogger().setLevel(logging.ERROR)
-    info = init_distributed("cpu")
+    init_distributed("cpu")
     results = [bench(int(r), a.dim, a.dir, a.threads, a.repeats, a.first_save_step)
                for r in a.rows]
-    if info.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump(results, f)
-    shutdown()
+    worker_result(a.out, results)
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import tempfile
@@ -34,7 +33,7 @@ import time
 from typing import Any
 
 import torch
-from common import device_name, markdown_table, quiet_torchrec, torchrun
+from common import device_name, markdown_table, quiet_torchrec, torchrun, worker_result
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
@@ -218,13 +217,7 @@ def worker(a: argparse.Namespace) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)
-    result = losses_worker(a) if a.part == "losses" else eval_worker(a)
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(a.out, "w") as f:
-            json.dump(result, f)
-    from recsys_trainer.distributed import shutdown
-
-    shutdown()
+    worker_result(a.out, losses_worker(a) if a.part == "losses" else eval_worker(a))
 
 
 def report_losses(results: list[dict[str, Any]], a: argparse.Namespace) -> str:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 import tempfile
@@ -64,6 +63,7 @@ from common import (  # noqa: E402
     synchronize,
     torchrun,
     with_items,
+    worker_result,
 )
 
 VARIANTS = ("plain_pytorch", "torchrec_loop", "torchrec_pipeline", "trainer", "trainer_pipeline",
@@ -248,12 +248,7 @@ def worker(a: argparse.Namespace) -> None:
                               "round_seconds": v.round_seconds}
                      for v in variants},
     }
-    if info.rank == 0:
-        with open(a.out, "w") as f:
-            json.dump(result, f)
-    from recsys_trainer.distributed import shutdown
-
-    shutdown()
+    worker_result(a.out, result)
 
 
 def report(results: list[dict[str, Any]], a: argparse.Namespace) -> str:

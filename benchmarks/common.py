@@ -23,6 +23,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.distributed import shutdown
 from recsys_trainer.models import DLRMClassifier, weighted_bce_with_logits
 from recsys_trainer.ranking_models import DINClassifier
 
@@ -153,6 +154,15 @@ def torchrun(script: str, nproc: int, args: Sequence[str], timeout_s: float) -> 
             )
         with open(out) as f:
             return json.load(f)
+
+
+def worker_result(out: str, result: Any) -> None:
+    """The worker's end of ``torchrun()``: rank 0 writes ``result`` as JSON to ``out``; every
+    rank then leaves the process group."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    shutdown()
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
