@@ -39,11 +39,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.models import make_tables
 from recsys_trainer.ranking_models import mlp
 from recsys_trainer.retrieval import collectives
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
@@ -303,9 +304,8 @@ def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int
     if len(sizes) != len(features):
         raise ValueError(f"`user_num_embeddings` must be one int or one per user feature "
                          f"{features}, but is {num_embeddings!r}.")
-    return EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f])
-        for f, n in zip(features, sizes, strict=True)], device=torch.device(table_device))
+    return EmbeddingBagCollection(tables=make_tables(features, sizes, embedding_dim),
+                                  device=torch.device(table_device))
 
 
 class _RetrievalBase(nn.Module):
