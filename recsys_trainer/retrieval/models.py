@@ -862,8 +862,7 @@ class SASRecModel(_RetrievalBase):
         target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
         uniform ones."""
         valid = torch.ones_like(row_ids, dtype=torch.bool) if row_weights is None else row_weights > 0
-        cand, cand_ids, cand_valid, _ = gather_candidates(
-            row_items, row_ids, valid, self.cross_rank_negatives and self.loss_kind == "in_batch")
+        cand, cand_ids, cand_valid, _ = gather_candidates(row_items, row_ids, valid, self._cross_rank())
         if self.training:
             count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
         s = self.num_uniform_negatives
