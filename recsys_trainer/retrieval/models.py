@@ -469,19 +469,29 @@ class _RetrievalBase(nn.Module):
         for ``_loss`` to wait on; None without cross-rank negatives (or to gather in ``_loss``)."""
         return start_candidates(items, ids, valid, self._cross_rank())
 
+    def _candidates(self, items: torch.Tensor, item_ids: torch.Tensor, weights: torch.Tensor | None,
+                    pending: collectives.PendingRows | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """The in-batch candidates of a step's positives ``items [B, D]`` (every rank's with
+        cross-rank negatives; ``pending``: their gather, already launched), counted into the
+        frequency estimate when training. Returns ``(items, ids, valid, offset of this rank's
+        rows, how many are in-batch draws for logQ: the valid ones, 0 for loss='sampled')``."""
+        valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
+        cand, cand_ids, cand_valid, offset = gather_candidates(
+            items, item_ids, valid, self._cross_rank(), pending)
+        if self.training:
+            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
+        return cand, cand_ids, cand_valid, offset, num_in_batch
+
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
               negative_ids: torch.Tensor | None, pending: collectives.PendingRows | None = None,
               ) -> torch.Tensor:
         """The configured loss of ``query [B, D]`` against ``items [B, D]`` (the positives);
         ``pending``: the cross-rank gather of ``items`` already launched (``start_candidates``)."""
-        valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
-        cand, cand_ids, cand_valid, offset = gather_candidates(
-            items, item_ids, valid, self._cross_rank(), pending)
-        if self.training:
-            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        cand, cand_ids, cand_valid, offset, num_in_batch = self._candidates(items, item_ids, weights, pending)
         s = self.num_uniform_negatives
-        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
         log_q = neg_log_q = None
         if self.log_q_correction:
             log_q = candidate_log_q(self.frequency, cand_ids, num_in_batch, s, self.num_items)
@@ -861,15 +871,10 @@ class SASRecModel(_RetrievalBase):
         """Every position's query against its positive and the shared negatives: the batch's
         target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
         uniform ones."""
-        valid = torch.ones_like(row_ids, dtype=torch.bool) if row_weights is None else row_weights > 0
-        cand, cand_ids, cand_valid, _ = gather_candidates(row_items, row_ids, valid, self._cross_rank())
-        if self.training:
-            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        cand, cand_ids, cand_valid, _, num_in_batch = self._candidates(row_items, row_ids, row_weights)
         s = self.num_uniform_negatives
-        in_batch = self.loss_kind == "in_batch"
-        num_in_batch = cand_valid.sum() if in_batch else torch.zeros((), dtype=torch.int64)
         parts, ids, weights_n = [], [], []
-        if in_batch:
+        if self.loss_kind == "in_batch":
             parts, ids, weights_n = [cand], [cand_ids], [cand_valid.to(queries.dtype)]
         if negatives is not None and negative_ids is not None:
             parts.append(negatives)
