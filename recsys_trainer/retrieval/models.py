@@ -309,7 +309,8 @@ def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int
 
 
 class _RetrievalBase(nn.Module):
-    """The item table, the negatives and the loss the two models share."""
+    """What the two models share: the item (and side) tables, the user tables, the negatives,
+    the loss and the item embeddings of the corpus."""
 
     def __init__(self, *, num_items: int, item_feature: str, history_feature: str | None,
                  user_features: Sequence[str], user_num_embeddings: int | Sequence[int],
