@@ -37,6 +37,7 @@ from common import device_name, markdown_table, quiet_torchrec, torchrun, worker
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.models import weighted_bce_with_logits
 from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics
 from recsys_trainer.retrieval.models import TwoTowerModel
 
@@ -54,8 +55,6 @@ class PointwiseTwoTower(TwoTowerModel):
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
               negative_ids: torch.Tensor | None, pending: Any = None) -> torch.Tensor:
-        from recsys_trainer.models import weighted_bce_with_logits
-
         pos = (query * items).sum(-1) / self.temperature
         neg = (query * items.roll(1, 0)).sum(-1) / self.temperature
         logits = [pos, neg]

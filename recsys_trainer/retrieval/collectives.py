@@ -166,19 +166,9 @@ def start_gather_with_grad(x: torch.Tensor, extra: torch.Tensor | None = None,
     return PendingRows(x, extra, sizes, sum(sizes[:rank]), token, state)
 
 
-def all_gather_with_grad(x: torch.Tensor, group: dist.ProcessGroup | None = None,
-                         ) -> tuple[torch.Tensor, int]:
-    """Every rank's rows of ``x`` concatenated in rank order, and the offset of this rank's
-    rows: ``start_gather_with_grad(x).wait()`` without the extra columns."""
-    out, _, offset = start_gather_with_grad(x, group=group).wait()
-    return out, offset
-
-
 torch.fx.wrap("all_gather_sizes")
 torch.fx.wrap("all_gather_rows")
-torch.fx.wrap("all_gather_with_grad")
 torch.fx.wrap("start_gather_with_grad")
 
 
-__all__ = ["PendingRows", "all_gather_rows", "all_gather_sizes", "all_gather_with_grad",
-           "start_gather_with_grad", "world"]
+__all__ = ["PendingRows", "all_gather_rows", "all_gather_sizes", "start_gather_with_grad", "world"]

@@ -19,7 +19,7 @@ The state is three buffers (counts, last-touched steps, the total and the step c
 is saved and restored with the model (``Trainer``'s ``"model"`` checkpoint component). DMP
 leaves such a module in its DDP part, which does not broadcast buffers: every rank keeps its
 own copy, and the models keep the copies identical by updating with the ids of *all* ranks
-(``collectives.all_gather_ids``), which is also what a checkpoint restores (DCP saves a
+(``collectives.all_gather_rows``), which is also what a checkpoint restores (DCP saves a
 replicated tensor once). Everything is integer or float64 arithmetic on a fixed order of
 operations, so a resumed run continues bitwise.
 """

@@ -39,11 +39,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
+from recsys_trainer.models import make_tables
 from recsys_trainer.ranking_models import mlp
 from recsys_trainer.retrieval import collectives
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
@@ -303,16 +304,17 @@ def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int
     if len(sizes) != len(features):
         raise ValueError(f"`user_num_embeddings` must be one int or one per user feature "
                          f"{features}, but is {num_embeddings!r}.")
-    return EmbeddingBagCollection(tables=[
-        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f])
-        for f, n in zip(features, sizes, strict=True)], device=torch.device(table_device))
+    return EmbeddingBagCollection(tables=make_tables(features, sizes, embedding_dim),
+                                  device=torch.device(table_device))
 
 
 class _RetrievalBase(nn.Module):
-    """The item table, the negatives and the loss the two models share."""
+    """What the two models share: the item (and side) tables, the user tables, the negatives,
+    the loss and the item embeddings of the corpus."""
 
     def __init__(self, *, num_items: int, item_feature: str, history_feature: str | None,
-                 max_len: int, embedding_dim: int, side_tables: Mapping[str, int],
+                 user_features: Sequence[str], user_num_embeddings: int | Sequence[int],
+                 max_len: int, embedding_dim: int, normalize: bool, side_tables: Mapping[str, int],
                  history_side_features: Mapping[str, str],
                  item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None, item_id_column: str,
                  loss: LossKind, num_uniform_negatives: int, temperature: float,
@@ -385,6 +387,9 @@ class _RetrievalBase(nn.Module):
             frequency_hashes, frequency_half_life_steps)
         """Streaming item frequencies for the logQ correction (saved with the model)."""
         self.register_buffer("positions", torch.arange(max_len + 1), persistent=False)
+        self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
+        self.user_features = list(user_features)
+        self.normalize = normalize
 
     positions: torch.Tensor
 
@@ -396,6 +401,15 @@ class _RetrievalBase(nn.Module):
         # the training's random stream.
         gen = None if self.training else torch.Generator().manual_seed(0)
         return torch.randint(0, self.num_items, (self.num_uniform_negatives,), generator=gen).to(device)
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        """An output embedding: L2-normalised when ``normalize`` (scores are then cosines)."""
+        return F.normalize(x, dim=-1) if self.normalize else x
+
+    def _serving_user(self, pooled: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``[B, F * D]``: the scorer's pooled user features in ``user_features`` order (None
+        without user features), as ``users(batch.sparse).values()`` gives them in training."""
+        return torch.cat([pooled[f] for f in self.user_features], dim=1) if self.user_features else None
 
     def _catalog(self, name: str) -> torch.Tensor:
         return getattr(self, f"catalog_{name}")  # type: ignore[no-any-return]
@@ -416,13 +430,22 @@ class _RetrievalBase(nn.Module):
         kjt = batch.sequence if neg_ids is None else with_extra_row(
             batch.sequence, self._item_features(neg_ids))
         seq = self.items(kjt)
-        users = getattr(self, "users", None)
-        pooled = users(batch.sparse) if users is not None else None
+        pooled = self.users(batch.sparse) if self.users is not None else None
         return retrieval_step(self, batch, seq, pooled, neg_ids)
 
     def _step(self, batch: Batch, seq: dict[str, JaggedTensor], pooled: Any,
               neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def _item_vectors(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
+        """``[n, D]`` item-tower outputs of the lookup's one-id-per-row ``rows``."""
+        raise NotImplementedError
+
+    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[n, D]`` embeddings of item ids ``[n]`` (side features from the catalog), as the
+        loss scores them. Under DMP every rank calls this together."""
+        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
+        return self._item_vectors(self._by_key(seq), slice(None))
 
     def _by_key(self, out: Any) -> dict[str, JaggedTensor]:
         # Index by key (a sharded collection's output is a lazy dict: no `in`, no iteration).
@@ -447,19 +470,29 @@ class _RetrievalBase(nn.Module):
         for ``_loss`` to wait on; None without cross-rank negatives (or to gather in ``_loss``)."""
         return start_candidates(items, ids, valid, self._cross_rank())
 
+    def _candidates(self, items: torch.Tensor, item_ids: torch.Tensor, weights: torch.Tensor | None,
+                    pending: collectives.PendingRows | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        """The in-batch candidates of a step's positives ``items [B, D]`` (every rank's with
+        cross-rank negatives; ``pending``: their gather, already launched), counted into the
+        frequency estimate when training. Returns ``(items, ids, valid, offset of this rank's
+        rows, how many are in-batch draws for logQ: the valid ones, 0 for loss='sampled')``."""
+        valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
+        cand, cand_ids, cand_valid, offset = gather_candidates(
+            items, item_ids, valid, self._cross_rank(), pending)
+        if self.training:
+            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
+        return cand, cand_ids, cand_valid, offset, num_in_batch
+
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
               weights: torch.Tensor | None, negatives: torch.Tensor | None,
               negative_ids: torch.Tensor | None, pending: collectives.PendingRows | None = None,
               ) -> torch.Tensor:
         """The configured loss of ``query [B, D]`` against ``items [B, D]`` (the positives);
         ``pending``: the cross-rank gather of ``items`` already launched (``start_candidates``)."""
-        valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
-        cand, cand_ids, cand_valid, offset = gather_candidates(
-            items, item_ids, valid, self._cross_rank(), pending)
-        if self.training:
-            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        cand, cand_ids, cand_valid, offset, num_in_batch = self._candidates(items, item_ids, weights, pending)
         s = self.num_uniform_negatives
-        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
         log_q = neg_log_q = None
         if self.log_q_correction:
             log_q = candidate_log_q(self.frequency, cand_ids, num_in_batch, s, self.num_items)
@@ -544,18 +577,16 @@ class TwoTowerModel(_RetrievalBase):
         side = dict(item_side_features or {})
         super().__init__(
             num_items=num_items, item_feature=item_feature, history_feature=history_feature,
-            max_len=max_len, embedding_dim=embedding_dim, side_tables=side, history_side_features={},
-            item_catalog=item_catalog, item_id_column=item_id_column, loss=loss,
+            user_features=user_features, user_num_embeddings=user_num_embeddings,
+            max_len=max_len, embedding_dim=embedding_dim, normalize=normalize, side_tables=side,
+            history_side_features={}, item_catalog=item_catalog, item_id_column=item_id_column, loss=loss,
             num_uniform_negatives=num_uniform_negatives, temperature=temperature,
             log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
             frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
             frequency_half_life_steps=frequency_half_life_steps, item_init_max=item_init_max,
             table_device=table_device)
-        self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
-        self.user_features = list(user_features)
         if not self.user_features and history_feature is None:
             raise ValueError("the user tower needs user features, a history feature, or both.")
-        self.normalize = normalize
         if not isinstance(recent_items, int) or not 0 <= recent_items <= max_len or (
                 recent_items and history_feature is None):
             raise ValueError(f"`recent_items` must be an int in [0, max_len={max_len}] (0 without a "
@@ -569,14 +600,7 @@ class TwoTowerModel(_RetrievalBase):
     def _item_vectors(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
         parts = [seq[self.item_feature].values()[rows]]
         parts += [seq[name].values()[rows] for name in self.side_features]
-        out = self.item_tower(torch.cat(parts, dim=1))
-        return F.normalize(out, dim=-1) if self.normalize else out
-
-    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[n, D]`` item-tower embeddings of item ids ``[n]`` (side features from the
-        catalog). Under DMP every rank calls this together."""
-        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
-        return self._item_vectors({k: seq[k] for k in self.sequence_keys}, slice(None))
+        return self._out(self.item_tower(torch.cat(parts, dim=1)))
 
     def _user_query(self, pooled: torch.Tensor | None, hist: torch.Tensor | None,
                     lengths: torch.Tensor | None) -> torch.Tensor:
@@ -594,8 +618,7 @@ class TwoTowerModel(_RetrievalBase):
                 recent = torch.gather(hist, 1, back.clamp_min(0).unsqueeze(-1).expand(-1, -1, hist.shape[-1]))
                 recent = recent * (back >= 0).unsqueeze(-1).to(hist.dtype)
                 user_parts.append(recent.flatten(1))
-        query = self.user_tower(torch.cat(user_parts, dim=1))
-        return F.normalize(query, dim=-1) if self.normalize else query
+        return self._out(self.user_tower(torch.cat(user_parts, dim=1)))
 
     def serving_sequence_lengths(self) -> dict[str, int]:
         """The serving contract (``recsys_trainer.serving``): the history's padded length."""
@@ -606,9 +629,8 @@ class TwoTowerModel(_RetrievalBase):
         """The serving contract: the user tower's query embedding ``[B, D]`` (what the item
         export's vectors are scored against), from the scorer's lookups; export it with
         ``activation="none"``. The candidate item and its side features are not read."""
-        user = torch.cat([pooled[f] for f in self.user_features], dim=1) if self.user_features else None
         hf = self.history_feature
-        return self._user_query(user, sequences[hf] if hf is not None else None,
+        return self._user_query(self._serving_user(pooled), sequences[hf] if hf is not None else None,
                                 lengths[hf] if hf is not None else None)
 
     def _step(self, batch: Batch, seq_out: Any, pooled: Any,
@@ -727,7 +749,8 @@ class SASRecModel(_RetrievalBase):
                              "to every history item, so the data must carry them per history item.")
         super().__init__(
             num_items=num_items, item_feature=item_feature, history_feature=history_feature,
-            max_len=max_len, embedding_dim=embedding_dim, side_tables=side,
+            user_features=user_features, user_num_embeddings=user_num_embeddings,
+            max_len=max_len, embedding_dim=embedding_dim, normalize=normalize, side_tables=side,
             history_side_features=hist_side, item_catalog=item_catalog,
             item_id_column=item_id_column, loss=loss,
             num_uniform_negatives=num_uniform_negatives, temperature=temperature,
@@ -741,9 +764,7 @@ class SASRecModel(_RetrievalBase):
             raise ValueError(f"`num_heads` must divide embedding_dim={embedding_dim}, but is {num_heads!r}.")
         if train_positions is not None and (not isinstance(train_positions, int) or train_positions < 1):
             raise ValueError(f"`train_positions` must be an int >= 1 or None, but is {train_positions!r}.")
-        self.train_positions, self.normalize = train_positions, normalize
-        self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
-        self.user_features = list(user_features)
+        self.train_positions = train_positions
         self.user_projection = (nn.Linear(embedding_dim * len(self.user_features), embedding_dim)
                                 if self.user_features else None)
         """The user features' term of every query (None without user features)."""
@@ -759,22 +780,13 @@ class SASRecModel(_RetrievalBase):
 
     causal_mask: torch.Tensor
 
-    def _out(self, x: torch.Tensor) -> torch.Tensor:
-        return F.normalize(x, dim=-1) if self.normalize else x
-
-    def _item_sum(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
-        """``[n, D]`` item vectors (before normalisation) of the lookup's one-id-per-row
-        ``rows``: the item's row plus its side features' rows."""
+    def _item_vectors(self, seq: dict[str, JaggedTensor], rows: slice) -> torch.Tensor:
+        """``[n, D]`` item vectors of the lookup's one-id-per-row ``rows``: the item's row plus
+        its side features' rows."""
         out = seq[self.item_feature].values()[rows]
         for name in self.side_features:
             out = out + seq[name].values()[rows]
-        return out
-
-    def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[n, D]`` embeddings of item ids ``[n]`` (the item table plus the side tables at
-        the catalog's ids). Under DMP every rank calls this together."""
-        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
-        return self._out(self._item_sum(self._by_key(seq), slice(None)))
+        return self._out(out)
 
     def encode(self, history: torch.Tensor, lengths: torch.Tensor,
                user: torch.Tensor | None = None) -> torch.Tensor:
@@ -809,8 +821,7 @@ class SASRecModel(_RetrievalBase):
         hist, lens = sequences[self.history_feature], lengths[self.history_feature]
         for key in self.history_side_features.values():
             hist = hist + sequences[key]  # zero-padded as the history: padding stays zero
-        user = torch.cat([pooled[f] for f in self.user_features], dim=1) if self.user_features else None
-        out = self.encode(hist, lens, user)
+        out = self.encode(hist, lens, self._serving_user(pooled))
         last = out.gather(1, lens.long().view(-1, 1, 1).expand(-1, 1, out.shape[-1])).squeeze(1)
         return self._out(last)
 
@@ -833,8 +844,8 @@ class SASRecModel(_RetrievalBase):
         out = self.encode(hist, lengths, pooled.values() if pooled is not None else None)  # [B, L+1, D]
         last = out[torch.arange(b, device=out.device), lengths.long()]  # after the last item
         query = self._out(last)
-        target_emb = self._out(self._item_sum(seq, slice(0, b)))
-        negatives = self._out(self._item_sum(seq, slice(b, None))) if neg_ids is not None else None
+        target_emb = self._item_vectors(seq, slice(0, b))
+        negatives = self._item_vectors(seq, slice(b, None)) if neg_ids is not None else None
         weights = batch.weights
         # Positions 0..n-1 predict h_1..h_n; position n (after the last item) the target.
         valid = self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]: p < n
@@ -861,16 +872,10 @@ class SASRecModel(_RetrievalBase):
         """Every position's query against its positive and the shared negatives: the batch's
         target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
         uniform ones."""
-        valid = torch.ones_like(row_ids, dtype=torch.bool) if row_weights is None else row_weights > 0
-        cand, cand_ids, cand_valid, _ = gather_candidates(
-            row_items, row_ids, valid, self.cross_rank_negatives and self.loss_kind == "in_batch")
-        if self.training:
-            count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
+        cand, cand_ids, cand_valid, _, num_in_batch = self._candidates(row_items, row_ids, row_weights)
         s = self.num_uniform_negatives
-        in_batch = self.loss_kind == "in_batch"
-        num_in_batch = cand_valid.sum() if in_batch else torch.zeros((), dtype=torch.int64)
         parts, ids, weights_n = [], [], []
-        if in_batch:
+        if self.loss_kind == "in_batch":
             parts, ids, weights_n = [cand], [cand_ids], [cand_valid.to(queries.dtype)]
         if negatives is not None and negative_ids is not None:
             parts.append(negatives)
