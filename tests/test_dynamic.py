@@ -153,6 +153,7 @@ def test_every_raw_id_gets_its_own_row_when_they_fit_and_unknown_ids_read_the_de
 
 def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adagrad_state(
         tmp_path: Any) -> None:
+    """Also: a reset row outside its table is refused, the next table untouched."""
     data = IdStream(FEATS, 400).batches(8, 64, seed=1)
     t = build(str(tmp_path), DynamicTable(num_slots=32, eviction_interval=2, admission_threshold=1),
               data, train_steps=8)
@@ -173,6 +174,16 @@ def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adag
     assert (weight[[3, 7]] == 0).all() and (momentum[[3, 7]] == 0).all()
     rest = [r for r in range(32) if r not in (3, 7)]
     assert torch.equal(weight[rest], before_w[rest]) and torch.equal(momentum[rest], before_m[rest])
+    # A reset row outside its table is refused and the next table is untouched. The table laid
+    # out first in the host buffer: its row 32 would be the next table's row 0.
+    first = min(range(2), key=lambda k: int(tbe.weights_offsets[list(tbe.feature_table_map)
+                                                                 .index(k)]))
+    before = [w.clone() for w in tbe.split_embedding_weights()]
+    with pytest.raises(IndexError):
+        tbe.reset_embedding_weight_momentum(
+            pruned_indices=torch.tensor([32]), pruned_indices_offsets=torch.tensor([0, 1]),
+            logical_table_ids=torch.tensor([first]), buffer_ids=torch.tensor([0], dtype=torch.int))
+    assert all(torch.equal(a, b) for a, b in zip(before, tbe.split_embedding_weights(), strict=True))
 
 
 def test_an_id_needs_admission_threshold_sightings_in_an_interval_to_get_a_row(
@@ -552,25 +563,6 @@ def build_shared(out: str, spec: DynamicTable, data: Any, mean_items: bool = Fal
                    dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
                    sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
                    add_logger_hook=False)
-
-
-def test_a_reset_row_outside_its_table_is_refused_and_the_next_table_is_untouched(
-        tmp_path: Any) -> None:
-    data = IdStream(FEATS, 100).batches(2, 32, seed=1)
-    t = build(str(tmp_path), DynamicTable(num_slots=32, eviction_interval=1, admission_threshold=1),
-              data, train_steps=2)
-    t.train()
-    coll: Any = next(c for _, c in dynamic_collections(t.model))
-    tbe, _ = coll._table_to_tbe_and_index["t_u"]
-    # The table laid out first in the host buffer: its row 32 would be the next table's row 0.
-    first = min(range(2), key=lambda k: int(tbe.weights_offsets[list(tbe.feature_table_map)
-                                                                 .index(k)]))
-    before = [w.clone() for w in tbe.split_embedding_weights()]
-    with pytest.raises(IndexError):
-        tbe.reset_embedding_weight_momentum(
-            pruned_indices=torch.tensor([32]), pruned_indices_offsets=torch.tensor([0, 1]),
-            logical_table_ids=torch.tensor([first]), buffer_ids=torch.tensor([0], dtype=torch.int))
-    assert all(torch.equal(a, b) for a, b in zip(before, tbe.split_embedding_weights(), strict=True))
 
 
 def test_a_pass_admits_and_evicts_exactly_as_torchrecs_update_and_evict() -> None:
