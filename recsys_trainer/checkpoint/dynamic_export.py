@@ -23,7 +23,7 @@ import torch
 
 from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict
-from recsys_trainer.dynamic import EMPTY_SLOT, fallback_index, mix_ids, unmix_ids
+from recsys_trainer.dynamic import EMPTY_SLOT, fallback_index, mix_ids, rows_key, unmix_ids
 
 _IDS = "._mch_sorted_raw_ids"
 _SLOTS = "._mch_remapped_ids_mapping"
@@ -103,10 +103,7 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     for key in sorted(k for k in state if k.endswith(_IDS) and _MC in k):
         prefix = key[: -len(_IDS)]
         owner, table = prefix.split(_MC)
-        # The pooled lookup's rows are ``embedding_bags``, the unpooled one's ``embeddings``.
-        weight_key = next((k for k in (f"{owner}._embedding_module.{g}.{table}.weight"
-                                       for g in ("embedding_bags", "embeddings")) if k in state),
-                          f"{owner}._embedding_module.embeddings.{table}.weight")
+        weight_key = rows_key(state, f"{owner}.", table)
         if weight_key not in state:
             raise KeyError(f"checkpoint {ckpt_dir!r} has the id map of {table!r} but not its rows "
                            f"{weight_key!r} (left out by params_not_save?)")

@@ -58,7 +58,7 @@ Layout (each module one concern; the arrows point down this list):
 * ``policy``: the eviction policies (``DecayedLFUEvictionPolicy``, torchrec's legacy ones);
 * ``id_map``: ``DynamicMCHModule``, one table's map on one shard;
 * ``modules``: ``dynamic_embedding_collection``, ``DynamicEmbeddingBagCollection``,
-  ``lookup_path_hint``;
+  ``lookup_path_hint``, ``rows_key``;
 * ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
   ask of them (``StepBoundaries``, ``end_window``);
 * ``pooled_sharding``: ``sharders`` (row-wise pooled sharding on CPU),
@@ -98,6 +98,7 @@ from recsys_trainer.dynamic.modules import (
     DynamicEmbeddingBagCollection,
     dynamic_embedding_collection,
     lookup_path_hint,
+    rows_key,
 )
 from recsys_trainer.dynamic.policy import (
     COUNT_ONE,
@@ -168,6 +169,7 @@ __all__ = [
     "make_eviction_policy",
     "mc_modules",
     "mix_ids",
+    "rows_key",
     "planner_constraints",
     "reset_rows_cpu",
     "shard_of",

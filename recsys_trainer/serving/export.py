@@ -64,7 +64,12 @@ from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData
-from recsys_trainer.dynamic import EMPTY_SLOT, DynamicEmbeddingBagCollection, unmix_ids
+from recsys_trainer.dynamic import (
+    EMPTY_SLOT,
+    DynamicEmbeddingBagCollection,
+    rows_key,
+    unmix_ids,
+)
 from recsys_trainer.serving import delta as dl
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.quantize import QUANTIZATIONS, quantize
@@ -265,10 +270,7 @@ def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: s
             tensors[f"{name}.weight"] = stored(state[key])
         else:
             mc = f"{prefix}{_MC}.{name}."
-            # The pooled lookup's rows are ``embedding_bags``, the unpooled one's ``embeddings``.
-            weight = state.get(f"{prefix}_embedding_module.embedding_bags.{name}.weight")
-            if weight is None:
-                weight = state[f"{prefix}_embedding_module.embeddings.{name}.weight"]
+            weight = state[rows_key(state, prefix, name)]
             raw, slots = state[mc + "_mch_sorted_raw_ids"], state[mc + "_mch_remapped_ids_mapping"]
             segments = state[mc + "_output_segments_tensor"]
             keep = raw != EMPTY_SLOT
