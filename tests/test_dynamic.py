@@ -39,6 +39,7 @@ from recsys_trainer.dynamic import (
     unmix_ids,
 )
 from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.storage import StorageError
 
 FEATS = ("u", "i")
 
@@ -902,6 +903,15 @@ def test_export_maps_raw_ids_to_their_rows_and_base_plus_deltas_equals_the_full_
     assert found.all() and torch.equal(vec, weight[slots])
     assert set(full.tables["t_u"].ids.tolist()) == set(ids.tolist())
     assert torch.equal(full.tables["t_u"].default, weight[[63]])
+    # A full disk (the temporary file is /dev/full): a StorageError naming the file, no temporary
+    # file left, the export already at that name intact.
+    delta_9 = os.path.join(exp, "delta_9.pt")
+    os.symlink("/dev/full", delta_9 + ".tmp")
+    with pytest.raises(StorageError, match="cannot write .*delta_9.pt"):
+        write_delta(ck[2], os.path.join(exp, "full_6.pt"), delta_9)
+    assert not os.path.lexists(delta_9 + ".tmp")
+    assert_exports_equal(apply_delta(load_export(os.path.join(exp, "full_6.pt")),
+                                     load_export(delta_9)), full)
 
 
 class _Windows:
