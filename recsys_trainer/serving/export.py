@@ -504,18 +504,18 @@ _ARTIFACT_NAMES = frozenset({mf.MANIFEST, mf.TABLES, mf.PROGRAM, mf.AOTI_PROGRAM
 def _foreign_names(root: storage.Location) -> list[str]:
     """Names in ``root`` that an export (full or delta, with its temporary files) does not
     write: a directory holding any is not an unfinished export and must not be cleared."""
-    def ours(name: str, allowed: Any) -> bool:
-        return allowed(name.split(".tmp.", 1)[0])
+    def final(name: str) -> str:  # the name a temporary file is renamed to
+        return name.split(".tmp.", 1)[0]
 
-    foreign = [n for n in layout.list_names(root)
-               if n != mf.VOCAB_DIR and not ours(n, _ARTIFACT_NAMES.__contains__)]
-    if mf.VOCAB_DIR in layout.list_names(root):
+    names = layout.list_names(root)
+    foreign = [n for n in names if n != mf.VOCAB_DIR and final(n) not in _ARTIFACT_NAMES]
+    if mf.VOCAB_DIR in names:
         vocab = root.join(mf.VOCAB_DIR)
         if not layout.is_dir(vocab):
             foreign.append(mf.VOCAB_DIR)
         else:
             foreign += [f"{mf.VOCAB_DIR}/{n}" for n in layout.list_names(vocab)
-                        if not ours(n, lambda b: b.endswith(".json"))]
+                        if not final(n).endswith(".json")]
     return sorted(foreign)
 
 
