@@ -484,17 +484,20 @@ def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, b
                 "export into a new or empty directory (it is not cleared: it may hold your "
                 "checkpoints or other artifacts).")
         layout.remove_tree(root)  # an export that died before its marker: only its own files
-    layout.make_dir(root)
-    if any("/" in n for n in files):
-        layout.make_dir(root.join(mf.VOCAB_DIR))
-    total = 0
-    for name, data in sorted(files.items()):
-        layout.write_bytes(root.join(name), data)
-        total += len(data)
     body = dl.dumps(manifest)
-    layout.write_bytes(root.join(mf.MANIFEST), body)
-    layout.write_bytes(root.join(mf.MARKER), json.dumps(
-        {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
+    # A full or read-only disk: name the artifact (the OS error names no file, or a temporary
+    # one); what was written stays uncommitted, and the next export clears it.
+    with storage.errors_named(root.url, "write"):
+        layout.make_dir(root)
+        if any("/" in n for n in files):
+            layout.make_dir(root.join(mf.VOCAB_DIR))
+        total = 0
+        for name, data in sorted(files.items()):
+            layout.write_bytes(root.join(name), data)
+            total += len(data)
+        layout.write_bytes(root.join(mf.MANIFEST), body)
+        layout.write_bytes(root.join(mf.MARKER), json.dumps(
+            {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
     return total + len(body)
 
 
