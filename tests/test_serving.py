@@ -255,6 +255,7 @@ def test_an_export_onto_a_full_or_read_only_disk_is_a_storage_error_naming_the_a
             export_for_serving(ckpt, art, model=model, features=spec)
         with pytest.raises(ArtifactError, match="not a committed serving artifact"):
             Scorer(art)
+        assert not [n for n in os.listdir(art) if ".tmp." in n]  # no partial file left
     with fs_utils.read_only(str(tmp_path / "ro")) as ro:
         art = os.path.join(ro, "art")
         with pytest.raises(StorageError, match=f"cannot write {re.escape(art)}: .*Read-only"):
