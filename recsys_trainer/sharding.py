@@ -307,9 +307,6 @@ def shard_model(
     )
     # FBGEMM's row reset on eviction is CUDA-only and indexes features, not tables.
     dynamic.install_eviction_reset(dmp)
-    # Row-wise pooled dynamic tables on gloo: torchrec's reduce-scatter of batches of
-    # different sizes needs NCCL.
-    dynamic.install_uneven_reduce_scatter(dmp)
     return dmp
 
 

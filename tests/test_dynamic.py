@@ -39,6 +39,7 @@ from recsys_trainer.dynamic import (
     unmix_ids,
 )
 from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.storage import StorageError
 
 FEATS = ("u", "i")
 
@@ -153,6 +154,7 @@ def test_every_raw_id_gets_its_own_row_when_they_fit_and_unknown_ids_read_the_de
 
 def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adagrad_state(
         tmp_path: Any) -> None:
+    """Also: a reset row outside its table is refused, the next table untouched."""
     data = IdStream(FEATS, 400).batches(8, 64, seed=1)
     t = build(str(tmp_path), DynamicTable(num_slots=32, eviction_interval=2, admission_threshold=1),
               data, train_steps=8)
@@ -173,6 +175,16 @@ def test_more_ids_than_rows_evicts_and_the_cpu_reset_zeroes_the_row_and_its_adag
     assert (weight[[3, 7]] == 0).all() and (momentum[[3, 7]] == 0).all()
     rest = [r for r in range(32) if r not in (3, 7)]
     assert torch.equal(weight[rest], before_w[rest]) and torch.equal(momentum[rest], before_m[rest])
+    # A reset row outside its table is refused and the next table is untouched. The table laid
+    # out first in the host buffer: its row 32 would be the next table's row 0.
+    first = min(range(2), key=lambda k: int(tbe.weights_offsets[list(tbe.feature_table_map)
+                                                                 .index(k)]))
+    before = [w.clone() for w in tbe.split_embedding_weights()]
+    with pytest.raises(IndexError):
+        tbe.reset_embedding_weight_momentum(
+            pruned_indices=torch.tensor([32]), pruned_indices_offsets=torch.tensor([0, 1]),
+            logical_table_ids=torch.tensor([first]), buffer_ids=torch.tensor([0], dtype=torch.int))
+    assert all(torch.equal(a, b) for a, b in zip(before, tbe.split_embedding_weights(), strict=True))
 
 
 def test_an_id_needs_admission_threshold_sightings_in_an_interval_to_get_a_row(
@@ -554,25 +566,6 @@ def build_shared(out: str, spec: DynamicTable, data: Any, mean_items: bool = Fal
                    add_logger_hook=False)
 
 
-def test_a_reset_row_outside_its_table_is_refused_and_the_next_table_is_untouched(
-        tmp_path: Any) -> None:
-    data = IdStream(FEATS, 100).batches(2, 32, seed=1)
-    t = build(str(tmp_path), DynamicTable(num_slots=32, eviction_interval=1, admission_threshold=1),
-              data, train_steps=2)
-    t.train()
-    coll: Any = next(c for _, c in dynamic_collections(t.model))
-    tbe, _ = coll._table_to_tbe_and_index["t_u"]
-    # The table laid out first in the host buffer: its row 32 would be the next table's row 0.
-    first = min(range(2), key=lambda k: int(tbe.weights_offsets[list(tbe.feature_table_map)
-                                                                 .index(k)]))
-    before = [w.clone() for w in tbe.split_embedding_weights()]
-    with pytest.raises(IndexError):
-        tbe.reset_embedding_weight_momentum(
-            pruned_indices=torch.tensor([32]), pruned_indices_offsets=torch.tensor([0, 1]),
-            logical_table_ids=torch.tensor([first]), buffer_ids=torch.tensor([0], dtype=torch.int))
-    assert all(torch.equal(a, b) for a, b in zip(before, tbe.split_embedding_weights(), strict=True))
-
-
 def test_a_pass_admits_and_evicts_exactly_as_torchrecs_update_and_evict() -> None:
     # DynamicMCHModule._admit skips torchrec's handling of resident ids in the input (a pass
     # ranks only ids of the history, which had no row when seen): two maps fed the same ids,
@@ -910,6 +903,15 @@ def test_export_maps_raw_ids_to_their_rows_and_base_plus_deltas_equals_the_full_
     assert found.all() and torch.equal(vec, weight[slots])
     assert set(full.tables["t_u"].ids.tolist()) == set(ids.tolist())
     assert torch.equal(full.tables["t_u"].default, weight[[63]])
+    # A full disk (the temporary file is /dev/full): a StorageError naming the file, no temporary
+    # file left, the export already at that name intact.
+    delta_9 = os.path.join(exp, "delta_9.pt")
+    os.symlink("/dev/full", delta_9 + ".tmp")
+    with pytest.raises(StorageError, match="cannot write .*delta_9.pt"):
+        write_delta(ck[2], os.path.join(exp, "full_6.pt"), delta_9)
+    assert not os.path.lexists(delta_9 + ".tmp")
+    assert_exports_equal(apply_delta(load_export(os.path.join(exp, "full_6.pt")),
+                                     load_export(delta_9)), full)
 
 
 class _Windows:

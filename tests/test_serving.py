@@ -8,11 +8,13 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import zipfile
 from typing import Any
 
+import fs_utils
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -31,6 +33,7 @@ from recsys_trainer.serving import ArtifactError, Scorer, export_for_serving
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.quantize import dequantize, quantize
 from recsys_trainer.serving.routing import Routing, mix_ids
+from recsys_trainer.storage import StorageError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -240,6 +243,23 @@ def test_a_quantized_export_is_smaller_and_scores_close_to_the_float_one(dlrm, t
     window = pq.read_table(dlrm["windows"][-1])
     diff = np.abs(Scorer(str(tmp_path / "q8")).score(window) - Scorer(dlrm["art"]).score(window))
     assert 0 < diff.max() < 0.02
+
+
+def test_an_export_onto_a_full_or_read_only_disk_is_a_storage_error_naming_the_artifact(
+        dlrm, tmp_path) -> None:
+    spec, model = su.spec_and_model("dlrm")
+    ckpt = os.path.join(dlrm["root"], "ckpt")
+    with fs_utils.small_tmpfs(str(tmp_path / "full"), 64) as full:
+        art = os.path.join(full, "art")
+        with pytest.raises(StorageError, match=f"cannot write {re.escape(art)}: .*No space left"):
+            export_for_serving(ckpt, art, model=model, features=spec)
+        with pytest.raises(ArtifactError, match="not a committed serving artifact"):
+            Scorer(art)
+        assert not [n for n in os.listdir(art) if ".tmp." in n]  # no partial file left
+    with fs_utils.read_only(str(tmp_path / "ro")) as ro:
+        art = os.path.join(ro, "art")
+        with pytest.raises(StorageError, match=f"cannot write {re.escape(art)}: .*Read-only"):
+            export_for_serving(ckpt, art, model=model, features=spec)
 
 
 def test_a_corrupt_uncommitted_or_pickling_artifact_is_refused_naming_the_file(dlrm, tmp_path) -> None:

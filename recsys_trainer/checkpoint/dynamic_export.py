@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from recsys_trainer.checkpoint import contents, layout
-from recsys_trainer.checkpoint.export import export_model_state_dict
-from recsys_trainer.dynamic import EMPTY_SLOT, fallback_index, mix_ids, unmix_ids
+from recsys_trainer.checkpoint.export import export_model_state_dict, save_file
+from recsys_trainer.dynamic import EMPTY_SLOT, fallback_index, mix_ids, rows_key, unmix_ids
 
 _IDS = "._mch_sorted_raw_ids"
 _SLOTS = "._mch_remapped_ids_mapping"
@@ -103,10 +103,7 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     for key in sorted(k for k in state if k.endswith(_IDS) and _MC in k):
         prefix = key[: -len(_IDS)]
         owner, table = prefix.split(_MC)
-        # The pooled lookup's rows are ``embedding_bags``, the unpooled one's ``embeddings``.
-        weight_key = next((k for k in (f"{owner}._embedding_module.{g}.{table}.weight"
-                                       for g in ("embedding_bags", "embeddings")) if k in state),
-                          f"{owner}._embedding_module.embeddings.{table}.weight")
+        weight_key = rows_key(state, f"{owner}.", table)
         if weight_key not in state:
             raise KeyError(f"checkpoint {ckpt_dir!r} has the id map of {table!r} but not its rows "
                            f"{weight_key!r} (left out by params_not_save?)")
@@ -125,7 +122,7 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
     other = {k: v for k, v in state.items() if k not in used}
     out = DynamicExport(tables=tables, other=other, step=_step_of(ckpt_dir))
     if out_file is not None:
-        _save(out, out_file)
+        save_file(out, out_file)
     return out
 
 
@@ -192,7 +189,7 @@ def write_delta(ckpt_dir: str, previous_export: str, out_file: str,
     base for the next delta)."""
     new = export_dynamic(ckpt_dir, full_out_file)
     delta = dynamic_delta(load_export(previous_export), new)
-    _save(delta, out_file)
+    save_file(delta, out_file)
     return delta
 
 
@@ -202,13 +199,6 @@ def load_export(path: str) -> Any:
     if not isinstance(data, DynamicExport | DynamicDelta):
         raise ValueError(f"{path!r} is not a dynamic-table export or delta")
     return data
-
-
-def _save(obj: Any, out_file: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
-    tmp = out_file + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, out_file)
 
 
 def _step_of(ckpt_dir: str) -> int | None:

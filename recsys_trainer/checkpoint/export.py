@@ -7,6 +7,7 @@ sharding plan wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -81,11 +82,23 @@ def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None,
         full = read_full(loc, keys)
     out = {k[len("model."):]: v for k, v in sorted(full.items()) if isinstance(v, torch.Tensor)}
     if out_file is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
-        tmp = out_file + ".tmp"
-        torch.save(out, tmp)
-        os.replace(tmp, out_file)
+        save_file(out, out_file)
     return out
+
+
+def save_file(obj: Any, out_file: str) -> None:
+    """``torch.save`` ``obj`` to the local file ``out_file``, whole or not at all (a temporary
+    file renamed into place). A failed write (full or read-only disk) is a ``StorageError``
+    naming ``out_file`` and leaves no temporary file: torch's own error names neither."""
+    tmp = out_file + ".tmp"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
+        torch.save(obj, tmp)
+        os.replace(tmp, out_file)
+    except (OSError, RuntimeError) as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise storage.storage_error(exc, out_file, "write") from exc
 
 
 def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None = None

@@ -26,6 +26,7 @@ or not at all when its upload completes: each file is written once under its fin
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import logging
 import math
@@ -149,12 +150,18 @@ def write_bytes(where: Where, data: bytes, durable: bool = True) -> None:
     loc = locate(where)
     if loc.is_local:
         tmp = f"{loc.path}.tmp.{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, loc.path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, loc.path)
+        except BaseException:
+            # A full disk: the partial temporary file would keep its space and stay behind.
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         if durable:
             fsync_dir(os.path.dirname(loc.path) or ".")
         return

@@ -37,9 +37,10 @@ and a history sequence): they share its ids, rows and passes.
 Sharding: managed collision exists only ``row_wise`` in torchrec (each rank owns a contiguous
 slot range and the ids of its block of the (mixed) id space), with the ``fused`` kernel on CPU.
 torchrec offers row-wise pooled sharding on CUDA only (torchrec issue 2958): ``sharders`` adds
-it on CPU for the managed-collision bag sharder, and ``install_uneven_reduce_scatter`` pads
-gloo's reduce-scatter of pooled rows when the ranks' batches differ. On CUDA the planner picks
-the kernel (``fused``, UVM caching...); that path has **not run on a GPU**.
+it on CPU for the managed-collision bag sharder, whose sharded collections pad gloo's
+reduce-scatter of pooled rows when the ranks' batches differ (``PaddedPooledReduceScatter``).
+On CUDA the planner picks the kernel (``fused``, UVM caching...); that path has **not run on a
+GPU**.
 
 Eviction resets an evicted slot's row and optimizer state with FBGEMM's
 ``reset_weight_momentum`` op, which has only a CUDA kernel and takes a *feature* index where
@@ -58,11 +59,11 @@ Layout (each module one concern; the arrows point down this list):
 * ``policy``: the eviction policies (``DecayedLFUEvictionPolicy``, torchrec's legacy ones);
 * ``id_map``: ``DynamicMCHModule``, one table's map on one shard;
 * ``modules``: ``dynamic_embedding_collection``, ``DynamicEmbeddingBagCollection``,
-  ``lookup_path_hint``;
+  ``lookup_path_hint``, ``rows_key``;
 * ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
   ask of them (``StepBoundaries``, ``end_window``);
-* ``pooled_sharding``: ``sharders`` (row-wise pooled sharding on CPU),
-  ``install_uneven_reduce_scatter``;
+* ``pooled_sharding``: ``sharders`` (row-wise pooled sharding on CPU, batches of different
+  sizes on gloo);
 * ``reset``: ``install_eviction_reset``;
 * ``relayout`` and ``state``: the checkpoint component and the re-routing at another layout;
 * ``stats``: ``table_stats``, ``table_memory``, ``is_resident``.
@@ -98,17 +99,14 @@ from recsys_trainer.dynamic.modules import (
     DynamicEmbeddingBagCollection,
     dynamic_embedding_collection,
     lookup_path_hint,
+    rows_key,
 )
 from recsys_trainer.dynamic.policy import (
     COUNT_ONE,
     DecayedLFUEvictionPolicy,
     make_eviction_policy,
 )
-from recsys_trainer.dynamic.pooled_sharding import (
-    PaddedPooledReduceScatter,
-    install_uneven_reduce_scatter,
-    sharders,
-)
+from recsys_trainer.dynamic.pooled_sharding import PaddedPooledReduceScatter, sharders
 from recsys_trainer.dynamic.reset import (
     install_cpu_eviction,
     install_eviction_reset,
@@ -162,12 +160,12 @@ __all__ = [
     "fallback_index",
     "install_cpu_eviction",
     "install_eviction_reset",
-    "install_uneven_reduce_scatter",
     "is_resident",
     "lookup_path_hint",
     "make_eviction_policy",
     "mc_modules",
     "mix_ids",
+    "rows_key",
     "planner_constraints",
     "reset_rows_cpu",
     "shard_of",

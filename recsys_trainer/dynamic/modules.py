@@ -6,7 +6,8 @@ features, torchrec's ``ManagedCollisionEmbeddingCollection``) and
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,19 @@ def _pool(jt: JaggedTensor, mean: bool) -> torch.Tensor:
     if mean:
         out = out / lengths.clamp_min(1).unsqueeze(1).to(out.dtype)
     return out
+
+
+def rows_key(state: Mapping[str, Any], collection: str, table: str) -> str:
+    """The state-dict key of dynamic table ``table``'s rows in the managed-collision collection
+    whose keys start with ``collection`` ('' or ending in '.'): the pooled lookup's rows are
+    ``embedding_bags``, the unpooled one's ``embeddings``. The ``embeddings`` key when ``state``
+    has neither (so a missing table is reported under the name it would have)."""
+    key = ""
+    for group in ("embedding_bags", "embeddings"):
+        key = f"{collection}_embedding_module.{group}.{table}.weight"
+        if key in state:
+            break
+    return key
 
 
 def lookup_path_hint(missing: Iterable[str], saved: Iterable[str]) -> str:

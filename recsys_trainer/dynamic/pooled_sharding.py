@@ -1,6 +1,6 @@
 """Sharding pooled dynamic tables on CPU: the sharders that let torchrec's
-``ManagedCollisionEmbeddingBagCollection`` shard ``row_wise`` there (``sharders``), and the
-pooled output dist for batches of different sizes on gloo (``install_uneven_reduce_scatter``)."""
+``ManagedCollisionEmbeddingBagCollection`` shard ``row_wise`` there (``sharders``), with the
+pooled output dist for batches of different sizes on gloo (``PaddedPooledReduceScatter``)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,22 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.distributed.comm_ops import reduce_scatter_base_pooled
 from torchrec.distributed.dist_data import PooledEmbeddingsAwaitable
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.mc_embeddingbag import (
-    ManagedCollisionEmbeddingBagCollectionSharder,
-    ShardedManagedCollisionEmbeddingBagCollection,
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
 )
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import (
     Awaitable,
     ModuleSharder,
+    ParameterSharding,
     QuantizedCommCodecs,
+    ShardingEnv,
     ShardingType,
 )
-
-from recsys_trainer.dynamic.tables import dynamic_collections
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 
 class _RowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -42,6 +43,22 @@ class _RowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         if compute_device_type == "cpu" and ShardingType.ROW_WISE.value not in types:
             types.append(ShardingType.ROW_WISE.value)
         return types
+
+    def shard(self, module: EmbeddingBagCollection, params: dict[str, ParameterSharding],
+              env: ShardingEnv, device: torch.device | None = None,
+              module_fqn: str | None = None) -> ShardedEmbeddingBagCollection:
+        """torchrec's sharded collection, its row-wise pooled output dists on a gloo group
+        given ``PaddedPooledReduceScatter`` (instance attributes): the row-wise sharding this
+        sharder adds on CPU then also takes batches of different sizes. NCCL has the uneven
+        reduce-scatter torchrec uses."""
+        sharded = super().shard(module, params, env, device, module_fqn)
+        for out_dist in sharded._output_dists:
+            pg = getattr(out_dist, "_pg", None)
+            if (isinstance(out_dist, RwPooledEmbeddingDist) and pg is not None
+                    and dist.get_backend(pg) == "gloo"):
+                out_dist._dist = PaddedPooledReduceScatter(  # type: ignore[assignment]
+                    pg, out_dist._codecs)
+        return sharded
 
 
 def sharders() -> list[ModuleSharder[nn.Module]]:
@@ -94,21 +111,3 @@ class PaddedPooledReduceScatter(nn.Module):
         mine = input_splits[dist.get_rank(self._pg)]
         return PooledEmbeddingsAwaitable(
             _Rows(reduce_scatter_base_pooled(padded, self._pg, codecs=self._codecs), mine))
-
-
-def install_uneven_reduce_scatter(model: nn.Module) -> int:
-    """Give the row-wise pooled output dists of every sharded pooled dynamic collection on a
-    gloo group ``PaddedPooledReduceScatter`` (an instance attribute; NCCL has the uneven
-    reduce-scatter torchrec uses). Returns how many it installed."""
-    n = 0
-    for _, coll in dynamic_collections(model):
-        if not isinstance(coll, ShardedManagedCollisionEmbeddingBagCollection):
-            continue
-        for out_dist in coll._embedding_module._output_dists:
-            pg = getattr(out_dist, "_pg", None)
-            if (isinstance(out_dist, RwPooledEmbeddingDist) and pg is not None
-                    and dist.get_backend(pg) == "gloo"):
-                out_dist._dist = PaddedPooledReduceScatter(  # type: ignore[assignment]
-                    pg, out_dist._codecs)
-                n += 1
-    return n

@@ -64,7 +64,12 @@ from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData
-from recsys_trainer.dynamic import EMPTY_SLOT, DynamicEmbeddingBagCollection, unmix_ids
+from recsys_trainer.dynamic import (
+    EMPTY_SLOT,
+    DynamicEmbeddingBagCollection,
+    rows_key,
+    unmix_ids,
+)
 from recsys_trainer.serving import delta as dl
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.quantize import QUANTIZATIONS, quantize
@@ -265,10 +270,7 @@ def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: s
             tensors[f"{name}.weight"] = stored(state[key])
         else:
             mc = f"{prefix}{_MC}.{name}."
-            # The pooled lookup's rows are ``embedding_bags``, the unpooled one's ``embeddings``.
-            weight = state.get(f"{prefix}_embedding_module.embedding_bags.{name}.weight")
-            if weight is None:
-                weight = state[f"{prefix}_embedding_module.embeddings.{name}.weight"]
+            weight = state[rows_key(state, prefix, name)]
             raw, slots = state[mc + "_mch_sorted_raw_ids"], state[mc + "_mch_remapped_ids_mapping"]
             segments = state[mc + "_output_segments_tensor"]
             keep = raw != EMPTY_SLOT
@@ -482,17 +484,20 @@ def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, b
                 "export into a new or empty directory (it is not cleared: it may hold your "
                 "checkpoints or other artifacts).")
         layout.remove_tree(root)  # an export that died before its marker: only its own files
-    layout.make_dir(root)
-    if any("/" in n for n in files):
-        layout.make_dir(root.join(mf.VOCAB_DIR))
-    total = 0
-    for name, data in sorted(files.items()):
-        layout.write_bytes(root.join(name), data)
-        total += len(data)
     body = dl.dumps(manifest)
-    layout.write_bytes(root.join(mf.MANIFEST), body)
-    layout.write_bytes(root.join(mf.MARKER), json.dumps(
-        {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
+    # A full or read-only disk: name the artifact (the OS error names no file, or a temporary
+    # one); what was written stays uncommitted, and the next export clears it.
+    with storage.errors_named(root.url, "write"):
+        layout.make_dir(root)
+        if any("/" in n for n in files):
+            layout.make_dir(root.join(mf.VOCAB_DIR))
+        total = 0
+        for name, data in sorted(files.items()):
+            layout.write_bytes(root.join(name), data)
+            total += len(data)
+        layout.write_bytes(root.join(mf.MANIFEST), body)
+        layout.write_bytes(root.join(mf.MARKER), json.dumps(
+            {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
     return total + len(body)
 
 
@@ -502,18 +507,18 @@ _ARTIFACT_NAMES = frozenset({mf.MANIFEST, mf.TABLES, mf.PROGRAM, mf.AOTI_PROGRAM
 def _foreign_names(root: storage.Location) -> list[str]:
     """Names in ``root`` that an export (full or delta, with its temporary files) does not
     write: a directory holding any is not an unfinished export and must not be cleared."""
-    def ours(name: str, allowed: Any) -> bool:
-        return allowed(name.split(".tmp.", 1)[0])
+    def final(name: str) -> str:  # the name a temporary file is renamed to
+        return name.split(".tmp.", 1)[0]
 
-    foreign = [n for n in layout.list_names(root)
-               if n != mf.VOCAB_DIR and not ours(n, _ARTIFACT_NAMES.__contains__)]
-    if mf.VOCAB_DIR in layout.list_names(root):
+    names = layout.list_names(root)
+    foreign = [n for n in names if n != mf.VOCAB_DIR and final(n) not in _ARTIFACT_NAMES]
+    if mf.VOCAB_DIR in names:
         vocab = root.join(mf.VOCAB_DIR)
         if not layout.is_dir(vocab):
             foreign.append(mf.VOCAB_DIR)
         else:
             foreign += [f"{mf.VOCAB_DIR}/{n}" for n in layout.list_names(vocab)
-                        if not ours(n, lambda b: b.endswith(".json"))]
+                        if not final(n).endswith(".json")]
     return sorted(foreign)
 
 
