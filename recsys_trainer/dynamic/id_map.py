@@ -104,9 +104,8 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         rank, so reporters know their baseline is gone."""
         self.loaded_segments: list[int] | None = None
         """The shard boundaries of the checkpoint last loaded (set by ``validate_state``)."""
-        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None \
-            = None
-        """(values, position in the map, found, not found) of the training forward's ids:
+        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """(values, position in the map, found) of the training forward's ids:
         ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
         # One sighting, expanded (no copy) to the resident ids ``profile`` counts.
         self.register_buffer("_one", torch.tensor([COUNT_ONE], device=m.device), persistent=False)
@@ -135,17 +134,24 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         local = (g - self.shard * self.fallback_per_shard).clamp_(0, self.fallback_per_shard - 1)
         return local + first
 
-    def _lookup(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(position in the sorted map, found, not found) of mixed ids ``v``."""
+    def _lookup(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position in the sorted map, found) of mixed ids ``v``."""
         cached = self._lookup_cache
         if cached is not None and cached[0] is v:
-            return cached[1], cached[2], cached[3]
+            return cached[1], cached[2]
         sorted_ids: torch.Tensor = self._mch_sorted_raw_ids
         # The last entry is always empty (int64 max, a protected fallback slot) and ids are
         # below it: every position is in range without searching a slice of the others.
         pos = torch.searchsorted(sorted_ids, v)
-        found = sorted_ids[pos] == v
-        return pos, found, ~found
+        return pos, sorted_ids.index_select(0, pos) == v
+
+    def preprocess(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
+        """Mix the ids (``input_hash_func``) before they are routed: torchrec's, without
+        computing offsets that the lookup never reads."""
+        m: Any = self
+        return {name: JaggedTensor(values=m._input_hash_func(f.values(), m._input_hash_size),
+                                   lengths=f.lengths(), weights=f.weights_or_none())
+                for name, f in features.items()}
 
     def remap(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
               write_weights: torch.Tensor | None = None) -> dict[str, JaggedTensor]:
@@ -155,15 +161,16 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         out: dict[str, JaggedTensor] = {}
         for name, f in features.items():
             v = f.values()
-            pos, found, missing = self._lookup(v)
+            pos, found = self._lookup(v)
             if self.fallback_per_shard == 1:
-                slots = mapping[pos].masked_fill_(
-                    missing, m._output_global_offset + m._zch_size - 1)
+                slots = mapping.index_select(0, pos).masked_fill_(
+                    found.logical_not(), m._output_global_offset + m._zch_size - 1)
             else:
-                slots = torch.where(found, mapping[pos], self.fallback_slots(v))
-            out[name] = JaggedTensor(values=slots, lengths=f.lengths(), offsets=f.offsets(),
+                slots = torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v))
+            # Lengths only: torchrec reads no offsets of the remapped ids.
+            out[name] = JaggedTensor(values=slots, lengths=f.lengths(),
                                      weights=f.weights_or_none())
-        self._lookup_cache = None
+        _set_plain(self, "_lookup_cache", None)
         return out
 
     def occupied(self) -> int:
@@ -186,7 +193,8 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             # As torchrec: the iteration restored with the buffers (a resume sets it itself).
             m._current_iter = int(m._current_iter_tensor.item())
             m._last_eviction_iter = m._current_iter
-        m._current_iter += 1
+        it = m._current_iter + 1
+        _set_plain(self, "_current_iter", it)
         m._current_iter_tensor.add_(1)
         if self._last_pass_time == 0.0:
             self._last_pass_time = time.time()
@@ -194,24 +202,26 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             # One length per feature and row of the whole (all ranks') batch; `weights` holds
             # one id count per feature of the table.
             w = f.weights_or_none()
-            self._rows_since_pass += f.lengths().numel() // max(1, w.numel() if w is not None
-                                                                else 1)
+            _set_plain(self, "_rows_since_pass", self._rows_since_pass + f.lengths().numel()
+                       // max(1, w.numel() if w is not None else 1))
             v = f.values()
             if self.decayed:
                 # Resident ids are counted in place; only the others wait in the history.
                 # Every op here runs per table and forward: on small batches the cost is the
-                # number of ops, not their size.
-                pos, found, missing = self._lookup(v)
-                self._lookup_cache = (v, pos, found, missing)
-                hit = pos[found]
-                m._mch_counts.index_add_(0, hit, m._one.expand(hit.numel()))
+                # number of ops, not their size. Positions of ids without a row point at
+                # another slot: they add 0 to its count and max it with 0 (iterations are
+                # positive), so no compaction of the found positions is needed.
+                pos, found = self._lookup(v)
+                _set_plain(self, "_lookup_cache", (v, pos, found))
+                seen = found.long()
+                m._mch_counts.index_add_(0, pos, seen, alpha=COUNT_ONE)
                 # The forward count only grows: the last access of every id seen is this one.
-                m._mch_last_access_iter.index_fill_(0, hit, m._current_iter)
-                self._record(v[missing])
+                m._mch_last_access_iter.scatter_reduce_(0, pos, seen.mul_(it), "amax")
+                self._record(v[found.logical_not()])
             else:
                 self._record_growing(v)
         if self.closes_step:
-            self._steps += 1
+            _set_plain(self, "_steps", self._steps + 1)
             if self._pass_due():
                 self.run_pass()
         return features
@@ -247,7 +257,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         if end <= m._input_history_buffer_size:
             # The counts past the used part are COUNT_ONE already (``_set_history``).
             m._history_accumulator[start:end] = values
-            m._current_history_buffer_offset = end
+            _set_plain(self, "_current_history_buffer_offset", end)
         else:
             self._coalesce(values)
 
@@ -431,6 +441,13 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         own[:len(self.segments)] = torch.tensor(self.segments, dtype=buf.dtype)
         buf.copy_(own)
         m._sort_mch_buffers()
+
+
+def _set_plain(module: torch.nn.Module, name: str, value: Any) -> None:
+    """Set a plain (not a parameter, buffer or submodule) attribute of ``module``: what
+    ``nn.Module.__setattr__`` ends with, without its checks (~1.5 us a write, and the map
+    writes several per table and forward)."""
+    module.__dict__[name] = value
 
 
 def _resize_history(m: Any, size: int) -> None:
