@@ -302,27 +302,37 @@ class DynamicMCHModule(MCHManagedCollisionModule):
 
         What torchrec's ``_update_and_evict`` with ``DecayedLFUEvictionPolicy`` does, the same
         tensors bit for bit (tested), without the steps that handle resident ids in the input
-        (a search of the map, updates of no entries) or change nothing: on small batches the
-        cost of a pass is its number of ops."""
+        (a search of the map, updates of no entries) or change nothing, and ranking with
+        ``rank_new_ids`` rather than an argsort of every slot: on small batches the cost of a
+        pass is its number of ops."""
         m: Any = self
         policy: Any = m._eviction_policy
-        size = m._zch_size
-        # torchrec sorts the new ids by count first; the stable ranking below orders them by
-        # count, then by position, either way: the same pairs of (evicted slot, new id).
-        scores = m._mch_counts.clone()
-        scores[size - policy.protected:] = torch.iinfo(torch.int64).max
-        evicted, selected = policy._compute_selected_eviction_and_replacement_indices(
-            size, torch.cat([scores, counts]))
-        m._mch_counts[evicted] = counts[selected]
-        m._mch_last_access_iter[evicted] = m._current_iter
+        # The protected (fallback) slots score int64 max in torchrec's ranking: never evicted,
+        # so ranking the other slots alone gives the same pairs. torchrec sorts the new ids by
+        # count first; the stable ranking orders them by count, then by position, either way:
+        # the same pairs of (evicted slot, new id).
+        evicted, selected = policy.rank_new_ids(m._mch_counts[:m._zch_size - policy.protected],
+                                                counts)
+        m._mch_counts.index_copy_(0, evicted, counts.index_select(0, selected))
+        m._mch_last_access_iter.index_fill_(0, evicted, m._current_iter)
         policy.last_admitted = int(selected.numel())
-        m._mch_sorted_raw_ids[evicted] = ids[selected]
-        slots = m._mch_remapped_ids_mapping[evicted]
+        m._mch_sorted_raw_ids.index_copy_(0, evicted, ids.index_select(0, selected))
+        slots = m._mch_remapped_ids_mapping.index_select(0, evicted)
         m._evicted_emb_indices = (torch.unique(torch.cat([m._evicted_emb_indices, slots]))
                                   if m._evicted else slots)
         m._evicted = True
-        m._sort_mch_buffers()
+        self._sort_mch_buffers()
         return selected
+
+    @torch.no_grad()
+    def _sort_mch_buffers(self) -> None:
+        """torchrec's: the map sorted by id (a stable argsort), its slots and metadata permuted
+        alongside; with ``index_select``, which is cheaper than indexing on small tensors."""
+        m: Any = self
+        ids: torch.Tensor = m._mch_sorted_raw_ids
+        order = torch.argsort(ids, stable=True)
+        for buf in (ids, m._mch_remapped_ids_mapping, *m._mch_metadata.values()):
+            buf.copy_(buf.index_select(0, order))
 
     @torch.no_grad()
     def run_pass(self) -> None:
@@ -335,35 +345,32 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         if self.decayed:
             self._lookup_cache = None  # the map changes
             uniq, counts = self._coalesce(store=False)
-            # Only ids at the threshold, and, when no slot is free, above the weakest resident
-            # (residents win ties), can take a row: rank just those (a pass sorts what it ranks).
-            can = counts >= policy.threshold
-            if before >= m._zch_size - self.fallback_per_shard and bool(can.any()):
-                can &= counts > m._mch_counts[:before].min()
-            chosen = can.nonzero().squeeze(1)
             policy.last_admitted = 0
-            # Resident ids' counts decay after the ranking, as the waiting ids' below: at the
-            # next pass both hold their new sightings plus their past ones decayed.
-            waiting = None
-            if chosen.numel():
-                waiting = torch.ones_like(uniq, dtype=torch.bool)
-                waiting[chosen[self._admit(uniq[chosen], counts[chosen])]] = False
-            policy.decay(m._mch_metadata)
             # Ids that did not get a row wait for the next pass with their decayed count.
             # (Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.)
             kept = counts.double().mul_(policy.factor).long()
-            keep = kept > 0 if waiting is None else waiting & (kept > 0)
-            ids, kept = uniq[keep], kept[keep]
+            keep = kept > 0
+            # Only ids at the threshold can take a row; the ranking of the others with the
+            # residents costs little more than sorting them (``rank_new_ids``).
+            chosen = (counts >= policy.threshold).nonzero().squeeze(1)
+            if chosen.numel():
+                admitted = self._admit(uniq.index_select(0, chosen),
+                                       counts.index_select(0, chosen))
+                keep.index_fill_(0, chosen.index_select(0, admitted), False)
+            # Resident ids' counts decay after the ranking, as the waiting ids' above: at the
+            # next pass both hold their new sightings plus their past ones decayed.
+            policy.decay(m._mch_metadata)
+            idx = keep.nonzero().squeeze(1)
             cap = m._input_history_buffer_size // 2
-            if ids.numel() > cap:
-                top = torch.topk(kept, cap, sorted=False).indices.sort().values
-                ids, kept = ids[top], kept[top]
-            self._set_history(ids, kept)
+            if idx.numel() > cap:
+                top = torch.topk(kept.index_select(0, idx), cap, sorted=False).indices.sort()
+                idx = idx.index_select(0, top.values)
+            self._set_history(uniq.index_select(0, idx), kept.index_select(0, idx))
         else:
             m._coalesce_history()
-        admitted = int(policy.last_admitted)
-        self.counters["admitted"] += admitted
-        self.counters["evicted"] += before + admitted - self.occupied()
+        admitted_ids = int(policy.last_admitted)
+        self.counters["admitted"] += admitted_ids
+        self.counters["evicted"] += before + admitted_ids - self.occupied()
         self.counters["passes"] += 1
         self._last_pass_step = self._steps
         self._rows_since_pass = 0

@@ -65,6 +65,34 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
                                                                   counts)
         return {"counts": summed if threshold_mask is None else summed[threshold_mask]}
 
+    @staticmethod
+    @torch.no_grad()
+    def rank_new_ids(scores: torch.Tensor, new_scores: torch.Tensor,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """torchrec's ``_compute_selected_eviction_and_replacement_indices(n,
+        cat([scores, new_scores]))`` (``n = len(scores)``: the slots that may lose their id, new
+        ids after them) without its stable descending argsort of all ``n + k`` scores: the same
+        (evicted slots, selected positions in ``new_scores``), in the same order.
+
+        Only the ``k`` new ids and the ``k`` weakest slots can trade places: the ``j``-th
+        best new id (by score, then position) takes a slot iff it beats the ``j``-th weakest
+        slot (slots win ties), so sorting the new ids and a ``topk`` of the slots' scores give
+        how many (``s``) are admitted; the ``s`` weakest slots are those scored below the
+        ``s``-th weakest score and, among those at it, the last ones. Both come out in the
+        argsort's order (best first; ties by index), so the pairs match torchrec's."""
+        k = min(new_scores.numel(), scores.numel())
+        order = torch.argsort(new_scores, descending=True, stable=True)
+        if k == 0:
+            return order[:0], order[:0]
+        weakest = torch.topk(scores, k, largest=False).values  # ascending
+        s = int(new_scores.index_select(0, order[:k]).gt(weakest).sum())
+        if s == 0:
+            return order[:0], order[:0]
+        low = scores.le(weakest[s - 1]).nonzero().squeeze(1)
+        # Best first, ties by index (as torchrec's argsort): the last s are the weakest.
+        ranked = torch.argsort(scores.index_select(0, low), descending=True, stable=True)
+        return low.index_select(0, ranked[low.numel() - s:]), order[:s]
+
     @torch.no_grad()
     def decay(self, mch_metadata: dict[str, torch.Tensor]) -> None:
         """One pass of decay for the resident ids' counts."""
