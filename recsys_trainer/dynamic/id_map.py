@@ -269,7 +269,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         m._history_accumulator[:n] = ids
         m._history_counts[:n] = counts
         m._history_counts[n:] = COUNT_ONE
-        m._current_history_buffer_offset = n
+        _set_plain(self, "_current_history_buffer_offset", n)
 
     def _coalesce(self, incoming: torch.Tensor | None = None, store: bool = True,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,9 +318,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         policy.last_admitted = int(selected.numel())
         m._mch_sorted_raw_ids.index_copy_(0, evicted, ids.index_select(0, selected))
         slots = m._mch_remapped_ids_mapping.index_select(0, evicted)
-        m._evicted_emb_indices = (torch.unique(torch.cat([m._evicted_emb_indices, slots]))
-                                  if m._evicted else slots)
-        m._evicted = True
+        _set_plain(self, "_evicted_emb_indices",
+                   torch.unique(torch.cat([m._evicted_emb_indices, slots])) if m._evicted
+                   else slots)
+        _set_plain(self, "_evicted", True)
         self._sort_mch_buffers()
         return selected
 
@@ -343,7 +344,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         policy: Any = m._eviction_policy
         policy.protected = self.fallback_per_shard
         if self.decayed:
-            self._lookup_cache = None  # the map changes
+            _set_plain(self, "_lookup_cache", None)  # the map changes
             uniq, counts = self._coalesce(store=False)
             policy.last_admitted = 0
             # Ids that did not get a row wait for the next pass with their decayed count.
@@ -363,8 +364,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             idx = keep.nonzero().squeeze(1)
             cap = m._input_history_buffer_size // 2
             if idx.numel() > cap:
-                top = torch.topk(kept.index_select(0, idx), cap, sorted=False).indices.sort()
-                idx = idx.index_select(0, top.values)
+                top = torch.topk(kept.index_select(0, idx), cap, sorted=False).indices
+                # In id order (a mask, cheaper than sorting the positions).
+                idx = idx.index_select(0, torch.zeros_like(idx, dtype=torch.bool)
+                                       .index_fill_(0, top, True).nonzero().squeeze(1))
             self._set_history(uniq.index_select(0, idx), kept.index_select(0, idx))
         else:
             m._coalesce_history()
@@ -372,10 +375,11 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self.counters["admitted"] += admitted_ids
         self.counters["evicted"] += before + admitted_ids - self.occupied()
         self.counters["passes"] += 1
-        self._last_pass_step = self._steps
-        self._rows_since_pass = 0
-        self._last_pass_time = time.time()
-        m._last_eviction_iter = m._current_iter
+        # Plain attributes: nn.Module's __setattr__ costs more than the write.
+        _set_plain(self, "_last_pass_step", self._steps)
+        _set_plain(self, "_rows_since_pass", 0)
+        _set_plain(self, "_last_pass_time", time.time())
+        _set_plain(self, "_last_eviction_iter", m._current_iter)
         if self._settings.expire_seconds is not None:
             self._expire_by_time()
 
