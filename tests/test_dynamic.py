@@ -608,6 +608,55 @@ def test_a_pass_admits_and_evicts_exactly_as_torchrecs_update_and_evict() -> Non
         assert maps[0].counters["evicted"] > 0 and maps[0].occupied() == 48 - fallback
 
 
+def test_the_pass_ranks_and_sorts_the_map_exactly_as_torchrec_on_random_scores_with_ties() -> None:
+    # A pass ranks new ids against the slots without torchrec's argsort of every score
+    # (DecayedLFUEvictionPolicy.rank_new_ids) and re-sorts the map with its own
+    # _sort_mch_buffers: both must give torchrec's tensors, in torchrec's order (the pairs of
+    # evicted slot and new id), on scores with many ties and protected (int64 max) slots.
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    from recsys_trainer.dynamic import DynamicMCHModule, make_eviction_policy
+    from recsys_trainer.dynamic.policy import DecayedLFUEvictionPolicy
+
+    g = torch.Generator().manual_seed(0)
+    top = torch.iinfo(torch.int64).max
+    policy: Any = make_eviction_policy(DynamicTable(num_slots=8))
+    admitted = 0
+    for trial in range(400):
+        n, k, protected, spread = (int(torch.randint(lo, hi, (1,), generator=g))
+                                   for lo, hi in ((0, 40), (0, 50), (0, 4), (1, 8)))
+        scores = torch.randint(0, spread, (n,), generator=g) * COUNT_ONE
+        new = torch.randint(0, spread, (k,), generator=g) * COUNT_ONE
+        if trial % 5 == 0 and n:
+            scores[torch.randint(0, n, (2,), generator=g)] = top  # slots that always win
+        ranked = torch.cat([scores, torch.full((protected,), top), new])
+        want = policy._compute_selected_eviction_and_replacement_indices(n + protected, ranked)
+        got = DecayedLFUEvictionPolicy.rank_new_ids(scores, new)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, got, want)
+        admitted += int(want[1].numel())
+    assert admitted > 1000
+
+    spec = DynamicTable(num_slots=64)
+    maps: list[Any] = [
+        DynamicMCHModule(zch_size=64, device=torch.device("cpu"),
+                         eviction_policy=make_eviction_policy(spec), eviction_interval=1,
+                         input_hash_size=2**63 - 1, input_hash_func=mix_ids, name="t", buckets=1)
+        for _ in range(2)]
+    ids = torch.randint(0, 2**62, (64,), generator=g)
+    ids[torch.randint(0, 64, (20,), generator=g)] = EMPTY_SLOT  # empty slots tie
+    slots = torch.randperm(64, generator=g)
+    meta = torch.randint(0, 5, (2, 64), generator=g)
+    for m in maps:
+        m._mch_sorted_raw_ids.copy_(ids)
+        m._mch_remapped_ids_mapping.copy_(slots)
+        for buf, values in zip(m._mch_metadata.values(), meta, strict=True):
+            buf.copy_(values)
+    maps[0]._sort_mch_buffers()
+    MCHManagedCollisionModule._sort_mch_buffers(maps[1])
+    for k, v in maps[0].state_dict().items():
+        assert torch.equal(v, maps[1].state_dict()[k]), k
+
+
 def test_a_table_read_by_several_features_shares_ids_and_rows_and_its_reset_touches_only_it(
         tmp_path: Any) -> None:
     data = shared_batches([32] * 4, items=(0, 40), seed=0)
