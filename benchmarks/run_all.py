@@ -10,6 +10,7 @@ reader cost), ``bench_checkpoint.py`` (save/restore),
 model's scorer vs the eager model; quantized tables), ``bench_dynamic.py`` (dynamic vs
 hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
 ``bench_dynamic_step.py`` (where a dynamic table's step time goes),
+``bench_dynamic_lookup.py`` (a dynamic table's id lookup: binary search vs the bucket index),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
 lost and time to recover per fault kind, under torchrun), ``bench_retrieval.py`` (the retrieval
@@ -46,6 +47,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "serving": ("bench_serving.py", ()),
     "dynamic": ("bench_dynamic.py", ()),
     "dynamic_step": ("bench_dynamic_step.py", ()),
+    "dynamic_lookup": ("bench_dynamic_lookup.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
     "recovery": ("bench_recovery.py", ("faults",)),
@@ -57,6 +59,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
 QUICK_FALLBACK = {
     "bench_data.py": ["--rows", "200000", "--train-steps", "10"],
     "bench_checkpoint.py": ["--rows", "1e5", "1e6"],
+    "bench_dynamic_lookup.py": ["--reps", "2"],
 }
 
 

@@ -31,6 +31,7 @@ from recsys_trainer.dynamic import (
     DynamicTable,
     dynamic_collections,
     fallback_index,
+    id_map,
     mc_modules,
     mix_ids,
     shard_of,
@@ -655,6 +656,48 @@ def test_the_pass_ranks_and_sorts_the_map_exactly_as_torchrec_on_random_scores_w
     MCHManagedCollisionModule._sort_mch_buffers(maps[1])
     for k, v in maps[0].state_dict().items():
         assert torch.equal(v, maps[1].state_dict()[k]), k
+
+
+def test_large_batches_look_up_by_the_bucket_index_exactly_as_by_binary_search(
+        tmp_path: Any, monkeypatch: Any) -> None:
+    # Batches of >= INDEXED_LOOKUP_MIN_IDS ids per table look up through the bucket index; it
+    # must give searchsorted's positions on any map (empty slots, ids on bucket edges, a full
+    # map) and follow the map's changes (passes, evictions, expiry), or rows are silently wrong.
+    data = list_batches([400] * 10, num_ids=900, max_len=6, seed=3)  # ~1,200 u ids a batch
+    spec = DynamicTable(num_slots=300, eviction_interval_rows=400, history_slots=200)
+    indexed = build(str(tmp_path / "a"), spec, data)
+    m: Any = mc_modules(indexed.model)["t_u"]
+    calls = {"n": 0}
+    real = id_map.DynamicMCHModule._indexed_positions
+
+    def counted(self: Any, sorted_ids: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return real(self, sorted_ids, v)
+
+    monkeypatch.setattr(id_map.DynamicMCHModule, "_indexed_positions", counted)
+    indexed.train()
+    assert calls["n"] >= 10  # the u lookups took the index (i has 400 ids: binary search)
+    monkeypatch.setattr(id_map, "INDEXED_LOOKUP_MIN_IDS", 10**9)
+    searched = build(str(tmp_path / "b"), spec, data)
+    searched.train()
+    assert table_stats(indexed.model)["t_u"]["evicted"] > 0
+    assert bitwise_verdict(snapshot(indexed), snapshot(searched)) == "yes"
+    assert table_stats(indexed.model) == table_stats(searched.model)
+
+    # The positions themselves, on maps the run may not reach.
+    g = torch.Generator().manual_seed(0)
+    ids = m._mch_sorted_raw_ids
+    n = ids.numel()
+    shift = 63 - (n - 1).bit_length()
+    for used in (0, 1, n // 2, n - 1):  # the last slot is always empty (a fallback row)
+        pool = torch.cat([torch.randint(0, 2**63 - 1, (used,), generator=g),
+                          torch.arange(1, 4) << shift, (torch.arange(1, 4) << shift) - 1,
+                          torch.tensor([0, 2**63 - 2])])
+        filled = pool[torch.randperm(pool.numel(), generator=g)][:used].sort().values
+        ids.fill_(EMPTY_SLOT)
+        ids[:used] = filled
+        queries = torch.cat([pool, filled, torch.randint(0, 2**63 - 1, (2000,), generator=g)])
+        assert torch.equal(real(m, ids, queries), torch.searchsorted(ids, queries)), used
 
 
 def test_a_table_read_by_several_features_shares_ids_and_rows_and_its_reset_touches_only_it(
