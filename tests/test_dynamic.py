@@ -657,6 +657,34 @@ def test_the_pass_ranks_and_sorts_the_map_exactly_as_torchrec_on_random_scores_w
         assert torch.equal(v, maps[1].state_dict()[k]), k
 
 
+def test_a_pass_that_admits_no_id_queues_no_row_reset() -> None:
+    # A full map whose residents all outscore the ids waiting at the threshold: the pass admits
+    # none, so evict() stays None (torchrec's forward then resets no rows, syncs nothing and
+    # logs no "inserting 0 ids") and the map is unchanged.
+    from recsys_trainer.dynamic import DynamicMCHModule, make_eviction_policy
+
+    spec = DynamicTable(num_slots=8, eviction_interval=1, count_half_life=1e9,
+                        admission_threshold=1)
+    m: Any = DynamicMCHModule(zch_size=8, device=torch.device("cpu"),
+                              eviction_policy=make_eviction_policy(spec), eviction_interval=1,
+                              input_hash_size=2**63 - 1, input_hash_func=mix_ids, name="t",
+                              buckets=1).train()
+
+    def step(raw: list[int]) -> Any:
+        ids = m.preprocess({"t": JaggedTensor(values=torch.tensor(raw),
+                                              lengths=torch.ones(len(raw), dtype=torch.int64))})
+        m.remap(m.profile(ids))
+        return m.evict()
+
+    first = step(list(range(7)) * 3)  # 7 ids, 3 sightings each: they fill the 7 free slots
+    assert first is not None and first.numel() == 7 and m.occupied() == 7
+    ids, slots = m._mch_sorted_raw_ids.clone(), m._mch_remapped_ids_mapping.clone()
+    assert step([100, 101]) is None  # seen once: at the threshold, below every resident
+    assert m.counters["admitted"] == 7 and m.counters["passes"] == 2
+    assert torch.equal(m._mch_sorted_raw_ids, ids) and torch.equal(m._mch_remapped_ids_mapping,
+                                                                   slots)
+
+
 def test_a_table_read_by_several_features_shares_ids_and_rows_and_its_reset_touches_only_it(
         tmp_path: Any) -> None:
     data = shared_batches([32] * 4, items=(0, 40), seed=0)
