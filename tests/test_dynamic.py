@@ -685,6 +685,23 @@ def test_a_pass_that_admits_no_id_queues_no_row_reset() -> None:
                                                                    slots)
 
 
+def test_a_map_built_without_an_input_hash_func_reads_the_ids_unchanged_as_torchrecs() -> None:
+    # torchrec's MCH modules take input_hash_func=None (no mixing): the map's own preprocess
+    # must pass the ids through, not call None.
+    from recsys_trainer.dynamic import DynamicMCHModule, make_eviction_policy
+
+    spec = DynamicTable(num_slots=8, eviction_interval=1, admission_threshold=1)
+    m: Any = DynamicMCHModule(zch_size=8, device=torch.device("cpu"),
+                              eviction_policy=make_eviction_policy(spec), eviction_interval=1,
+                              input_hash_size=2**63 - 1, name="t", buckets=1).train()
+    ids = torch.tensor([5, 3, 3])
+    f = {"t": JaggedTensor(values=ids, lengths=torch.ones(3, dtype=torch.int64))}
+    slots = m(f)["t"].values()  # the pass at the end of profile gives both ids a row
+    assert torch.equal(m._mch_sorted_raw_ids[:2], torch.tensor([3, 5]))  # stored unmixed
+    assert slots[1] == slots[2] != slots[0] and bool((slots < 7).all())
+    assert torch.equal(m(f)["t"].values(), slots)
+
+
 def test_a_table_read_by_several_features_shares_ids_and_rows_and_its_reset_touches_only_it(
         tmp_path: Any) -> None:
     data = shared_batches([32] * 4, items=(0, 40), seed=0)

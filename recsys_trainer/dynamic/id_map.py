@@ -147,8 +147,11 @@ class DynamicMCHModule(MCHManagedCollisionModule):
 
     def preprocess(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
         """Mix the ids (``input_hash_func``) before they are routed: torchrec's, without
-        computing offsets that the lookup never reads."""
+        computing offsets that the lookup never reads (without an ``input_hash_func``, the ids
+        unchanged, as torchrec)."""
         m: Any = self
+        if m._input_hash_func is None:
+            return features
         return {name: JaggedTensor(values=m._input_hash_func(f.values(), m._input_hash_size),
                                    lengths=f.lengths(), weights=f.weights_or_none())
                 for name, f in features.items()}
