@@ -107,8 +107,6 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         """(values, position in the map, found) of the training forward's ids:
         ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
-        # One sighting, expanded (no copy) to the resident ids ``profile`` counts.
-        self.register_buffer("_one", torch.tensor([COUNT_ONE], device=m.device), persistent=False)
 
     def rebuild_with_output_id_range(self, output_id_range: tuple[int, int],
                                      output_segments: list[int],
