@@ -595,6 +595,9 @@ def test_a_pass_admits_and_evicts_exactly_as_torchrecs_update_and_evict() -> Non
                 m.profile({"t": JaggedTensor(values=ids, lengths=torch.ones(40, dtype=torch.int64),
                                              weights=torch.tensor([40]))})
             evicted = [m.evict() for m in maps]
+            # torchrec queues an empty reset when a pass admits none; ours queues nothing then.
+            if evicted[1] is not None and evicted[1].numel() == 0:
+                evicted[1] = None
             assert (evicted[0] is None) == (evicted[1] is None)
             assert evicted[0] is None or torch.equal(evicted[0], evicted[1])
             for k, v in maps[0].state_dict().items():
