@@ -191,8 +191,11 @@ class DynamicMCHModule(MCHManagedCollisionModule):
 
     def preprocess(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
         """Mix the ids (``input_hash_func``) before they are routed: torchrec's, without
-        computing offsets that the lookup never reads."""
+        computing offsets that the lookup never reads (without an ``input_hash_func``, the ids
+        unchanged, as torchrec)."""
         m: Any = self
+        if m._input_hash_func is None:
+            return features
         return {name: JaggedTensor(values=m._input_hash_func(f.values(), m._input_hash_size),
                                    lengths=f.lengths(), weights=f.weights_or_none())
                 for name, f in features.items()}
@@ -357,6 +360,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         # the same pairs of (evicted slot, new id).
         evicted, selected = policy.rank_new_ids(m._mch_counts[:m._zch_size - policy.protected],
                                                 counts)
+        if selected.numel() == 0:
+            # No id beats the weakest resident: the map is unchanged and no row is queued for
+            # reset (``evict()`` stays None, so torchrec's forward does no reset at all).
+            return selected
         m._mch_counts.index_copy_(0, evicted, counts.index_select(0, selected))
         m._mch_last_access_iter.index_fill_(0, evicted, m._current_iter)
         policy.last_admitted = int(selected.numel())
