@@ -2,9 +2,12 @@
 
     python benchmarks/bench_dynamic_step.py [--rounds 8] [--quick]
     torchrun --standalone --nproc_per_node=2 benchmarks/bench_dynamic_step.py   # 2 ranks
+    python benchmarks/bench_dynamic_step.py --batch-size 8192 --slots 100000 --ids 1000000
 
 The DLRM of ``bench_dynamic.py`` (dim 16, tables ``user`` and ``item``, fused row-wise Adagrad
-0.05, Adam 3e-3), 512 rows per rank and step, ``ChurnStream`` batches (each rank its own):
+0.05, Adam 3e-3), 512 rows per rank and step, ``ChurnStream`` batches of 20,000 users and
+items (each rank its own); ``--slots``/``--ids``/``--batch-size`` scale it (the hashed table
+keeps 2,850/1,600 rows per slot):
 
 - ``hashed``: ids hashed into 2,850 rows, an ``EmbeddingBagCollection`` (the baseline: the
   planner's sharding, FBGEMM's pooled lookup);
@@ -49,9 +52,9 @@ DIM, SLOTS, HASHED_ROWS = 16, 1600, 2850
 MODELS = ("hashed", "mc", "no_pass", "dynamic", "unpooled")
 
 
-def make_mc(out: str) -> Trainer:
+def make_mc(out: str, slots: int = SLOTS) -> Trainer:
     """A dynamic table whose map does no work: torchrec's managed-collision path alone."""
-    t = make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS, eviction_interval_rows=2**62), out)
+    t = make(slots, dynamic.DynamicTable(num_slots=slots, eviction_interval_rows=2**62), out)
     for m in dynamic.mc_modules(t.model).values():
         mm: Any = m
 
@@ -74,21 +77,26 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="2 rounds")
     ap.add_argument("--batch-size", type=int, default=512, help="rows per rank and step")
+    ap.add_argument("--slots", type=int, default=SLOTS,
+                    help="slots per dynamic table (the hashed table: 2,850/1,600 as many rows, "
+                         "its equal bytes at the default)")
+    ap.add_argument("--ids", type=int, default=20_000, help="users, and items, in the stream")
     ap.add_argument("--out", default="output/bench_dynamic_step")
     a = ap.parse_args()
     if a.quick:
         a.rounds = 2
     torch.set_flush_denormal(True)
     rank = int(os.environ.get("RANK", "0"))
-    stream = ChurnStream(windows=3, num_users=20_000, num_items=20_000, seed=0)
+    stream = ChurnStream(windows=3, num_users=a.ids, num_items=a.ids, seed=0)
+    slots, hashed_rows = a.slots, a.slots * HASHED_ROWS // SLOTS
     raw = [stream.window(w, 40, a.batch_size, seed=1 + 10 * rank) for w in range(3)]
-    hashed_ids = [hashed(w, HASHED_ROWS) for w in raw]
+    hashed_ids = [hashed(w, hashed_rows) for w in raw]
     trainers: dict[str, tuple[Trainer, list[list[Batch]]]] = {
-        "hashed": (make(HASHED_ROWS, None, f"{a.out}/hashed"), hashed_ids),
-        "mc": (make_mc(f"{a.out}/mc"), raw),
-        "no_pass": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS), f"{a.out}/no_pass"), raw),
-        "dynamic": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS), f"{a.out}/dynamic"), raw),
-        "unpooled": (make(SLOTS, dynamic.DynamicTable(num_slots=SLOTS, pooled_lookup=False),
+        "hashed": (make(hashed_rows, None, f"{a.out}/hashed"), hashed_ids),
+        "mc": (make_mc(f"{a.out}/mc", slots), raw),
+        "no_pass": (make(slots, dynamic.DynamicTable(num_slots=slots), f"{a.out}/no_pass"), raw),
+        "dynamic": (make(slots, dynamic.DynamicTable(num_slots=slots), f"{a.out}/dynamic"), raw),
+        "unpooled": (make(slots, dynamic.DynamicTable(num_slots=slots, pooled_lookup=False),
                           f"{a.out}/unpooled"), raw),
     }
     for t, data in trainers.values():  # warm-up: the first window (the maps fill)
@@ -113,7 +121,8 @@ def main() -> None:
             return float(f(d[k]) / f(d["hashed"]))
 
         print(f"# bench_dynamic_step\n\n{platform.machine()}, {os.cpu_count()} cores, "
-              f"{torch.get_num_threads()} threads, {world} rank(s), {a.batch_size} rows per rank "
+              f"{torch.get_num_threads()} threads, {world} rank(s), {slots} slots, {a.ids} ids, "
+              f"{a.batch_size} rows per rank "
               f"and step, load average {load:.1f} "
               f"(start) {os.getloadavg()[0]:.1f} (end); {len(cpu['hashed'])} steps per model\n")
         print("| model | CPU ms/step mean | CPU x hashed (mean / median) | wall x hashed "

@@ -701,6 +701,13 @@ def test_large_batches_look_up_by_the_bucket_index_exactly_as_by_binary_search(
         ids[:used] = filled
         queries = torch.cat([pool, filled, torch.randint(0, 2**63 - 1, (2000,), generator=g)])
         assert torch.equal(real(m, ids, queries), torch.searchsorted(ids, queries)), used
+    # A map made under inference_mode (no version counter to key the index by) still looks up.
+    monkeypatch.undo()  # the index's threshold back
+    assert queries.numel() >= id_map.INDEXED_LOOKUP_MIN_IDS
+    with torch.inference_mode():
+        m._mch_sorted_raw_ids = ids.clone()
+    m._lookup_cache = None
+    assert torch.equal(m._lookup(queries)[0], torch.searchsorted(ids, queries))
 
 
 def test_a_pass_that_admits_no_id_queues_no_row_reset() -> None:

@@ -150,7 +150,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         if cached is not None and cached[0] is v:
             return cached[1], cached[2]
         sorted_ids: torch.Tensor = self._mch_sorted_raw_ids
-        if v.numel() >= INDEXED_LOOKUP_MIN_IDS and v.device.type == "cpu":
+        # (Inference tensors keep no version counter, which says when the index is stale.)
+        if v.numel() >= INDEXED_LOOKUP_MIN_IDS and v.device.type == "cpu" and \
+                not sorted_ids.is_inference():
             pos = self._indexed_positions(sorted_ids, v)
         else:
             # The last entry is always empty (int64 max, a protected fallback slot) and ids
