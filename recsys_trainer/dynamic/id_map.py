@@ -179,8 +179,8 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             per_bucket = torch.bincount(sorted_ids[:used] >> shift, minlength=1 << bits)
             starts = torch.zeros((1 << bits) + 1, dtype=torch.int64)
             torch.cumsum(per_bucket, 0, out=starts[1:])
-            # int32 positions: half the bytes (maps are far below 2**31 slots per shard).
-            self._lookup_index = starts.to(torch.int32)
+            # int32 positions (half the bytes) unless the shard has 2**31 slots or more.
+            self._lookup_index = starts.to(torch.int32) if sorted_ids.numel() < 2**31 else starts
             _set_plain(self, "_index_shift", shift)
             _set_plain(self, "_index_rounds", int(per_bucket.max().item()) if used else 0)
             _set_plain(self, "_index_key", key)
