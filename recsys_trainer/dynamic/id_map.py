@@ -181,9 +181,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             torch.cumsum(per_bucket, 0, out=starts[1:])
             # int32 positions (half the bytes) unless the shard has 2**31 slots or more.
             self._lookup_index = starts.to(torch.int32) if sorted_ids.numel() < 2**31 else starts
-            _set_plain(self, "_index_shift", shift)
-            _set_plain(self, "_index_rounds", int(per_bucket.max().item()) if used else 0)
-            _set_plain(self, "_index_key", key)
+            self._index_shift = shift
+            self._index_rounds = int(per_bucket.max().item()) if used else 0
+            self._index_key = key
         pos = self._lookup_index.index_select(0, v >> self._index_shift)
         # Past the last id of a bucket is the next bucket's first id, or an empty slot (int64
         # max): both above every id of the bucket, so an id never steps past its position.
@@ -371,10 +371,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         policy.last_admitted = int(selected.numel())
         m._mch_sorted_raw_ids.index_copy_(0, evicted, ids.index_select(0, selected))
         slots = m._mch_remapped_ids_mapping.index_select(0, evicted)
-        _set_plain(self, "_evicted_emb_indices",
-                   torch.unique(torch.cat([m._evicted_emb_indices, slots])) if m._evicted
-                   else slots)
-        _set_plain(self, "_evicted", True)
+        m._evicted_emb_indices = (torch.unique(torch.cat([m._evicted_emb_indices, slots]))
+                                  if m._evicted else slots)
+        m._evicted = True
         self._sort_mch_buffers()
         return selected
 
@@ -397,7 +396,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         policy: Any = m._eviction_policy
         policy.protected = self.fallback_per_shard
         if self.decayed:
-            _set_plain(self, "_lookup_cache", None)  # the map changes
+            self._lookup_cache = None  # the map changes
             uniq, counts = self._coalesce(store=False)
             policy.last_admitted = 0
             # Ids that did not get a row wait for the next pass with their decayed count.
@@ -428,11 +427,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self.counters["admitted"] += admitted_ids
         self.counters["evicted"] += before + admitted_ids - self.occupied()
         self.counters["passes"] += 1
-        # Plain attributes: nn.Module's __setattr__ costs more than the write.
-        _set_plain(self, "_last_pass_step", self._steps)
-        _set_plain(self, "_rows_since_pass", 0)
-        _set_plain(self, "_last_pass_time", time.time())
-        _set_plain(self, "_last_eviction_iter", m._current_iter)
+        self._last_pass_step = self._steps
+        self._rows_since_pass = 0
+        self._last_pass_time = time.time()
+        m._last_eviction_iter = m._current_iter
         if self._settings.expire_seconds is not None:
             self._expire_by_time()
 
