@@ -832,6 +832,34 @@ def test_export_gives_a_merged_model_state_dict_loadable_without_torch_distribut
     assert full, "optimizer state is in the checkpoint but not in the export"
 
 
+def test_an_exported_file_is_fsynced_before_it_is_renamed_into_place(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without the fsync a power loss after the rename can leave an empty or partial file under
+    # the final name (a delta's base, a served state dict), replacing the previous one.
+    from recsys_trainer.checkpoint.export import save_file
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        events.append(("replace", os.path.abspath(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    out = str(tmp_path / "sub" / "model.pt")
+    save_file({"w": torch.arange(4.0)}, out)
+    tmp = os.path.abspath(out + ".tmp")
+    assert ("fsync", tmp) in events and ("replace", tmp) in events
+    assert events.index(("fsync", tmp)) < events.index(("replace", tmp))
+    assert ("fsync", str(tmp_path / "sub")) in events[events.index(("replace", tmp)):]
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(4.0))
+
+
 def test_the_output_dir_lock_is_exclusive_names_its_holder_and_is_released(tmp_path: Any) -> None:
     from recsys_trainer.checkpoint.lock import OutputDirLock
 

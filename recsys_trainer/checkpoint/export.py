@@ -88,17 +88,26 @@ def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None,
 
 def save_file(obj: Any, out_file: str) -> None:
     """``torch.save`` ``obj`` to the local file ``out_file``, whole or not at all (a temporary
-    file renamed into place). A failed write (full or read-only disk) is a ``StorageError``
-    naming ``out_file`` and leaves no temporary file: torch's own error names neither."""
+    file, fsynced, renamed into place; the directory fsynced, as ``layout.write_bytes`` does).
+    A failed write (full or read-only disk) is a ``StorageError`` naming ``out_file`` and
+    leaves no temporary file: torch's own error names neither."""
     tmp = out_file + ".tmp"
+    directory = os.path.dirname(os.path.abspath(out_file))
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
-        torch.save(obj, tmp)
+        os.makedirs(directory, exist_ok=True)
+        # Streamed to the file (an export may be large): not serialised into memory first.
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            # Without it a power loss after the rename may leave an empty file in place of the
+            # previous one (which a delta may name as its base).
+            os.fsync(f.fileno())
         os.replace(tmp, out_file)
     except (OSError, RuntimeError) as exc:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise storage.storage_error(exc, out_file, "write") from exc
+    layout.fsync_dir(directory)
 
 
 def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None = None

@@ -179,12 +179,8 @@ def rows_key(state: Mapping[str, Any], collection: str, table: str) -> str:
     whose keys start with ``collection`` ('' or ending in '.'): the pooled lookup's rows are
     ``embedding_bags``, the unpooled one's ``embeddings``. The ``embeddings`` key when ``state``
     has neither (so a missing table is reported under the name it would have)."""
-    key = ""
-    for group in ("embedding_bags", "embeddings"):
-        key = f"{collection}_embedding_module.{group}.{table}.weight"
-        if key in state:
-            break
-    return key
+    pooled = f"{collection}_embedding_module.embedding_bags.{table}.weight"
+    return pooled if pooled in state else f"{collection}_embedding_module.embeddings.{table}.weight"
 
 
 def lookup_path_hint(missing: Iterable[str], saved: Iterable[str]) -> str:
