@@ -347,10 +347,10 @@ class _RetrievalBase(nn.Module):
         if unknown:
             raise ValueError(f"`history_side_features` names {unknown}, which are not item side "
                              f"features ({sorted(side_tables)}): give each side feature's history key.")
-        hist_side = [history_side_features[k] for k in side_tables if k in history_side_features]
         self.history_side_features = {k: history_side_features[k] for k in side_tables
                                       if k in history_side_features}
         """Side feature -> the ``batch.sequence`` key holding it for each history item."""
+        hist_side = list(self.history_side_features.values())
         names = [*item_features, *side_tables, *hist_side]
         self.row_id_features: tuple[str, ...] = tuple(names)
         """Features whose ids are table rows (the catalog, the metrics and the export map id i
