@@ -70,7 +70,7 @@ class SyncGatherTwoTower(TwoTowerModel):
     """Cross-rank negatives gathered where the loss needs them (after the user tower), not
     launched before it: what overlapping the exchange with the user tower saves."""
 
-    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> None:
+    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None) -> None:
         return None
 
 

@@ -347,10 +347,10 @@ class _RetrievalBase(nn.Module):
         if unknown:
             raise ValueError(f"`history_side_features` names {unknown}, which are not item side "
                              f"features ({sorted(side_tables)}): give each side feature's history key.")
-        hist_side = [history_side_features[k] for k in side_tables if k in history_side_features]
         self.history_side_features = {k: history_side_features[k] for k in side_tables
                                       if k in history_side_features}
         """Side feature -> the ``batch.sequence`` key holding it for each history item."""
+        hist_side = list(self.history_side_features.values())
         names = [*item_features, *side_tables, *hist_side]
         self.row_id_features: tuple[str, ...] = tuple(names)
         """Features whose ids are table rows (the catalog, the metrics and the export map id i
@@ -464,11 +464,18 @@ class _RetrievalBase(nn.Module):
     def _cross_rank(self) -> bool:
         return self.cross_rank_negatives and self.loss_kind == "in_batch"
 
-    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
+    @staticmethod
+    def _valid(ids: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """Which of a step's rows are real (weight > 0; all without weights)."""
+        return torch.ones_like(ids, dtype=torch.bool) if weights is None else weights > 0
+
+    def _launch_candidates(self, items: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor | None,
                            ) -> collectives.PendingRows | None:
         """Launch the cross-rank gather of the in-batch candidates now (``start_candidates``),
         for ``_loss`` to wait on; None without cross-rank negatives (or to gather in ``_loss``)."""
-        return start_candidates(items, ids, valid, self._cross_rank())
+        if not self._cross_rank():
+            return None
+        return start_candidates(items, ids, self._valid(ids, weights), True)
 
     def _candidates(self, items: torch.Tensor, item_ids: torch.Tensor, weights: torch.Tensor | None,
                     pending: collectives.PendingRows | None = None,
@@ -477,9 +484,8 @@ class _RetrievalBase(nn.Module):
         cross-rank negatives; ``pending``: their gather, already launched), counted into the
         frequency estimate when training. Returns ``(items, ids, valid, offset of this rank's
         rows, how many are in-batch draws for logQ: the valid ones, 0 for loss='sampled')``."""
-        valid = torch.ones_like(item_ids, dtype=torch.bool) if weights is None else weights > 0
         cand, cand_ids, cand_valid, offset = gather_candidates(
-            items, item_ids, valid, self._cross_rank(), pending)
+            items, item_ids, self._valid(item_ids, weights), self._cross_rank(), pending)
         if self.training:
             count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
         num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
@@ -648,8 +654,7 @@ class TwoTowerModel(_RetrievalBase):
         items = vectors[:b]
         negatives = vectors[b:] if neg_ids is not None else None
         weights = batch.weights
-        valid = torch.ones_like(target_ids, dtype=torch.bool) if weights is None else weights > 0
-        pending = self._launch_candidates(items, target_ids, valid)
+        pending = self._launch_candidates(items, target_ids, weights)
         outputs: dict[str, torch.Tensor] = {}
         hist = lengths = None
         if self.history_feature is not None:
