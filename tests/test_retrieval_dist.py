@@ -291,3 +291,62 @@ def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_pro
     for name, value in expected_sas.items():
         assert r0["sas_metrics"][name] == pytest.approx(value, abs=1e-9), name
     assert r0["sas_metrics"]["recall@20"] > 2 * 20 / 300  # above chance after a few steps
+
+
+def _stalled_cross_rank(root: str, out: str) -> None:
+    import json
+    import os
+    import signal
+    import time
+
+    rank = int(os.environ["RANK"])
+    meta = json.loads((Path(root) / "_signal.json").read_text())
+    torch.manual_seed(0)
+    model = TwoTowerModel(["user_id", "segment"], num_items=meta["num_items"],
+                          user_num_embeddings=[meta["num_users"], meta["num_segments"]],
+                          item_side_features={"item_cat": meta["num_clusters"]},
+                          item_catalog=f"{root}/_items.parquet", max_len=meta["max_len"],
+                          embedding_dim=8, tower_dims=(16, 8), cross_rank_negatives=True)
+    stopped_at: list[float] = []
+
+    def after_step(trainer: Any, output: Any) -> None:
+        if output.step == 2:
+            stopped_at.append(time.monotonic())
+            if rank == 1:  # a frozen peer: rank 0 waits in the next step's candidate gather
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    trainer = Trainer(
+        model, TrainingArguments(output_dir=out, log_steps=10**6, collective_timeout_s=3),
+        train_dataset=ParquetWindowDataset(partitioned_windows(root)[:1], interaction_features(meta),
+                                           batch_size=50),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        hooks=[LambdaHook(after_step=after_step)], add_logger_hook=False)
+    try:
+        trainer.train()
+    except Exception as e:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"type": type(e).__name__, "message": str(e),
+                       "seconds": time.monotonic() - stopped_at[0]}, f)
+        raise
+
+
+@pytest.mark.distributed
+def test_a_stalled_peer_during_cross_rank_negatives_fails_the_others_with_a_named_error(tmp_path) -> None:
+    # The two-tower's cross-rank gather is launched asynchronously (before the user tower) and
+    # its gradient all-reduce overlaps the backward: both must still end at collective_timeout_s
+    # with the Trainer's named error, not hang.
+    import json
+
+    root, out = tmp_path / "data", tmp_path / "out"
+    out.mkdir()
+    signal = InteractionSignal.make(num_users=150, num_items=300, num_clusters=6, max_len=8)
+    write_dataset(root, hours=1, rows_per_hour=700, signal=signal, ks=(5,))
+    with pytest.raises((AssertionError, RuntimeError), match="rank 0 failed|exited with code"):
+        run_distributed(_stalled_cross_rank, 2, 90, args=(str(root), str(out)))
+    r0 = json.loads((out / "rank0.json").read_text())
+    assert r0["type"] == "PeerLostError"
+    assert r0["message"].startswith(
+        "rank 0: a peer rank stopped answering: a collective waited collective_timeout_s=3 s for "
+        "it, after step 2 (train, window ")
+    assert r0["seconds"] < 30  # hang guard: the default timeout is 1800 s
