@@ -106,3 +106,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout_s: floa
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def train_recording_failure(trainer: Any, out: str, rank: int, since: list[float]) -> None:
+    """``trainer.train()``; if it raises, write ``out/rank{rank}.json`` (the error's type, its
+    message and the seconds since ``since[0]``, when a peer was stopped) before re-raising: what a
+    stalled-peer test reads back, as the rank's traceback alone does not carry the timing."""
+    import json
+    import time
+
+    try:
+        trainer.train()
+    except Exception as e:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"type": type(e).__name__, "message": str(e),
+                       "seconds": time.monotonic() - since[0]}, f)
+        raise

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, train_recording_failure
 from test_retrieval import brute_force_metrics
 
 from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
@@ -322,13 +322,7 @@ def _stalled_cross_rank(root: str, out: str) -> None:
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
         hooks=[LambdaHook(after_step=after_step)], add_logger_hook=False)
-    try:
-        trainer.train()
-    except Exception as e:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"type": type(e).__name__, "message": str(e),
-                       "seconds": time.monotonic() - stopped_at[0]}, f)
-        raise
+    train_recording_failure(trainer, out, rank, stopped_at)
 
 
 @pytest.mark.distributed

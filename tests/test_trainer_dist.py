@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
+from dist_utils import run_distributed, train_recording_failure
 from helpers import Recorder, batches, make_trainer
 
 from recsys_trainer import LambdaHook, SparseOptimizer
@@ -228,7 +228,6 @@ def test_tables_too_big_for_the_host_are_refused_on_every_rank_before_allocating
 
 
 def _stalled_peer(out: str, how: str) -> None:
-    import json
     import signal
     import time
 
@@ -243,13 +242,7 @@ def _stalled_peer(out: str, how: str) -> None:
 
     trainer = make_trainer(train=batches(10, seed=rank), hooks=[LambdaHook(after_step=after_step)],
                            collective_timeout_s=3)
-    try:
-        trainer.train()
-    except Exception as e:
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"type": type(e).__name__, "message": str(e),
-                       "seconds": time.monotonic() - stopped_at[0]}, f)
-        raise
+    train_recording_failure(trainer, out, rank, stopped_at)
 
 
 @pytest.mark.parametrize("how", ["stop", "kill"])
