@@ -28,6 +28,7 @@ from recsys_trainer.dynamic import (
     COUNT_ONE,
     EMPTY_SLOT,
     DynamicEmbeddingBagCollection,
+    DynamicShardedMaps,
     DynamicTable,
     dynamic_collections,
     fallback_index,
@@ -825,6 +826,43 @@ def test_the_pooled_lookup_trains_as_the_unpooled_one_with_passes_evictions_and_
     assert lookup_paths_differ(pooled, unpooled) == []
 
 
+def sharded_maps(trainer: Trainer) -> list[DynamicShardedMaps]:
+    return [m for m in trainer.model.modules() if isinstance(m, DynamicShardedMaps)]
+
+
+def on_torchrecs_path(trainer: Trainer) -> Trainer:
+    """``trainer`` with its sharded maps on torchrec's path per batch, not the short one."""
+    for m in sharded_maps(trainer):
+        m._short = False
+    return trainer
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_the_short_path_of_the_sharded_maps_trains_and_scores_bitwise_as_torchrecs(
+        tmp_path: Any, pooled: bool) -> None:
+    # DynamicShardedMaps mixes all tables' ids in one op and runs each map on tensors; torchrec's
+    # path splits per table and wraps each lookup. A table read by two features (items and a
+    # history), fallback rows, passes, evictions and expiry; trained and scored.
+    spec = dataclasses.replace(SHARED_SPEC, pooled_lookup=pooled)
+    data = shared_windows(0, 3)
+    short = build_shared(str(tmp_path / "s"), spec, data, reseed=True)
+    torchrecs = on_torchrecs_path(build_shared(str(tmp_path / "t"), spec, data, reseed=True))
+    short.train()
+    torchrecs.train()
+    assert [m.short_path_batches for m in sharded_maps(short)] == [9]
+    assert [m.short_path_batches for m in sharded_maps(torchrecs)] == [0]
+    stats = table_stats(short.model)
+    assert stats["t_i"]["evicted"] > 0 and stats["t_i"]["expired"] > 0
+    assert stats == table_stats(torchrecs.model)
+    assert bitwise_verdict(snapshot(short), snapshot(torchrecs)) == "yes"
+    scored = []
+    for t in (short, torchrecs):
+        t.model.eval()
+        with torch.no_grad():
+            scored.append(torch.cat([t.model(b)[1] for b in shared_batches([48, 48], (0, 80), 9)]))
+    assert torch.equal(scored[0], scored[1])
+
+
 def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_path: Any) -> None:
     from recsys_trainer.ranking_models import DINClassifier
 
@@ -934,11 +972,16 @@ def _two_rank_run(root: str) -> dict[str, Any]:
     # Both seed the RNG by step (re-initialised rows), so not `full`: its resume must restore it.
     paths = {p: build_shared(os.path.join(root, f"pooled_{p}"), dataclasses.replace(
         SHARED_SPEC, pooled_lookup=p), data, reseed=True) for p in (True, False)}
-    for t in paths.values():
+    # And the pooled path with the sharded maps on torchrec's path per batch: bitwise the same.
+    torchrecs = on_torchrecs_path(build_shared(os.path.join(root, "torchrecs"), SHARED_SPEC,
+                                               data, reseed=True))
+    for t in (*paths.values(), torchrecs):
         t.train()
     m: Any = mc_modules(full.model)["t_i"]
     return {"equal": bitwise_verdict(snapshot(resumed), snapshot(full)), "passes": passes,
             "paths_differ": lookup_paths_differ(paths[True], paths[False]),
+            "short_path": [sm.short_path_batches for sm in sharded_maps(paths[True])],
+            "torchrecs_path": bitwise_verdict(snapshot(paths[True]), snapshot(torchrecs)),
             "stats": table_stats(full.model), "stats_resumed": table_stats(resumed.model),
             "mixed": m._mch_sorted_raw_ids[m._mch_sorted_raw_ids != EMPTY_SLOT].tolist()}
 
@@ -975,6 +1018,7 @@ def test_two_ranks_resume_bitwise_and_a_checkpoint_moves_to_one_rank_and_back(
     for r in (r0, r1):
         assert r["equal"] == "yes", r["equal"]
         assert r["paths_differ"] == []
+        assert r["short_path"] == [9] and r["torchrecs_path"] == "yes"
         assert r["stats"] == r["stats_resumed"]
         # 64 rows a step (48 + 16) over both ranks: a pass every 2 steps on each rank.
         assert r["passes"] == [0, 1, 1, 2, 2, 3, 3, 4, 4]

@@ -62,8 +62,10 @@ Layout (each module one concern; the arrows point down this list):
   ``lookup_path_hint``, ``rows_key``;
 * ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
   ask of them (``StepBoundaries``, ``end_window``);
+* ``sharded_map``: ``DynamicShardedMaps`` (torchrec's sharded id maps with a short path per
+  batch for ``DynamicMCHModule`` maps) and its sharder;
 * ``pooled_sharding``: ``sharders`` (row-wise pooled sharding on CPU, batches of different
-  sizes on gloo);
+  sizes on gloo; the maps sharded by ``sharded_map``);
 * ``reset``: ``install_eviction_reset``;
 * ``relayout`` and ``state``: the checkpoint component and the re-routing at another layout;
 * ``stats``: ``table_stats``, ``table_memory``, ``is_resident``.
@@ -112,6 +114,7 @@ from recsys_trainer.dynamic.reset import (
     install_eviction_reset,
     reset_rows_cpu,
 )
+from recsys_trainer.dynamic.sharded_map import DynamicMapsSharder, DynamicShardedMaps
 from recsys_trainer.dynamic.state import (
     STATE_FORMAT,
     DynamicTablesState,
@@ -142,6 +145,8 @@ __all__ = [
     "DecayedLFUEvictionPolicy",
     "DynamicEmbeddingBagCollection",
     "DynamicMCHModule",
+    "DynamicMapsSharder",
+    "DynamicShardedMaps",
     "DynamicTable",
     "DynamicTablesState",
     "EMPTY_SLOT",

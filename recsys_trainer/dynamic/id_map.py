@@ -205,22 +205,33 @@ class DynamicMCHModule(MCHManagedCollisionModule):
     def remap(self, features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
               write_weights: torch.Tensor | None = None) -> dict[str, JaggedTensor]:
         """Ids with a row read it; the others read their fallback row."""
-        m: Any = self
-        mapping: torch.Tensor = self._mch_remapped_ids_mapping
-        out: dict[str, JaggedTensor] = {}
-        for name, f in features.items():
-            v = f.values()
-            pos, found = self._lookup(v)
-            if self.fallback_per_shard == 1:
-                slots = mapping.index_select(0, pos).masked_fill_(
-                    found.logical_not(), m._output_global_offset + m._zch_size - 1)
-            else:
-                slots = torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v))
-            # Lengths only: torchrec reads no offsets of the remapped ids.
-            out[name] = JaggedTensor(values=slots, lengths=f.lengths(),
-                                     weights=f.weights_or_none())
+        # Lengths only: torchrec reads no offsets of the remapped ids.
+        out = {name: JaggedTensor(values=self._rows(f.values()), lengths=f.lengths(),
+                                  weights=f.weights_or_none())
+               for name, f in features.items()}
         _set_plain(self, "_lookup_cache", None)
         return out
+
+    def forward_rows(self, ids: torch.Tensor, batch_rows: int) -> torch.Tensor:
+        """``remap(profile(...))`` of one table's (mixed) ids on this shard, from ``batch_rows``
+        rows of the (all ranks') batch: the global row each id reads. Tensors in and out, for
+        ``DynamicShardedMaps``: no dicts or JaggedTensors per call."""
+        if self.training:
+            self._start_forward()
+            self._observe(ids, batch_rows)
+            self._end_forward()
+        rows = self._rows(ids)
+        _set_plain(self, "_lookup_cache", None)
+        return rows
+
+    def _rows(self, v: torch.Tensor) -> torch.Tensor:
+        m: Any = self
+        pos, found = self._lookup(v)
+        mapping: torch.Tensor = self._mch_remapped_ids_mapping
+        if self.fallback_per_shard == 1:
+            return mapping.index_select(0, pos).masked_fill_(
+                found.logical_not(), m._output_global_offset + m._zch_size - 1)
+        return torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v))
 
     def occupied(self) -> int:
         """Slots holding an id."""
@@ -235,45 +246,54 @@ class DynamicMCHModule(MCHManagedCollisionModule):
     @torch.no_grad()
     def profile(self, features: dict[str, JaggedTensor]) -> dict[str, JaggedTensor]:
         """Record this batch's ids in the history; run a pass when the interval is over."""
-        m: Any = self  # torchrec's attributes are untyped
         if not self.training:
             return features
-        if m._current_iter == -1:
-            # As torchrec: the iteration restored with the buffers (a resume sets it itself).
-            m._current_iter = int(m._current_iter_tensor.item())
-            m._last_eviction_iter = m._current_iter
-        it = m._current_iter + 1
-        _set_plain(self, "_current_iter", it)
-        m._current_iter_tensor.add_(1)
-        if self._last_pass_time == 0.0:
-            self._last_pass_time = time.time()
+        self._start_forward()
         for f in features.values():
             # One length per feature and row of the whole (all ranks') batch; `weights` holds
             # one id count per feature of the table.
             w = f.weights_or_none()
-            _set_plain(self, "_rows_since_pass", self._rows_since_pass + f.lengths().numel()
-                       // max(1, w.numel() if w is not None else 1))
-            v = f.values()
-            if self.decayed:
-                # Resident ids are counted in place; only the others wait in the history.
-                # Every op here runs per table and forward: on small batches the cost is the
-                # number of ops, not their size. Positions of ids without a row point at
-                # another slot: they add 0 to its count and max it with 0 (iterations are
-                # positive), so no compaction of the found positions is needed.
-                pos, found = self._lookup(v)
-                _set_plain(self, "_lookup_cache", (v, pos, found))
-                seen = found.long()
-                m._mch_counts.index_add_(0, pos, seen, alpha=COUNT_ONE)
-                # The forward count only grows: the last access of every id seen is this one.
-                m._mch_last_access_iter.scatter_reduce_(0, pos, seen.mul_(it), "amax")
-                self._record(v[found.logical_not()])
-            else:
-                self._record_growing(v)
+            self._observe(f.values(), f.lengths().numel()
+                          // max(1, w.numel() if w is not None else 1))
+        self._end_forward()
+        return features
+
+    def _start_forward(self) -> None:
+        m: Any = self  # torchrec's attributes are untyped
+        if m._current_iter == -1:
+            # As torchrec: the iteration restored with the buffers (a resume sets it itself).
+            m._current_iter = int(m._current_iter_tensor.item())
+            m._last_eviction_iter = m._current_iter
+        _set_plain(self, "_current_iter", m._current_iter + 1)
+        m._current_iter_tensor.add_(1)
+        if self._last_pass_time == 0.0:
+            self._last_pass_time = time.time()
+
+    def _observe(self, v: torch.Tensor, batch_rows: int) -> None:
+        """Count this forward's ids ``v`` (from ``batch_rows`` rows of the batch)."""
+        m: Any = self
+        _set_plain(self, "_rows_since_pass", self._rows_since_pass + batch_rows)
+        if not self.decayed:
+            self._record_growing(v)
+            return
+        # Resident ids are counted in place; only the others wait in the history. Every op
+        # here runs per table and forward: on small batches the cost is the number of ops,
+        # not their size. Positions of ids without a row point at another slot: they add 0 to
+        # its count and max it with 0 (iterations are positive), so no compaction of the found
+        # positions is needed.
+        pos, found = self._lookup(v)
+        _set_plain(self, "_lookup_cache", (v, pos, found))
+        seen = found.long()
+        m._mch_counts.index_add_(0, pos, seen, alpha=COUNT_ONE)
+        # The forward count only grows: the last access of every id seen is this one.
+        m._mch_last_access_iter.scatter_reduce_(0, pos, seen.mul_(m._current_iter), "amax")
+        self._record(v[found.logical_not()])
+
+    def _end_forward(self) -> None:
         if self.closes_step:
             _set_plain(self, "_steps", self._steps + 1)
             if self._pass_due():
                 self.run_pass()
-        return features
 
     def _pass_due(self) -> bool:
         s = self._settings

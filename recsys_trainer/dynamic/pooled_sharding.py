@@ -14,6 +14,7 @@ from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
 )
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 from torchrec.distributed.sharding_plan import get_default_sharders
@@ -26,6 +27,8 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from recsys_trainer.dynamic.sharded_map import DynamicMapsSharder
 
 
 class _RowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
@@ -62,13 +65,19 @@ class _RowWiseEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
 
 
 def sharders() -> list[ModuleSharder[nn.Module]]:
-    """torchrec's default sharders, the ``ManagedCollisionEmbeddingBagCollection`` one able to
-    shard ``row_wise`` on CPU (what the planner and DMP take; nothing else changes)."""
+    """torchrec's default sharders (what the planner and DMP take), the managed-collision ones
+    sharding their id maps into ``DynamicShardedMaps`` (the short path per batch for dynamic
+    tables), the ``ManagedCollisionEmbeddingBagCollection`` one also able to shard ``row_wise``
+    on CPU; nothing else changes."""
     out: list[ModuleSharder[nn.Module]] = []
     for s in get_default_sharders():
         if isinstance(s, ManagedCollisionEmbeddingBagCollectionSharder):
             s = ManagedCollisionEmbeddingBagCollectionSharder(  # type: ignore[assignment]
-                ebc_sharder=_RowWiseEmbeddingBagCollectionSharder())
+                ebc_sharder=_RowWiseEmbeddingBagCollectionSharder(),
+                mc_sharder=DynamicMapsSharder())
+        elif isinstance(s, ManagedCollisionEmbeddingCollectionSharder):
+            s = ManagedCollisionEmbeddingCollectionSharder(  # type: ignore[assignment]
+                mc_sharder=DynamicMapsSharder())
         out.append(s)
     return out
 
