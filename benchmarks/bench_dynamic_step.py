@@ -67,8 +67,8 @@ def make_mc(out: str, slots: int = SLOTS) -> Trainer:
 
         mm.profile = lambda features: features
         mm.remap = remap
-        mm.forward_rows = lambda ids, batch_rows, mm=mm: (ids.remainder(mm._zch_size)
-                                                          + mm._output_global_offset)
+        mm.forward_rows = lambda ids, batch_rows, out, mm=mm: torch.add(
+            ids.remainder(mm._zch_size), mm._output_global_offset, out=out)
         mm._input_hash_func = lambda ids, size: ids
     return t
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from dist_utils import run_distributed
-from test_checkpoint_trainer import bitwise_verdict, snapshot
+from test_checkpoint_trainer import bitwise_verdict, local, snapshot
 from torch import nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -855,6 +855,11 @@ def test_the_short_path_of_the_sharded_maps_trains_and_scores_bitwise_as_torchre
     assert stats["t_i"]["evicted"] > 0 and stats["t_i"]["expired"] > 0
     assert stats == table_stats(torchrecs.model)
     assert bitwise_verdict(snapshot(short), snapshot(torchrecs)) == "yes"
+    # The checkpointed forward count is the current one, also between passes (the last step
+    # ran none: a pass every 2 steps).
+    counts = {k: int(local(v)) for k, v in short.model.state_dict().items()
+              if k.endswith("_current_iter_tensor")}
+    assert len(counts) == 2 and set(counts.values()) == {9}, counts
     scored = []
     for t in (short, torchrecs):
         t.model.eval()

@@ -109,14 +109,20 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         rank, so reporters know their baseline is gone."""
         self.loaded_segments: list[int] | None = None
         """The shard boundaries of the checkpoint last loaded (set by ``validate_state``)."""
-        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        """(values, position in the map, found) of the training forward's ids:
+        self._lookup_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | \
+            None = None
+        """(values, position in the map, found, not found) of the training forward's ids:
         ``profile`` computes it and ``remap`` reuses it (unless a pass changed the map)."""
         # The bucket index of large lookups (``_indexed_positions``): empty until one runs; a
         # buffer, so that ``table_memory`` counts it with the map.
         self.register_buffer("_lookup_index", torch.zeros(0, dtype=torch.int32, device=m.device),
                              persistent=False)
         self._index_key: tuple[int, int, int] | None = None
+        self._occupied_key: tuple[int, int, int] | None = None
+        self._occupied_count = 0
+        # The forward count is a Python int; its buffer (torchrec's, in checkpoints) is written
+        # at passes and whenever the state is read, not at every forward (an op per table).
+        self.register_state_dict_pre_hook(_write_iteration)
         self._index_shift = 63
         self._index_rounds = 0
 
@@ -212,30 +218,47 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         _set_plain(self, "_lookup_cache", None)
         return out
 
-    def forward_rows(self, ids: torch.Tensor, batch_rows: int) -> torch.Tensor:
+    def forward_rows(self, ids: torch.Tensor, batch_rows: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """``remap(profile(...))`` of one table's (mixed) ids on this shard, from ``batch_rows``
-        rows of the (all ranks') batch: the global row each id reads. Tensors in and out, for
-        ``DynamicShardedMaps``: no dicts or JaggedTensors per call."""
+        rows of the (all ranks') batch: the global row each id reads (written to ``out`` when
+        given). Tensors in and out, for ``DynamicShardedMaps``: no dicts or JaggedTensors."""
         if self.training:
             self._start_forward()
             self._observe(ids, batch_rows)
             self._end_forward()
-        rows = self._rows(ids)
+        rows = self._rows(ids, out)
         _set_plain(self, "_lookup_cache", None)
         return rows
 
-    def _rows(self, v: torch.Tensor) -> torch.Tensor:
+    def _rows(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         m: Any = self
-        pos, found = self._lookup(v)
+        cached = self._lookup_cache
+        if cached is not None and cached[0] is v:
+            _, pos, found, missing = cached
+        else:
+            pos, found = self._lookup(v)
+            missing = found.logical_not()
         mapping: torch.Tensor = self._mch_remapped_ids_mapping
         if self.fallback_per_shard == 1:
-            return mapping.index_select(0, pos).masked_fill_(
-                found.logical_not(), m._output_global_offset + m._zch_size - 1)
-        return torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v))
+            rows = mapping.index_select(0, pos) if out is None else \
+                torch.index_select(mapping, 0, pos, out=out)
+            return rows.masked_fill_(missing, m._output_global_offset + m._zch_size - 1)
+        if out is None:
+            return torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v))
+        return torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v), out=out)
 
     def occupied(self) -> int:
-        """Slots holding an id."""
-        return int(torch.searchsorted(self._mch_sorted_raw_ids, self._delimiter).item())
+        """Slots holding an id (counted once per change of the map: a pass asks before and
+        after, torchrec's row reset then asks again)."""
+        ids: torch.Tensor = self._mch_sorted_raw_ids
+        # (Inference tensors keep no version counter, which says when the map changed.)
+        key = None if ids.is_inference() else (id(ids), ids.data_ptr(), ids._version)
+        if key is None or key != self._occupied_key:
+            _set_plain(self, "_occupied_count",
+                       int(torch.searchsorted(ids, self._delimiter).item()))
+            _set_plain(self, "_occupied_key", key)
+        return self._occupied_count
 
     def open_slots(self) -> torch.Tensor:
         m: Any = self
@@ -265,7 +288,6 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             m._current_iter = int(m._current_iter_tensor.item())
             m._last_eviction_iter = m._current_iter
         _set_plain(self, "_current_iter", m._current_iter + 1)
-        m._current_iter_tensor.add_(1)
         if self._last_pass_time == 0.0:
             self._last_pass_time = time.time()
 
@@ -282,12 +304,13 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         # its count and max it with 0 (iterations are positive), so no compaction of the found
         # positions is needed.
         pos, found = self._lookup(v)
-        _set_plain(self, "_lookup_cache", (v, pos, found))
+        missing = found.logical_not()
+        _set_plain(self, "_lookup_cache", (v, pos, found, missing))
         seen = found.long()
         m._mch_counts.index_add_(0, pos, seen, alpha=COUNT_ONE)
         # The forward count only grows: the last access of every id seen is this one.
         m._mch_last_access_iter.scatter_reduce_(0, pos, seen.mul_(m._current_iter), "amax")
-        self._record(v[found.logical_not()])
+        self._record(v.masked_select(missing))
 
     def _end_forward(self) -> None:
         if self.closes_step:
@@ -391,9 +414,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         policy.last_admitted = int(selected.numel())
         m._mch_sorted_raw_ids.index_copy_(0, evicted, ids.index_select(0, selected))
         slots = m._mch_remapped_ids_mapping.index_select(0, evicted)
-        m._evicted_emb_indices = (torch.unique(torch.cat([m._evicted_emb_indices, slots]))
-                                  if m._evicted else slots)
-        m._evicted = True
+        _set_plain(self, "_evicted_emb_indices",
+                   torch.unique(torch.cat([m._evicted_emb_indices, slots]))
+                   if m._evicted else slots)
+        _set_plain(self, "_evicted", True)
         self._sort_mch_buffers()
         return selected
 
@@ -412,11 +436,12 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         """Admission and eviction now, over the ids seen since the last pass (then expiry in
         seconds, if set). The evicted slots are reset by torchrec in this forward."""
         m: Any = self
+        _write_iteration(self)
         before = self.occupied()
         policy: Any = m._eviction_policy
         policy.protected = self.fallback_per_shard
         if self.decayed:
-            self._lookup_cache = None  # the map changes
+            _set_plain(self, "_lookup_cache", None)  # the map changes
             uniq, counts = self._coalesce(store=False)
             policy.last_admitted = 0
             # Ids that did not get a row wait for the next pass with their decayed count.
@@ -447,10 +472,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self.counters["admitted"] += admitted_ids
         self.counters["evicted"] += before + admitted_ids - self.occupied()
         self.counters["passes"] += 1
-        self._last_pass_step = self._steps
-        self._rows_since_pass = 0
-        self._last_pass_time = time.time()
-        m._last_eviction_iter = m._current_iter
+        for name, value in (("_last_pass_step", self._steps), ("_rows_since_pass", 0),
+                            ("_last_pass_time", time.time()),
+                            ("_last_eviction_iter", m._current_iter)):
+            _set_plain(self, name, value)
         if self._settings.expire_seconds is not None:
             self._expire_by_time()
 
@@ -530,6 +555,14 @@ def _set_plain(module: torch.nn.Module, name: str, value: Any) -> None:
     ``nn.Module.__setattr__`` ends with, without its checks (~1.5 us a write, and the map
     writes several per table and forward)."""
     module.__dict__[name] = value
+
+
+def _write_iteration(module: DynamicMCHModule, *_: Any) -> None:
+    """Write the forward count into torchrec's ``_current_iter_tensor`` (a state-dict pre-hook;
+    and at passes). Before the first forward the count is -1: the buffer keeps its value."""
+    m: Any = module
+    if m._current_iter >= 0:
+        m._current_iter_tensor.fill_(m._current_iter)
 
 
 def _resize_history(m: Any, size: int) -> None:

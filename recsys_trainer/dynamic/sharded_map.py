@@ -66,7 +66,8 @@ class DynamicShardedMaps(ShardedManagedCollisionCollection):
         if (not self._short or self._has_uninitialized_input_dists
                 or features.weights_or_none() is not None):
             return super().input_dist(ctx, features, skip_permute)
-        self._use_2d_weights = False
+        if self.__dict__.get("_use_2d_weights"):  # (nn.Module.__setattr__ costs µs a write)
+            self._use_2d_weights = False
         with torch.no_grad():
             if not skip_permute and self._features_order:
                 original = features
@@ -122,19 +123,24 @@ class DynamicShardedMaps(ShardedManagedCollisionCollection):
             parts = list(values.split(sizes))
             part_lengths = list(lengths.split(
                 [n * stride for n in self._sharding_per_table_feature_splits[0]]))
-        remapped = []
+        # Each table's rows written into one tensor, in the tables' order: no concatenation.
+        remapped = torch.empty_like(values)
+        start = 0
         for table, ids, ids_lengths, features_of_table in zip(
                 tables, parts, part_lengths, self._sharding_per_table_feature_splits[0],
                 strict=True):
             mc: Any = self._managed_collision_modules[table]
+            rows = remapped[start:start + ids.numel()]
+            start += ids.numel()
             # One length per feature and row of the whole (all ranks') batch.
-            rows = mc.forward_rows(ids, ids_lengths.numel() // max(1, features_of_table))
-            # Global rows in a new tensor: shard-local in place.
+            mc.forward_rows(ids, ids_lengths.numel() // max(1, features_of_table), out=rows)
+            # Global rows: shard-local in place.
             offset = self._table_to_offset[table]
-            remapped.append(rows.sub_(offset) if offset else rows)
+            if offset:
+                rows.sub_(offset)
         return KJTList([KeyedJaggedTensor(
             keys=self._sharding_features[0],
-            values=remapped[0] if len(remapped) == 1 else torch.cat(remapped),
+            values=remapped,
             lengths=lengths, weights=features.weights_or_none(),
             stride_per_key_per_rank=features._stride_per_key_per_rank)])
 
