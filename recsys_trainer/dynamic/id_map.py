@@ -121,7 +121,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         self._occupied_key: tuple[int, int, int] | None = None
         self._occupied_count = 0
         # The forward count is a Python int; its buffer (torchrec's, in checkpoints) is written
-        # at passes and whenever the state is read, not at every forward (an op per table).
+        # whenever the state is read, not at every forward (an op per table).
         self.register_state_dict_pre_hook(_write_iteration)
         self._index_shift = 63
         self._index_rounds = 0
@@ -436,7 +436,6 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         """Admission and eviction now, over the ids seen since the last pass (then expiry in
         seconds, if set). The evicted slots are reset by torchrec in this forward."""
         m: Any = self
-        _write_iteration(self)
         before = self.occupied()
         policy: Any = m._eviction_policy
         policy.protected = self.fallback_per_shard
@@ -558,8 +557,8 @@ def _set_plain(module: torch.nn.Module, name: str, value: Any) -> None:
 
 
 def _write_iteration(module: DynamicMCHModule, *_: Any) -> None:
-    """Write the forward count into torchrec's ``_current_iter_tensor`` (a state-dict pre-hook;
-    and at passes). Before the first forward the count is -1: the buffer keeps its value."""
+    """Write the forward count into torchrec's ``_current_iter_tensor`` (a state-dict pre-hook).
+    Before the first forward the count is -1: the buffer keeps its value."""
     m: Any = module
     if m._current_iter >= 0:
         m._current_iter_tensor.fill_(m._current_iter)
