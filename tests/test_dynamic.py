@@ -837,16 +837,20 @@ def on_torchrecs_path(trainer: Trainer) -> Trainer:
     return trainer
 
 
-@pytest.mark.parametrize("pooled", [True, False])
+@pytest.mark.parametrize(("pooled", "pipeline"),
+                         [(True, "none"), (False, "none"), (True, "sparse_dist")])
 def test_the_short_path_of_the_sharded_maps_trains_and_scores_bitwise_as_torchrecs(
-        tmp_path: Any, pooled: bool) -> None:
+        tmp_path: Any, pooled: bool, pipeline: str) -> None:
     # DynamicShardedMaps mixes all tables' ids in one op and runs each map on tensors; torchrec's
     # path splits per table and wraps each lookup. A table read by two features (items and a
-    # history), fallback rows, passes, evictions and expiry; trained and scored.
+    # history), fallback rows, passes, evictions and expiry; trained and scored. At one rank
+    # the short path also skips the route (an all-to-all with itself), which torchrec's
+    # pipeline fuses with other modules' routes when it runs the input dist ahead.
     spec = dataclasses.replace(SHARED_SPEC, pooled_lookup=pooled)
     data = shared_windows(0, 3)
-    short = build_shared(str(tmp_path / "s"), spec, data, reseed=True)
-    torchrecs = on_torchrecs_path(build_shared(str(tmp_path / "t"), spec, data, reseed=True))
+    short = build_shared(str(tmp_path / "s"), spec, data, reseed=True, pipeline=pipeline)
+    torchrecs = on_torchrecs_path(build_shared(str(tmp_path / "t"), spec, data, reseed=True,
+                                               pipeline=pipeline))
     short.train()
     torchrecs.train()
     assert [m.short_path_batches for m in sharded_maps(short)] == [9]
