@@ -12,11 +12,14 @@ keeps 2,850/1,600 rows per slot):
 - ``hashed``: ids hashed into 2,850 rows, an ``EmbeddingBagCollection`` (the baseline: the
   planner's sharding, FBGEMM's pooled lookup);
 - ``mc``: a dynamic table (1,600 slots) whose map does nothing (no mixing, no counting, no
-  pass, slot = id mod slots): torchrec's managed-collision pooled path itself
-  (``ManagedCollisionEmbeddingBagCollection``, row-wise);
+  pass, slot = id mod slots): torchrec's managed-collision pooled path
+  (``ManagedCollisionEmbeddingBagCollection``, row-wise) with our ``DynamicShardedMaps`` (which
+  at 1 rank skips the route of the ids to their rank: an all-to-all with itself that the
+  hashed table's ``EmbeddingBagCollection`` still does);
 - ``no_pass``: the default ``DynamicTable``, its passes stopped after the warm-up window (its
   map full, as ``dynamic``'s: a table that never had a pass holds no id, and every lookup reads
-  its one fallback row, which makes the lookup and the optimizer's row updates cheaper);
+  its one fallback row, which makes the lookup and the optimizer's row updates cheaper), its
+  history made large enough that it is never coalesced (a pass would empty it);
 - ``dynamic``: the default ``DynamicTable`` (a pass every 2,048 rows);
 - ``unpooled``: the default table on the former lookup path (``pooled_lookup=False``: the
   unpooled ``ManagedCollisionEmbeddingCollection``, pooled after).
@@ -47,6 +50,7 @@ import recsys_trainer.dynamic as dynamic
 from recsys_trainer import Trainer, shutdown
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.id_stream import ChurnStream
+from recsys_trainer.dynamic.id_map import _resize_history
 
 DIM, SLOTS, HASHED_ROWS = 16, 1600, 2850
 MODELS = ("hashed", "mc", "no_pass", "dynamic", "unpooled")
@@ -104,8 +108,13 @@ def main() -> None:
     for t, data in trainers.values():  # warm-up: the first window (the maps fill)
         for b in data[0]:
             train_step(t, b)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     for m in dynamic.mc_modules(trainers["no_pass"][0].model).values():
         m._settings = dataclasses.replace(m._settings, interval_rows=2**62)  # no more passes
+        # A pass empties the history; without passes it would fill and be coalesced at every
+        # forward, a cost that belongs to neither the map's forward nor the passes: room for
+        # every id the timed steps can record.
+        _resize_history(m, a.rounds * 80 * a.batch_size * world)
     wall: dict[str, list[float]] = {k: [] for k in MODELS}
     cpu: dict[str, list[float]] = {k: [] for k in MODELS}
     load = os.getloadavg()[0]
@@ -117,7 +126,6 @@ def main() -> None:
                         c0 = time.process_time()
                         wall[k].append(train_step(t, b))
                         cpu[k].append(time.process_time() - c0)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     if rank == 0:
         def ratio(d: dict[str, list[float]], k: str, f: Any) -> float:
             return float(f(d[k]) / f(d["hashed"]))
