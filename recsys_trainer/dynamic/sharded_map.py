@@ -14,10 +14,10 @@ an all-to-all of the batch with itself: +0.08x).
 The short path computes the same tensors (the same ``KeyedJaggedTensor``s into the all-to-all
 and out of the maps, the same sharding contexts but for the identity permutations left out at
 one rank; tested against torchrec's path, bit for bit, at 1 and 2 ranks). Anything it does not
-cover goes to torchrec's path unchanged: weighted features, index dedup, more than one
-sharding type, maps of other classes or with per-feature lookups, a lookup tracker. Variable
-batch sizes per feature are routed by the short path (the same batch as torchrec's) and
-mapped by torchrec's compute.
+cover goes to torchrec's path unchanged: index dedup, more than one sharding type, maps of
+other classes or with per-feature lookups, a lookup tracker. Weighted features are routed by
+torchrec's input dist and mapped on the short path (weights pass through); variable batch
+sizes per feature the other way round (the same batches either way).
 """
 
 from __future__ import annotations
