@@ -613,33 +613,44 @@ def test_a_pass_admits_and_evicts_exactly_as_torchrecs_update_and_evict() -> Non
         assert maps[0].counters["evicted"] > 0 and maps[0].occupied() == 48 - fallback
 
 
-def test_the_pass_ranks_and_sorts_the_map_exactly_as_torchrec_on_random_scores_with_ties() -> None:
+def test_the_pass_ranks_and_sorts_the_map_exactly_as_torchrec_on_random_scores_with_ties(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # A pass ranks new ids against the slots without torchrec's argsort of every score
     # (DecayedLFUEvictionPolicy.rank_new_ids) and re-sorts the map with its own
     # _sort_mch_buffers: both must give torchrec's tensors, in torchrec's order (the pairs of
-    # evicted slot and new id), on scores with many ties and protected (int64 max) slots.
+    # evicted slot and new id), on scores with many ties and protected (int64 max) slots. The
+    # ranking cuts the slots tied at the boundary before sorting from TRIM_TIES_MIN candidates
+    # up: both ways are checked on every draw, and on maps of thousands of tied slots.
     from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
+    import recsys_trainer.dynamic.policy as policies
     from recsys_trainer.dynamic import DynamicMCHModule, make_eviction_policy
     from recsys_trainer.dynamic.policy import DecayedLFUEvictionPolicy
 
     g = torch.Generator().manual_seed(0)
     top = torch.iinfo(torch.int64).max
     policy: Any = make_eviction_policy(DynamicTable(num_slots=8))
-    admitted = 0
-    for trial in range(400):
+    admitted = trimmed = 0
+    for trial in range(440):
         n, k, protected, spread = (int(torch.randint(lo, hi, (1,), generator=g))
                                    for lo, hi in ((0, 40), (0, 50), (0, 4), (1, 8)))
+        if trial >= 400:  # a large map, its counts a few values: thousands of ties
+            n, k = 3000 + 100 * (trial - 400), 50 * (trial - 399)
         scores = torch.randint(0, spread, (n,), generator=g) * COUNT_ONE
         new = torch.randint(0, spread, (k,), generator=g) * COUNT_ONE
         if trial % 5 == 0 and n:
             scores[torch.randint(0, n, (2,), generator=g)] = top  # slots that always win
         ranked = torch.cat([scores, torch.full((protected,), top), new])
         want = policy._compute_selected_eviction_and_replacement_indices(n + protected, ranked)
-        got = DecayedLFUEvictionPolicy.rank_new_ids(scores, new)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (trial, got, want)
+        for trim in (policies.TRIM_TIES_MIN, 0):
+            monkeypatch.setattr(policies, "TRIM_TIES_MIN", trim)
+            got = DecayedLFUEvictionPolicy.rank_new_ids(scores, new)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), \
+                (trial, trim, got, want)
         admitted += int(want[1].numel())
-    assert admitted > 1000
+        if want[1].numel() and int(scores.le(scores[want[0][0]]).sum()) >= 1024:
+            trimmed += 1
+    assert admitted > 1000 and trimmed > 20
 
     spec = DynamicTable(num_slots=64)
     maps: list[Any] = [

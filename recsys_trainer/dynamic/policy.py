@@ -18,6 +18,10 @@ from recsys_trainer.dynamic.config import DynamicTable
 COUNT_ONE = 1 << 16
 """``decayed_lfu`` keeps counts in fixed point: one sighting is ``COUNT_ONE``."""
 
+TRIM_TIES_MIN = 1024
+"""``rank_new_ids``: from this many candidate slots up, the slots tied at the boundary score are
+cut by index before the candidates are sorted (below it, sorting them all costs fewer ops)."""
+
 
 class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
     """LFU with decay, as a torchrec ``MCHEvictionPolicy``: an id's score is its count of
@@ -79,7 +83,11 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
         slot (slots win ties), so sorting the new ids and a ``topk`` of the slots' scores give
         how many (``s``) are admitted; the ``s`` weakest slots are those scored below the
         ``s``-th weakest score and, among those at it, the last ones. Both come out in the
-        argsort's order (best first; ties by index), so the pairs match torchrec's."""
+        argsort's order (best first; ties by index), so the pairs match torchrec's.
+
+        Counts are decayed sightings, so many slots tie at the boundary score (70-80k of a
+        100,000-slot map whose pass admits 2-4k ids): from ``TRIM_TIES_MIN`` candidates up,
+        the tied ones that cannot lose are dropped before the sort, which then sorts ``s``."""
         k = min(new_scores.numel(), scores.numel())
         order = torch.argsort(new_scores, descending=True, stable=True)
         if k == 0:
@@ -88,7 +96,20 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
         s = int(new_scores.index_select(0, order[:k]).gt(weakest).sum())
         if s == 0:
             return order[:0], order[:0]
-        low = scores.le(weakest[s - 1]).nonzero().squeeze(1)
+        boundary = weakest[s - 1]
+        low = scores.le(boundary).nonzero().squeeze(1)
+        if low.numel() >= TRIM_TIES_MIN and low.numel() > s:
+            # Every slot below the boundary loses its id; of the tied ones, the last by index,
+            # as many as are left (usually none is below: then the last s candidates).
+            below = scores.index_select(0, low).lt_(boundary)
+            n_below = int(below.sum())
+            if n_below == 0:
+                low = low[low.numel() - s:]
+            else:
+                tied = below.logical_not().nonzero().squeeze(1)
+                keep = torch.cat([below.nonzero().squeeze(1),
+                                  tied[tied.numel() - (s - n_below):]]).sort().values
+                low = low.index_select(0, keep)
         # Best first, ties by index (as torchrec's argsort): the last s are the weakest.
         ranked = torch.argsort(scores.index_select(0, low), descending=True, stable=True)
         return low.index_select(0, ranked[low.numel() - s:]), order[:s]
