@@ -995,13 +995,20 @@ def _two_rank_run(root: str) -> dict[str, Any]:
     # And the pooled path with the sharded maps on torchrec's path per batch: bitwise the same.
     torchrecs = on_torchrecs_path(build_shared(os.path.join(root, "torchrecs"), SHARED_SPEC,
                                                data, reseed=True))
-    for t in (*paths.values(), torchrecs):
+    # Both again under torchrec's pipeline, which runs the next batch's route ahead (fusing
+    # the routes' splits across modules).
+    piped = [build_shared(os.path.join(root, f"piped_{k}"), SHARED_SPEC, data, reseed=True,
+                          pipeline="sparse_dist") for k in ("short", "torchrecs")]
+    on_torchrecs_path(piped[1])
+    for t in (*paths.values(), torchrecs, *piped):
         t.train()
     m: Any = mc_modules(full.model)["t_i"]
     return {"equal": bitwise_verdict(snapshot(resumed), snapshot(full)), "passes": passes,
             "paths_differ": lookup_paths_differ(paths[True], paths[False]),
             "short_path": [sm.short_path_batches for sm in sharded_maps(paths[True])],
             "torchrecs_path": bitwise_verdict(snapshot(paths[True]), snapshot(torchrecs)),
+            "piped": (bitwise_verdict(snapshot(piped[0]), snapshot(piped[1])),
+                      [sm.short_path_batches for sm in sharded_maps(piped[0])]),
             "stats": table_stats(full.model), "stats_resumed": table_stats(resumed.model),
             "mixed": m._mch_sorted_raw_ids[m._mch_sorted_raw_ids != EMPTY_SLOT].tolist()}
 
@@ -1039,6 +1046,7 @@ def test_two_ranks_resume_bitwise_and_a_checkpoint_moves_to_one_rank_and_back(
         assert r["equal"] == "yes", r["equal"]
         assert r["paths_differ"] == []
         assert r["short_path"] == [9] and r["torchrecs_path"] == "yes"
+        assert r["piped"] == ("yes", [9])
         assert r["stats"] == r["stats_resumed"]
         # 64 rows a step (48 + 16) over both ranks: a pass every 2 steps on each rank.
         assert r["passes"] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
