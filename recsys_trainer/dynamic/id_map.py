@@ -241,11 +241,8 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             missing = found.logical_not()
         mapping: torch.Tensor = self._mch_remapped_ids_mapping
         if self.fallback_per_shard == 1:
-            rows = mapping.index_select(0, pos) if out is None else \
-                torch.index_select(mapping, 0, pos, out=out)
-            return rows.masked_fill_(missing, m._output_global_offset + m._zch_size - 1)
-        if out is None:
-            return torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v))
+            return torch.index_select(mapping, 0, pos, out=out).masked_fill_(
+                missing, m._output_global_offset + m._zch_size - 1)
         return torch.where(found, mapping.index_select(0, pos), self.fallback_slots(v), out=out)
 
     def occupied(self) -> int:

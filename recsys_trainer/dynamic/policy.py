@@ -101,15 +101,14 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
         if low.numel() >= TRIM_TIES_MIN and low.numel() > s:
             # Every slot below the boundary loses its id; of the tied ones, the last by index,
             # as many as are left (usually none is below: then the last s candidates).
-            below = scores.index_select(0, low).lt_(boundary)
+            below = scores.index_select(0, low).lt(boundary)
             n_below = int(below.sum())
             if n_below == 0:
                 low = low[low.numel() - s:]
             else:
                 tied = below.logical_not().nonzero().squeeze(1)
-                keep = torch.cat([below.nonzero().squeeze(1),
-                                  tied[tied.numel() - (s - n_below):]]).sort().values
-                low = low.index_select(0, keep)
+                low = low.masked_select(
+                    below.index_fill_(0, tied[tied.numel() - (s - n_below):], True))
         # Best first, ties by index (as torchrec's argsort): the last s are the weakest.
         ranked = torch.argsort(scores.index_select(0, low), descending=True, stable=True)
         return low.index_select(0, ranked[low.numel() - s:]), order[:s]
