@@ -62,17 +62,19 @@ def make_mc(out: str, slots: int = SLOTS) -> Trainer:
     for m in dynamic.mc_modules(t.model).values():
         mm: Any = m
 
+        def rows(ids: torch.Tensor, batch_rows: int = 0, out: torch.Tensor | None = None,
+                 mm: Any = mm) -> torch.Tensor:
+            return torch.add(ids.remainder(mm._zch_size), mm._output_global_offset, out=out)
+
         def remap(features: dict[str, JaggedTensor], mutate_miss_lengths: bool = True,
-                  write_weights: torch.Tensor | None = None, mm: Any = mm,
+                  write_weights: torch.Tensor | None = None, rows: Any = rows,
                   ) -> dict[str, JaggedTensor]:
-            return {k: JaggedTensor(values=f.values().remainder(mm._zch_size)
-                                    + mm._output_global_offset, lengths=f.lengths())
+            return {k: JaggedTensor(values=rows(f.values()), lengths=f.lengths())
                     for k, f in features.items()}
 
         mm.profile = lambda features: features
         mm.remap = remap
-        mm.forward_rows = lambda ids, batch_rows, out, mm=mm: torch.add(
-            ids.remainder(mm._zch_size), mm._output_global_offset, out=out)
+        mm.forward_rows = rows  # the short path's (DynamicShardedMaps)
         mm._input_hash_func = lambda ids, size: ids
     return t
 
