@@ -166,16 +166,38 @@ def _dynamic_table(key: str, raw: Any) -> DynamicTable:
         raise ConfigError(str(exc).replace(f"`{key}`: `DynamicTable.", f"`{key}.")) from exc
 
 
-def _takes_dynamic_table(fn: Any) -> bool:
+def _dynamic_spec(key: str, raw: Any, per_feature: bool = True,
+                  ) -> DynamicTable | dict[str, DynamicTable]:
+    """``DynamicTable``'s fields at config key ``key`` (every table dynamic), or, with
+    ``per_feature``, one such mapping per feature (``{user: {num_slots: 1000000}}``: only those
+    features' tables dynamic)."""
+    nested = [k for k, v in raw.items() if isinstance(v, Mapping)] if isinstance(raw, Mapping) else []
+    if per_feature and nested:
+        flat = sorted(set(raw) - set(nested))
+        if flat:
+            raise ConfigError(
+                f"`{key}` takes either DynamicTable's fields ({{num_slots: 1000000}}: every table "
+                f"dynamic) or one such mapping per feature ({{user: {{num_slots: 1000000}}}}), "
+                f"not both: {', '.join(f'`{key}.{k}`' for k in flat)} is a value, "
+                f"{', '.join(f'`{key}.{k}`' for k in nested)} a mapping.")
+        return {f: _dynamic_table(f"{key}.{f}", v) for f, v in raw.items()}
+    return _dynamic_table(key, raw)
+
+
+def _takes_dynamic_table(fn: Any) -> tuple[bool, bool]:
     """Whether ``fn`` (a model class or function) has a ``dynamic`` argument annotated with
     ``DynamicTable`` (``DLRMClassifier``, ``DINClassifier``): a mapping given for it in a config
-    is then built into one."""
+    is then built into one; and whether it also takes ``Mapping[str, DynamicTable]`` (one per
+    feature, ``DLRMClassifier``)."""
     target = getattr(fn, "__init__") if isinstance(fn, type) else fn  # noqa: B009
     try:
         hint = typing.get_type_hints(target).get("dynamic")
     except Exception:  # annotations that do not resolve: leave the argument as written
-        return False
-    return hint is DynamicTable or DynamicTable in typing.get_args(hint)
+        return False, False
+    options = typing.get_args(hint)
+    per_feature = any(typing.get_origin(a) is Mapping and typing.get_args(a)[1:] == (DynamicTable,)
+                      for a in options)
+    return hint is DynamicTable or DynamicTable in options, per_feature
 
 
 @dataclass(kw_only=True)
@@ -200,14 +222,14 @@ class ModelConfig:
     """Top MLP layer sizes (the last must be 1: one logit)."""
     dynamic: dict[str, Any] | None = None
     """Make every table dynamic: the fields of ``recsys_trainer.dynamic.DynamicTable``, e.g.
-    ``{num_slots: 1000000}``. Each table then has ``num_slots`` rows and takes raw ids (give a
-    parquet feature ``num_embeddings: 9223372036854775807``, the id space, so that ids pass
-    unhashed); ``num_embeddings`` does not size the tables (synthetic data draws ids below it)."""
+    ``{num_slots: 1000000}``; or only some: one such mapping per feature, ``{user: {num_slots:
+    1000000}, item: {num_slots: 200000}}`` (the other tables stay hashed). A dynamic table has
+    ``num_slots`` rows and takes raw ids (give its parquet feature ``num_embeddings:
+    9223372036854775807``, the id space, so that ids pass unhashed); ``num_embeddings`` does not
+    size it (synthetic data draws ids below it)."""
 
     def __post_init__(self) -> None:
         check_choice("model.kind", self.kind, ("dlrm",), quote=False)
-        if self.dynamic is not None:
-            _dynamic_table("model.dynamic", self.dynamic)
         if self.sparse_features is not None:
             if isinstance(self.sparse_features, int) and not isinstance(self.sparse_features, bool):
                 check_int("model.sparse_features", self.sparse_features)
@@ -218,6 +240,7 @@ class ModelConfig:
                     "`model.sparse_features` must be a non-empty list of names or an int >= 1, "
                     f"but is {self.sparse_features!r}."
                 )
+        self._check_dynamic_features()
         if self.num_dense is not None:
             check_int("model.num_dense", self.num_dense, minimum=0)
         if isinstance(self.num_embeddings, list):
@@ -237,6 +260,16 @@ class ModelConfig:
                 f"`model.over_arch` must end with 1 (one logit per row), but is {self.over_arch!r}."
             )
 
+    def _check_dynamic_features(self) -> None:
+        """Per-feature ``dynamic`` names only features of the model (once they are known: with
+        parquet data they come from the feature spec)."""
+        spec = None if self.dynamic is None else _dynamic_spec("model.dynamic", self.dynamic)
+        if isinstance(spec, dict) and isinstance(self.sparse_features, list):
+            unknown = sorted(set(spec) - set(self.sparse_features))
+            if unknown:
+                raise ConfigError(f"`model.dynamic` names features {unknown} that are not in "
+                                  f"`model.sparse_features` {self.sparse_features}.")
+
     def build(self) -> Any:
         """The unsharded model (tables on the meta device). Needs the schema fields resolved."""
         from recsys_trainer.models import DLRMClassifier
@@ -250,7 +283,7 @@ class ModelConfig:
             embedding_dim=self.embedding_dim,
             dense_arch=tuple(self.dense_arch),
             over_arch=tuple(self.over_arch),
-            dynamic=None if self.dynamic is None else _dynamic_table("model.dynamic", self.dynamic),
+            dynamic=None if self.dynamic is None else _dynamic_spec("model.dynamic", self.dynamic),
         )
 
 
@@ -267,11 +300,12 @@ class ClassModelConfig:
     def __post_init__(self) -> None:
         self._dynamic()  # checked when the config is loaded
 
-    def _dynamic(self) -> DynamicTable | None:
+    def _dynamic(self) -> DynamicTable | dict[str, DynamicTable] | None:
         raw = self.spec.kwargs.get("dynamic")
-        if not isinstance(raw, Mapping) or not _takes_dynamic_table(self.spec.target):
+        takes, per_feature = _takes_dynamic_table(self.spec.target)
+        if not isinstance(raw, Mapping) or not takes:
             return None
-        return _dynamic_table("model.dynamic", raw)
+        return _dynamic_spec("model.dynamic", raw, per_feature)
 
     def build(self) -> Any:
         from torch import nn
@@ -711,6 +745,7 @@ class RunConfig:
                         f"`model.{key}` is {given!r}, but the data's feature spec gives {value!r}; "
                         f"leave `model.{key}` unset to take it from the data."
                     )
+        m._check_dynamic_features()
         if isinstance(m.num_embeddings, list) and isinstance(m.sparse_features, list) and len(
                 m.num_embeddings) != len(m.sparse_features):
             raise ConfigError(

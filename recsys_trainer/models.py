@@ -16,10 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.dynamic import DynamicEmbeddingBagCollection, DynamicTable
+from recsys_trainer.dynamic import DynamicTable, pooled_collection
 
 BINARY_LABELS: tuple[float, float] = (0.0, 1.0)
 """What a logistic loss accepts (click-style labels: 0/1, or a rate): ``check_binary_labels``
@@ -173,12 +172,33 @@ def make_tables(
     ]
 
 
+def _check_dynamic_features(dynamic: Mapping[str, DynamicTable], features: list[str],
+                            ) -> dict[str, DynamicTable]:
+    """``{feature: spec}`` refusing features the model does not have and values that are not a
+    ``DynamicTable``."""
+    unknown = sorted(set(dynamic) - set(features))
+    if unknown:
+        raise ValueError(f"`dynamic` names features {unknown} that the model does not have; its "
+                         f"sparse features are {features}.")
+    for f, spec in dynamic.items():
+        if not isinstance(spec, DynamicTable):
+            raise TypeError(f"`dynamic[{f!r}]` must be a recsys_trainer.dynamic.DynamicTable, "
+                            f"but is a {type(spec).__name__}.")
+    return dict(dynamic)
+
+
 class DLRMClassifier(nn.Module):
     """torchrec's DLRM (bottom MLP, pairwise interactions, top MLP) with a weighted BCE loss.
 
     Tables are created on the meta device: ``DistributedModelParallel`` materialises only the
     shards each rank owns, initialised by ``embedding_init`` (one ``TableInit`` or one per table
     name, see ``make_tables``; default torchrec's U(-sqrt(1/rows), sqrt(1/rows))).
+
+    ``dynamic`` (``recsys_trainer.dynamic``): one ``DynamicTable`` makes every table dynamic
+    (raw ids, ``num_slots`` rows each; ``num_embeddings`` is not used); ``{feature:
+    DynamicTable}`` makes only those features' tables dynamic, each with its own settings, and
+    the others stay hashed with their ``num_embeddings`` rows (feed those ids below it, as
+    without ``dynamic``).
     """
 
     label_range: tuple[float, float] | None = BINARY_LABELS
@@ -197,7 +217,7 @@ class DLRMClassifier(nn.Module):
         table_device: str = "meta",
         dense_log1p: bool = False,
         prior_ctr: float | None = None,
-        dynamic: DynamicTable | None = None,
+        dynamic: DynamicTable | Mapping[str, DynamicTable] | None = None,
         embedding_init: TableInit | Mapping[str, TableInit] | None = None,
     ) -> None:
         super().__init__()
@@ -206,20 +226,28 @@ class DLRMClassifier(nn.Module):
         self.dense_log1p = dense_log1p
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
-        ebc: nn.Module
-        if dynamic is not None:
-            # Every table dynamic: raw ids, ``dynamic.num_slots`` rows each (``num_embeddings``
-            # is not used). Feed ids in [0, recsys_trainer.dynamic.ID_SPACE).
-            ebc = DynamicEmbeddingBagCollection(
-                make_tables(sparse_features, dynamic.num_slots, embedding_dim, embedding_init), dynamic,
-                device=torch.device(table_device))
+        if dynamic is None:
+            specs: dict[str, DynamicTable] = {}
+        elif isinstance(dynamic, DynamicTable):
+            specs = dict.fromkeys(sparse_features, dynamic)
         else:
-            ebc = EmbeddingBagCollection(
-                tables=make_tables(sparse_features, num_embeddings, embedding_dim, embedding_init),
-                device=torch.device(table_device),
-            )
+            specs = _check_dynamic_features(dynamic, sparse_features)
+        # A dynamic table has num_slots rows (torchrec sizes its default init from them);
+        # num_embeddings sizes the hashed ones.
+        sizes: int | list[int] = num_embeddings
+        if len(specs) == len(sparse_features):
+            sizes = [specs[f].num_slots for f in sparse_features]
+        elif specs:
+            hashed = num_embeddings if isinstance(num_embeddings, list) \
+                else [num_embeddings] * len(sparse_features)
+            sizes = [specs[f].num_slots if f in specs else n
+                     for f, n in zip(sparse_features, hashed, strict=True)]
+        # A table per feature, ``t_<feature>``: ``dynamic`` by feature name is by table name.
+        ebc = pooled_collection(
+            make_tables(sparse_features, sizes, embedding_dim, embedding_init),
+            {f"t_{f}": spec for f, spec in specs.items()}, device=torch.device(table_device))
         self.dlrm = DLRM(
-            embedding_bag_collection=ebc,  # type: ignore[arg-type]  # dynamic: an EBC look-alike
+            embedding_bag_collection=ebc,  # type: ignore[arg-type]  # dynamic: EBC look-alikes
             dense_in_features=num_dense,
             dense_arch_layer_sizes=list(dense_arch),
             over_arch_layer_sizes=list(over_arch),

@@ -75,7 +75,7 @@ def _with_edge_rows(table: pa.Table, kind: str) -> pa.Table:
 
 def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
     """The examples' models, small: examples/train_dlrm.py, train_din.py, train_multitask.py,
-    and the DLRM with every table dynamic."""
+    and a DLRM with three dynamic tables and two hashed ones."""
     torch.manual_seed(0)
     if kind == "dlrm":
         return criteo_features(NUM_EMB), DLRMClassifier(
@@ -93,12 +93,16 @@ def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
             embedding_dim=8, dense_arch=(16, 8), num_experts=2, expert_arch=(16,), tower_arch=(8,),
             dense_log1p=True)
     assert kind == "dynamic"
-    feats = SPARSE_COLUMNS[:3]
+    # Three dynamic tables (raw ids) and two hashed ones (strings hashed below NUM_EMB) in one
+    # DLRM: DLRMClassifier(dynamic={feature: DynamicTable}).
+    dynamic, hashed = SPARSE_COLUMNS[:3], SPARSE_COLUMNS[3:5]
     spec = FeatureSpec(labels=["label"], dense=criteo_features().dense,
-                       sparse=[SparseFeature(name=c, num_embeddings=ID_SPACE) for c in feats])
-    return spec, DLRMClassifier(feats, 13, embedding_dim=8, dense_arch=(16, 8),
-                                over_arch=(16, 1), dense_log1p=True,
-                                dynamic=DynamicTable(num_slots=64, eviction_interval=2, fallback_rows=4))
+                       sparse=[*(SparseFeature(name=c, num_embeddings=ID_SPACE) for c in dynamic),
+                               *(SparseFeature(name=c, num_embeddings=NUM_EMB) for c in hashed)])
+    table = DynamicTable(num_slots=64, eviction_interval=2, fallback_rows=4)
+    return spec, DLRMClassifier([*dynamic, *hashed], 13, [ID_SPACE] * 3 + [NUM_EMB] * 2,
+                                embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1),
+                                dense_log1p=True, dynamic=dict.fromkeys(dynamic, table))
 
 
 def make_trainer(kind: str, root: str, windows: list[str], steps: int,

@@ -114,6 +114,13 @@ def test_a_bad_args_value_raises_the_training_arguments_error() -> None:
      r"`model.dynamic.eviction_policy` must be one of 'decayed_lfu', 'distance_lfu', 'lfu', 'lru'"),
     ({"model.dynamic": "{eviction_interval_rows: 64}"}, r"missing required key `model.dynamic.num_slots`"),
     ({"model.dynamic": "64"}, r"`model.dynamic` must be a mapping of keys to values, but is 64"),
+    ({"model.dynamic": "{cat_0: {num_slots: 1}}"},
+     r"^`model.dynamic.cat_0.num_slots` must be an int >= 2, but is 1\.$"),
+    ({"model.dynamic": "{cat_0: {num_slots: 64}, num_slots: 64}"},
+     r"`model.dynamic` takes either DynamicTable's fields .* not both: `model.dynamic.num_slots` is "
+     r"a value, `model.dynamic.cat_0` a mapping"),
+    ({"model.dynamic": "{cat_9: {num_slots: 64}}"},
+     r"`model.dynamic` names features \['cat_9'\] that are not in `model.sparse_features`"),
 ])
 def test_config_errors_name_the_key_and_the_allowed_values(change: dict[str, Any], pattern: str) -> None:
     raw = tiny(**change)
@@ -196,15 +203,39 @@ def test_the_cli_trains_a_yaml_config_in_one_process(tmp_path: Path) -> None:
     assert any('"type": "train"' in r and '"step": 4' in r for r in records)
 
 
-def test_the_cli_trains_saves_and_resumes_a_dlrm_with_dynamic_tables_from_yaml(tmp_path: Path) -> None:
-    raw = apply_overrides(TINY, [("model.dynamic", "{num_slots: 64, eviction_interval_rows: 64}")])
+def test_the_cli_trains_saves_and_resumes_a_dlrm_with_dynamic_and_hashed_tables_from_yaml(
+        tmp_path: Path) -> None:
+    raw = apply_overrides(TINY, [("model.dynamic", "{cat_0: {num_slots: 64, eviction_interval_rows: "
+                                                   "64}, cat_2: {num_slots: 48}}")])
     p = subprocess.run([PY, "-m", "recsys_trainer", str(write_config(tmp_path, raw)), "--smoke"],
                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "smoke test passed" in p.stdout  # train, evaluate, save, resume
-    # Every table is dynamic (the Trainer's per-window report of each one).
-    for i in range(4):
-        assert re.search(rf"dynamic table t_cat_{i} after window all: \d+/64 slots occupied", p.stderr)
+    # The two tables named are dynamic (the Trainer's per-window report of each), the others not.
+    reported = re.findall(r"dynamic table (t_cat_\d) after window all: \d+/(\d+) slots occupied",
+                          p.stderr)
+    assert sorted(set(reported)) == [("t_cat_0", "64"), ("t_cat_2", "48")], p.stderr[-2000:]
+
+
+def test_yaml_makes_every_table_dynamic_or_only_the_features_it_names_each_with_its_settings(
+        ) -> None:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from recsys_trainer.dynamic import dynamic_table_names, mc_modules
+
+    raw = tiny(**{"model.dynamic": "{num_slots: 64, buckets: 1}"})
+    model = RunConfig.from_dict(raw).model.build()
+    assert {t: m._zch_size for t, m in mc_modules(model).items()} == {f"t_cat_{i}": 64 for i in range(4)}
+    raw = tiny(**{"model.dynamic": "{cat_0: {num_slots: 64}, cat_2: {num_slots: 32, buckets: 1}}"})
+    model = RunConfig.from_dict(raw).model.build()
+    assert dynamic_table_names(model) == {"t_cat_0", "t_cat_2"}
+    assert {t: m._zch_size for t, m in mc_modules(model).items()} == {"t_cat_0": 64, "t_cat_2": 32}
+    hashed = model.dlrm.sparse_arch.embedding_bag_collection.hashed
+    assert isinstance(hashed, EmbeddingBagCollection)
+    assert [(c.name, c.num_embeddings) for c in hashed.embedding_bag_configs()] == [
+        ("t_cat_1", 200), ("t_cat_3", 200)]
+    # The interaction reads the features in the order given, whichever kind their table is.
+    assert model.dlrm.sparse_arch.sparse_feature_names == ["cat_0", "cat_1", "cat_2", "cat_3"]
 
 
 def test_a_model_class_with_a_dynamic_table_argument_takes_its_fields_from_yaml() -> None:

@@ -30,6 +30,7 @@ from recsys_trainer.dynamic import (
     DynamicEmbeddingBagCollection,
     DynamicShardedMaps,
     DynamicTable,
+    MixedEmbeddingBagCollection,
     dynamic_collections,
     fallback_index,
     id_map,
@@ -505,7 +506,9 @@ def test_ids_unseen_for_n_seconds_expire_at_a_pass(tmp_path: Any, monkeypatch: A
 
 class SharedTableModel(nn.Module):
     """Pooled features: ``i`` (a candidate item) and ``h`` (a list of past items) read one
-    dynamic table ``t_i``; ``u`` reads ``t_u``; a linear layer over them and the dense part."""
+    dynamic table ``t_i``; ``u`` reads ``t_u``; ``c`` (a category) a hashed table ``t_c``, in
+    the same collection (``MixedEmbeddingBagCollection``); a linear layer over them and the
+    dense part."""
 
     def __init__(self, spec: DynamicTable, dim: int = 8, mean_items: bool = False) -> None:
         super().__init__()
@@ -514,10 +517,13 @@ class SharedTableModel(nn.Module):
         tables = [EmbeddingBagConfig(name="t_i", embedding_dim=dim, num_embeddings=spec.num_slots,
                                      feature_names=["i", "h"],
                                      pooling=PoolingType.MEAN if mean_items else PoolingType.SUM),
+                  EmbeddingBagConfig(name="t_c", embedding_dim=dim, num_embeddings=CATEGORIES,
+                                     feature_names=["c"]),
                   EmbeddingBagConfig(name="t_u", embedding_dim=dim, num_embeddings=spec.num_slots,
                                      feature_names=["u"])]
-        self.ebc = DynamicEmbeddingBagCollection(tables, spec, device=torch.device("meta"))
-        self.out = nn.Linear(3 * dim + 4, 1)
+        self.ebc = MixedEmbeddingBagCollection(tables, {"t_i": spec, "t_u": spec},
+                                               device=torch.device("meta"))
+        self.out = nn.Linear(4 * dim + 4, 1)
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         from recsys_trainer.models import weighted_bce_with_logits
@@ -527,9 +533,12 @@ class SharedTableModel(nn.Module):
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
 
 
+CATEGORIES = 10
+
+
 def shared_batches(sizes: list[int], items: tuple[int, int], seed: int) -> list[Batch]:
     """Batches of ``sizes`` rows: ``u`` one user id, ``i`` one item id from ``items`` (a
-    range), ``h`` 0..3 items from the same range."""
+    range), ``h`` 0..3 items from the same range, ``c`` one category below ``CATEGORIES``."""
     g = torch.Generator().manual_seed(seed)
     base = 9_000_000_000_000
     out = []
@@ -538,9 +547,10 @@ def shared_batches(sizes: list[int], items: tuple[int, int], seed: int) -> list[
         u = base + torch.randint(0, 60, (rows,), generator=g)
         i = base + torch.randint(*items, (rows,), generator=g)
         h = base + torch.randint(*items, (int(lh.sum()),), generator=g)
+        c = torch.randint(0, CATEGORIES, (rows,), generator=g)
         ones = torch.ones(rows, dtype=torch.int32)
-        kjt = KeyedJaggedTensor(keys=["i", "h", "u"], values=torch.cat([i, h, u]),
-                                lengths=torch.cat([ones, lh, ones]), stride=rows)
+        kjt = KeyedJaggedTensor(keys=["i", "h", "u", "c"], values=torch.cat([i, h, u, c]),
+                                lengths=torch.cat([ones, lh, ones, ones]), stride=rows)
         out.append(Batch(dense=torch.randn(rows, 4, generator=g), sparse=kjt,
                          labels=(torch.rand(rows, generator=g) < 0.5).float()))
     return out
@@ -828,8 +838,8 @@ def test_the_pooled_lookup_trains_as_the_unpooled_one_with_passes_evictions_and_
                           reseed=True)
     unpooled = build_shared(str(tmp_path / "u"), dataclasses.replace(
         SHARED_SPEC, pooled_lookup=False), data, mean_items=mean_items, reseed=True)
-    assert [n for n, _ in dynamic_collections(pooled.model)][0].endswith("ebc.mc_ebc")
-    assert [n for n, _ in dynamic_collections(unpooled.model)][0].endswith("ebc.mc_ec")
+    assert [n for n, _ in dynamic_collections(pooled.model)][0].endswith("ebc.dynamic.mc_ebc")
+    assert [n for n, _ in dynamic_collections(unpooled.model)][0].endswith("ebc.dynamic.mc_ec")
     pooled.train()
     unpooled.train()
     stats = table_stats(pooled.model)["t_i"]
@@ -881,6 +891,35 @@ def test_the_short_path_of_the_sharded_maps_trains_and_scores_bitwise_as_torchre
         with torch.no_grad():
             scored.append(torch.cat([t.model(b)[1] for b in shared_batches([48, 48], (0, 80), 9)]))
     assert torch.equal(scored[0], scored[1])
+
+
+def test_a_dlrm_makes_only_the_features_it_is_given_dynamic_and_the_others_stay_hashed(
+        tmp_path: Any) -> None:
+    data = IdStream(FEATS, 40).batches(6, 64, seed=4)
+    for b in data:  # u: small ids a hashed table reads as row numbers; i: raw 63-bit ids
+        b.sparse._values[:64] %= 97
+    spec = DynamicTable(num_slots=64, eviction_interval_rows=64, admission_threshold=1)
+    t = build(str(tmp_path), {"i": spec}, data)  # type: ignore[arg-type]
+    assert {n for n, _ in dynamic_collections(t.model)} and set(mc_modules(t.model)) == {"t_i"}
+    hashed: Any = t.model.module.dlrm.sparse_arch.embedding_bag_collection.hashed
+    tbe = hashed._lookups[0]._emb_modules[0]._emb_module
+    before = tbe.split_embedding_weights()[0].clone()
+    t.train()
+    # The hashed table's rows are the ids: exactly the rows of the ids seen changed.
+    after = tbe.split_embedding_weights()[0]
+    assert before.shape[0] == 10_000
+    changed = set((after != before).any(dim=1).nonzero().squeeze(1).tolist())
+    assert changed == seen_ids(data, "u")
+    # The dynamic one gave every item seen before the last pass a row of its own (64 slots,
+    # 40 ids: no eviction).
+    items = seen_ids(data[:5], "i")
+    assert items <= set(resident_ids(t, "t_i")[0].tolist()) <= seen_ids(data, "i")
+    with pytest.raises(ValueError, match=r"`dynamic` names features \['x'\] that the model does "
+                                         r"not have; its sparse features are \['u', 'i'\]"):
+        DLRMClassifier(list(FEATS), 4, dynamic={"x": spec})
+    with pytest.raises(TypeError, match=r"`dynamic\['i'\]` must be a recsys_trainer.dynamic."
+                                        r"DynamicTable, but is a dict"):
+        DLRMClassifier(list(FEATS), 4, dynamic={"i": {"num_slots": 64}})  # type: ignore[dict-item]
 
 
 def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_path: Any) -> None:
@@ -1059,6 +1098,8 @@ def test_two_ranks_resume_bitwise_and_a_checkpoint_moves_to_one_rank_and_back(
     before = export_dynamic(two)
     assert sum(len(x.ids) for x in before.tables.values()) > 0
     assert before.tables["t_i"].default.shape[0] == 4
+    # The hashed table beside them (resharded by DCP, not re-routed) is compared too.
+    assert [k for k in before.other if ".t_c." in k] == ["ebc.hashed.embedding_bags.t_c.weight"]
     # 2 -> 1: every id keeps its row, the 4 fallback rows keep theirs.
     one = _save_after_loading(root, two, "one", windows=3)
     assert one["routed"] == {"t_i": True, "t_u": True}

@@ -86,8 +86,12 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
     _check_parity(case)
     if kind == "dynamic":
         # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
-        t = Scorer(case["art"]).tables["t_C1"]
+        tables = Scorer(case["art"]).tables
+        t = tables["t_C1"]
         assert t.dynamic is not None and 987_654_321_012 not in set(t.dynamic.ids.tolist())
+        # The model's two hashed tables are served as such, beside the dynamic ones.
+        assert [n for n, x in tables.items() if x.dynamic is None] == ["t_C4", "t_C5"]
+        assert tables["t_C4"].weight is not None and tables["t_C4"].weight.shape[0] == su.NUM_EMB
         su.check_delta(case["root"], kind, case["windows"][-1], 3, 5)
 
 

@@ -59,7 +59,8 @@ Layout (each module one concern; the arrows point down this list):
 * ``policy``: the eviction policies (``DecayedLFUEvictionPolicy``, torchrec's legacy ones);
 * ``id_map``: ``DynamicMCHModule``, one table's map on one shard;
 * ``modules``: ``dynamic_embedding_collection``, ``DynamicEmbeddingBagCollection``,
-  ``lookup_path_hint``, ``rows_key``;
+  ``MixedEmbeddingBagCollection`` (some pooled tables dynamic, the others hashed),
+  ``pooled_collection``, ``lookup_path_hint``, ``rows_key``;
 * ``tables``: finding a model's dynamic tables; what sharding, the optimizers and the Trainer
   ask of them (``StepBoundaries``, ``end_window``);
 * ``sharded_map``: ``DynamicShardedMaps`` (torchrec's sharded id maps with a short path per
@@ -99,8 +100,10 @@ from recsys_trainer.dynamic.ids import (
 )
 from recsys_trainer.dynamic.modules import (
     DynamicEmbeddingBagCollection,
+    MixedEmbeddingBagCollection,
     dynamic_embedding_collection,
     lookup_path_hint,
+    pooled_collection,
     rows_key,
 )
 from recsys_trainer.dynamic.policy import (
@@ -153,6 +156,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicyName",
     "ID_SPACE",
+    "MixedEmbeddingBagCollection",
     "PaddedPooledReduceScatter",
     "STATE_FORMAT",
     "StepBoundaries",
@@ -172,6 +176,7 @@ __all__ = [
     "mix_ids",
     "rows_key",
     "planner_constraints",
+    "pooled_collection",
     "reset_rows_cpu",
     "shard_of",
     "sharders",

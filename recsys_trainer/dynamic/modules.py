@@ -1,7 +1,9 @@
 """The modules a model builds dynamic tables with: ``dynamic_embedding_collection`` (sequence
-features, torchrec's ``ManagedCollisionEmbeddingCollection``) and
+features, torchrec's ``ManagedCollisionEmbeddingCollection``),
 ``DynamicEmbeddingBagCollection`` (pooled features: torchrec's
-``ManagedCollisionEmbeddingBagCollection``, or the unpooled collection pooled here)."""
+``ManagedCollisionEmbeddingBagCollection``, or the unpooled collection pooled here) and
+``MixedEmbeddingBagCollection`` (pooled features of which only some tables are dynamic);
+``pooled_collection`` picks one of those or a plain ``EmbeddingBagCollection``."""
 
 from __future__ import annotations
 
@@ -199,3 +201,74 @@ def lookup_path_hint(missing: Iterable[str], saved: Iterable[str]) -> str:
                 "DynamicTable(..., pooled_lookup=True) (the default; YAML: "
                 "`model.dynamic.pooled_lookup: true`) to load it.")
     return ""
+
+
+class MixedEmbeddingBagCollection(nn.Module):
+    """Pooled features of which some tables are dynamic and the others hashed: an
+    ``EmbeddingBagCollection`` look-alike holding torchrec's ``EmbeddingBagCollection``
+    (``hashed``: ids already below each table's ``num_embeddings``) and a
+    ``DynamicEmbeddingBagCollection`` (``dynamic``: raw ids). Both read the whole
+    ``KeyedJaggedTensor`` and look up only their own features, so DMP shards each as it would
+    alone (the dynamic tables ``row_wise``, the hashed ones as the planner chooses) and TorchRec
+    pipelines still see the batch reach them unchanged. ``forward`` returns one ``KeyedTensor``
+    of every feature; ``embedding_bag_configs()`` lists the tables in the order given."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], dynamic: Mapping[str, DynamicTable],
+                 device: torch.device | None = None) -> None:
+        super().__init__()
+        _check_known(dynamic, tables)
+        hashed = [t for t in tables if t.name not in dynamic]
+        dyn = [t for t in tables if t.name in dynamic]
+        if not hashed or not dyn:
+            raise ValueError("a MixedEmbeddingBagCollection needs hashed and dynamic tables; "
+                             "use pooled_collection(), which builds the plain collection "
+                             "when all tables are one kind.")
+        self._bag_configs = list(tables)
+        self.hashed = EmbeddingBagCollection(tables=hashed, device=device or torch.device("meta"))
+        self.dynamic = DynamicEmbeddingBagCollection(dyn, dict(dynamic), device)
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        """Every table, hashed and dynamic, in the order given (what torchrec's DLRM reads)."""
+        return self._bag_configs
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return _concat_keyed(self.hashed(features), self.dynamic(features))
+
+
+@torch.fx.wrap
+def _concat_keyed(a: KeyedTensor, b: KeyedTensor) -> KeyedTensor:
+    # A leaf for fx: TorchRec's pipeline traces the model, and a KeyedTensor built from
+    # proxies would not record the concatenation.
+    return KeyedTensor(keys=a.keys() + b.keys(), length_per_key=a.length_per_key() + b.length_per_key(),
+                       values=torch.cat([a.values(), b.values()], dim=1))
+
+
+def pooled_collection(
+    tables: list[EmbeddingBagConfig],
+    dynamic: DynamicTable | Mapping[str, DynamicTable] | None,
+    device: torch.device | None = None,
+) -> nn.Module:
+    """The pooled collection of ``tables``: a torchrec ``EmbeddingBagCollection`` when
+    ``dynamic`` is None or empty; a ``DynamicEmbeddingBagCollection`` when it is one
+    ``DynamicTable`` (every table dynamic) or names every table; a
+    ``MixedEmbeddingBagCollection`` when it names some (``{table name: DynamicTable}``). A
+    dynamic table's ``num_embeddings`` must be its spec's ``num_slots`` (torchrec's default
+    initialiser is sized from it)."""
+    device = device or torch.device("meta")
+    if isinstance(dynamic, DynamicTable):
+        specs = {t.name: dynamic for t in tables}
+    else:
+        specs = dict(dynamic or {})
+    _check_known(specs, tables)
+    if not specs:
+        return EmbeddingBagCollection(tables=tables, device=device)
+    if len(specs) == len(tables):
+        return DynamicEmbeddingBagCollection(tables, specs, device)
+    return MixedEmbeddingBagCollection(tables, specs, device)
+
+
+def _check_known(specs: Mapping[str, DynamicTable], tables: list[EmbeddingBagConfig]) -> None:
+    unknown = sorted(set(specs) - {t.name for t in tables})
+    if unknown:
+        raise ValueError(f"`dynamic` names tables {unknown} that do not exist; the tables are "
+                         f"{[t.name for t in tables]}.")
