@@ -1,6 +1,6 @@
 """Dynamic vs hashed tables on a churny stream: AUC at equal rows and at equal bytes, step time.
 
-    python benchmarks/bench_dynamic.py [--quick] [--seeds 0 1 2] [--slots 1600]
+    python benchmarks/bench_dynamic.py [--quick] [--seeds 0 1 2] [--slots 1600] [--dim 16]
         [--set eviction_interval=100 ...]   # DynamicTable fields (default: its defaults)
 
 Data (``recsys_trainer.data.id_stream.ChurnStream``): windows ("hours") of rows with a
@@ -12,8 +12,8 @@ slots. Protocol (streaming): train on window ``w``, then score a held-out sample
 ``w + 1`` (rows never trained on); AUC pooled over those samples. The oracle AUC scores the same
 rows by their true logit.
 
-Models: the bundled DLRM (dim 16, fused row-wise Adagrad lr 0.05, Adam 3e-3 on the dense part),
-one process, batch 512:
+Models: the bundled DLRM (dim ``--dim``, 16 by default, fused row-wise Adagrad lr 0.05, Adam 3e-3
+on the dense part), one process, batch 512:
 
 - ``dynamic``: ``DynamicTable(num_slots=--slots, **--set)``;
 - ``hashed_rows``: ids hashed into ``--slots`` rows (same rows);
@@ -63,7 +63,6 @@ from recsys_trainer.dynamic import (
 from recsys_trainer.metrics import weighted_auc
 from recsys_trainer.models import DLRMClassifier
 
-DIM = 16
 FEATS = ("user", "item")
 
 
@@ -79,9 +78,9 @@ def hashed(batches: list[Batch], rows: int) -> list[Batch]:
     return out
 
 
-def make(rows: int, spec: DynamicTable | None, out: str) -> Trainer:
+def make(rows: int, spec: DynamicTable | None, out: str, dim: int) -> Trainer:
     torch.manual_seed(0)
-    model = DLRMClassifier(list(FEATS), 4, num_embeddings=rows, embedding_dim=DIM,
+    model = DLRMClassifier(list(FEATS), 4, num_embeddings=rows, embedding_dim=dim,
                            dense_arch=(32,), over_arch=(32, 1), dynamic=spec)
     return Trainer(model=model, args=TrainingArguments(output_dir=out, log_steps=10**9),
                    dense_optimizers=(lambda p: torch.optim.Adam(p, lr=3e-3), None),
@@ -130,18 +129,18 @@ def run_seed(a: argparse.Namespace, seed: int, spec: DynamicTable) -> dict[str, 
     train = [stream.window(w, a.batches, a.batch_size, seed=1) for w in range(a.windows)]
     held_out = [stream.window(w, a.eval_batches, a.batch_size, seed=2) for w in range(1, a.windows)]
     out = os.path.join(a.out, f"seed{seed}")
-    dyn = make(spec.num_slots, spec, out + "/d")
+    dyn = make(spec.num_slots, spec, out + "/d", a.dim)
     first = train[0][0]
     times: dict[str, list[float]] = {"dynamic": [train_step(dyn, first)], "hashed_bytes": []}
     cpu: dict[str, list[float]] = {"dynamic": [], "hashed_bytes": []}
     mem = table_memory(dyn.model)
     dyn_bytes = max(m["total"] for m in mem.values())
-    per_row = 4 * DIM + 4
+    per_row = 4 * a.dim + 4
     rows = {"dynamic": spec.num_slots, "hashed_rows": spec.num_slots,
             "hashed_bytes": dyn_bytes // per_row}
     if a.full:
         rows["hashed_large"] = 2 * a.ids
-    trainers = {"dynamic": dyn, **{k: make(r, None, f"{out}/{k}") for k, r in rows.items()
+    trainers = {"dynamic": dyn, **{k: make(r, None, f"{out}/{k}", a.dim) for k, r in rows.items()
                                    if k != "dynamic"}}
     timed = ("dynamic", "hashed_bytes")
     preds: dict[str, list[torch.Tensor]] = {k: [] for k in trainers}
@@ -236,6 +235,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=40, help="train batches per window")
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per window")
     ap.add_argument("--batch-size", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=16, help="embedding dim of every table")
     ap.add_argument("--chunk", type=int, default=10)
     ap.add_argument("--full", action="store_true", help="also a hashed table of 2 x --ids rows")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
@@ -253,13 +253,14 @@ def main() -> None:
     head = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
                        f"threads, load average {load[0]:.1f} (start) "
                        f"{os.getloadavg()[0]:.1f} (end)",
+            "embedding_dim": a.dim,
             "dynamic": {k: v for k, v in dataclasses.asdict(spec).items()},
             "stream": {"windows": a.windows, "batches_per_window": a.batches,
                        "batch_size": a.batch_size, "ids": a.ids, "seeds": a.seeds}}
     if a.json:
         print(json.dumps({**head, "seeds": results}, indent=1, default=str))
-    print(f"# bench_dynamic\n\n{head['machine']}; dynamic table: {head['dynamic']}; stream: "
-          f"{head['stream']}\n")
+    print(f"# bench_dynamic\n\n{head['machine']}; embedding dim {a.dim}; dynamic table: "
+          f"{head['dynamic']}; stream: {head['stream']}\n")
     print("| seed | distinct ids (user/item) | dynamic bytes | hashed_bytes rows | AUC dynamic | "
           "AUC hashed_bytes | AUC hashed_rows | oracle | non-resident rows | non-resident AUC "
           "dynamic / hashed_bytes | step ms mean d/h | median d/h |")

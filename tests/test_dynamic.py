@@ -1276,6 +1276,43 @@ def test_the_per_window_and_loss_lines_show_in_a_program_that_sets_up_no_logging
     assert len(shown) == 1 and shown[0].startswith("PROGRAM eval @ step 4"), after
 
 
+def test_the_example_trains_dynamic_and_hashed_tables_from_parquet_and_serves_them(
+        tmp_path: Any) -> None:
+    import re
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from recsys_trainer.serving import Scorer
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    data, out = tmp_path / "churn", tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(repo, "examples", "train_dynamic.py"),
+                        "--data", str(data), "--hours", "3", "--rows-per-hour", "8192",
+                        "--ids", "8000", "--slots", "640", "--output-dir", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    # The data was written (hourly partitions, raw ids), the stats hook reported each window.
+    assert sorted(os.listdir(data)) == ["_signal.json", "hour=00", "hour=01", "hour=02"]
+    for w in ("00", "01"):
+        assert f"dynamic table t_item after window hour={w}: " in r.stderr, r.stderr[-3000:]
+    final = re.search(r"final eval AUC (\S+) \(the planted effects allow at most (\S+)\)", r.stdout)
+    assert final, r.stdout
+    auc, oracle = float(final[1]), float(final[2])
+    assert 0.6 < auc < oracle, r.stdout  # it learns the planted effects (0.5: chance)
+    # The artifact holds the two dynamic tables and the hashed one, and scores the raw rows.
+    scorer = Scorer(str(out / "serving"))
+    kinds = {n: t.dynamic is not None for n, t in scorer.tables.items()}
+    assert kinds == {"t_user": True, "t_item": True, "t_device": False}
+    rows = pq.read_table(data / "hour=02" / "part-0.parquet").slice(0, 100)
+    scores = scorer.score(rows)
+    assert scores.shape[0] == 100 and ((scores > 0) & (scores < 1)).all()
+
+
 def test_a_model_bank_warm_start_of_a_dynamic_table_is_refused_naming_the_key(tmp_path: Any) -> None:
     from recsys_trainer.checkpoint.errors import CheckpointError
 
