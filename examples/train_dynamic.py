@@ -12,7 +12,9 @@ distinct ids per table than ``--slots``. After every train window the Trainer lo
 table's occupancy and the ids admitted, evicted and expired in the window
 (``DynamicTableStatsHook``, added automatically). At the end it prints the eval AUC per window
 against the oracle's, each dynamic table's memory, and writes the serving artifact (raw id ->
-row, the fallback rows and their routing rule; ``recsys_trainer.serving``).
+row, the fallback rows and their routing rule; ``recsys_trainer.serving``) under
+``--output-dir``/serving. Run again, it resumes from the last checkpoint (a finished run has
+nothing left to train).
 """
 
 from __future__ import annotations
@@ -83,19 +85,28 @@ def main() -> None:
         hooks=[metrics],
     )
     trainer.train_and_evaluate()
+    aucs = [r.values["auc"] for r in metrics.reports if r.scope == "eval"]
+    if not aucs:  # resumed from the checkpoint of a finished run (resume_from="auto")
+        if trainer.is_rank_zero:
+            print(f"{a.output_dir} holds a finished run (step {trainer.state.global_step}): "
+                  "nothing left to train; delete it, or pass another --output-dir, to train again")
+        shutdown()
+        return
     memory = table_memory(trainer.model)  # this rank's shards
-    art = os.path.join(a.output_dir, "serving")
+    art = os.path.join(a.output_dir, "serving", f"step_{trainer.state.global_step:08d}")
     summary = export_for_serving(trainer, art)  # every rank: a checkpoint, then rank 0 exports
     if trainer.is_rank_zero:
-        aucs = [r.values["auc"] for r in metrics.reports if r.scope == "eval"]
+        oracle = list(meta["oracle_auc_per_window"].values())
         print("eval AUC per window (train t, eval t+1): " + " ".join(f"{v:.3f}" for v in aucs))
+        print("oracle AUC per window:                   "
+              + " ".join(f"{v:.3f}" for v in oracle[1:len(aucs) + 1]))
         print(f"final eval AUC {aucs[-1]:.4f} (the planted effects allow at most "
-              f"{meta['oracle_auc']:.4f}) after {trainer.state.global_step} steps on "
+              f"{oracle[len(aucs)]:.4f} on that hour) after {trainer.state.global_step} steps on "
               f"{trainer.world_size} rank(s)")
         for name, m in sorted(memory.items()):
             print(f"{name}: {m['total']:,} bytes on rank 0 ({m['rows'] + m['optimizer']:,} rows "
                   f"and optimizer state, {m['id_map']:,} id map, {m['history']:,} history)")
-        print(f"serving artifact: {art} ({summary.bytes:,} bytes, step {summary.step})")
+        print(f"serving artifact: {art} ({summary.bytes:,} bytes)")
     shutdown()
 
 

@@ -46,7 +46,7 @@ from recsys_trainer import storage
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.component import CLASS_KEY, ComponentSpec, is_component
 from recsys_trainer.data.parquet import ParquetReadOptions
-from recsys_trainer.dynamic import DynamicTable
+from recsys_trainer.dynamic import ID_SPACE, DynamicTable
 from recsys_trainer.hooks import (
     EarlyStoppingHook,
     Hook,
@@ -171,6 +171,11 @@ def _dynamic_spec(key: str, raw: Any, per_feature: bool = True,
     """``DynamicTable``'s fields at config key ``key`` (every table dynamic), or, with
     ``per_feature``, one such mapping per feature (``{user: {num_slots: 1000000}}``: only those
     features' tables dynamic)."""
+    if isinstance(raw, Mapping) and not raw:
+        raise ConfigError(f"`{key}` is empty: give DynamicTable's fields ({{num_slots: 1000000}}: "
+                          "every table dynamic)"
+                          + (", or one such mapping per feature" if per_feature else "")
+                          + f", or leave `{key}` out (no dynamic table).")
     nested = [k for k, v in raw.items() if isinstance(v, Mapping)] if isinstance(raw, Mapping) else []
     if per_feature and nested:
         flat = sorted(set(raw) - set(nested))
@@ -194,10 +199,10 @@ def _takes_dynamic_table(fn: Any) -> tuple[bool, bool]:
         hint = typing.get_type_hints(target).get("dynamic")
     except Exception:  # annotations that do not resolve: leave the argument as written
         return False, False
-    options = typing.get_args(hint)
-    per_feature = any(typing.get_origin(a) is Mapping and typing.get_args(a)[1:] == (DynamicTable,)
-                      for a in options)
-    return hint is DynamicTable or DynamicTable in options, per_feature
+    options = typing.get_args(hint) or (hint,)
+    per_feature = any(typing.get_origin(a) in (Mapping, dict)
+                      and typing.get_args(a)[1:] == (DynamicTable,) for a in options)
+    return DynamicTable in options or per_feature, per_feature
 
 
 @dataclass(kw_only=True)
@@ -240,7 +245,6 @@ class ModelConfig:
                     "`model.sparse_features` must be a non-empty list of names or an int >= 1, "
                     f"but is {self.sparse_features!r}."
                 )
-        self._check_dynamic_features()
         if self.num_dense is not None:
             check_int("model.num_dense", self.num_dense, minimum=0)
         if isinstance(self.num_embeddings, list):
@@ -248,6 +252,7 @@ class ModelConfig:
                 check_int("model.num_embeddings[]", n)
         elif self.num_embeddings is not None:
             check_int("model.num_embeddings", self.num_embeddings)
+        self._check_dynamic_features()
         check_int("model.embedding_dim", self.embedding_dim)
         for key in ("dense_arch", "over_arch"):
             sizes = getattr(self, key)
@@ -261,14 +266,29 @@ class ModelConfig:
             )
 
     def _check_dynamic_features(self) -> None:
-        """Per-feature ``dynamic`` names only features of the model (once they are known: with
-        parquet data they come from the feature spec)."""
+        """Per-feature ``dynamic``, once the features are known (with parquet data they come
+        from the feature spec): only features of the model, one lookup path, and no feature
+        left hashed with a table of the raw id space (one meant to be dynamic)."""
         spec = None if self.dynamic is None else _dynamic_spec("model.dynamic", self.dynamic)
-        if isinstance(spec, dict) and isinstance(self.sparse_features, list):
-            unknown = sorted(set(spec) - set(self.sparse_features))
-            if unknown:
-                raise ConfigError(f"`model.dynamic` names features {unknown} that are not in "
-                                  f"`model.sparse_features` {self.sparse_features}.")
+        if not isinstance(spec, dict) or not isinstance(self.sparse_features, list):
+            return
+        unknown = sorted(set(spec) - set(self.sparse_features))
+        if unknown:
+            raise ConfigError(f"`model.dynamic` names features {unknown} that the model does not "
+                              f"have; its sparse features are {self.sparse_features}.")
+        lookups = {f: s.pooled_lookup for f, s in spec.items()}
+        if len(set(lookups.values())) > 1:
+            raise ConfigError("`model.dynamic.<feature>.pooled_lookup` must be the same for every "
+                              f"dynamic feature, but is {lookups}.")
+        rows = self.num_embeddings
+        if isinstance(rows, int):
+            rows = [rows] * len(self.sparse_features)
+        for f, n in zip(self.sparse_features, rows or [], strict=False):
+            if f not in spec and n >= ID_SPACE:
+                raise ConfigError(
+                    f"feature {f!r} takes raw ids (num_embeddings {n}, the id space) but "
+                    f"`model.dynamic` does not name it: add `model.dynamic.{f}`, or give it the "
+                    "rows of a hashed table.")
 
     def build(self) -> Any:
         """The unsharded model (tables on the meta device). Needs the schema fields resolved."""

@@ -18,7 +18,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.dynamic import DynamicTable, pooled_collection
+from recsys_trainer.dynamic import ID_SPACE, DynamicTable, pooled_collection
 
 BINARY_LABELS: tuple[float, float] = (0.0, 1.0)
 """What a logistic loss accepts (click-style labels: 0/1, or a rate): ``check_binary_labels``
@@ -172,10 +172,13 @@ def make_tables(
     ]
 
 
-def _check_dynamic_features(dynamic: Mapping[str, DynamicTable], features: list[str],
-                            ) -> dict[str, DynamicTable]:
-    """``{feature: spec}`` refusing features the model does not have and values that are not a
-    ``DynamicTable``."""
+def _table_sizes(features: list[str], num_embeddings: int | list[int],
+                 dynamic: Mapping[str, DynamicTable]) -> list[int]:
+    """Rows per feature's table: a dynamic table's ``num_slots`` (torchrec sizes its default
+    init from them), else ``num_embeddings`` (one for all, or one per feature). Refuses
+    ``dynamic`` entries for features the model lacks, entries that are not a ``DynamicTable``,
+    lookup paths that differ (one collection holds the dynamic tables), and a hashed table
+    sized to the raw id space (a feature meant to be dynamic but left out)."""
     unknown = sorted(set(dynamic) - set(features))
     if unknown:
         raise ValueError(f"`dynamic` names features {unknown} that the model does not have; its "
@@ -184,7 +187,23 @@ def _check_dynamic_features(dynamic: Mapping[str, DynamicTable], features: list[
         if not isinstance(spec, DynamicTable):
             raise TypeError(f"`dynamic[{f!r}]` must be a recsys_trainer.dynamic.DynamicTable, "
                             f"but is a {type(spec).__name__}.")
-    return dict(dynamic)
+    lookups = {f: spec.pooled_lookup for f, spec in dynamic.items()}
+    if len(set(lookups.values())) > 1:
+        raise ValueError(f"`pooled_lookup` must be the same for every dynamic table of the model, "
+                         f"but is {lookups}.")
+    if isinstance(num_embeddings, list):
+        if len(num_embeddings) != len(features):
+            raise ValueError(f"`num_embeddings` has {len(num_embeddings)} sizes for "
+                             f"{len(features)} sparse features {features}.")
+        rows = list(num_embeddings)
+    else:
+        rows = [num_embeddings] * len(features)
+    for f, n in zip(features, rows, strict=True):
+        if f not in dynamic and n >= ID_SPACE:
+            raise ValueError(
+                f"feature {f!r} has num_embeddings {n} (the raw id space) but no dynamic table: "
+                f"name it in `dynamic` or give it the rows of a hashed table.")
+    return [dynamic[f].num_slots if f in dynamic else n for f, n in zip(features, rows, strict=True)]
 
 
 class DLRMClassifier(nn.Module):
@@ -231,17 +250,8 @@ class DLRMClassifier(nn.Module):
         elif isinstance(dynamic, DynamicTable):
             specs = dict.fromkeys(sparse_features, dynamic)
         else:
-            specs = _check_dynamic_features(dynamic, sparse_features)
-        # A dynamic table has num_slots rows (torchrec sizes its default init from them);
-        # num_embeddings sizes the hashed ones.
-        sizes: int | list[int] = num_embeddings
-        if len(specs) == len(sparse_features):
-            sizes = [specs[f].num_slots for f in sparse_features]
-        elif specs:
-            hashed = num_embeddings if isinstance(num_embeddings, list) \
-                else [num_embeddings] * len(sparse_features)
-            sizes = [specs[f].num_slots if f in specs else n
-                     for f, n in zip(sparse_features, hashed, strict=True)]
+            specs = dict(dynamic)
+        sizes = _table_sizes(sparse_features, num_embeddings, specs)
         # A table per feature, ``t_<feature>``: ``dynamic`` by feature name is by table name.
         ebc = pooled_collection(
             make_tables(sparse_features, sizes, embedding_dim, embedding_init),

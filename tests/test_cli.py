@@ -120,7 +120,15 @@ def test_a_bad_args_value_raises_the_training_arguments_error() -> None:
      r"`model.dynamic` takes either DynamicTable's fields .* not both: `model.dynamic.num_slots` is "
      r"a value, `model.dynamic.cat_0` a mapping"),
     ({"model.dynamic": "{cat_9: {num_slots: 64}}"},
-     r"`model.dynamic` names features \['cat_9'\] that are not in `model.sparse_features`"),
+     r"`model.dynamic` names features \['cat_9'\] that the model does not have; its sparse "
+     r"features are \['cat_0', 'cat_1', 'cat_2', 'cat_3'\]"),
+    ({"model.dynamic": "{}"}, r"`model.dynamic` is empty: give DynamicTable's fields .* or one "
+                              r"such mapping per feature, or leave `model.dynamic` out"),
+    ({"model.num_embeddings": "9223372036854775807", "model.dynamic": "{cat_0: {num_slots: 64}}"},
+     r"feature 'cat_1' takes raw ids \(num_embeddings 9223372036854775807, the id space\) but "
+     r"`model.dynamic` does not name it: add `model.dynamic.cat_1`"),
+    ({"model.dynamic": "{cat_0: {num_slots: 64}, cat_1: {num_slots: 64, pooled_lookup: false}}"},
+     r"`model.dynamic.<feature>.pooled_lookup` must be the same for every dynamic feature"),
 ])
 def test_config_errors_name_the_key_and_the_allowed_values(change: dict[str, Any], pattern: str) -> None:
     raw = tiny(**change)
@@ -234,8 +242,6 @@ def test_yaml_makes_every_table_dynamic_or_only_the_features_it_names_each_with_
     assert isinstance(hashed, EmbeddingBagCollection)
     assert [(c.name, c.num_embeddings) for c in hashed.embedding_bag_configs()] == [
         ("t_cat_1", 200), ("t_cat_3", 200)]
-    # The interaction reads the features in the order given, whichever kind their table is.
-    assert model.dlrm.sparse_arch.sparse_feature_names == ["cat_0", "cat_1", "cat_2", "cat_3"]
 
 
 def test_a_model_class_with_a_dynamic_table_argument_takes_its_fields_from_yaml() -> None:

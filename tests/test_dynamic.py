@@ -27,6 +27,7 @@ from recsys_trainer.data.id_stream import IdStream
 from recsys_trainer.dynamic import (
     COUNT_ONE,
     EMPTY_SLOT,
+    ID_SPACE,
     DynamicEmbeddingBagCollection,
     DynamicShardedMaps,
     DynamicTable,
@@ -920,6 +921,42 @@ def test_a_dlrm_makes_only_the_features_it_is_given_dynamic_and_the_others_stay_
     with pytest.raises(TypeError, match=r"`dynamic\['i'\]` must be a recsys_trainer.dynamic."
                                         r"DynamicTable, but is a dict"):
         DLRMClassifier(list(FEATS), 4, dynamic={"i": {"num_slots": 64}})  # type: ignore[dict-item]
+    # A feature of raw ids left out of `dynamic` would be a hashed table of 2**63 rows.
+    with pytest.raises(ValueError, match=r"feature 'u' has num_embeddings 9223372036854775807 \(the "
+                                         r"raw id space\) but no dynamic table: name it in `dynamic`"):
+        DLRMClassifier(list(FEATS), 4, num_embeddings=[ID_SPACE, ID_SPACE], dynamic={"i": spec})
+    with pytest.raises(ValueError, match=r"`pooled_lookup` must be the same for every dynamic "
+                                         r"table of the model, but is \{'u': True, 'i': False\}"):
+        DLRMClassifier(list(FEATS), 4, dynamic={
+            "u": spec, "i": dataclasses.replace(spec, pooled_lookup=False)})
+    with pytest.raises(ValueError, match=r"`num_embeddings` has 1 sizes for 2 sparse features"):
+        DLRMClassifier(list(FEATS), 4, num_embeddings=[97], dynamic={"i": spec})
+
+
+def test_a_mixed_collection_returns_every_feature_in_the_order_of_its_tables() -> None:
+    # Hashed and dynamic tables interleaved: [a (dynamic), b (hashed), c (dynamic), d (hashed)].
+    spec = DynamicTable(num_slots=32, admission_threshold=1, eviction_interval=1)
+    torch.manual_seed(0)
+    model = DLRMClassifier(["a", "b", "c", "d"], 4, num_embeddings=[ID_SPACE, 40, ID_SPACE, 50],
+                           embedding_dim=8, dense_arch=(16,), over_arch=(16, 1),
+                           table_device="cpu", dynamic={"a": spec, "c": spec})
+    coll: Any = model.dlrm.sparse_arch.embedding_bag_collection
+    assert isinstance(coll, MixedEmbeddingBagCollection)
+    ids = {"a": [5, 6], "b": [3, 7], "c": [8, 9], "d": [1, 2]}
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(ids), values=torch.tensor([v for f in ids for v in ids[f]]),
+        lengths=torch.ones(8, dtype=torch.int32))
+    with torch.no_grad():
+        for _ in range(2):  # the first forward admits the ids (a pass per step)
+            kt = coll(kjt)
+        embedded = model.dlrm.sparse_arch(kjt)  # [B, F, D], what the interaction reads
+    assert kt.keys() == ["a", "b", "c", "d"]
+    by_position = kt.values().split(8, dim=1)
+    dyn = coll.dynamic(kjt).to_dict()
+    for k, f in enumerate(ids):
+        want = (coll.hashed.embedding_bags[f"t_{f}"].weight[ids[f]] if f in ("b", "d")
+                else dyn[f])
+        assert torch.equal(by_position[k], want) and torch.equal(embedded[:, k], want), f
 
 
 def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_path: Any) -> None:
@@ -1300,12 +1337,13 @@ def test_the_example_trains_dynamic_and_hashed_tables_from_parquet_and_serves_th
     assert sorted(os.listdir(data)) == ["_signal.json", "hour=00", "hour=01", "hour=02"]
     for w in ("00", "01"):
         assert f"dynamic table t_item after window hour={w}: " in r.stderr, r.stderr[-3000:]
-    final = re.search(r"final eval AUC (\S+) \(the planted effects allow at most (\S+)\)", r.stdout)
+    final = re.search(r"final eval AUC (\S+) \(the planted effects allow at most (\S+) on that "
+                      r"hour\)", r.stdout)
     assert final, r.stdout
     auc, oracle = float(final[1]), float(final[2])
     assert 0.6 < auc < oracle, r.stdout  # it learns the planted effects (0.5: chance)
     # The artifact holds the two dynamic tables and the hashed one, and scores the raw rows.
-    scorer = Scorer(str(out / "serving"))
+    scorer = Scorer(str(out / "serving" / "step_00000032"))
     kinds = {n: t.dynamic is not None for n, t in scorer.tables.items()}
     assert kinds == {"t_user": True, "t_item": True, "t_device": False}
     rows = pq.read_table(data / "hour=02" / "part-0.parquet").slice(0, 100)

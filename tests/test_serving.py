@@ -80,18 +80,20 @@ def test_the_dlrm_example_scores_exactly_as_predict_including_unseen_strings_and
     assert {t["name"]: (t["rows"], t["dim"]) for t in m["tables"]}["t_C1"] == (su.NUM_EMB, 8)
 
 
-@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic"])
+@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed"])
 def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, tmp_path) -> None:
     case = _train_export(kind, str(tmp_path))
     _check_parity(case)
-    if kind == "dynamic":
+    if kind in ("dynamic", "mixed"):
         # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
         tables = Scorer(case["art"]).tables
         t = tables["t_C1"]
         assert t.dynamic is not None and 987_654_321_012 not in set(t.dynamic.ids.tolist())
-        # The model's two hashed tables are served as such, beside the dynamic ones.
-        assert [n for n, x in tables.items() if x.dynamic is None] == ["t_C4", "t_C5"]
-        assert tables["t_C4"].weight is not None and tables["t_C4"].weight.shape[0] == su.NUM_EMB
+        # The mixed model's two hashed tables are served as such, beside the dynamic ones.
+        hashed = [n for n, x in tables.items() if x.dynamic is None]
+        assert hashed == ([] if kind == "dynamic" else ["t_C4", "t_C5"])
+        if kind == "mixed":
+            assert tables["t_C4"].weight is not None and tables["t_C4"].weight.shape[0] == su.NUM_EMB
         su.check_delta(case["root"], kind, case["windows"][-1], 3, 5)
 
 

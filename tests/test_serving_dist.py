@@ -12,7 +12,7 @@ import serving_utils as su
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
-KINDS = ("dynamic", "dlrm")
+KINDS = ("dynamic", "mixed", "dlrm")
 
 
 def _train_predict_export(root: str) -> dict[str, Any]:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,15 +46,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-import torch.distributed as dist
 
+from recsys_trainer.data.generated import SIGNAL_FILE, write_whole, written_once
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.metrics import weighted_auc
-
-log = logging.getLogger("recsys_trainer")
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -230,9 +226,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: i
         part.mkdir(parents=True, exist_ok=True)
         table, p = generate_hour(signal, rows_per_hour, rng, first_row_id=h * rows_per_hour,
                                  behaviour=behaviour, behaviour_rng=brng)
-        tmp = part / "part-0.parquet.tmp"
-        pq.write_table(table, tmp, row_group_size=row_group_size)
-        tmp.replace(part / "part-0.parquet")  # a reader never sees a half-written file
+        write_whole(part / "part-0.parquet", table, row_group_size)
         for name, prob in p.items():
             probs.setdefault(name, []).append(prob)
             labels.setdefault(name, []).append(table.column(name).to_numpy())
@@ -249,7 +243,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: i
         meta.update(oracle_auc_per_label=oracle,
                     like_rate=float(np.concatenate(labels["like"]).mean()),
                     num_items=behaviour.num_items, max_len=behaviour.max_len)
-    (root / "_signal.json").write_text(json.dumps(meta, indent=1))
+    (root / SIGNAL_FILE).write_text(json.dumps(meta, indent=1))
     return meta
 
 
@@ -282,16 +276,12 @@ def behaviour_features(num_embeddings: int = 50_000, *, num_items: int = 2000, m
 
 def ensure_dataset(root: str | os.PathLike[str], hours: int, rows_per_hour: int,
                    behaviour: BehaviourSignal | None = None) -> dict[str, Any]:
-    """Rank 0 writes the dataset if ``root/_signal.json`` is missing while the other ranks wait
-    at a barrier (join the job first); returns ``_signal.json``. An existing dataset is reused
-    as it is: delete it to change its size or its behaviour columns."""
-    meta_file = Path(root) / "_signal.json"
-    if int(os.environ.get("RANK", "0")) == 0 and not meta_file.exists():
-        log.info("writing %d hourly windows x %d rows to %s", hours, rows_per_hour, root)
-        write_dataset(root, hours=hours, rows_per_hour=rows_per_hour, behaviour=behaviour)
-    if dist.is_initialized():
-        dist.barrier()
-    meta: dict[str, Any] = json.loads(meta_file.read_text())
+    """The dataset at ``root``'s ``_signal.json``, rank 0 writing the dataset first if it is
+    missing (``generated.written_once``: join the job first). An existing dataset is reused as
+    it is: delete it to change its size or its behaviour columns."""
+    meta = written_once(root, lambda: write_dataset(root, hours=hours, rows_per_hour=rows_per_hour,
+                                                    behaviour=behaviour),
+                        f"{hours} hourly windows x {rows_per_hour} rows")
     if behaviour is not None and "oracle_auc_per_label" not in meta:
         raise ValueError(f"{root} holds a dataset without the behaviour columns (item, hist_item, "
                          "like); delete it or pass another directory.")

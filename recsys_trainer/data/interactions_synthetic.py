@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,12 +44,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
-import torch.distributed as dist
 
 from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
-
-log = logging.getLogger("recsys_trainer")
+from recsys_trainer.data.generated import SIGNAL_FILE, write_whole, written_once
 
 INTEREST_WEIGHTS = (0.6, 0.3)
 """The weights of a user's two interest categories; the rest (0.1) is any category."""
@@ -297,9 +293,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 8, rows_per_hour: in
         })
         part = root / f"dt={t:%Y-%m-%d}" / f"hour={t:%H}"
         part.mkdir(parents=True, exist_ok=True)
-        tmp = part / "part-0.parquet.tmp"
-        pq.write_table(table, tmp, row_group_size=row_group_size)
-        tmp.replace(part / "part-0.parquet")  # a reader never sees a half-written file
+        write_whole(part / "part-0.parquet", table, row_group_size)
         per_window[f"dt={t:%Y-%m-%d}/hour={t:%H}"] = {
             "rows": n,
             "oracle": oracle_metrics(sig, ev["user"], ev["item"], ev["hist_lengths"], ev["hist_ids"], ks),
@@ -309,8 +303,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 8, rows_per_hour: in
         first_row += n
     catalog = pa.table({"item_id": pa.array(np.arange(sig.num_items, dtype=np.int64)),
                         "item_cat": pa.array(sig.item_cluster.astype(np.int64))})
-    pq.write_table(catalog, root / "_items.parquet.tmp")
-    (root / "_items.parquet.tmp").replace(root / "_items.parquet")
+    write_whole(root / "_items.parquet", catalog)
     last = per_window[list(per_window)[-1]]
     meta: dict[str, Any] = {
         "hours": hours, "rows": first_row, "seed": seed, "num_users": sig.num_users,
@@ -318,7 +311,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 8, rows_per_hour: in
         "num_segments": sig.num_segments, "max_len": sig.max_len, "stickiness": sig.stickiness,
         "session_length": session_length, "oracle": last["oracle"],
         "oracle_exclude_history": last["oracle_exclude_history"], "per_window": per_window}
-    (root / "_signal.json").write_text(json.dumps(meta, indent=1))
+    (root / SIGNAL_FILE).write_text(json.dumps(meta, indent=1))
     return meta
 
 
@@ -350,17 +343,12 @@ def interaction_features(meta: dict[str, Any], *, user_features: bool = True,
 
 def ensure_dataset(root: str | os.PathLike[str], hours: int, rows_per_hour: int,
                    signal: InteractionSignal | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Rank 0 writes the dataset if ``root/_signal.json`` is missing while the other ranks wait
-    at a barrier (join the job first); returns ``_signal.json``. An existing dataset is reused
-    as it is: delete it to change it."""
-    meta_file = Path(root) / "_signal.json"
-    if int(os.environ.get("RANK", "0")) == 0 and not meta_file.exists():
-        log.info("writing %d hourly interaction windows x ~%d rows to %s", hours, rows_per_hour, root)
-        write_dataset(root, hours=hours, rows_per_hour=rows_per_hour, signal=signal, **kwargs)
-    if dist.is_initialized():
-        dist.barrier()
-    meta: dict[str, Any] = json.loads(meta_file.read_text())
-    return meta
+    """The dataset at ``root``'s ``_signal.json``, rank 0 writing the dataset first if it is
+    missing (``generated.written_once``: join the job first). An existing dataset is reused as
+    it is: delete it to change it."""
+    return written_once(root, lambda: write_dataset(root, hours=hours, rows_per_hour=rows_per_hour,
+                                                    signal=signal, **kwargs),
+                        f"{hours} hourly interaction windows x ~{rows_per_hour} rows")
 
 
 def main(argv: list[str] | None = None) -> None:

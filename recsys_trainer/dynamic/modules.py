@@ -207,23 +207,30 @@ class MixedEmbeddingBagCollection(nn.Module):
     """Pooled features of which some tables are dynamic and the others hashed: an
     ``EmbeddingBagCollection`` look-alike holding torchrec's ``EmbeddingBagCollection``
     (``hashed``: ids already below each table's ``num_embeddings``) and a
-    ``DynamicEmbeddingBagCollection`` (``dynamic``: raw ids). Both read the whole
-    ``KeyedJaggedTensor`` and look up only their own features, so DMP shards each as it would
-    alone (the dynamic tables ``row_wise``, the hashed ones as the planner chooses) and TorchRec
-    pipelines still see the batch reach them unchanged. ``forward`` returns one ``KeyedTensor``
-    of every feature; ``embedding_bag_configs()`` lists the tables in the order given."""
+    ``DynamicEmbeddingBagCollection`` (``dynamic``: raw ids; ``{table name: DynamicTable}``,
+    one per dynamic table). Both read the whole ``KeyedJaggedTensor`` and look up only their
+    own features, so DMP shards each as it would alone (the dynamic tables ``row_wise``, the
+    hashed ones as the planner chooses) and TorchRec pipelines still see the batch reach them
+    unchanged. ``forward`` returns one ``KeyedTensor`` of every feature in the order of
+    ``tables`` (as an ``EmbeddingBagCollection`` does), which ``embedding_bag_configs()``
+    lists."""
 
     def __init__(self, tables: list[EmbeddingBagConfig], dynamic: Mapping[str, DynamicTable],
                  device: torch.device | None = None) -> None:
         super().__init__()
-        _check_known(dynamic, tables)
+        unknown = sorted(set(dynamic) - {t.name for t in tables})
+        if unknown:
+            raise ValueError(f"`dynamic` names tables {unknown} that do not exist; the tables "
+                             f"are {[t.name for t in tables]}.")
         hashed = [t for t in tables if t.name not in dynamic]
         dyn = [t for t in tables if t.name in dynamic]
         if not hashed or not dyn:
             raise ValueError("a MixedEmbeddingBagCollection needs hashed and dynamic tables; "
-                             "use pooled_collection(), which builds the plain collection "
-                             "when all tables are one kind.")
+                             "pooled_collection() builds the plain collection when all tables "
+                             "are one kind.")
         self._bag_configs = list(tables)
+        self._features = [f for t in tables for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self.hashed = EmbeddingBagCollection(tables=hashed, device=device or torch.device("meta"))
         self.dynamic = DynamicEmbeddingBagCollection(dyn, dict(dynamic), device)
 
@@ -232,43 +239,31 @@ class MixedEmbeddingBagCollection(nn.Module):
         return self._bag_configs
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return _concat_keyed(self.hashed(features), self.dynamic(features))
+        return _merge_keyed(self.hashed(features), self.dynamic(features), self._features,
+                            self._dims)
 
 
 @torch.fx.wrap
-def _concat_keyed(a: KeyedTensor, b: KeyedTensor) -> KeyedTensor:
+def _merge_keyed(a: KeyedTensor, b: KeyedTensor, keys: list[str], dims: list[int]) -> KeyedTensor:
     # A leaf for fx: TorchRec's pipeline traces the model, and a KeyedTensor built from
-    # proxies would not record the concatenation.
-    return KeyedTensor(keys=a.keys() + b.keys(), length_per_key=a.length_per_key() + b.length_per_key(),
-                       values=torch.cat([a.values(), b.values()], dim=1))
+    # proxies would not record the merge.
+    pooled = {**a.to_dict(), **b.to_dict()}
+    return KeyedTensor(keys=keys, length_per_key=dims,
+                       values=torch.cat([pooled[k] for k in keys], dim=1))
 
 
 def pooled_collection(
-    tables: list[EmbeddingBagConfig],
-    dynamic: DynamicTable | Mapping[str, DynamicTable] | None,
+    tables: list[EmbeddingBagConfig], dynamic: Mapping[str, DynamicTable],
     device: torch.device | None = None,
-) -> nn.Module:
-    """The pooled collection of ``tables``: a torchrec ``EmbeddingBagCollection`` when
-    ``dynamic`` is None or empty; a ``DynamicEmbeddingBagCollection`` when it is one
-    ``DynamicTable`` (every table dynamic) or names every table; a
-    ``MixedEmbeddingBagCollection`` when it names some (``{table name: DynamicTable}``). A
-    dynamic table's ``num_embeddings`` must be its spec's ``num_slots`` (torchrec's default
-    initialiser is sized from it)."""
+) -> EmbeddingBagCollection | DynamicEmbeddingBagCollection | MixedEmbeddingBagCollection:
+    """The pooled collection of ``tables`` given ``{table name: DynamicTable}`` for its dynamic
+    tables: torchrec's ``EmbeddingBagCollection`` when there are none, a
+    ``DynamicEmbeddingBagCollection`` when all are, a ``MixedEmbeddingBagCollection``
+    otherwise. A dynamic table's ``num_embeddings`` must be its spec's ``num_slots`` (torchrec's
+    default initialiser is sized from it)."""
     device = device or torch.device("meta")
-    if isinstance(dynamic, DynamicTable):
-        specs = {t.name: dynamic for t in tables}
-    else:
-        specs = dict(dynamic or {})
-    _check_known(specs, tables)
-    if not specs:
+    if not dynamic:
         return EmbeddingBagCollection(tables=tables, device=device)
-    if len(specs) == len(tables):
-        return DynamicEmbeddingBagCollection(tables, specs, device)
-    return MixedEmbeddingBagCollection(tables, specs, device)
-
-
-def _check_known(specs: Mapping[str, DynamicTable], tables: list[EmbeddingBagConfig]) -> None:
-    unknown = sorted(set(specs) - {t.name for t in tables})
-    if unknown:
-        raise ValueError(f"`dynamic` names tables {unknown} that do not exist; the tables are "
-                         f"{[t.name for t in tables]}.")
+    if set(dynamic) == {t.name for t in tables}:
+        return DynamicEmbeddingBagCollection(tables, dict(dynamic), device)
+    return MixedEmbeddingBagCollection(tables, dynamic, device)
