@@ -231,6 +231,7 @@ class MixedEmbeddingBagCollection(nn.Module):
         self._bag_configs = list(tables)
         self._features = [f for t in tables for f in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._runs: dict[tuple[str, ...], list[tuple[int, int, int]]] = {}
         self.hashed = EmbeddingBagCollection(tables=hashed, device=device or torch.device("meta"))
         self.dynamic = DynamicEmbeddingBagCollection(dyn, dict(dynamic), device)
 
@@ -240,16 +241,35 @@ class MixedEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return _merge_keyed(self.hashed(features), self.dynamic(features), self._features,
-                            self._dims)
+                            self._dims, self._runs)
 
 
 @torch.fx.wrap
-def _merge_keyed(a: KeyedTensor, b: KeyedTensor, keys: list[str], dims: list[int]) -> KeyedTensor:
-    # A leaf for fx: TorchRec's pipeline traces the model, and a KeyedTensor built from
-    # proxies would not record the merge.
-    pooled = {**a.to_dict(), **b.to_dict()}
-    return KeyedTensor(keys=keys, length_per_key=dims,
-                       values=torch.cat([pooled[k] for k in keys], dim=1))
+def _merge_keyed(a: KeyedTensor, b: KeyedTensor, keys: list[str], dims: list[int],
+                 runs: dict[tuple[str, ...], list[tuple[int, int, int]]]) -> KeyedTensor:
+    """``a`` and ``b`` as one ``KeyedTensor`` of ``keys`` in that order: one concatenation of
+    the runs of columns that are consecutive in ``a`` or ``b`` (``runs`` caches them per key
+    layout; two when the tables' kinds are not interleaved). A leaf for fx: TorchRec's pipeline
+    traces the model, and a KeyedTensor built from proxies would not record the merge."""
+    layout = (*a.keys(), "|", *b.keys())
+    if layout not in runs:
+        spans: dict[str, tuple[int, int, int]] = {}
+        for src, kt in enumerate((a, b)):
+            start = 0
+            for k, d in zip(kt.keys(), kt.length_per_key(), strict=True):
+                spans[k] = (src, start, start + d)
+                start += d
+        merged: list[tuple[int, int, int]] = []
+        for k in keys:
+            src, lo, hi = spans[k]
+            if merged and merged[-1][0] == src and merged[-1][2] == lo:
+                merged[-1] = (src, merged[-1][1], hi)
+            else:
+                merged.append((src, lo, hi))
+        runs[layout] = merged
+    sources = (a.values(), b.values())
+    return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(
+        [sources[src][:, lo:hi] for src, lo, hi in runs[layout]], dim=1))
 
 
 def pooled_collection(
