@@ -78,7 +78,7 @@ def hashed(batches: list[Batch], rows: int) -> list[Batch]:
     return out
 
 
-def make(rows: int, spec: DynamicTable | None, out: str, dim: int) -> Trainer:
+def make(rows: int, spec: DynamicTable | None, out: str, dim: int = 16) -> Trainer:
     torch.manual_seed(0)
     model = DLRMClassifier(list(FEATS), 4, num_embeddings=rows, embedding_dim=dim,
                            dense_arch=(32,), over_arch=(32, 1), dynamic=spec)

@@ -9,8 +9,8 @@ reader cost), ``bench_checkpoint.py`` (save/restore),
 ``bench_predict.py`` (offline scoring vs evaluation), ``bench_serving.py`` (the exported
 model's scorer vs the eager model; quantized tables), ``bench_dynamic.py`` (dynamic vs
 hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
-``bench_dynamic_step.py`` (where a dynamic table's step time goes),
-``bench_dynamic_lookup.py`` (a dynamic table's id lookup: binary search vs the bucket index),
+``bench_dynamic_step.py`` (where a dynamic table's step time goes), ``bench_mixed_step.py``
+(some of a DLRM's tables dynamic vs all hashed), ``bench_dynamic_lookup.py`` (a dynamic table's id lookup: binary search vs the bucket index),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
 lost and time to recover per fault kind, under torchrun), ``bench_retrieval.py`` (the retrieval
@@ -47,6 +47,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "serving": ("bench_serving.py", ()),
     "dynamic": ("bench_dynamic.py", ()),
     "dynamic_step": ("bench_dynamic_step.py", ()),
+    "mixed_step": ("bench_mixed_step.py", ()),
     "dynamic_lookup": ("bench_dynamic_lookup.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
