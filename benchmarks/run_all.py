@@ -9,8 +9,9 @@ reader cost), ``bench_checkpoint.py`` (save/restore),
 ``bench_predict.py`` (offline scoring vs evaluation), ``bench_serving.py`` (the exported
 model's scorer vs the eager model; quantized tables), ``bench_dynamic.py`` (dynamic vs
 hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
-``bench_dynamic_step.py`` (where a dynamic table's step time goes), ``bench_mixed_step.py``
-(some of a DLRM's tables dynamic vs all hashed), ``bench_dynamic_lookup.py`` (a dynamic table's id lookup: binary search vs the bucket index),
+``bench_dynamic_step.py`` (where a dynamic table's step time goes),
+``bench_mixed_step.py`` (some of a DLRM's tables dynamic vs all hashed),
+``bench_dynamic_lookup.py`` (a dynamic table's id lookup: binary search vs the bucket index),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
 lost and time to recover per fault kind, under torchrun), ``bench_retrieval.py`` (the retrieval

@@ -959,6 +959,37 @@ def test_a_mixed_collection_returns_every_feature_in_the_order_of_its_tables() -
         assert torch.equal(by_position[k], want) and torch.equal(embedded[:, k], want), f
 
 
+@pytest.mark.parametrize("keys", [
+    ["a0", "a1", "b0", "b1", "a2"],  # runs: a0-a1, b0-b1, a2
+    ["b1", "a2", "a0", "b0", "a1"],  # every run one key, out of both sources' order
+    ["a0", "a1", "a2", "b0", "b1"],  # one run per source
+])
+def test_the_merge_of_two_pooled_outputs_is_a_reordering_in_values_and_gradients(
+        keys: list[str]) -> None:
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    from recsys_trainer.dynamic.modules import _merge_keyed
+
+    g = torch.Generator().manual_seed(0)
+    dims = {"a0": 4, "a1": 8, "a2": 4, "b0": 4, "b1": 12}
+    a_keys, b_keys = ["a0", "a1", "a2"], ["b0", "b1"]
+    a = torch.randn(3, 16, generator=g, requires_grad=True)
+    b = torch.randn(3, 16, generator=g, requires_grad=True)
+    kt_a = KeyedTensor(keys=a_keys, length_per_key=[dims[k] for k in a_keys], values=a)
+    kt_b = KeyedTensor(keys=b_keys, length_per_key=[dims[k] for k in b_keys], values=b)
+    out = _merge_keyed(kt_a, kt_b, keys, [dims[k] for k in keys])
+    ref = {**kt_a.to_dict(), **kt_b.to_dict()}
+    want = torch.cat([ref[k] for k in keys], dim=1)
+    assert out.keys() == keys and torch.equal(out.values(), want)
+    weight = torch.randn(want.shape, generator=g)
+    grads = torch.autograd.grad((out.values() * weight).sum(), (a, b))
+    want_grads = torch.autograd.grad((want * weight).sum(), (a, b))
+    assert all(torch.equal(x, y) for x, y in zip(grads, want_grads, strict=True))
+    # A width that is not the table's is refused, not cut silently.
+    with pytest.raises(ValueError, match=r"pooled feature 'a0' is 4 wide, but 8 was expected"):
+        _merge_keyed(kt_a, kt_b, keys, [8 if k == "a0" else dims[k] for k in keys])
+
+
 def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_path: Any) -> None:
     from recsys_trainer.ranking_models import DINClassifier
 

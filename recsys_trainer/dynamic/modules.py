@@ -7,6 +7,7 @@ features, torchrec's ``ManagedCollisionEmbeddingCollection``),
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -231,7 +232,6 @@ class MixedEmbeddingBagCollection(nn.Module):
         self._bag_configs = list(tables)
         self._features = [f for t in tables for f in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._runs: dict[tuple[str, ...], list[tuple[int, int, int]]] = {}
         self.hashed = EmbeddingBagCollection(tables=hashed, device=device or torch.device("meta"))
         self.dynamic = DynamicEmbeddingBagCollection(dyn, dict(dynamic), device)
 
@@ -241,35 +241,53 @@ class MixedEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return _merge_keyed(self.hashed(features), self.dynamic(features), self._features,
-                            self._dims, self._runs)
+                            self._dims)
 
 
 @torch.fx.wrap
-def _merge_keyed(a: KeyedTensor, b: KeyedTensor, keys: list[str], dims: list[int],
-                 runs: dict[tuple[str, ...], list[tuple[int, int, int]]]) -> KeyedTensor:
-    """``a`` and ``b`` as one ``KeyedTensor`` of ``keys`` in that order: one concatenation of
-    the runs of columns that are consecutive in ``a`` or ``b`` (``runs`` caches them per key
-    layout; two when the tables' kinds are not interleaved). A leaf for fx: TorchRec's pipeline
-    traces the model, and a KeyedTensor built from proxies would not record the merge."""
-    layout = (*a.keys(), "|", *b.keys())
-    if layout not in runs:
-        spans: dict[str, tuple[int, int, int]] = {}
-        for src, kt in enumerate((a, b)):
-            start = 0
-            for k, d in zip(kt.keys(), kt.length_per_key(), strict=True):
-                spans[k] = (src, start, start + d)
-                start += d
-        merged: list[tuple[int, int, int]] = []
-        for k in keys:
-            src, lo, hi = spans[k]
-            if merged and merged[-1][0] == src and merged[-1][2] == lo:
-                merged[-1] = (src, merged[-1][1], hi)
-            else:
-                merged.append((src, lo, hi))
-        runs[layout] = merged
-    sources = (a.values(), b.values())
-    return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(
-        [sources[src][:, lo:hi] for src, lo, hi in runs[layout]], dim=1))
+def _merge_keyed(a: KeyedTensor, b: KeyedTensor, keys: list[str], dims: list[int]) -> KeyedTensor:
+    """``a`` and ``b`` as one ``KeyedTensor`` of ``keys`` (widths ``dims``) in that order. A
+    leaf for fx: TorchRec's pipeline traces the model, and a KeyedTensor built from proxies
+    would not record the merge."""
+    pieces_a, pieces_b, order = _merge_plan(tuple(a.keys()), tuple(a.length_per_key()),
+                                            tuple(b.keys()), tuple(b.length_per_key()),
+                                            tuple(keys), tuple(dims))
+    # Each source split once, into its runs of columns that stay consecutive in the output
+    # (the backward of one split is one concatenation; a slice per run would build a
+    # source-wide gradient per run).
+    pieces = [*a.values().split(pieces_a, dim=1), *b.values().split(pieces_b, dim=1)]
+    values = pieces[order[0]] if len(order) == 1 else torch.cat([pieces[i] for i in order], dim=1)
+    return KeyedTensor(keys=keys, length_per_key=dims, values=values)
+
+
+@functools.lru_cache(maxsize=64)
+def _merge_plan(a_keys: tuple[str, ...], a_dims: tuple[int, ...], b_keys: tuple[str, ...],
+                b_dims: tuple[int, ...], keys: tuple[str, ...], dims: tuple[int, ...],
+                ) -> tuple[list[int], list[int], list[int]]:
+    """How ``_merge_keyed`` cuts ``a`` and ``b``: the widths of each one's pieces (runs of its
+    columns that are consecutive in the output, in its own column order) and the pieces'
+    order in the output (indices into ``a``'s pieces, then ``b``'s)."""
+    source = {k: (0, i) for i, k in enumerate(a_keys)} | {k: (1, i) for i, k in enumerate(b_keys)}
+    widths = (a_dims, b_dims)
+    missing = [k for k in keys if k not in source]
+    if missing or len(keys) != len(source):
+        raise ValueError(f"cannot merge pooled features {list(a_keys)} and {list(b_keys)} into "
+                         f"{list(keys)}: {missing or 'a feature twice'}.")
+    runs: list[tuple[int, int, int]] = []  # (source, first key, last key + 1), output order
+    for k, d in zip(keys, dims, strict=True):
+        src, i = source[k]
+        if widths[src][i] != d:
+            raise ValueError(f"pooled feature {k!r} is {widths[src][i]} wide, but {d} was "
+                             "expected (its table's embedding_dim).")
+        if runs and runs[-1][0] == src and runs[-1][2] == i:
+            runs[-1] = (src, runs[-1][1], i + 1)
+        else:
+            runs.append((src, i, i + 1))
+    by_source = [sorted(r for r in runs if r[0] == src) for src in (0, 1)]
+    pieces = [[sum(widths[src][lo:hi]) for _, lo, hi in by_source[src]] for src in (0, 1)]
+    index = {r: j for j, r in enumerate(by_source[0])} | \
+        {r: len(by_source[0]) + j for j, r in enumerate(by_source[1])}
+    return pieces[0], pieces[1], [index[r] for r in runs]
 
 
 def pooled_collection(
