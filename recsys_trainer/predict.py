@@ -39,6 +39,7 @@ import torch
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.batch_check import BatchCheck
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import Gang
 from recsys_trainer.storage import Location, resolve, storage_error
@@ -106,12 +107,14 @@ Forward = Callable[[Batch], tuple[torch.Tensor, Any]]
 
 def predict(forward: Forward, dataset: WindowedDataset, gang: Gang, device: torch.device,
             options: PredictOptions, filesystem: pafs.FileSystem | None = None, *,
-            max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
+            max_windows: int | None = None, max_batches: int | None = None,
+            batch_check: BatchCheck | None = None) -> PredictSummary:
     """Score every window of ``dataset`` into ``options.output_dir``; all ranks call this.
 
     ``forward(batch)`` returns ``(loss, outputs)`` under ``torch.no_grad`` (the Trainer's
     forward: autocast included). ``dataset`` is set up for this rank. ``max_windows`` and
     ``max_batches`` (per window, per rank) cut the run short: the test mode's ``predict`` phase.
+    ``batch_check`` checks batches that no ``FeatureSpec`` decoded against the model's tables.
     """
     t0 = time.perf_counter()
     root = resolve(options.output_dir, filesystem)
@@ -122,7 +125,8 @@ def predict(forward: Forward, dataset: WindowedDataset, gang: Gang, device: torc
             summary.windows_skipped.append(window_id)
             continue
         _clear(out, gang)
-        result = _score_window(forward, dataset, window_id, gang, device, out, options, max_batches)
+        result = _score_window(forward, dataset, window_id, gang, device, out, options, max_batches,
+                               batch_check)
         summary.rows_written += _commit(out, window_id, result, gang)
         summary.windows_written.append(window_id)
     summary.seconds = time.perf_counter() - t0
@@ -201,12 +205,15 @@ class _PartResult:
 
 def _score_window(forward: Forward, dataset: WindowedDataset, window_id: str, gang: Gang,
                   device: torch.device, out: Location, options: PredictOptions,
-                  max_batches: int | None = None) -> _PartResult:
+                  max_batches: int | None = None,
+                  batch_check: BatchCheck | None = None) -> _PartResult:
     """Score this rank's rows of one window (at most ``max_batches`` forwards) into its part
     file."""
     names = _default_names(dataset, options)
     writer = _PartWriter(out.join(part_name(gang.rank, gang.world_size)), options, names)
-    it = SyncedIterator(dataset.iter_window(window_id), gang, pad=True,
+    batches = (dataset.iter_window(window_id) if batch_check is None
+               else batch_check.batches(dataset, window_id))
+    it = SyncedIterator(batches, gang, pad=True,
                         padding_batch=dataset.padding_batch,
                         local_flags=lambda: (writer.error is not None, False))
     try:

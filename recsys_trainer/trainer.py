@@ -82,6 +82,7 @@ from recsys_trainer.data.base import (
     as_windowed,
     nothing_to_train_error,
 )
+from recsys_trainer.data.batch_check import BatchCheck
 from recsys_trainer.data.spec import apply_model_to_specs
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.data.vocab import Vocabularies
@@ -112,7 +113,13 @@ from recsys_trainer.precision import Precision
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.preemption import Preempted, Preemption, PreemptionWatcher, exit_now
 from recsys_trainer.rng import RNGState, seed_everything
-from recsys_trainer.sharding import check_data_fits_model, dense_no_sync, shard_model, table_names
+from recsys_trainer.sharding import (
+    check_data_fits_model,
+    dense_no_sync,
+    feature_tables,
+    shard_model,
+    table_names,
+)
 from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
 
@@ -237,6 +244,8 @@ class Trainer:
             table_names(model), self.sparse_optimizer_spec, table_optimizers)
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
+        self._batch_check = BatchCheck(feature_tables(model))
+        """Checks batches no FeatureSpec decoded (ids in their tables, dense values finite)."""
         apply_model_to_specs((train_dataset, eval_dataset), label_range=getattr(model, "label_range", None),
                              row_id_features=getattr(model, "row_id_features", ()))
         self.model = shard_model(
@@ -462,7 +471,8 @@ class Trainer:
             self.state.mode = "predict"
             self.model.eval()
             return predict(self._forward, ds, self.gang, self.device, options, filesystem,
-                           max_windows=max_windows, max_batches=max_batches)
+                           max_windows=max_windows, max_batches=max_batches,
+                           batch_check=self._batch_check)
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``
@@ -657,7 +667,7 @@ class Trainer:
         self.model.train()
         self.hooks.fire("before_window", self, window_id)
         it = self._train_it = SyncedIterator(
-            ds.iter_window(window_id, skip_batches=st.batches_in_window),
+            self._batch_check.batches(ds, window_id, skip_batches=st.batches_in_window),
             self.gang,
             pad=False,
             local_flags=lambda: (self._stop_flag(), self._non_finite_local),
@@ -813,7 +823,8 @@ class Trainer:
             st.window_id = window_id
             self.hooks.fire("before_window", self, window_id)
             it = SyncedIterator(
-                ds.iter_window(window_id), self.gang, pad=True, padding_batch=ds.padding_batch,
+                self._batch_check.batches(ds, window_id), self.gang, pad=True,
+                padding_batch=ds.padding_batch,
                 local_flags=lambda: (2 if self._preemption_watcher.requested else 0, False),
             )
             try:

@@ -283,3 +283,32 @@ def test_2_rank_jobs_exit_cleanly_with_no_gloo_thread_left_for_interpreter_final
     assert len(results) == 10
     bad = [r for r in results if r["exit"] != 0 or r["terminate"] or r["gloo_threads_at_exit"] != 0]
     assert bad == [], bad[:3]
+
+
+def _one_rank_has_an_id_outside_its_table() -> dict[str, Any]:
+    import time
+
+    from recsys_trainer.data.errors import DataError
+
+    rank = _rank()
+    data = batches(4, seed=rank)
+    if rank == 1:
+        data[2].sparse.values()[3] = 999  # feature f0 (200 rows), row 3
+    trainer = make_trainer(train=data)
+    t0 = time.monotonic()
+    try:
+        trainer.train()
+    except DataError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0, "step": trainer.state.global_step}
+    return {"error": None}
+
+
+def test_an_id_outside_its_table_in_one_ranks_hand_built_batch_stops_both_ranks_naming_it() -> None:
+    r0, r1 = run_distributed(_one_rank_has_an_id_outside_its_table, 2, TIMEOUT)
+    mine = ("window 'all', batch 2: feature 'f0' (batch.sparse) has id 999 at row 3: outside "
+            "table 't_f0', which has rows [0, 200)")
+    assert r1["error"].startswith(mine)
+    assert r0["error"] == (f"rank 1 failed to read its next batch: DataError: {r1['error']} "
+                           "(rank 0 stops too instead of waiting for it).")
+    assert r0["step"] == r1["step"] == 2  # neither rank trained the batch
+    assert r0["seconds"] < 60 and r1["seconds"] < 60

@@ -557,3 +557,80 @@ def test_a_misspelled_event_method_is_refused_naming_the_event_it_resembles() ->
     with pytest.raises(TypeError, match=r"Typo defines after_train_step\(\).*'after_step'"):
         HookList([Typo()])
     assert HookList([Helper()]).has("after_step")
+
+
+@pytest.mark.parametrize(("bad_id", "why"), [
+    (200, "outside table 't_f2', which has rows [0, 200) (1 such id(s) in this batch)"),
+    (-3, "it is negative, and no table row is (1 such id(s) in this batch)"),
+])
+def test_a_hand_built_batch_with_an_id_outside_its_table_is_refused_before_it_trains(bad_id, why) -> None:
+    # Unchecked, FBGEMM logs "Setting idx to zero" and trains the id on row 0.
+    data = batches(3)
+    kjt = data[1].sparse
+    kjt.values()[kjt.offset_per_key()[2] + 7] = bad_id  # feature f2, row 7
+    trainer = make_trainer(train=data)
+    with pytest.raises(DataError) as e:
+        trainer.train()
+    assert str(e.value) == (
+        f"window 'all', batch 1: feature 'f2' (batch.sparse) has id {bad_id} at row 7: {why}. "
+        "Unchecked, FBGEMM would train it on row 0; map ids into the table before building the "
+        "batch (hash them, or take them modulo 200), or give the table more rows (num_embeddings).")
+    assert trainer.state.global_step == 1  # refused at the fetch, before the batch trained
+    with pytest.raises(DataError, match="window 'all', batch 1: feature 'f2'"):
+        make_trainer(eval_=data).evaluate()
+
+
+def test_a_hand_built_batch_missing_a_feature_or_with_nan_dense_or_float_ids_is_named(tmp_path) -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recsys_trainer.batch import Batch
+
+    data = batches(2)
+    b = data[1]
+    jts = b.sparse.to_dict()
+    data[1] = Batch(dense=b.dense, labels=b.labels, sparse=KeyedJaggedTensor.from_jt_dict(
+        {k: jts[k] for k in ("f0", "f1", "f3")}))
+    with pytest.raises(DataError, match=(
+            r"window 'all', batch 1: table 't_f2' reads feature 'f2', but the batch has no such key "
+            r"\(1 missing: \['f2'\]; the batch has sparse keys \['f0', 'f1', 'f3'\]\)")):
+        make_trainer(train=data).train()
+
+    data = batches(2)
+    data[0].dense[3, 1] = float("inf")
+    with pytest.raises(DataError, match=r"window 'all', batch 0: dense value inf at row 3, column 1 "
+                                        r"is not finite"):
+        make_trainer(train=data).train()
+
+    data = batches(2)
+    data[1].sparse._values = data[1].sparse.values().float()
+    with pytest.raises(DataError, match=r"batch 1: batch.sparse holds torch.float32 values"):
+        make_trainer(train=data).train()
+
+    # predict checks the batches it scores the same way.
+    data = batches(2)
+    data[1].sparse.values()[0] = 10**6
+    with pytest.raises(DataError, match="batch 1: feature 'f0' .* has id 1000000 at row 0"):
+        make_trainer(train=batches(1)).predict(data, str(tmp_path / "scores"))
+
+
+def test_hand_built_batches_of_a_dynamic_table_take_any_raw_id_but_a_negative_one() -> None:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recsys_trainer.batch import Batch
+    from recsys_trainer.dynamic import DynamicTable
+
+    def batch(user_ids: list[int]) -> Batch:
+        n = len(user_ids)
+        return Batch(dense=torch.zeros(n, 2), labels=torch.ones(n), sparse=KeyedJaggedTensor(
+            keys=["user", "item"], values=torch.tensor([*user_ids, *range(n)]),
+            lengths=torch.ones(2 * n, dtype=torch.int32), stride=n))
+
+    model = DLRMClassifier(["user", "item"], 2, 100, embedding_dim=4, dense_arch=(4,),
+                           over_arch=(4, 1), dynamic={"user": DynamicTable(num_slots=64, buckets=1)})
+    trainer = Trainer(model, TrainingArguments(output_dir="/tmp/recsys_trainer_test"),
+                      train_dataset=[batch([2**62 + 5, 2**63 - 2]), batch([7, -1])],
+                      add_logger_hook=False)
+    with pytest.raises(DataError, match=r"batch 1: feature 'user' \(batch.sparse\) has id -1 at "
+                                        r"row 1: it is negative, .* raw ids of a dynamic table must be >= 0"):
+        trainer.train()
+    assert trainer.state.global_step == 1

@@ -594,8 +594,9 @@ def export_for_serving(source: Any, out_dir: str, *, model: nn.Module | None = N
                              aot_inductor_error=built.aot_error)
 
     result: ExportSummary = _on_rank_zero(trainer, work) if trainer is not None else work()
-    logger.info("serving export of step %s written to %s (%.1f MB, %.1f s)", result.step,
-                result.path, result.bytes / 1e6, result.seconds)
+    if trainer is None or trainer.rank == 0:  # the one rank that wrote it says so
+        logger.info("serving export of step %s written to %s (%.1f MB, %.1f s)", result.step,
+                    result.path, result.bytes / 1e6, result.seconds)
     return result
 
 
