@@ -3,7 +3,8 @@
     python benchmarks/run_all.py [--quick] [--out benchmarks/results.md] [--only trainer scaling]
 
 Benchmarks (run in this order, those present): ``bench_trainer.py`` (Trainer overhead vs a
-hand-written TorchRec loop and plain PyTorch), ``bench_scaling.py`` (table rows, batch size,
+hand-written TorchRec loop and plain PyTorch), ``bench_batch_check.py`` (the id check on
+hand-built batches vs the step), ``bench_scaling.py`` (table rows, batch size,
 memory), ``bench_data.py`` (reader throughput), ``bench_vocab.py`` (vocabularies vs hashing: AUC and
 reader cost), ``bench_checkpoint.py`` (save/restore),
 ``bench_predict.py`` (offline scoring vs evaluation), ``bench_serving.py`` (the exported
@@ -40,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "trainer": ("bench_trainer.py", ()),
+    "batch_check": ("bench_batch_check.py", ()),
     "scaling": ("bench_scaling.py", ()),
     "data": ("bench_data.py", ()),
     "vocab": ("bench_vocab.py", ()),

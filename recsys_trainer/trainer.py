@@ -244,8 +244,8 @@ class Trainer:
             table_names(model), self.sparse_optimizer_spec, table_optimizers)
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
-        self._batch_check = BatchCheck(feature_tables(model))
-        """Checks batches no FeatureSpec decoded (ids in their tables, dense values finite)."""
+        self._batch_check = BatchCheck(feature_tables(model, "pooled"), feature_tables(model, "sequence"))
+        """Checks batches no FeatureSpec decoded (ids inside their tables, features present)."""
         apply_model_to_specs((train_dataset, eval_dataset), label_range=getattr(model, "label_range", None),
                              row_id_features=getattr(model, "row_id_features", ()))
         self.model = shard_model(

@@ -291,6 +291,12 @@ def _one_rank_has_an_id_outside_its_table() -> dict[str, Any]:
     from recsys_trainer.data.errors import DataError
 
     rank = _rank()
+    # Uneven data: rank 1's last batch, never trained (rank 0 runs out first), is only counted.
+    data = batches(2 if rank == 0 else 4, seed=rank)
+    if rank == 1:
+        data[3].sparse.values()[3] = 999
+    uneven = make_trainer(train=data)
+    uneven.train()
     data = batches(4, seed=rank)
     if rank == 1:
         data[2].sparse.values()[3] = 999  # feature f0 (200 rows), row 3
@@ -299,7 +305,8 @@ def _one_rank_has_an_id_outside_its_table() -> dict[str, Any]:
     try:
         trainer.train()
     except DataError as e:
-        return {"error": str(e), "seconds": time.monotonic() - t0, "step": trainer.state.global_step}
+        return {"error": str(e), "seconds": time.monotonic() - t0, "step": trainer.state.global_step,
+                "uneven_steps": uneven.state.global_step}
     return {"error": None}
 
 
@@ -311,4 +318,5 @@ def test_an_id_outside_its_table_in_one_ranks_hand_built_batch_stops_both_ranks_
     assert r0["error"] == (f"rank 1 failed to read its next batch: DataError: {r1['error']} "
                            "(rank 0 stops too instead of waiting for it).")
     assert r0["step"] == r1["step"] == 2  # neither rank trained the batch
+    assert r0["uneven_steps"] == r1["uneven_steps"] == 2
     assert r0["seconds"] < 60 and r1["seconds"] < 60

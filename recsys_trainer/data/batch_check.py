@@ -1,18 +1,19 @@
 """Checks on batches that no ``FeatureSpec`` decoded: a plain iterable of ``Batch``, or a
 ``WindowedDataset`` that builds its own tensors.
 
-The reader checks every column as it decodes (``decode``). Batches built by hand reach the model
+The reader checks every id as it decodes (``decode``). Batches built by hand reach the tables
 unchecked otherwise, and what goes wrong there is silent or obscure: FBGEMM trains an id outside
-its table on row 0 with one log line ("Setting idx to zero"), a NaN dense value turns every
-dense weight NaN under the default ``non_finite_loss="ignore"``, and a feature the batch lacks
-fails deep inside torchrec's KJT split with an ``IndexError``. One vectorized pass per batch (a
-bound per value, one compare) names the window, batch, feature, row and value instead; it runs
-inside the dataset's iterator, so ``SyncedIterator`` raises it on every rank.
+its table on row 0 with one log line ("Setting idx to zero"), and a feature the batch lacks fails
+deep inside torchrec's KJT split with an ``IndexError``. One vectorized pass per batch (a bound
+per value, one compare) names the window, batch, feature, row and value instead; it runs inside
+the dataset's iterator, so ``SyncedIterator`` raises it on every rank. Non-finite dense values
+are left to ``TrainingArguments.non_finite_loss``, whose policies act on the loss they cause.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -21,111 +22,160 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
+from recsys_trainer.dynamic.ids import ID_SPACE
 
-_ID_SPACE = 2**63 - 1
-"""A dynamic table's bound: any raw id in ``[0, 2**63 - 1)``, as the reader allows."""
 _ID_DTYPES = (torch.int64, torch.int32)
+Limits = dict[str, tuple[int, str]]
+"""``feature -> (rows, table)``: the smallest table reading the feature."""
+
+
+def _limits(tables: Iterable[tuple[str, str, int | None]]) -> Limits:
+    out: Limits = {}
+    for feature, table, rows in tables:
+        bound = ID_SPACE if rows is None else rows  # a dynamic table: any raw id >= 0
+        if feature not in out or bound < out[feature][0]:
+            out[feature] = (bound, table)
+    return out
 
 
 class BatchCheck:
     """What a hand-built batch must satisfy to fit a model's tables.
 
-    ``tables``: ``(feature, table, num_embeddings)`` for every feature an embedding table reads
-    (``sharding.feature_tables``); ``num_embeddings`` None marks a dynamic table, which takes
-    any id ``>= 0``. A feature read by two tables is held to the smaller one.
+    ``pooled`` and ``sequence``: ``(feature, table, num_embeddings)`` for every feature a pooled
+    (``EmbeddingBagCollection``) or an unpooled (``EmbeddingCollection``) table reads
+    (``sharding.feature_tables``); ``num_embeddings`` None marks a dynamic table, which takes any
+    id ``>= 0``. As for a ``FeatureSpec`` (``check_features_fit_tables``): a pooled table reads
+    ``batch.sparse``, an unpooled one ``batch.sequence`` or, for a key that KJT lacks,
+    ``batch.sparse``. Keys no table reads are not checked.
     """
 
-    def __init__(self, tables: Iterable[tuple[str, str, int | None]]) -> None:
-        self._limit: dict[str, tuple[int, str]] = {}
-        """``feature -> (rows, table)`` of the smallest table reading it."""
-        for feature, table, rows in tables:
-            bound = _ID_SPACE if rows is None else rows
-            if feature not in self._limit or bound < self._limit[feature][0]:
-                self._limit[feature] = (bound, table)
-        self._bounds: dict[tuple[str, ...], torch.Tensor] = {}
-        """Per-key bounds of each KJT key layout seen (keys rarely change between batches)."""
+    def __init__(self, pooled: Iterable[tuple[str, str, int | None]],
+                 sequence: Iterable[tuple[str, str, int | None]] = ()) -> None:
+        self._pooled = _limits(pooled)
+        self._sequence = _limits(sequence)
 
     def batches(self, dataset: WindowedDataset, window_id: str,
                 skip_batches: int = 0) -> Iterator[Batch]:
-        """``dataset.iter_window(window_id, skip_batches)``, each batch checked unless the
-        dataset decodes through a ``FeatureSpec`` (the reader checked it column by column)."""
+        """``dataset.iter_window(window_id, skip_batches)``, each batch checked as it is fetched
+        unless the dataset decodes through a ``FeatureSpec`` (the reader checked every id)."""
         it = dataset.iter_window(window_id, skip_batches=skip_batches)
-        if isinstance(dataset.features, FeatureSpec):
+        if isinstance(dataset.features, FeatureSpec) or not (self._pooled or self._sequence):
             return it
-        return self._checked(it, window_id, skip_batches)
-
-    def _checked(self, it: Iterator[Batch], window_id: str, first: int) -> Iterator[Batch]:
-        for i, batch in enumerate(it, first):
-            self.check(batch, f"window {window_id!r}, batch {i}")
-            yield batch
+        return _CheckedWindow(self, it, window_id, skip_batches)
 
     def check(self, batch: Batch, where: str = "batch") -> None:
-        """Raise ``DataError`` (prefixed by ``where``) for an id outside its table, a missing
-        or non-integer id feature, or a non-finite dense value."""
-        kjts = {"sparse": batch.sparse, "sequence": batch.sequence}
-        present: set[str] = set()
-        for field, kjt in kjts.items():
-            if kjt is not None:
-                present.update(kjt.keys())
-                self._check_ids(kjt, field, where)
-        missing = [f for f in self._limit if f not in present]
-        if missing:
-            f = missing[0]
-            have = {field: list(k.keys()) for field, k in kjts.items() if k is not None}
-            raise DataError(
-                f"{where}: table {self._limit[f][1]!r} reads feature {f!r}, but the batch has no "
-                f"such key ({len(missing)} missing: {missing}; the batch has "
-                f"{', '.join(f'{n} keys {k}' for n, k in have.items())}). Put every feature a "
-                "table reads into the batch's KJTs (an empty list per row is allowed), or leave "
-                "the table out of the model.")
-        dense = batch.dense
-        if dense.numel() and not bool(torch.isfinite(dense).all()):
-            row, col = (int(i) for i in (~torch.isfinite(dense)).nonzero()[0])
-            raise DataError(
-                f"{where}: dense value {float(dense[row, col])} at row {row}, column {col} is "
-                "not finite; one such value turns the dense weights it reaches NaN. Clean or "
-                "fill it before building the batch, or read the data through a FeatureSpec "
-                "with DenseFeature(on_non_finite='fill').")
+        """Raise ``DataError`` (prefixed by ``where``) for an id outside the table reading it,
+        a feature a table reads missing from its KJT, or non-integer ids."""
+        sparse = set(batch.sparse.keys())
+        seq = set(batch.sequence.keys()) if batch.sequence is not None else set()
+        for f, (_, table) in self._pooled.items():
+            if f not in sparse:
+                self._missing(batch, f, table, "a pooled table (EmbeddingBagCollection), which "
+                              "reads batch.sparse", where)
+        for f, (_, table) in self._sequence.items():
+            if f not in seq and f not in sparse:
+                self._missing(batch, f, table, "a sequence table (EmbeddingCollection), which "
+                              "reads batch.sequence or batch.sparse", where)
+        from_sparse = {f: lim for f, lim in self._sequence.items() if f not in seq}
+        self._check_ids(batch.sparse, "sparse", _smaller(self._pooled, from_sparse), where)
+        if batch.sequence is not None:
+            self._check_ids(batch.sequence, "sequence", self._sequence, where)
 
-    def _check_ids(self, kjt: KeyedJaggedTensor, field: str, where: str) -> None:
+    @staticmethod
+    def _missing(batch: Batch, feature: str, table: str, kind: str, where: str) -> None:
+        have = f"batch.sparse keys {list(batch.sparse.keys())}" + (
+            f", batch.sequence keys {list(batch.sequence.keys())}"
+            if batch.sequence is not None else "")
+        raise DataError(
+            f"{where}: table {table!r} reads feature {feature!r}, but the batch has no such key "
+            f"where it looks ({kind}; the batch has {have}). Put every feature a table reads into "
+            "that KJT (an empty list per row is allowed), or leave the table out of the model.")
+
+    def _check_ids(self, kjt: KeyedJaggedTensor, field: str, limits: Mapping[str, tuple[int, str]],
+                   where: str) -> None:
         values = kjt.values()
         if values.numel() == 0:
             return
+        keys = kjt.keys()
+        read = [limits.get(k) for k in keys]
+        if all(lim is None for lim in read):
+            return
         if values.dtype not in _ID_DTYPES:
             raise DataError(
-                f"{where}: batch.{field} holds {values.dtype} values (keys {kjt.keys()}), but "
-                "ids must be int64 (or int32) tensors; build the KJT from integer ids.")
-        keys = tuple(kjt.keys())
-        bounds = self._bounds.get(keys)
-        if bounds is None:
-            bounds = self._bounds[keys] = torch.tensor(
-                [self._limit.get(k, (_ID_SPACE, ""))[0] for k in keys], dtype=torch.int64)
-        # length_per_key is cached on the KJT, and torchrec's input dist reads it next anyway.
-        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
-        hi = torch.repeat_interleave(bounds.to(values.device), per_key.to(values.device))
-        bad = (values < 0).logical_or_(values >= hi)
-        if bool(bad.any()):
-            self._raise_out_of_range(kjt, field, bad, where)
+                f"{where}: batch.{field} holds {values.dtype} values (keys {keys}), but ids must "
+                "be int64 (or int32) tensors; build the KJT from integer ids.")
+        # Cached on the KJT; torchrec's input dist reads it next anyway.
+        per_key = kjt.length_per_key()
+        if sum(per_key) != values.numel():
+            raise DataError(
+                f"{where}: batch.{field} has {values.numel()} values, but its lengths add up to "
+                f"{sum(per_key)}; build the KJT with one length per key and row.")
+        # One pass over every value first: with all ids inside the smallest table read, no key
+        # needs a look of its own (the common case when tables are alike).
+        lo, hi = torch.aminmax(values)
+        if int(lo) >= 0 and int(hi) < min(lim[0] for lim in read if lim is not None):
+            return
+        for j, chunk in enumerate(torch.split(values, per_key)):
+            lim = read[j]
+            if lim is None or chunk.numel() == 0:
+                continue
+            lo, hi = torch.aminmax(chunk)
+            if int(lo) < 0 or int(hi) >= lim[0]:
+                _raise_out_of_range(kjt, j, chunk, lim, field, where)
 
-    def _raise_out_of_range(self, kjt: KeyedJaggedTensor, field: str, bad: torch.Tensor,
-                            where: str) -> None:
-        first = int(bad.nonzero()[0])
-        starts = torch.tensor([0, *kjt.length_per_key()]).cumsum(0)
-        j = int(torch.searchsorted(starts, first, right=True)) - 1
-        key = kjt.keys()[j]
-        pos = first - int(starts[j])
-        offsets = kjt[key].offsets()
-        row = int(torch.searchsorted(offsets[1:], pos, right=True))
-        value = int(kjt.values()[first])
-        rows, table = self._limit.get(key, (_ID_SPACE, "?"))
-        count = f"{int(bad.sum())} such id(s) in this batch"
-        if value < 0:
-            why = f"it is negative, and no table row is ({count})"
-        else:
-            why = f"outside table {table!r}, which has rows [0, {rows}) ({count})"
-        fix = ("map ids into the table before building the batch (hash them, or take them "
-               f"modulo {rows}), or give the table more rows (num_embeddings)"
-               if rows < _ID_SPACE else "raw ids of a dynamic table must be >= 0")
-        raise DataError(
-            f"{where}: feature {key!r} (batch.{field}) has id {value} at row {row}: {why}. "
-            f"Unchecked, FBGEMM would train it on row 0; {fix}.")
+
+class _CheckedWindow(Iterator[Batch]):
+    """A window's batches, each checked as it is fetched. ``close`` and ``rows_remaining`` reach
+    the dataset's own iterator: ``SyncedIterator`` counts the rest of a window it stops early
+    through them, unchecked, since those batches never train."""
+
+    def __init__(self, check: BatchCheck, source: Iterator[Batch], window_id: str,
+                 first: int) -> None:
+        self._check, self._source = check, source
+        self._window_id, self._next = window_id, first
+
+    def __next__(self) -> Batch:
+        batch = next(self._source)
+        self._check.check(batch, f"window {self._window_id!r}, batch {self._next}")
+        self._next += 1
+        return batch
+
+    def close(self) -> None:
+        close: Any = getattr(self._source, "close", None)
+        if callable(close):
+            close()
+
+    def rows_remaining(self) -> int:
+        count: Any = getattr(self._source, "rows_remaining", None)
+        if callable(count):
+            return int(count())
+        return sum(b.num_real_rows() for b in self._source)
+
+
+def _smaller(a: Limits, b: Mapping[str, tuple[int, str]]) -> Limits:
+    out = dict(a)
+    for f, lim in b.items():
+        if f not in out or lim[0] < out[f][0]:
+            out[f] = lim
+    return out
+
+
+def _raise_out_of_range(kjt: KeyedJaggedTensor, j: int, chunk: torch.Tensor,
+                        limit: tuple[int, str], field: str, where: str) -> None:
+    rows, table = limit
+    bad = (chunk < 0).logical_or_(chunk >= rows)
+    pos = int(bad.nonzero()[0])
+    key = kjt.keys()[j]
+    row = int(torch.searchsorted(kjt[key].offsets()[1:], pos, right=True))
+    value = int(chunk[pos])
+    count = f"{int(bad.sum())} such id(s) of {key!r} in this batch"
+    if value < 0:
+        why = f"it is negative, and no table row is ({count})"
+    else:
+        why = f"outside table {table!r}, which has rows [0, {rows}) ({count})"
+    fix = ("map ids into the table before building the batch (hash them, or take them "
+           f"modulo {rows}), or give the table more rows (num_embeddings)"
+           if rows < ID_SPACE else f"raw ids of dynamic table {table!r} must be >= 0")
+    raise DataError(
+        f"{where}: feature {key!r} (batch.{field}) has id {value} at row {row}: {why}. "
+        f"Unchecked, FBGEMM would train it on row 0; {fix}.")
