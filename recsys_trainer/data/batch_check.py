@@ -4,9 +4,10 @@
 The reader checks every id as it decodes (``decode``). Batches built by hand reach the tables
 unchecked otherwise, and what goes wrong there is silent or obscure: FBGEMM trains an id outside
 its table on row 0 with one log line ("Setting idx to zero"), and a feature the batch lacks fails
-deep inside torchrec's KJT split with an ``IndexError``. One vectorized pass per batch (a bound
-per value, one compare) names the window, batch, feature, row and value instead; it runs inside
-the dataset's iterator, so ``SyncedIterator`` raises it on every rank. Non-finite dense values
+deep inside torchrec's KJT split with an ``IndexError``. One ``aminmax`` over a batch's ids (a
+look per feature only when some id reaches the smallest table's rows) names the window, batch,
+feature, row and value instead; it runs inside the dataset's iterator, so ``SyncedIterator``
+raises it on every rank. Non-finite dense values
 are left to ``TrainingArguments.non_finite_loss``, whose policies act on the loss they cause.
 """
 
