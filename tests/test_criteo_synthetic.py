@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from recsys_trainer.data.criteo_synthetic import (
     DENSE_COLUMNS,
@@ -40,3 +42,45 @@ def test_the_same_seed_writes_the_same_rows(tmp_path) -> None:
     a = pq.read_table(next((tmp_path / "a").glob("*/*/part-0.parquet")))
     b = pq.read_table(next((tmp_path / "b").glob("*/*/part-0.parquet")))
     assert a.equals(b)
+
+
+def test_a_generated_file_that_does_not_fit_leaves_no_temporary_file(tmp_path) -> None:
+    import pyarrow as pa
+    from fs_utils import small_tmpfs
+
+    from recsys_trainer.data.generated import write_whole
+
+    table = pa.table({"x": list(range(200_000))})
+    with small_tmpfs(str(tmp_path / "disk"), 256) as disk:
+        with pytest.raises(OSError):
+            write_whole(Path(disk) / "part-0.parquet", table)
+        assert list(Path(disk).iterdir()) == []
+
+
+def _write_where_rank_0_cannot(root: str) -> dict[str, object]:
+    import time
+
+    from recsys_trainer.data.generated import written_once
+    from recsys_trainer.distributed import init_distributed
+
+    init_distributed("cpu", timeout_s=120)
+    t0 = time.monotonic()
+    try:
+        written_once(root, lambda: write_dataset(root, hours=1, rows_per_hour=100), "1 hour")
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+@pytest.mark.distributed
+def test_a_generated_dataset_rank_0_cannot_write_is_an_error_on_every_rank(tmp_path) -> None:
+    from dist_utils import run_distributed
+    from fs_utils import read_only
+
+    with read_only(str(tmp_path / "ro")) as root:
+        r0, r1 = run_distributed(_write_where_rank_0_cannot, 2, 120, args=(root,))
+    assert r0["error"].startswith("OSError: ") and "Read-only file system" in r0["error"]
+    # Rank 1 names rank 0's error instead of waiting for it (or reading a file never written).
+    assert r1["error"] == (f"RuntimeError: rank 0 could not write the generated dataset (1 hour) "
+                           f"at {root}: {r0['error']}")
+    assert r1["seconds"] < 30

@@ -7,8 +7,8 @@ its table on row 0 with one log line ("Setting idx to zero"), and a feature the 
 deep inside torchrec's KJT split with an ``IndexError``. One ``aminmax`` over a batch's ids (a
 look per feature only when some id reaches the smallest table's rows) names the window, batch,
 feature, row and value instead; it runs inside the dataset's iterator, so ``SyncedIterator``
-raises it on every rank. Non-finite dense values
-are left to ``TrainingArguments.non_finite_loss``, whose policies act on the loss they cause.
+raises it on every rank. Non-finite dense values are left to
+``TrainingArguments.non_finite_loss``, whose policies act on the loss they cause.
 """
 
 from __future__ import annotations

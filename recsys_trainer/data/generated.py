@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,22 +23,46 @@ dataset is complete."""
 
 def write_whole(path: Path, table: pa.Table, row_group_size: int | None = None) -> None:
     """Write ``table`` to the parquet file ``path`` through a temporary file renamed into place:
-    a reader never sees a half-written file."""
+    a reader never sees a half-written file, and a failed write (a full or read-only disk)
+    leaves no temporary file behind."""
     tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp, row_group_size=row_group_size)
-    tmp.replace(path)
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def written_once(root: str | os.PathLike[str], write: Callable[[], Any], what: str) -> dict[str, Any]:
     """Rank 0 calls ``write`` (which writes the dataset, ``SIGNAL_FILE`` last) if
-    ``root/SIGNAL_FILE`` is missing while the other ranks wait at a barrier (join the job
-    first); returns ``SIGNAL_FILE``'s content. An existing dataset is reused as it is: delete it
-    to change it. ``what`` describes the dataset in the log line."""
+    ``root/SIGNAL_FILE`` is missing, then hands its content to every rank (join the job first);
+    returns it. If rank 0 cannot write or read it (a full or read-only disk), every rank raises,
+    naming rank 0's error, instead of the others waiting for it or reading a listing that lags.
+    An existing dataset is reused as it is: delete it to change it. ``what`` describes the
+    dataset in the log line."""
     meta_file = Path(root) / SIGNAL_FILE
-    if int(os.environ.get("RANK", "0")) == 0 and not meta_file.exists():
-        log.info("writing %s to %s", what, root)
-        write()
+    outcome: list[Any] = [None]
+    failure: BaseException | None = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            if not meta_file.exists():
+                log.info("writing %s to %s", what, root)
+                write()
+            outcome[0] = ("ok", json.loads(meta_file.read_text()))
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            failure = exc
+            outcome[0] = ("error", f"{type(exc).__name__}: {exc}")
     if dist.is_initialized():
-        dist.barrier()
-    meta: dict[str, Any] = json.loads(meta_file.read_text())
+        dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[0] is None:  # a rank other than 0 with no process group: the file is all it has
+        outcome[0] = ("ok", json.loads(meta_file.read_text()))
+    kind, value = outcome[0]
+    if kind == "error":
+        raise RuntimeError(f"rank 0 could not write the generated dataset ({what}) at {root}: "
+                           f"{value}")
+    meta: dict[str, Any] = value
     return meta
