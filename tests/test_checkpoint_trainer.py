@@ -685,6 +685,41 @@ def test_async_staging_buffers_are_allocated_at_train_start_and_reused_by_every_
     assert manager(t2)._staging.prepared_s is None and manager(t2)._staging.nbytes == 0
 
 
+def test_staging_a_sharded_table_placed_on_another_device_rebuilds_it_on_the_host(
+        tmp_path: Any) -> None:
+    """The async save's copy to the host of a table that lives on a GPU (metadata placement
+    ``cuda:0``): on an H100 the rebuilt ShardedTensor kept the GPU placement and every first
+    save failed ("Local shard tensor device does not match with local Shard's placement").
+    Here the placement is set to ``cuda:0`` over a CPU shard, the same mismatch without a GPU."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    from recsys_trainer.distributed import init_distributed
+
+    init_distributed("cpu")
+    table = torch.arange(24, dtype=torch.float32).view(6, 4)
+
+    def sharded(t: torch.Tensor) -> ShardedTensor:
+        return ShardedTensor._init_from_local_shards(
+            [Shard.from_tensor_and_offsets(t, [0, 0], 0)], list(t.shape))
+
+    on_gpu = sharded(table.clone())
+    for m in [*(s.metadata for s in on_gpu.local_shards()), *on_gpu.metadata().shards_metadata]:
+        m.placement._device = torch.device("cuda", 0)  # type: ignore[union-attr]
+    staged = writer.StagingBuffers().stage({"model": {"t": on_gpu}})["model"]["t"]
+    assert isinstance(staged, ShardedTensor)
+    shard = staged.local_shards()[0]
+    assert shard.tensor.device.type == "cpu" and torch.equal(shard.tensor, table)
+    assert shard.metadata.placement.device().type == "cpu"  # type: ignore[union-attr]
+    assert [m.placement.device().type for m in staged.metadata().shards_metadata] == ["cpu"]  # type: ignore[union-attr]
+    assert staged.metadata().shards_metadata[0].shard_offsets == [0, 0]
+    # What DCP writes from the staged copy loads back into a host table.
+    dcp.save({"t": staged}, checkpoint_id=str(tmp_path / "ckpt"))
+    back = sharded(torch.zeros(6, 4))
+    dcp.load({"t": back}, checkpoint_id=str(tmp_path / "ckpt"))
+    assert torch.equal(back.local_shards()[0].tensor, table)
+
+
 def test_exact_views_alias_the_live_memory_so_dcp_does_not_clone() -> None:
     fused = torch.arange(60, dtype=torch.float32)
     table = fused[20:40].view(5, 4)  # a table inside a fused buffer (as FBGEMM's TBE keeps them)

@@ -29,6 +29,7 @@ and reads are ranged (``open_input_file``), so a rank reads only its shards' byt
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import ctypes
 import io
 import os
@@ -61,10 +62,8 @@ def _map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], path
     ``fn(path, t)``; containers are rebuilt, other values kept. ShardedTensors are rebuilt from
     their metadata (no copy of their data, unlike ``copy.deepcopy``)."""
     if isinstance(obj, ShardedTensor):
-        shards = [Shard(tensor=fn(f"{path}#{i}", s.tensor), metadata=s.metadata)
-                  for i, s in enumerate(obj.local_shards())]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group)
+        return _rebuild_sharded(obj, [fn(f"{path}#{i}", s.tensor)
+                                      for i, s in enumerate(obj.local_shards())])
     if isinstance(obj, torch.Tensor):
         if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             raise TypeError(f"unsupported tensor type {type(obj).__name__} at {path!r}")
@@ -75,6 +74,40 @@ def _map_tensors(obj: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], path
         out = [_map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(obj)]
         return tuple(out) if isinstance(obj, tuple) else out
     return obj
+
+
+def _rebuild_sharded(st: ShardedTensor, tensors: list[torch.Tensor]) -> ShardedTensor:
+    """``st`` over ``tensors`` (its local shards' replacements, same shapes and dtypes).
+
+    This is where a save crosses from the device to the host: staging copies a GPU shard into
+    a (pinned) host buffer, and ShardedTensor refuses a shard whose tensor is not where its
+    metadata's placement says, or whose pinning differs from the metadata's. So when the new
+    tensors live elsewhere, the metadata is rewritten to their device (every shard's, as
+    ``ShardedTensor.to`` does) and pinning; offsets and sizes, which DCP saves by, stay.
+    """
+    local = st.local_shards()
+    metadata = st.metadata()
+    props = metadata.tensor_properties
+    if tensors and (any(s.metadata.placement is None or s.metadata.placement.device() != t.device
+                        for s, t in zip(local, tensors, strict=True))
+                    or props.pin_memory != tensors[0].is_pinned()
+                    or props.requires_grad != tensors[0].requires_grad):
+        device = tensors[0].device
+        metadata = copy.deepcopy(metadata)
+        metadata.tensor_properties.pin_memory = tensors[0].is_pinned()
+        metadata.tensor_properties.requires_grad = tensors[0].requires_grad
+        for m in metadata.shards_metadata:
+            m.placement._device = device  # type: ignore[union-attr]
+        shard_meta = []
+        for s in local:
+            m = copy.deepcopy(s.metadata)
+            m.placement._device = device  # type: ignore[union-attr]
+            shard_meta.append(m)
+    else:
+        shard_meta = [s.metadata for s in local]
+    shards = [Shard(tensor=t, metadata=m) for t, m in zip(tensors, shard_meta, strict=True)]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=st._process_group)
 
 
 def iter_leaves(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
