@@ -111,6 +111,22 @@ def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
                                 dense_log1p=True, dynamic=dict.fromkeys(dynamic, table))
 
 
+def dense_on_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter and persistent buffer on the ``meta`` device: a stand-in,
+    on a CPU-only host, for a model that trained on a GPU (PyTorch refuses to mix meta and CPU
+    tensors in one op as it refuses CUDA and CPU, so code that forgets to bring the model to the
+    host fails here as it fails on a GPU). Non-persistent buffers stay: no checkpoint holds
+    them, so an export of a real GPU model moves them, which meta tensors cannot be."""
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = torch.nn.Parameter(p.detach().to("meta"), p.requires_grad)
+        for name, b in list(m._buffers.items()):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                m._buffers[name] = b.to("meta")
+    return model
+
+
 def make_trainer(kind: str, root: str, windows: list[str], steps: int,
                  save_steps: int | None = None) -> Trainer:
     spec, model = spec_and_model(kind)

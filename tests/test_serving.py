@@ -54,6 +54,12 @@ def _train_export(kind: str, root: str) -> dict[str, Any]:
     pred = su.predicted(trainer, windows[-1], os.path.join(root, "pred"))
     art = os.path.join(root, "art")
     summary = export_for_serving(trainer, art)
+    # The device guard: the same checkpoint exported with the model's dense part on another
+    # device than the host (meta, standing for the GPU it trained on) is the same artifact.
+    spec, model = su.spec_and_model(kind)
+    on_meta = export_for_serving(os.path.join(root, "ckpt"), os.path.join(root, "art_meta"),
+                                 model=su.dense_on_meta(model), features=spec)
+    assert on_meta.content_hash == summary.content_hash
     return {"trainer": trainer, "windows": windows, "pred": pred, "art": art, "summary": summary,
             "root": root}
 

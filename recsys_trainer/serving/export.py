@@ -211,6 +211,27 @@ def _dense_copy(model: nn.Module, modules: list[_TableModule]) -> nn.Module:
             setattr(parent, name, original)
 
 
+def _on_host(dense_model: nn.Module, dense_state: Mapping[str, torch.Tensor]) -> nn.Module:
+    """``dense_model`` with the checkpoint's ``dense_state`` and every tensor on the CPU.
+
+    The export crosses from the model's device to the host here: a serving artifact is traced
+    and scored on the CPU whatever the model trained on, so a copy of a model on CUDA (or on
+    ``meta``, for a model built only to name the architecture) must not keep its device.
+    ``assign=True`` takes the checkpoint's host tensors as the parameters and buffers instead of
+    copying them into the device ones; what the checkpoint does not hold (non-persistent
+    buffers, e.g. position indices) is then moved.
+    """
+    dense_model.load_state_dict(dense_state, strict=True, assign=True)
+    left = [n for n, t in [*dense_model.named_parameters(), *dense_model.named_buffers()]
+            if t.device.type == "meta"]
+    if left:
+        raise ValueError(
+            f"{type(dense_model).__name__} holds {left[:5]} on the meta device and the checkpoint "
+            "does not hold them (non-persistent buffers), so the export cannot give them values; "
+            "build the model with its dense part on the CPU (only tables may be on meta).")
+    return dense_model.to("cpu")
+
+
 class _Program(nn.Module):
     """What is exported: the model's ``serving_logits``."""
 
@@ -414,7 +435,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
         raise ValueError(f"the checkpoint does not fit the model's dense part: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; pass the model the checkpoint was trained "
                          "with.")
-    dense_model.load_state_dict(dense_state, strict=True)
+    dense_model = _on_host(dense_model, dense_state)
     example = _example_inputs(dense_model, spec, modules, lengths)
     ep = _export_program(dense_model.eval(), example)
     with torch.no_grad():
