@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recsys_trainer.lazy import lazy_attributes
+from recsys_trainer.torchrec_compat import check_installed_stack
+
+# Here, before any module of the package imports torchrec: a torch / fbgemm-gpu / torchrec mix
+# known not to load is then named (UnsupportedStackError, with the supported pairs) instead of
+# failing on an undefined C++ symbol inside fbgemm-gpu. It reads package metadata only.
+check_installed_stack()
 
 if TYPE_CHECKING:
     from recsys_trainer.args import TrainingArguments

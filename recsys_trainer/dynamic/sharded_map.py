@@ -27,18 +27,22 @@ from typing import Any
 import torch
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList
-from torchrec.distributed.mc_modules import (
-    ManagedCollisionCollectionContext,
-    ManagedCollisionCollectionSharder,
-    ShardedManagedCollisionCollection,
-    input_dist_permute,
-)
 from torchrec.distributed.sharding.rw_sharding import RwSparseFeaturesDist
 from torchrec.distributed.sharding.sequence_sharding import SequenceShardingContext
 from torchrec.distributed.types import Awaitable, NoWait
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.dynamic.id_map import DynamicMCHModule
+
+# torchrec.distributed.mc_modules changed between 1.6 and 1.9 (see torchrec_compat).
+from recsys_trainer.torchrec_compat import (
+    ManagedCollisionCollectionContext,
+    ManagedCollisionCollectionSharder,
+    ShardedManagedCollisionCollection,
+    frees_features_storage_early,
+    input_dist_permute,
+    uses_2d_weights,
+)
 
 
 class DynamicShardedMaps(ShardedManagedCollisionCollection):
@@ -70,14 +74,14 @@ class DynamicShardedMaps(ShardedManagedCollisionCollection):
         if (not self._short or self._has_uninitialized_input_dists
                 or features.weights_or_none() is not None):
             return super().input_dist(ctx, features, skip_permute)
-        if self.__dict__.get("_use_2d_weights"):  # (nn.Module.__setattr__ costs µs a write)
+        if uses_2d_weights(self):  # (nn.Module.__setattr__ costs µs a write)
             self._use_2d_weights = False
         with torch.no_grad():
             if not skip_permute and self._features_order:
                 original = features
                 features = input_dist_permute(features, self._features_order,
                                               self._features_order_tensor)
-                if self._free_features_storage_early:
+                if frees_features_storage_early(self):
                     ctx.early_releasable_inputs.append(original)
             first: Any = next(iter(self._managed_collision_modules.values()))
             # The tables' features are contiguous in sharding order after the permute: the
@@ -124,7 +128,7 @@ class DynamicShardedMaps(ShardedManagedCollisionCollection):
         ``remap``), shard-local rows out; torchrec's compute for what the short path does not
         cover."""
         features = dist_input[0] if len(dist_input) == 1 else None
-        if (not self._short or features is None or self._use_2d_weights
+        if (not self._short or features is None or uses_2d_weights(self)
                 or features.variable_stride_per_key() or self.post_lookup_tracker_fn is not None):
             return super().compute(ctx, dist_input)
         sharding_ctx = ctx.sharding_contexts[0]

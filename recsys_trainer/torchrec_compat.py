@@ -1,0 +1,228 @@
+"""The torchrec names whose presence depends on the torchrec release, in one place, and the check
+that the installed torch / fbgemm-gpu / torchrec are a combination this package knows.
+
+The package runs on the pairs ``scripts/setup`` offers (``SUPPORTED_STACKS``; each checked on
+CPU by ``scripts/compat-check``, the torch 2.11 one on an H100 too, docs/gpu.md). fbgemm-gpu's
+libraries are built against one torch release and torchrec against one fbgemm-gpu, so the three
+move together. Between torchrec 1.6.1 and 1.9.2 the package's code meets these differences:
+
+- ``torchrec.distributed.mc_modules.input_dist_permute`` (a ``features.permute(order,
+  order_tensor)`` wrapped for ``torch.fx``) exists from 1.7.0; 1.6.1 permutes inline.
+- ``ShardedManagedCollisionCollection._use_2d_weights`` (2-D weights routed by the write
+  dists) and ``._free_features_storage_early`` exist from 1.7.0; 1.6.1 never sets them, which
+  means neither feature: read them with :func:`uses_2d_weights` and
+  :func:`frees_features_storage_early`.
+
+Every other torchrec name the package imports exists, with the same name and module, in
+1.6.1, 1.7.0, 1.8.0 and 1.9.2 (checked against each release's source, and by the test tier and
+the examples in each pair's venv).
+
+Importing this module imports neither torch nor torchrec: the stack check reads the installed
+distributions' metadata, so ``import recsys_trainer`` can run it before anything imports
+torchrec (an fbgemm-gpu built for another torch fails there, with an undefined C++ symbol that
+names neither package). The torchrec names below are imported on first use (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import warnings
+from importlib import metadata
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from torchrec.distributed.mc_modules import (
+        ManagedCollisionCollectionContext as ManagedCollisionCollectionContext,
+    )
+    from torchrec.distributed.mc_modules import (
+        ManagedCollisionCollectionSharder as ManagedCollisionCollectionSharder,
+    )
+    from torchrec.distributed.mc_modules import (
+        ShardedManagedCollisionCollection as ShardedManagedCollisionCollection,
+    )
+    from torchrec.distributed.mc_modules import input_dist_permute as input_dist_permute
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# torch minor -> (fbgemm-gpu, torchrec): the releases made together, the same table as
+# scripts/setup's and scripts/gpu-wheels' (tests/test_torchrec_compat.py holds them equal).
+SUPPORTED_STACKS: dict[str, tuple[str, str]] = {
+    "2.11": ("1.6.0", "1.6.1"),
+    "2.12": ("1.7.0", "1.7.0"),
+    "2.13": ("1.8.0", "1.8.0"),
+    "2.14": ("1.9.0", "1.9.2"),
+}
+ALLOW_ANY_STACK_ENV = "RECSYS_TRAINER_ALLOW_ANY_STACK"
+"""Set to 1 to turn :class:`UnsupportedStackError` into a warning (a build of one's own, say)."""
+
+
+class UnsupportedStackError(ImportError):
+    """The installed torch / fbgemm-gpu / torchrec are a combination known not to load.
+
+    An ``ImportError``: code that treats the training stack as optional (``try: import ...
+    except ImportError``) keeps working."""
+
+
+class UnknownStackWarning(UserWarning):
+    """The installed torch / fbgemm-gpu / torchrec are not a supported pair; they may work."""
+
+
+def _release(version: str) -> str:
+    """``2.11.0+cu130`` -> ``2.11.0``: local labels name the build, not the release."""
+    return version.split("+", 1)[0]
+
+
+def _minor(version: str) -> str:
+    return ".".join(_release(version).split(".")[:2])
+
+
+def _installed(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_stack() -> tuple[str, str, str] | None:
+    """(torch, fbgemm-gpu, torchrec) versions installed, or None where one of them is not
+    (a serving-only install: then nothing here applies)."""
+    torch_v = _installed("torch")
+    fbgemm_v = _installed("fbgemm-gpu", "fbgemm-gpu-cpu")
+    torchrec_v = _installed("torchrec")
+    if torch_v is None or fbgemm_v is None or torchrec_v is None:
+        return None
+    return torch_v, fbgemm_v, torchrec_v
+
+
+def _describe(stack: tuple[str, str, str]) -> str:
+    return f"torch {stack[0]}, fbgemm-gpu {stack[1]}, torchrec {stack[2]}"
+
+
+def _supported() -> str:
+    return "; ".join(f"torch {t}.x + fbgemm-gpu {f} + torchrec {r}"
+                     for t, (f, r) in SUPPORTED_STACKS.items())
+
+
+def stack_problem(stack: tuple[str, str, str]) -> tuple[Literal["error", "warning"], str] | None:
+    """None where ``stack`` (torch, fbgemm-gpu, torchrec versions) is a supported pair, else
+    how bad it is and a message naming the stack and the supported pairs.
+
+    The policy, from what was measured (docs/gpu.md, "Compatibility: scripts/compat-check"):
+    an fbgemm-gpu other than the one built for the installed torch minor does not load (its
+    libraries link torch's C++ symbols: fbgemm-gpu-cpu 1.7.0 and 1.9.0 against torch 2.13.0 fail
+    with undefined symbols), and a torch older than the oldest pair predates the torchrec APIs
+    the package uses: both are errors. A newer torch, or another torchrec next to the right
+    fbgemm-gpu, is unknown rather than known broken (torchrec is pure Python and kept its
+    names from 1.6 to 1.9): a warning, so a new release can be tried without editing the
+    package, while anything that then breaks is traced to the unchecked stack.
+    """
+    torch_v, fbgemm_v, torchrec_v = stack
+    minor = _minor(torch_v)
+    want = SUPPORTED_STACKS.get(minor)
+    installed = _describe(stack)
+    if want is not None and _release(fbgemm_v) == want[0] and _release(torchrec_v) == want[1]:
+        return None
+    if want is not None and _release(fbgemm_v) != want[0]:
+        return "error", (
+            f"installed: {installed}. fbgemm-gpu {want[0]} is the build for torch {minor}; "
+            f"{fbgemm_v} was built for another torch and its libraries do not load with this "
+            f"one. Supported: {_supported()} (scripts/setup installs them).")
+    oldest = min(SUPPORTED_STACKS, key=lambda m: tuple(int(x) for x in m.split(".")))
+    try:
+        older = tuple(int(x) for x in minor.split(".")) < tuple(int(x) for x in oldest.split("."))
+    except ValueError:  # not a numbered release: judge it by its behaviour, not its name
+        older = False
+    if older:
+        return "error", (
+            f"installed: {installed}. torch {minor} is older than the oldest supported pair; "
+            f"its torchrec lacks APIs this package uses. Supported: {_supported()}.")
+    return "warning", (
+        f"installed: {installed}, which is not a supported pair (untested; it may work). "
+        f"Supported: {_supported()}. scripts/compat-check checks a pair.")
+
+
+def check_installed_stack() -> None:
+    """Raise :class:`UnsupportedStackError` for a combination known not to load, warn
+    (:class:`UnknownStackWarning`) for an untested one; nothing for a supported pair or where
+    torch, fbgemm-gpu or torchrec is not installed. ``RECSYS_TRAINER_ALLOW_ANY_STACK=1`` turns
+    the error into a warning."""
+    stack = installed_stack()
+    if stack is None:
+        return
+    problem = stack_problem(stack)
+    if problem is None:
+        return
+    severity, message = problem
+    if severity == "error" and os.environ.get(ALLOW_ANY_STACK_ENV) != "1":
+        raise UnsupportedStackError(
+            f"{message} Set {ALLOW_ANY_STACK_ENV}=1 to import recsys_trainer anyway.")
+    warnings.warn(message, UnknownStackWarning, stacklevel=2)
+
+
+def uses_2d_weights(module: Any) -> bool:
+    """``ShardedManagedCollisionCollection._use_2d_weights`` (the batch's weights are 2-D, routed
+    by the write dists); False on torchrec 1.6, which has no such path and never sets it.
+    Read from ``__dict__``: an ``nn.Module`` attribute lookup that misses costs microseconds
+    (``__getattr__`` searches parameters, buffers and submodules first)."""
+    return bool(module.__dict__.get("_use_2d_weights", False))
+
+
+def frees_features_storage_early(module: Any) -> bool:
+    """``ShardedManagedCollisionCollection._free_features_storage_early`` (the input dist hands
+    the unpermuted batch to ``ctx.early_releasable_inputs``); False on torchrec 1.6, which
+    has neither."""
+    return bool(module.__dict__.get("_free_features_storage_early", False))
+
+
+def _input_dist_permute_fallback(features: KeyedJaggedTensor, features_order: list[int],
+                                 features_order_tensor: Any) -> KeyedJaggedTensor:
+    """torchrec 1.7+'s ``input_dist_permute``, for 1.6.1 (whose input dist permutes inline):
+    the same call. Not ``torch.fx.wrap``-ed: the package calls it from a sharded module's
+    input dist, which torchrec's pipelines run eagerly, never under a trace."""
+    return features.permute(features_order, features_order_tensor)
+
+
+def _load_input_dist_permute() -> Any:
+    try:
+        from torchrec.distributed.mc_modules import input_dist_permute as found
+    except ImportError:  # torchrec 1.6.x
+        return _input_dist_permute_fallback
+    return found
+
+
+# name -> how to get it, on first read (PEP 562): importing this module stays torch-free.
+_LAZY: dict[str, Any] = {
+    "input_dist_permute": _load_input_dist_permute,
+    "ManagedCollisionCollectionContext": "torchrec.distributed.mc_modules",
+    "ManagedCollisionCollectionSharder": "torchrec.distributed.mc_modules",
+    "ShardedManagedCollisionCollection": "torchrec.distributed.mc_modules",
+}
+
+
+def __getattr__(name: str) -> Any:
+    how = _LAZY.get(name)
+    if how is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = how() if callable(how) else getattr(importlib.import_module(how), name)
+    setattr(sys.modules[__name__], name, value)  # later reads skip __getattr__
+    return value
+
+
+__all__ = [
+    "ALLOW_ANY_STACK_ENV",
+    "SUPPORTED_STACKS",
+    "ManagedCollisionCollectionContext",
+    "ManagedCollisionCollectionSharder",
+    "ShardedManagedCollisionCollection",
+    "UnknownStackWarning",
+    "UnsupportedStackError",
+    "check_installed_stack",
+    "frees_features_storage_early",
+    "input_dist_permute",
+    "installed_stack",
+    "stack_problem",
+    "uses_2d_weights",
+]
