@@ -75,6 +75,25 @@ def grouped_auc(
     """
     if preds.numel() == 0:
         return math.nan, 0
+    total, weight, count = grouped_auc_sums(preds, labels, weights, groups)
+    # The one read-back (a crossing to the host), after all the work on the inputs' device.
+    total_f, weight_f, n = (float(total), float(weight), int(count))
+    return (total_f / weight_f, n) if n else (math.nan, 0)
+
+
+def grouped_auc_sums(
+    preds: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, groups: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAUC's parts as 0-dim tensors on the inputs' device, with no read-back: ``sum_u W_u *
+    AUC_u``, ``sum_u W_u`` and the number of groups, over the groups with both classes
+    (``grouped_auc`` divides). ``preds`` must not be empty.
+
+    Buffers are sized by the row count, an upper bound of the blocks and groups, rather than
+    by their exact numbers: those are data, and reading them would stop the device (and could
+    not be done at all on the meta device the CPU guard uses). Unused entries stay zero and
+    add nothing."""
+    n = preds.numel()
+    dev = preds.device
     order = torch.argsort(preds, stable=True)
     order = order[torch.argsort(groups[order], stable=True)]
     g, p, y, w = groups[order], preds[order], labels[order], weights[order]
@@ -84,28 +103,26 @@ def grouped_auc(
     new_block[1:] |= p[1:] != p[:-1]
     block = torch.cumsum(new_block.long(), 0) - 1
     group = torch.cumsum(new_group.long(), 0) - 1
-    num_blocks, num_groups = int(block[-1]) + 1, int(group[-1]) + 1
-    pos_w = torch.zeros(num_blocks, dtype=w.dtype).index_add_(0, block, w * y)
-    neg_w = torch.zeros(num_blocks, dtype=w.dtype).index_add_(0, block, w * (1 - y))
-    block_group = torch.zeros(num_blocks, dtype=torch.long).index_copy_(0, block, group)
+    pos_w = torch.zeros(n, dtype=w.dtype, device=dev).index_add_(0, block, w * y)
+    neg_w = torch.zeros(n, dtype=w.dtype, device=dev).index_add_(0, block, w * (1 - y))
+    block_group = torch.zeros(n, dtype=torch.long, device=dev).index_copy_(0, block, group)
     # Negative weight in earlier blocks of the same group: exclusive prefix sum minus its value
-    # at the group's first block.
+    # at the group's first block. (Unused blocks sit in group 0, after its real first block.)
     neg_before = torch.cumsum(neg_w, 0) - neg_w
-    first_block = torch.full((num_groups,), num_blocks, dtype=torch.long).scatter_reduce_(
-        0, block_group, torch.arange(num_blocks), reduce="amin"
+    first_block = torch.zeros(n, dtype=torch.long, device=dev).scatter_reduce_(
+        0, block_group, torch.arange(n, device=dev), reduce="amin", include_self=False
     )
     neg_before = neg_before - neg_before[first_block][block_group]
-    credit = torch.zeros(num_groups, dtype=w.dtype).index_add_(
+    credit = torch.zeros(n, dtype=w.dtype, device=dev).index_add_(
         0, block_group, pos_w * (neg_before + 0.5 * neg_w)
     )
-    g_pos = torch.zeros(num_groups, dtype=w.dtype).index_add_(0, block_group, pos_w)
-    g_neg = torch.zeros(num_groups, dtype=w.dtype).index_add_(0, block_group, neg_w)
+    g_pos = torch.zeros(n, dtype=w.dtype, device=dev).index_add_(0, block_group, pos_w)
+    g_neg = torch.zeros(n, dtype=w.dtype, device=dev).index_add_(0, block_group, neg_w)
     valid = (g_pos > 0) & (g_neg > 0)
-    if not bool(valid.any()):
-        return math.nan, 0
-    auc_g = credit[valid] / (g_pos[valid] * g_neg[valid])
-    imp = (g_pos + g_neg)[valid]
-    return float((auc_g * imp).sum() / imp.sum()), int(valid.sum())
+    imp = torch.where(valid, g_pos + g_neg, torch.zeros_like(g_pos))
+    auc_g = torch.where(valid, credit / (g_pos * g_neg).clamp_min(torch.finfo(w.dtype).tiny),
+                        torch.zeros_like(credit))
+    return (auc_g * imp).sum(), imp.sum(), valid.sum()
 
 
 def click_metrics(
@@ -209,16 +226,28 @@ class ClickMetrics(torchmetrics.Metric):
         """``click_metrics`` over all ranks' rows since the last reset. A collective over
         ``process_group`` (default: the constructor's): call it on every rank of that group at
         the same point."""
+        rows, groups = self.gathered_rows(process_group)
+        # The crossing to the host: the union of the rows goes over once, and the exact metrics
+        # (many small reads) are computed there.
+        rows = rows.cpu()
+        groups = groups.cpu() if groups is not None else None
+        return click_metrics(rows[:, 0], rows[:, 1], rows[:, 2], groups)
+
+    def gathered_rows(self, process_group: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All ranks' rows ``[n, 3]`` (prediction, label, weight) and group ids ``[n]`` (None
+        without groups), on this metric's device: ``result()`` up to its copy to the host. A
+        collective, as ``result()``."""
         self._pad_empty()
         # Synced here rather than by torchmetrics' compute wrapper (sync_on_compute=False), so
         # the empty-rank padding above happens before the gather.
         with self.sync_context(process_group=process_group, should_sync=True, should_unsync=True):
-            rows = _cat(self.rows, (0, 3), torch.float64).cpu()
-            groups = _cat(self.groups, (0,), torch.long).cpu() if self.with_groups else None
-        return click_metrics(rows[:, 0], rows[:, 1], rows[:, 2], groups)
+            rows = _cat(self.rows, (0, 3), torch.float64, self.device)
+            groups = _cat(self.groups, (0,), torch.long, self.device) if self.with_groups else None
+        return rows, groups
 
 
-def _cat(state: list[torch.Tensor] | torch.Tensor, empty: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _cat(state: list[torch.Tensor] | torch.Tensor, empty: tuple[int, ...], dtype: torch.dtype,
+         device: torch.device) -> torch.Tensor:
     if isinstance(state, torch.Tensor):  # after a sync torchmetrics leaves the gathered tensor
         return state
-    return torch.cat(state) if state else torch.zeros(empty, dtype=dtype)
+    return torch.cat(state) if state else torch.zeros(empty, dtype=dtype, device=device)

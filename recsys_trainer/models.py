@@ -28,9 +28,9 @@ enforces it, and every bundled model declares it as its ``label_range``."""
 def check_binary_labels(labels: torch.Tensor) -> None:
     """Refuse labels outside ``[0, 1]`` (or NaN): a logistic loss trains on them without
     complaint (a label of 2 pushes the logit to +inf), silently. On CPU the error names the
-    value; on CUDA an asynchronous device assert avoids a host sync per step."""
+    value; on any other device an asynchronous device assert avoids a host sync per step."""
     ok = ((labels >= 0) & (labels <= 1)).all()
-    if labels.is_cuda:
+    if labels.device.type != "cpu":
         torch._assert_async(ok, "a label is outside [0, 1] (logistic loss); check the label column")
     elif not bool(ok):
         bad = labels[~((labels >= 0) & (labels <= 1))]

@@ -43,9 +43,9 @@ def mlp(sizes: Sequence[int]) -> nn.Sequential:
 def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int) -> None:
     """Refuse candidate features without exactly one id per row and histories longer than
     ``max_len``: padding would silently take the first id (or the *oldest* ``max_len`` items).
-    On CUDA an asynchronous device assert avoids a host sync per step."""
+    Off the CPU an asynchronous device assert avoids a host sync per step."""
     ok_c, ok_h = (candidate == 1).all(), (history <= max_len).all()
-    if candidate.is_cuda:
+    if candidate.device.type != "cpu":
         torch._assert_async(ok_c & ok_h, "candidate ids != 1 per row, or history > max_len")
         return
     if not bool(ok_c):

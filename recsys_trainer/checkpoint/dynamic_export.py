@@ -45,7 +45,8 @@ class TableExport:
         """Vectors of ``raw_ids`` and a mask of those found (others: zeros; use ``default``)."""
         pos = torch.searchsorted(self.ids, raw_ids).clamp_max(max(len(self.ids) - 1, 0))
         found = self.ids[pos] == raw_ids if len(self.ids) else torch.zeros_like(raw_ids, dtype=torch.bool)
-        out = torch.zeros(len(raw_ids), self.vectors.shape[1], dtype=self.vectors.dtype)
+        out = torch.zeros(len(raw_ids), self.vectors.shape[1], dtype=self.vectors.dtype,
+                          device=self.vectors.device)
         out[found] = self.vectors[pos[found]]
         return out, found
 
@@ -114,7 +115,7 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
         segments = state[prefix + _SEGMENTS]
         ends = segments[segments >= 0][1:]
         per_shard = fallback.get(table, 1)
-        rows = (ends.unsqueeze(1) - per_shard + torch.arange(per_shard)).reshape(-1)
+        rows = (ends.unsqueeze(1) - per_shard + torch.arange(per_shard, device=ends.device)).reshape(-1)
         tables[table] = TableExport(ids=ids[order], vectors=weight[slots[keep][order]].clone(),
                                     default=weight[rows].clone())
         used.update(k for k in state if k.startswith(prefix + "."))

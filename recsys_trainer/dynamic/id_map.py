@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +72,13 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         super().__init__(*args, **kwargs)
         m: Any = self
         self._settings = settings or _Settings(interval_steps=m._eviction_interval)
-        segments = [int(s) for s in m._output_segments_tensor.tolist() if s >= 0]
+        # From the arguments, as torchrec fills its buffer: not read back from the buffer, which
+        # is on the module's device (a sync per table on a GPU, and no value on meta).
+        given = inspect.signature(MCHManagedCollisionModule.__init__).bind(self, *args, **kwargs)
+        given.apply_defaults()
+        offset = int(given.arguments["output_global_offset"])
+        segments = [int(s) for s in given.arguments["output_segments"]
+                    or [offset, offset + int(given.arguments["zch_size"])]]
         self.segments = segments
         """This layout's shard boundaries (global rows). torchrec keeps its "init" segments as
         the very tensor of the buffer that a checkpoint loads into, so a load would overwrite
@@ -183,7 +190,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             bits = max(1, (sorted_ids.numel() - 1).bit_length())
             shift = 63 - bits
             per_bucket = torch.bincount(sorted_ids[:used] >> shift, minlength=1 << bits)
-            starts = torch.zeros((1 << bits) + 1, dtype=torch.int64)
+            starts = torch.zeros((1 << bits) + 1, dtype=torch.int64, device=sorted_ids.device)
             torch.cumsum(per_bucket, 0, out=starts[1:])
             # int32 positions (half the bytes) unless the shard has 2**31 slots or more.
             self._lookup_index = starts.to(torch.int32) if sorted_ids.numel() < 2**31 else starts
@@ -258,8 +265,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         return self._occupied_count
 
     def open_slots(self) -> torch.Tensor:
+        """Slots free for ids, as torchrec's: a one-element tensor on the map's device."""
         m: Any = self
-        return torch.tensor([m._zch_size - self.fallback_per_shard - self.occupied()])
+        return torch.tensor([m._zch_size - self.fallback_per_shard - self.occupied()],
+                            device=self._mch_sorted_raw_ids.device)
 
     # ---------------------------------------------------------------- training
 
@@ -541,7 +550,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         buf = m._output_segments_tensor
         self.loaded_segments = [int(s) for s in buf.tolist() if s >= 0]
         own = torch.full_like(buf, -1)  # torchrec's padding
-        own[:len(self.segments)] = torch.tensor(self.segments, dtype=buf.dtype)
+        own[:len(self.segments)] = torch.tensor(self.segments, dtype=buf.dtype, device=buf.device)
         buf.copy_(own)
         m._sort_mch_buffers()
 

@@ -114,7 +114,7 @@ def _restore(m: Any, st: dict[str, Any], history: bool) -> None:
     elif used > m._input_history_buffer_size:  # a smaller history_slots than the checkpoint's
         _resize_history(m, used)
     if isinstance(m, DynamicMCHModule) and m.decayed:
-        none = torch.empty(0, dtype=torch.int64)
+        none = torch.empty(0, dtype=torch.int64, device=m._history_accumulator.device)
         m._set_history(st["history"] if used else none,
                        st["history_metadata"]["counts"] if used else none)
     else:

@@ -154,8 +154,11 @@ class MetricReportHook(Hook):
         else:
             self.tasks = given if len(given) > 1 else None
         with_groups = self._group_fn is not None
+        # On the model's device: a rank with no rows pads its stores with empty tensors on the
+        # metric's device, which must be where its peers' rows are for the gather (NCCL).
+        device = trainer.device
         self._stores = {
-            key: [ClickMetrics(with_groups=with_groups) for _ in (self.tasks or ("",))]
+            key: [ClickMetrics(with_groups=with_groups).to(device) for _ in (self.tasks or ("",))]
             for key in ("train_interval", "train_window", "eval", "eval_window")
         }
 

@@ -128,6 +128,7 @@ class RetrievalMetricHook(Hook):
             kept = keep[hist.row_index()] if hist.values.numel() else keep[:0]
             row["history"] = Jagged(hist.lengths[keep], hist.values[kept])
         if self._user_fn is not None and self._time_fn is not None:
+            # To the host: users are grouped there (numpy) after the gang's object gather.
             row["user"] = self._user_fn(batch).reshape(-1)[keep.cpu()].cpu().to(torch.int64)
             row["time"] = self._time_fn(batch).reshape(-1)[keep.cpu()].cpu().to(torch.float64)
         return row
@@ -148,7 +149,7 @@ class RetrievalMetricHook(Hook):
                                     else torch.zeros(0, dtype=torch.int64, device=device))
         history = None
         if self.exclude_history:
-            history = Jagged.cat([r["history"] for r in rows]) if rows else Jagged.empty(0, device)
+            history = Jagged.cat([r["history"] for r in rows], device)
         if self._user_fn is not None:
             query, target, history = self._per_user(trainer, rows, query, target, history)
         values = full_corpus_metrics(
@@ -170,7 +171,9 @@ class RetrievalMetricHook(Hook):
 
     def _per_user(self, trainer: Trainer, rows: list[dict[str, Any]], query: torch.Tensor,
                   target: Jagged, history: Jagged | None) -> tuple[torch.Tensor, Jagged, Jagged | None]:
-        """One query per user: its earliest row's embedding and history; all its targets."""
+        """One query per user: its earliest row's embedding and history; all its targets. The
+        grouping runs on the host (numpy, over the gang's object gather); what it selects goes
+        back to the queries' device."""
         user = torch.cat([r["user"] for r in rows]).numpy() if rows else np.zeros(0, np.int64)
         time = torch.cat([r["time"] for r in rows]).numpy() if rows else np.zeros(0, np.float64)
         tgt = target.values.cpu().numpy()
@@ -191,7 +194,7 @@ class RetrievalMetricHook(Hook):
             uniq, starts = np.unique(all_user[srt], return_index=True)
             ends = np.r_[starts[1:], len(srt)]
             by_user = {int(u): all_tgt[srt[s:e]] for u, s, e in zip(uniq, starts, ends, strict=True)}
-        sel = torch.as_tensor(local[mine], dtype=torch.int64)
+        sel = local[mine]
         sets = [np.unique(by_user[int(all_user[i])]) for i in mine]
         dev = target.values.device
         new_target = Jagged(torch.as_tensor([len(s) for s in sets], dtype=torch.int64, device=dev),
@@ -200,8 +203,8 @@ class RetrievalMetricHook(Hook):
         new_history = None
         if history is not None:
             parts = [history.rows(int(i), int(i) + 1) for i in sel]
-            new_history = Jagged.cat(parts) if parts else Jagged.empty(0, dev)
-        return query[sel.to(query.device)], new_target, new_history
+            new_history = Jagged.cat(parts, dev)
+        return query[torch.as_tensor(sel, dtype=torch.int64, device=query.device)], new_target, new_history
 
 
 __all__ = ["RetrievalMetricHook"]

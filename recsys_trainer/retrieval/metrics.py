@@ -56,9 +56,11 @@ class Jagged:
                       torch.zeros(0, dtype=torch.int64, device=device))
 
     @staticmethod
-    def cat(parts: Sequence[Jagged]) -> Jagged:
+    def cat(parts: Sequence[Jagged], device: torch.device | None = None) -> Jagged:
+        """The rows of ``parts`` in order; with no parts, no rows on ``device`` (the parts'
+        device when there are some)."""
         if not parts:
-            return Jagged.empty(0)
+            return Jagged.empty(0, device)
         return Jagged(torch.cat([p.lengths.to(torch.int64) for p in parts]),
                       torch.cat([p.values.to(torch.int64) for p in parts]))
 
@@ -108,9 +110,10 @@ def embed_corpus(model: RetrievalModel, num_items: int, device: torch.device, *,
     parts = []
     for c in range(calls):
         lo = start + c * chunk_size
-        ids = torch.arange(lo, min(stop, lo + chunk_size), dtype=torch.int64)
+        # Made on the model's device: no host tensor and no copy per chunk.
+        ids = torch.arange(lo, min(stop, lo + chunk_size), dtype=torch.int64, device=device)
         n = ids.numel()
-        emb = model.item_embeddings((ids if n else torch.zeros(1, dtype=torch.int64)).to(device))
+        emb = model.item_embeddings(ids if n else torch.zeros(1, dtype=torch.int64, device=device))
         parts.append(emb[:n].float())
     return start, torch.cat(parts)
 
@@ -157,8 +160,10 @@ def sharded_top_k(queries: torch.Tensor, corpus: torch.Tensor, corpus_start: int
     all_q, sizes = collectives.all_gather_rows(queries.float(), group)
     excl = None
     if exclude is not None:
-        lengths, _ = collectives.all_gather_rows(exclude.lengths.to(torch.int64), group)
-        values, _ = collectives.all_gather_rows(exclude.values.to(torch.int64), group)
+        # On the queries' device: the group's (NCCL gathers only GPU tensors), and the scores'.
+        dev = all_q.device
+        lengths, _ = collectives.all_gather_rows(exclude.lengths.to(dev, torch.int64), group)
+        values, _ = collectives.all_gather_rows(exclude.values.to(dev, torch.int64), group)
         excl = Jagged(lengths, values)
     total, n = sum(sizes), corpus.shape[0]
     out_scores, out_ids = [], []
@@ -198,13 +203,20 @@ def ranking_metrics(top_scores: torch.Tensor, top_ids: torch.Tensor, targets: Ja
     """Sums over queries of ``recall@k``, ``ndcg@k``, ``hitrate@k`` for each ``k`` in ``ks``
     (``<=`` the top-K width), and ``num_queries`` (those with at least one target). Targets are
     sets: repeated ids count once. Items with score ``-inf`` (excluded, or missing) never hit."""
+    return host_floats(ranking_sums(top_scores, top_ids, targets, ks))
+
+
+def ranking_sums(top_scores: torch.Tensor, top_ids: torch.Tensor, targets: Jagged,
+                 ks: Sequence[int]) -> dict[str, torch.Tensor]:
+    """``ranking_metrics`` as float64 0-dim tensors on the top-K's device, nothing read back."""
     sets = _dedupe(targets)
     n_t = sets.lengths.to(torch.float64)
     pad = sets.padded(fill=-2)  # never an item id, nor the -1 of a missing item
     hits = (top_ids[:, :, None] == pad[:, None, :]).any(-1) & torch.isfinite(top_scores)
-    has = n_t > 0
-    out: dict[str, float] = {"num_queries": float(has.sum())}
-    discount = 1.0 / torch.log2(torch.arange(2, top_ids.shape[1] + 2, dtype=torch.float64))
+    has = (n_t > 0).to(torch.float64)
+    out: dict[str, torch.Tensor] = {"num_queries": has.sum()}
+    discount = 1.0 / torch.log2(torch.arange(2, top_ids.shape[1] + 2, dtype=torch.float64,
+                                             device=top_ids.device))
     for k in ks:
         h = hits[:, :k].to(torch.float64)
         found = h.sum(1)
@@ -212,10 +224,20 @@ def ranking_metrics(top_scores: torch.Tensor, top_ids: torch.Tensor, targets: Ja
         ideal_n = torch.clamp(n_t, max=k).long()
         ideal = torch.cumsum(discount[:k], 0)
         idcg = torch.where(ideal_n > 0, ideal[(ideal_n - 1).clamp_min(0)], torch.ones_like(n_t))
-        out[f"recall@{k}"] = float((found / n_t.clamp_min(1))[has].sum())
-        out[f"ndcg@{k}"] = float((dcg / idcg)[has].sum())
-        out[f"hitrate@{k}"] = float((found > 0)[has].to(torch.float64).sum())
+        # Queries without targets weigh 0 (a product, not a boolean mask: no data-sized result).
+        out[f"recall@{k}"] = (found / n_t.clamp_min(1) * has).sum()
+        out[f"ndcg@{k}"] = (dcg / idcg * has).sum()
+        out[f"hitrate@{k}"] = ((found > 0).to(torch.float64) * has).sum()
     return out
+
+
+def host_floats(values: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The crossing to the host: 0-dim tensors as floats, in one copy (one device sync instead
+    of one per value)."""
+    if not values:
+        return {}
+    host = torch.stack([v.reshape(()).to(torch.float64) for v in values.values()]).tolist()
+    return dict(zip(values, host, strict=True))
 
 
 def _dedupe(targets: Jagged) -> Jagged:

@@ -123,14 +123,20 @@ def load_item_catalog(source: str | os.PathLike[str] | Mapping[str, Any], id_col
     return {c: torch.from_numpy(table[c].astype(np.int64)[order].copy()) for c in columns}
 
 
+def _fixed_draw(num_items: int, count: int) -> torch.Tensor:
+    """``count`` ids in ``[0, num_items)`` from a generator seeded 0, on the host: the same ids
+    on every device (a device generator would draw others per device type)."""
+    return torch.randint(0, num_items, (count,), generator=torch.Generator().manual_seed(0))
+
+
 # ----------------------------------------------------------------------------- fx leaves
 
 
 def check_one_id_per_row(lengths: torch.Tensor, feature: str) -> None:
-    """Refuse a target feature without exactly one id per row (CPU: naming the row; CUDA: an
-    asynchronous device assert)."""
+    """Refuse a target feature without exactly one id per row (CPU: naming the row; any other
+    device: an asynchronous device assert, no host sync)."""
     ok = (lengths == 1).all()
-    if lengths.is_cuda:
+    if lengths.device.type != "cpu":
         torch._assert_async(ok, "the target item feature must have exactly one id per row")
         return
     if not bool(ok):
@@ -143,7 +149,7 @@ def check_one_id_per_row(lengths: torch.Tensor, feature: str) -> None:
 def check_history_lengths(lengths: torch.Tensor, max_len: int, feature: str) -> None:
     """Refuse histories longer than the model's ``max_len`` (padding would keep the oldest)."""
     ok = (lengths <= max_len).all()
-    if lengths.is_cuda:
+    if lengths.device.type != "cpu":
         torch._assert_async(ok, "a history is longer than the model's max_len")
         return
     if not bool(ok):
@@ -159,7 +165,7 @@ def check_aligned_history(side_lengths: torch.Tensor, lengths: torch.Tensor, fea
     """A history side feature must hold one id per history item (its i-th id is the i-th
     item's): refuse a row where the two lengths differ."""
     ok = (side_lengths == lengths).all()
-    if lengths.is_cuda:
+    if lengths.device.type != "cpu":
         torch._assert_async(ok, "a history side feature is not as long as the history")
         return
     if not bool(ok):
@@ -206,19 +212,20 @@ def with_extra_row(sequence: KeyedJaggedTensor, extra: Mapping[str, torch.Tensor
 def items_only_input(keys: list[str], item_ids: Mapping[str, torch.Tensor]) -> KeyedJaggedTensor:
     """A sequence KJT with the model's ``keys`` where each key in ``item_ids`` holds one id per
     row and the others none: the item tower's input for items outside a batch (the corpus)."""
-    n = next(iter(item_ids.values())).numel()
+    first = next(iter(item_ids.values()))
+    n, device = first.numel(), first.device
+    # Built where the ids are (the model's device): no round trip through the host.
     values, lengths = [], []
     for key in keys:
         ids = item_ids.get(key)
         if ids is None:
-            lengths.append(torch.zeros(n, dtype=torch.int32))
+            lengths.append(torch.zeros(n, dtype=torch.int32, device=device))
         else:
-            values.append(ids.to(torch.int64).cpu())
-            lengths.append(torch.ones(n, dtype=torch.int32))
-    device = next(iter(item_ids.values())).device
+            values.append(ids.to(device, torch.int64))
+            lengths.append(torch.ones(n, dtype=torch.int32, device=device))
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
-        lengths=torch.cat(lengths)).to(device)
+        keys=keys, values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64, device=device),
+        lengths=torch.cat(lengths))
 
 
 def start_candidates(items: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
@@ -387,6 +394,8 @@ class _RetrievalBase(nn.Module):
             frequency_hashes, frequency_half_life_steps)
         """Streaming item frequencies for the logQ correction (saved with the model)."""
         self.register_buffer("positions", torch.arange(max_len + 1), persistent=False)
+        self._eval_negatives: torch.Tensor | None = None
+        """The evaluation's uniform negatives on the device they were last asked on."""
         self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
         self.user_features = list(user_features)
         self.normalize = normalize
@@ -396,11 +405,17 @@ class _RetrievalBase(nn.Module):
     def _uniform_negatives(self, device: torch.device) -> torch.Tensor | None:
         if self.num_uniform_negatives == 0:
             return None
-        # Training draws from the global torch RNG, which the Trainer seeds and checkpoints
-        # (bitwise resume); evaluation from a fixed generator, so that evaluating never moves
-        # the training's random stream.
-        gen = None if self.training else torch.Generator().manual_seed(0)
-        return torch.randint(0, self.num_items, (self.num_uniform_negatives,), generator=gen).to(device)
+        if self.training:
+            # Drawn on the model's device (no host draw and copy per step), from that device's
+            # global generator, which the Trainer seeds and checkpoints (bitwise resume).
+            return torch.randint(0, self.num_items, (self.num_uniform_negatives,), device=device)
+        # Evaluation: the same ids at every step, so evaluating never moves the training's
+        # random stream; drawn once, kept on the device.
+        cached = self._eval_negatives
+        if cached is None or cached.device != device:
+            cached = _fixed_draw(self.num_items, self.num_uniform_negatives).to(device)
+            self._eval_negatives = cached
+        return cached
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         """An output embedding: L2-normalised when ``normalize`` (scores are then cosines)."""
@@ -488,7 +503,7 @@ class _RetrievalBase(nn.Module):
             items, item_ids, self._valid(item_ids, weights), self._cross_rank(), pending)
         if self.training:
             count_items(self.frequency, cand_ids, cand_valid, self.cross_rank_negatives)
-        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else torch.zeros((), dtype=torch.int64)
+        num_in_batch = cand_valid.sum() if self.loss_kind == "in_batch" else cand_valid.new_zeros((), dtype=torch.int64)
         return cand, cand_ids, cand_valid, offset, num_in_batch
 
     def _loss(self, query: torch.Tensor, items: torch.Tensor, item_ids: torch.Tensor,
