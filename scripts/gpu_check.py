@@ -8,7 +8,8 @@ its own timeout, one summary file.
 
 Checks (``--only`` takes groups or names, comma-separated: ``--only a,c`` or ``--only d.din``):
 
-- ``a``: the ``gpu`` pytest tier (``tests/test_gpu.py``; on the CPU it is all skipped: SKIP).
+- ``a.*``: the ``gpu`` pytest tier (``tests/test_gpu.py``) in three parts run side by side:
+  ``a.precision``, ``a.optimizers``, ``a.rest`` (on the CPU every test skips: SKIP).
 - ``b.*``: every example on one device, small settings, its final figures and the device each
   Trainer actually used (``TrainingArguments(device="auto")``): ``b.dlrm``, ``b.din``,
   ``b.multitask``, ``b.dynamic`` (with its serving export), ``b.two_tower`` (two_tower and
@@ -89,17 +90,27 @@ class Check:
 D_KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed", "two_tower")
 EXAMPLE_NAMES = ("dlrm", "din", "multitask", "dynamic", "two_tower")
 
-# The run order: the longest (a) first so it overlaps the rest; c and d, which show the CUDA
-# fixes to async saves and the serving export, before b; e alone at the end.
+# The gpu tier in three parts that run side by side (-k expressions of tests/test_gpu.py): the
+# precision runs (one process, 5 configurations), the fused optimizers (4 processes), the rest.
+A_PARTS = {
+    "precision": "fp16 or bf16",
+    "optimizers": "fused_optimizers",
+    "rest": "not fp16 and not bf16 and not fused_optimizers",
+}
+
+# The run order: the longest part of a first, then c and d (they show the CUDA fixes to async
+# saves and to the serving export), the rest of a, b; e alone at the end (a benchmark).
 CHECKS: list[Check] = [
     Check("stack", 60, 120, what="versions, the device"),
-    Check("a", 300, 300, what="the gpu pytest tier"),
+    Check("a.precision", 240, 300, what=f"pytest -m gpu tests/test_gpu.py -k '{A_PARTS['precision']}'"),
     Check("c.async", 150, 420, what="async saves, SIGKILL, resume == uninterrupted, bitwise"),
     Check("c.sync", 150, 420, what="blocking saves, SIGKILL, resume == uninterrupted, bitwise"),
     *(Check(f"d.{k}", 120, 420, what=f"serving parity: {k}") for k in D_KINDS),
+    Check("a.optimizers", 240, 300, what=f"pytest -m gpu tests/test_gpu.py -k '{A_PARTS['optimizers']}'"),
+    Check("a.rest", 240, 300, what=f"pytest -m gpu tests/test_gpu.py -k '{A_PARTS['rest']}'"),
     *(Check(f"b.{k}", 180 if k in ("dlrm", "two_tower") else 150, 600, what=f"examples/train_{k}.py")
       for k in EXAMPLE_NAMES),
-    Check("e", 150, 420, exclusive=True, what="benchmarks/bench_trainer.py"),
+    Check("e", 120, 420, exclusive=True, what="benchmarks/bench_trainer.py"),
 ]
 
 
@@ -564,12 +575,12 @@ def pytest_runtest_logreport(report: Any) -> None:
                     + "\n")
 
 
-def w_a(ctx: Ctx) -> dict[str, Any]:
+def w_a(ctx: Ctx, part: str) -> dict[str, Any]:
     record = os.path.join(ctx.work, "outcomes.jsonl")
     os.makedirs(ctx.work, exist_ok=True)
     os.environ[PYTEST_LOG_ENV] = record
     cmd = [_python(), "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_check", "-m", "gpu",
-           "tests/test_gpu.py", "-rA", "-v", "-s", *ctx.pytest_args.split()]
+           "tests/test_gpu.py", "-k", A_PARTS[part], "-rA", "-v", "-s", *ctx.pytest_args.split()]
     env_path = os.environ.get("PYTHONPATH", "")
     os.environ["PYTHONPATH"] = os.pathsep.join([SCRIPTS, env_path]) if env_path else SCRIPTS
     err: CheckFailed | None = None
@@ -1039,10 +1050,12 @@ def w_e(ctx: Ctx) -> dict[str, Any]:
         if m:
             ctx.notes.append(ln)
             name, sps, ratio, spread = m.group(2), m.group(3), m.group(4), m.group(6)
-            figs[f"{name}_sps"] = int(sps.replace(",", ""))
-            if ratio != "-":
+            if name == "torchrec_loop":
+                figs["loop_samples_per_s"] = int(sps.replace(",", ""))
+            elif ratio != "-":
                 figs[f"{name}_x_loop"] = float(ratio)
-            figs[f"{name}_spread"] = float(spread) if spread != "nan" else spread
+            if spread != "nan":  # the noisiest variant's slowest / fastest round
+                figs["max_round_spread"] = max(figs.get("max_round_spread", 0.0), float(spread))
         elif ln.startswith("26 tables") or " tables x " in ln:
             ctx.notes.insert(0, ln)
     if "trainer_x_loop" not in figs:
@@ -1057,7 +1070,7 @@ def w_e(ctx: Ctx) -> dict[str, Any]:
 
 WORKERS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "stack": w_stack,
-    "a": w_a,
+    **{f"a.{k}": functools.partial(w_a, part=k) for k in A_PARTS},
     "c.async": functools.partial(w_c, mode="async"),
     "c.sync": functools.partial(w_c, mode="sync"),
     **{f"d.{k}": functools.partial(w_d, kind=k) for k in D_KINDS},
@@ -1072,7 +1085,8 @@ def _selftest(ctx: Ctx, how: str) -> dict[str, Any]:
         raise ValueError("a planted failure\nsecond line")
     if how == "hang":
         time.sleep(3600)
-    return {"ok": 1, "device": ctx.device}
+    return {"ok": 1, "device": ctx.device,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "(unset)")}
 
 
 def worker(name: str, a: argparse.Namespace) -> int:
@@ -1122,7 +1136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--work", default=os.path.join("output", "gpu-check", "work"),
                    help="scratch folder (data, checkpoints, artifacts); cleared at the start")
     p.add_argument("--jobs", type=int, default=None,
-                   help="checks run at a time (default: 4 on cuda, 2 on the CPU)")
+                   help="checks run at a time (default: 5 on cuda, 2 on the CPU)")
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds for the whole run (default {DEFAULT_BUDGET_S} on cuda, 3600 on "
                         "the CPU; env GPU_CHECK_BUDGET_S)")
@@ -1155,7 +1169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.rehearse:
         a.device = "cpu"
     if a.jobs is None:
-        a.jobs = 4 if a.device == "cuda" else 2
+        a.jobs = 5 if a.device == "cuda" else 2
     if a.budget is None:
         env = os.environ.get("GPU_CHECK_BUDGET_S")
         a.budget = float(env) if env else (DEFAULT_BUDGET_S if a.device == "cuda" else 3600.0)
