@@ -817,16 +817,25 @@ def w_c(ctx: Ctx, mode: str) -> dict[str, Any]:
                             "sharding": "/".join(sorted(set(c_sharding(ctx.device).values())))}
     # The uninterrupted run and the victim side by side (separate processes, one GPU).
     log("starting the uninterrupted run and the victim")
-    full_proc = subprocess.Popen(leg_cmd("full", full_dir, full_info), cwd=ROOT, env=_sub_env(),
-                                 start_new_session=True)
-    victim = subprocess.Popen(leg_cmd("victim", cut_dir, victim_info), cwd=ROOT, env=_sub_env(),
-                              start_new_session=True)
+    logs = {n: os.path.join(ctx.work, f"{n}.log") for n in ("full", "victim")}
+
+    def tail(n: str) -> str:
+        with open(logs[n], errors="replace") as f:
+            return error_line(f.read())
+
+    def start(role: str, out: str, info: str) -> subprocess.Popen[Any]:
+        with open(logs[role], "w") as f:  # the child keeps its own descriptor
+            return subprocess.Popen(leg_cmd(role, out, info), cwd=ROOT, env=_sub_env(),
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    full_proc = start("full", full_dir, full_info)
+    victim = start("victim", cut_dir, victim_info)
     try:
         limit = ctx.deadline - 40  # leave time for the resume
         while not os.path.exists(victim_info):
             if victim.poll() is not None:
                 raise CheckFailed(f"the victim exited with {victim.returncode} before its kill "
-                                  "point (see the log above)", figs)
+                                  f"point: {tail('victim')}", figs)
             if time.monotonic() > limit:
                 raise CheckFailed("the victim did not reach its kill point in time", figs)
             time.sleep(0.1)
@@ -847,12 +856,15 @@ def w_c(ctx: Ctx, mode: str) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             raise CheckFailed("the uninterrupted run did not finish in time", figs) from None
         if full_proc.returncode != 0:
-            raise CheckFailed(f"the uninterrupted run exited with {full_proc.returncode} "
-                              "(see the log above)", figs)
+            raise CheckFailed(f"the uninterrupted run exited with {full_proc.returncode}: "
+                              f"{tail('full')}", figs)
     finally:
         for p in (victim, full_proc):
             if p.poll() is None:
                 _kill_tree(p)
+        for n, path in logs.items():  # into this check's log
+            with open(path, errors="replace") as f:
+                print(f"----- the {n} run's output -----\n{f.read()[-20000:]}", flush=True)
     full = torch.load(full_info, weights_only=False)
     resumed = torch.load(resume_info, weights_only=False)
     figs.update(device=resumed["device"], resumed_from=",".join(resumed["loaded"]) or "nothing",
@@ -906,10 +918,9 @@ def d_export_on_cpu(kind: str, ckpt: str, art: str, rows: str, data: str, out_np
     """The CPU serving host's side (``CUDA_VISIBLE_DEVICES=``): export the committed checkpoint
     a GPU run wrote, score ``rows`` (a parquet file) with the Scorer, save the scores."""
     import numpy as np
-    import pyarrow.parquet as pq
     import torch
 
-    from recsys_trainer.serving import Scorer, export_for_serving
+    from recsys_trainer.serving import export_for_serving
 
     assert not torch.cuda.is_available(), "the CPU export process sees a GPU"
     if kind == "two_tower":
@@ -920,103 +931,145 @@ def d_export_on_cpu(kind: str, ckpt: str, art: str, rows: str, data: str, out_np
 
         spec, model = su.spec_and_model(kind)
         summary = export_for_serving(ckpt, art, model=model, features=spec)
-    table = pq.read_table(rows)
-    scores = Scorer(art).score(table)
-    row_ids = (np.asarray(table.column("row_id").to_pylist()) if "row_id" in table.column_names
-               else np.arange(table.num_rows))
-    np.savez(out_npz, scores=scores.reshape(table.num_rows, -1), row_ids=row_ids,
+    scored = _scores_of(art, rows)
+    np.savez(out_npz, scores=np.stack(list(scored.values())), row_ids=np.asarray(list(scored)),
              content_hash=summary.content_hash, step=int(summary.step or 0),
              cuda=torch.cuda.is_available())
-    print(f"[gpu-check] CPU export of {ckpt} (step {summary.step}) scored {table.num_rows} rows; "
+    print(f"[gpu-check] CPU export of {ckpt} (step {summary.step}) scored {len(scored)} rows; "
           f"cuda visible: {torch.cuda.is_available()}", flush=True)
 
 
-def w_d(ctx: Ctx, kind: str) -> dict[str, Any]:
-    import numpy as np
+def _d_train(kind: str, root: str) -> tuple[Any, dict[int, Any], str, str, dict[str, Any]]:
+    """Train the ``kind`` model on this check's device, score its reference rows: (trainer,
+    {row: reference scores}, rows file to score, data folder, export keyword arguments)."""
     import torch
 
-    from recsys_trainer.serving import Scorer, export_for_serving
+    data = os.path.join(root, "data")
+    if kind != "two_tower":
+        import serving_utils as su
+
+        windows = su.write_data(data, kind)
+        trainer = su.make_trainer(kind, root, windows, steps=6, save_steps=3)
+        trainer.train()
+        return (trainer, su.predicted(trainer, windows[-1], os.path.join(root, "pred")),
+                windows[-1], data, {})
+    # The two-tower's user side: the query vectors the live model ranks the corpus with (the
+    # pattern of test_retrieval_trainer.py's serving test), on the eval window's first batch.
+    import pyarrow.parquet as pq
+
+    from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+    from recsys_trainer.data.interactions_synthetic import InteractionSignal, write_dataset
+    from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.data.windows import partitioned_windows
+
+    write_dataset(data, hours=3, rows_per_hour=4000, ks=(20,),
+                  signal=InteractionSignal.make(num_users=300, num_items=600, num_clusters=12,
+                                                max_len=20))
+    spec, model = tt_build(data)
+    windows = partitioned_windows(data)
+    trainer = Trainer(
+        model, TrainingArguments(output_dir=os.path.join(root, "ckpt"), log_steps=10**6,
+                                 train_steps=4, save_steps=2),
+        train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=256, shuffle=True, seed=1),
+        eval_dataset=ParquetWindowDataset(windows[-1:], spec, batch_size=1024),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=5e-3), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1), add_logger_hook=False)
+    trainer.train()
+    ds: Any = trainer.eval_dataset
+    wid = next(iter(ds.window_ids()))
+    batch = next(iter(ds.iter_window(wid)))
+    rows_table = next(iter(ds.read_columns(wid, ds.features.columns())))
+    trainer.model.eval()
+    with torch.no_grad():
+        _, out = trainer.model(batch.to(trainer.device))
+    ref = out["query"].float().cpu().numpy()
+    rows_table = rows_table.slice(0, len(ref))
+    rows_file = os.path.join(root, "rows.parquet")
+    pq.write_table(rows_table, rows_file)
+    # Keyed as _scores_of keys the Scorer's: by row_id, else by row number.
+    keys = (rows_table.column("row_id").to_pylist() if "row_id" in rows_table.column_names
+            else list(range(len(ref))))
+    return (trainer, {int(k): ref[i] for i, k in enumerate(keys)}, rows_file, data,
+            {"activation": "none"})
+
+
+def _scores_of(art: str, rows_file: str) -> dict[int, Any]:
+    """The CPU Scorer's scores of ``rows_file``: {row_id (or row number): scores}."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from recsys_trainer.serving import Scorer
+
+    table = pq.read_table(rows_file)
+    out = Scorer(art).score(table).reshape(table.num_rows, -1)
+    ids = (table.column("row_id").to_pylist() if "row_id" in table.column_names
+           else list(range(table.num_rows)))
+    return {int(r): np.asarray(s) for r, s in zip(ids, out, strict=True)}
+
+
+def _max_diff(a: dict[int, Any], b: dict[int, Any]) -> float:
+    import numpy as np
+
+    if set(a) != set(b):
+        raise CheckFailed(f"scored {len(a)} rows, the reference has {len(b)}")
+    return max(float(np.abs(np.asarray(a[k]).reshape(-1) - np.asarray(b[k]).reshape(-1)).max())
+               for k in b)
+
+
+def w_d(ctx: Ctx, kind: str) -> dict[str, Any]:
+    """(i) ``export_for_serving`` on the live trainer, (ii) its committed checkpoint exported
+    by a process that sees no GPU; each scored by the CPU Scorer against the trained model's
+    own scores. (ii) runs even when (i) fails, so each export path reports on its own."""
+    import numpy as np
+
+    from recsys_trainer.checkpoint import layout
+    from recsys_trainer.serving import export_for_serving
 
     os.makedirs(ctx.work, exist_ok=True)
     root = ctx.work
     figs: dict[str, Any] = {}
-    if kind == "two_tower":
-        import pyarrow.parquet as pq
-
-        from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-        from recsys_trainer.data.interactions_synthetic import InteractionSignal, write_dataset
-        from recsys_trainer.data.parquet import ParquetWindowDataset
-        from recsys_trainer.data.windows import partitioned_windows
-
-        data = os.path.join(root, "data")
-        write_dataset(data, hours=3, rows_per_hour=4000, ks=(20,),
-                      signal=InteractionSignal.make(num_users=300, num_items=600, num_clusters=12,
-                                                    max_len=20))
-        spec, model = tt_build(data)
-        windows = partitioned_windows(data)
-        trainer = Trainer(
-            model, TrainingArguments(output_dir=os.path.join(root, "ckpt"), log_steps=10**6,
-                                     train_steps=4, save_steps=2),
-            train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=256, shuffle=True, seed=1),
-            eval_dataset=ParquetWindowDataset(windows[-1:], spec, batch_size=1024),
-            dense_optimizers=(lambda p: torch.optim.Adam(p, lr=5e-3), None),
-            sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1), add_logger_hook=False)
-        trainer.train()
-        ds: Any = trainer.eval_dataset
-        wid = next(iter(ds.window_ids()))
-        batch = next(iter(ds.iter_window(wid)))
-        rows_table = next(iter(ds.read_columns(wid, ds.features.columns())))
-        trainer.model.eval()
-        with torch.no_grad():
-            _, out = trainer.model(batch.to(trainer.device))
-        ref = out["query"].float().cpu().numpy()
-        rows_table = rows_table.slice(0, len(ref))
-        rows_file = os.path.join(root, "rows.parquet")
-        pq.write_table(rows_table, rows_file)
-        art_live = os.path.join(root, "art_live")
-        live = export_for_serving(trainer, art_live, activation="none")
-        got = Scorer(art_live).score(rows_table).reshape(len(ref), -1)
-        diff_live = float(np.abs(got - ref).max())
-        reference = {i: ref[i] for i in range(len(ref))}
-    else:
-        import serving_utils as su
-
-        data = os.path.join(root, "data")
-        windows = su.write_data(data, kind)
-        trainer = su.make_trainer(kind, root, windows, steps=6, save_steps=3)
-        trainer.train()
-        reference = su.predicted(trainer, windows[-1], os.path.join(root, "pred"))
-        rows_file = windows[-1]
-        art_live = os.path.join(root, "art_live")
-        live = export_for_serving(trainer, art_live)
-        diff_live = su.max_diff(su.scored(art_live, windows[-1]), reference)
-    figs["device"] = _device_of(trainer)
-    figs["step"] = trainer.state.global_step
-    figs["rows"] = len(reference)
-    figs["live_max_diff"] = diff_live
-    log(f"{kind}: trained on {figs['device']}; live export max |predict - Scorer| = {diff_live:.3g}")
+    errors: list[str] = []
+    trainer, reference, rows_file, data, export_kw = _d_train(kind, root)
+    step = trainer.state.global_step
+    figs.update(device=_device_of(trainer), step=step, rows=len(reference))
     _expect_device(ctx, [_device_of(trainer)], figs)
-    # (ii) the committed checkpoint, exported by a process that sees no GPU.
+    live_hash = None
+    try:  # (i): the path a training job takes (it saves the step, then rank 0 exports it)
+        art_live = os.path.join(root, "art_live")
+        live_hash = export_for_serving(trainer, art_live, **export_kw).content_hash
+        figs["live_max_diff"] = _max_diff(_scores_of(art_live, rows_file), reference)
+        log(f"{kind}: live export max |reference - Scorer| = {figs['live_max_diff']:.3g}")
+    except Exception as e:  # noqa: BLE001 - reported; (ii) still runs
+        traceback.print_exc()
+        figs["live_max_diff"] = "error"
+        errors.append(f"live export: {error_line(''.join(traceback.format_exception_only(e)))}")
+    ckpt = os.path.join(root, "ckpt")
+    if step not in [i.step for i in layout.list_committed(ckpt)]:
+        trainer.save_checkpoint()  # the live export failed before it saved the trained step
+    # (ii): the committed checkpoint, exported and scored by a process that sees no GPU.
     out_npz = os.path.join(root, "cpu_scores.npz")
-    _run([_python(), os.path.abspath(__file__), "--d-export", kind, "--d-ckpt",
-          os.path.join(root, "ckpt"), "--d-art", os.path.join(root, "art_ckpt"), "--d-rows",
-          rows_file, "--d-data", data, "--d-out", out_npz], ctx,
-         timeout=ctx.left() - INNER_MARGIN_S, cpu_only=True, label="the CPU-only export")
-    z = np.load(out_npz)
-    cpu_scores = {int(r): s for r, s in zip(z["row_ids"], z["scores"], strict=True)}
-    if set(cpu_scores) != set(reference):
-        raise CheckFailed(f"the CPU export scored {len(cpu_scores)} rows, predict {len(reference)}",
-                          figs)
-    diff_ckpt = max(float(np.abs(cpu_scores[k] - reference[k]).max()) for k in reference)
-    figs["ckpt_cpu_max_diff"] = diff_ckpt
-    figs["ckpt_step"] = int(z["step"])
-    figs["same_content_hash"] = "yes" if str(z["content_hash"]) == live.content_hash else "no"
-    if bool(z["cuda"]):
-        raise CheckFailed("the CPU export process saw a GPU", figs)
-    bad = [n for n, v in (("live", diff_live), ("checkpoint/CPU", diff_ckpt)) if not v <= PARITY_TOL]
-    if bad:
-        raise CheckFailed(f"max |predict - Scorer| above {PARITY_TOL:g} for the {' and '.join(bad)} "
-                          f"export (live {diff_live:.3g}, checkpoint {diff_ckpt:.3g})", figs)
+    try:
+        _run([_python(), os.path.abspath(__file__), "--d-export", kind, "--d-ckpt", ckpt,
+              "--d-art", os.path.join(root, "art_ckpt"), "--d-rows", rows_file, "--d-data", data,
+              "--d-out", out_npz], ctx, timeout=ctx.left() - INNER_MARGIN_S, cpu_only=True,
+             label="the CPU-only export")
+        z = np.load(out_npz)
+        cpu = {int(r): s for r, s in zip(z["row_ids"], z["scores"], strict=True)}
+        figs["ckpt_cpu_max_diff"] = _max_diff(cpu, reference)
+        figs["ckpt_step"] = int(z["step"])
+        if live_hash is not None:
+            figs["same_content_hash"] = "yes" if str(z["content_hash"]) == live_hash else "no"
+        if bool(z["cuda"]):
+            errors.append("the CPU export process saw a GPU")
+    except CheckFailed as e:
+        figs["ckpt_cpu_max_diff"] = "error"
+        errors.append(f"checkpoint export on the CPU: {e}")
+    for name in ("live_max_diff", "ckpt_cpu_max_diff"):
+        v = figs.get(name)
+        if isinstance(v, float) and not v <= PARITY_TOL:
+            errors.append(f"{name} {v:.3g} > {PARITY_TOL:g}")
+    if errors:
+        raise CheckFailed("; ".join(errors), figs)
     return figs
 
 
