@@ -371,7 +371,8 @@ def drive(a: argparse.Namespace, checks: list[Check]) -> list[Result]:
         "started": datetime.datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
         "mode": f"--device {a.device}, {a.jobs} check(s) at a time, "
                 f"budget {deadline_wall - t_start:.0f} s",
-        "commit": f"{_git('rev-parse', '--short', 'HEAD')}"
+        # A copy of the working tree on a device machine may have no .git: say so.
+        "commit": f"{_git('rev-parse', '--short', 'HEAD') or 'unknown (no git)'}"
                   + (f" + {len(dirty.splitlines())} uncommitted file(s)" if dirty else ""),
         "logs": os.path.relpath(logs, os.path.dirname(summary)) + "/<check>.log",
     }
