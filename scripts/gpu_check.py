@@ -642,11 +642,11 @@ def example_args(name: str, ctx: Ctx) -> list[str]:
     if name == "dlrm":
         sizes = (["--hours", "3", "--rows-per-hour", "6000", "--batch-size", "512",
                   "--num-embeddings", "5000"] if ctx.small else
-                 ["--hours", "4", "--rows-per-hour", "50000"])
+                 ["--hours", "4", "--rows-per-hour", "30000"])
         return ["--data", os.path.join(w, "data"), *sizes, *common]
     if name in ("din", "multitask"):
         sizes = (["--hours", "3", "--rows-per-hour", "3000", "--num-embeddings", "2000",
-                  "--max-len", "20"] if ctx.small else ["--hours", "3", "--rows-per-hour", "20000"])
+                  "--max-len", "20"] if ctx.small else ["--hours", "3", "--rows-per-hour", "15000"])
         return ["--data", os.path.join(w, "data"), *sizes, *common]
     if name == "dynamic":
         sizes = (["--hours", "3", "--rows-per-hour", "3072", "--ids", "3000", "--slots", "400"]
@@ -654,7 +654,7 @@ def example_args(name: str, ctx: Ctx) -> list[str]:
         return ["--data", os.path.join(w, "data"), *sizes, *common]
     assert name == "two_tower"
     sizes = (["--hours", "3", "--rows-per-hour", "3000"] if ctx.small else
-             ["--hours", "4", "--rows-per-hour", "20000"])
+             ["--hours", "4", "--rows-per-hour", "15000"])
     return ["--data", os.path.join(w, "data"), "--models", "two_tower", "sasrec", *sizes, *common]
 
 
