@@ -19,8 +19,9 @@ the examples in each pair's venv).
 
 Importing this module imports neither torch nor torchrec: the stack check reads the installed
 distributions' metadata, so ``import recsys_trainer`` can run it before anything imports
-torchrec (an fbgemm-gpu built for another torch fails there, with an undefined C++ symbol that
-names neither package). The torchrec names below are imported on first use (PEP 562).
+torchrec (an fbgemm-gpu built for another torch fails there with ``OSError: Could not load this
+library: .../fbgemm_gpu_config.so``, which says nothing of versions). The torchrec names below
+are imported on first use (PEP 562).
 """
 
 from __future__ import annotations
@@ -110,14 +111,21 @@ def stack_problem(stack: tuple[str, str, str]) -> tuple[Literal["error", "warnin
     """None where ``stack`` (torch, fbgemm-gpu, torchrec versions) is a supported pair, else
     how bad it is and a message naming the stack and the supported pairs.
 
-    The policy, from what was measured (docs/gpu.md, "Compatibility: scripts/compat-check"):
-    an fbgemm-gpu other than the one built for the installed torch minor does not load (its
-    libraries link torch's C++ symbols: fbgemm-gpu-cpu 1.7.0 and 1.9.0 against torch 2.13.0 fail
-    with undefined symbols), and a torch older than the oldest pair predates the torchrec APIs
-    the package uses: both are errors. A newer torch, or another torchrec next to the right
-    fbgemm-gpu, is unknown rather than known broken (torchrec is pure Python and kept its
-    names from 1.6 to 1.9): a warning, so a new release can be tried without editing the
-    package, while anything that then breaks is traced to the unchecked stack.
+    The policy follows what was measured (docs/gpu.md, "Compatibility: scripts/compat-check"):
+
+    - an fbgemm-gpu built for another torch does not load: of the 16 mixes of torch 2.11-2.14
+      with fbgemm-gpu-cpu 1.6.0-1.9.0 only the four pairs' load, the other 12 fail with
+      ``OSError: Could not load this library`` (undefined torch C++ symbols). An error, for an
+      fbgemm-gpu of the table next to another torch, and for a torch of the table next to
+      another fbgemm-gpu;
+    - a torch older than the oldest pair comes with a torchrec older than 1.6, which lacks
+      names the package imports (1.5.1: ``KernelConfig``, ``TopologyFactory`` and
+      ``TrainerConfig`` of ``torchrec.distributed.planner.types``): an error;
+    - a newer torch with an fbgemm-gpu outside the table, or another torchrec next to the
+      right fbgemm-gpu, is untested rather than known broken (torchrec is pure Python and kept
+      every name the package uses from 1.6 to 1.9): a warning, not an error, so a new release
+      can be tried without editing the package, and whatever then breaks is traced to the
+      untested stack by the warning's text.
     """
     torch_v, fbgemm_v, torchrec_v = stack
     minor = _minor(torch_v)
@@ -125,20 +133,27 @@ def stack_problem(stack: tuple[str, str, str]) -> tuple[Literal["error", "warnin
     installed = _describe(stack)
     if want is not None and _release(fbgemm_v) == want[0] and _release(torchrec_v) == want[1]:
         return None
+    built_for = {f: m for m, (f, _) in SUPPORTED_STACKS.items()}.get(_release(fbgemm_v))
     if want is not None and _release(fbgemm_v) != want[0]:
         return "error", (
             f"installed: {installed}. fbgemm-gpu {want[0]} is the build for torch {minor}; "
-            f"{fbgemm_v} was built for another torch and its libraries do not load with this "
-            f"one. Supported: {_supported()} (scripts/setup installs them).")
-    oldest = min(SUPPORTED_STACKS, key=lambda m: tuple(int(x) for x in m.split(".")))
+            f"fbgemm-gpu {fbgemm_v} is not, and its libraries do not load with this torch. "
+            f"Supported: {_supported()} (scripts/setup installs them).")
+    if built_for is not None and built_for != minor:
+        return "error", (
+            f"installed: {installed}. fbgemm-gpu {fbgemm_v} is the build for torch {built_for}; "
+            f"its libraries do not load with torch {minor}. Supported: {_supported()} "
+            f"(scripts/setup installs them).")
     try:
-        older = tuple(int(x) for x in minor.split(".")) < tuple(int(x) for x in oldest.split("."))
+        older = (tuple(int(x) for x in minor.split("."))
+                 < min(tuple(int(x) for x in m.split(".")) for m in SUPPORTED_STACKS))
     except ValueError:  # not a numbered release: judge it by its behaviour, not its name
         older = False
     if older:
         return "error", (
-            f"installed: {installed}. torch {minor} is older than the oldest supported pair; "
-            f"its torchrec lacks APIs this package uses. Supported: {_supported()}.")
+            f"installed: {installed}. torch {minor} is older than the oldest supported pair, "
+            f"and the torchrec of its time lacks names this package imports. "
+            f"Supported: {_supported()}.")
     return "warning", (
         f"installed: {installed}, which is not a supported pair (untested; it may work). "
         f"Supported: {_supported()}. scripts/compat-check checks a pair.")

@@ -84,6 +84,7 @@ def test_the_installed_stack_is_a_supported_pair() -> None:
     (("2.14.1", "1.9.0", "1.9.2"), None, ""),
     (("2.13.0+cpu", "1.7.0", "1.8.0"), "error", "fbgemm-gpu 1.8.0 is the build for torch 2.13"),
     (("2.13.0", "1.9.0", "1.9.2"), "error", "fbgemm-gpu 1.8.0 is the build for torch 2.13"),
+    (("2.15.0", "1.9.0", "1.9.2"), "error", "fbgemm-gpu 1.9.0 is the build for torch 2.14"),
     (("2.10.0", "1.5.0", "1.5.0"), "error", "older than the oldest supported pair"),
     (("2.13.0", "1.8.0", "1.9.2"), "warning", "not a supported pair"),
     (("2.15.0", "1.10.0", "1.10.0"), "warning", "not a supported pair"),
