@@ -2,7 +2,8 @@
 softmax over the same rows, the frequency sketch kept identical on both ranks, and the
 full-corpus metrics of a sharded two-tower model (per row and per user, history excluded) and
 of a SASRec with user and side features against a brute-force numpy ranking of the same
-embeddings."""
+embeddings; and one checkpoint's queries (user features whose sharded output order is not the
+declared one) equal on 2 ranks, in one process and from the serving export."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from recsys_trainer.retrieval.models import (
     gather_candidates,
     start_candidates,
 )
+from recsys_trainer.serving import Scorer, export_for_serving
 
 B, D = 6, 8
 
@@ -105,13 +107,7 @@ def _worker(root: str, out: str) -> dict[str, Any]:
 
     meta = json.loads((Path(root) / "_signal.json").read_text())
     spec = dataclasses.replace(interaction_features(meta), passthrough=["user_id", "ts"])
-    torch.manual_seed(0)
-    model = TwoTowerModel(["user_id", "segment"], num_items=meta["num_items"],
-                          user_num_embeddings=[meta["num_users"], meta["num_segments"]],
-                          item_side_features={"item_cat": meta["num_clusters"]},
-                          item_catalog=f"{root}/_items.parquet", max_len=meta["max_len"],
-                          embedding_dim=8, tower_dims=(16, 8), cross_rank_negatives=True,
-                          num_uniform_negatives=16)
+    model = _two_tower(root, meta)
     windows = partitioned_windows(root)
     per_row = RetrievalMetricHook(k=[5, 20], exclude_history=True, log=False)
     per_user = RetrievalMetricHook(
@@ -127,6 +123,8 @@ def _worker(root: str, out: str) -> dict[str, Any]:
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
         hooks=[per_row, per_user, _keeper(seen)], add_logger_hook=False)
     trainer.train()
+    ckpt = trainer.save_checkpoint()
+    export_for_serving(trainer, f"{out}/art", activation="none")  # every rank calls it
     metrics = trainer.evaluate()
     corpus = _corpus(trainer, meta["num_items"])
     freq = trainer.model.module.frequency
@@ -151,10 +149,61 @@ def _worker(root: str, out: str) -> dict[str, Any]:
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
         hooks=[sas_hook, _keeper(sas_seen)], add_logger_hook=False)
     sas.train()
-    return {**part1, "metrics": metrics, "seen": seen, "corpus": corpus,
+    export_for_serving(sas, f"{out}_sasrec/art", activation="none")
+    return {**part1, "metrics": metrics, "seen": seen, "corpus": corpus, "ckpt": ckpt,
             "freq": (freq.counts.clone(), freq.total.clone(), int(freq.step)),
             "steps": trainer.state.global_step, "sas_metrics": sas.evaluate(), "sas_seen": sas_seen,
             "sas_corpus": _corpus(sas, meta["num_items"]), "sas_steps": sas.state.global_step}
+
+
+def _two_tower(root: str, meta: dict[str, Any]) -> TwoTowerModel:
+    """The sharded two-tower of the 2-rank run. Its user features, declared ``[user_id,
+    segment]``, come out of the table-wise sharded collection on 2 ranks as ``[segment,
+    user_id]``: a model joining them by position would see another column order than on 1
+    rank and in serving."""
+    torch.manual_seed(0)
+    return TwoTowerModel(["user_id", "segment"], num_items=meta["num_items"],
+                         user_num_embeddings=[meta["num_users"], meta["num_segments"]],
+                         item_side_features={"item_cat": meta["num_clusters"]},
+                         item_catalog=f"{root}/_items.parquet", max_len=meta["max_len"],
+                         embedding_dim=8, tower_dims=(16, 8), cross_rank_negatives=True,
+                         num_uniform_negatives=16)
+
+
+def _by_row(rows: list[dict[str, Any]]) -> dict[int, np.ndarray]:
+    """Evaluation queries keyed by the row's ``ts`` (unique per row in this log)."""
+    return {int(t): q for r in rows for t, q in zip(r["ts"], r["query"].numpy(), strict=True)}
+
+
+def _one_rank_queries(root: str, out: str, ckpt: str) -> dict[int, np.ndarray]:
+    """The 2-rank checkpoint's evaluation queries from one process (unsharded tables)."""
+    import json
+
+    meta = json.loads((Path(root) / "_signal.json").read_text())
+    spec = dataclasses.replace(interaction_features(meta), passthrough=["user_id", "ts"])
+    seen: list[dict[str, Any]] = []
+    trainer = Trainer(
+        _two_tower(root, meta), TrainingArguments(output_dir=out, log_steps=10**6),
+        eval_dataset=ParquetWindowDataset(partitioned_windows(root)[1:], spec, batch_size=128),
+        dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+        sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+        hooks=[_keeper(seen)], add_logger_hook=False)
+    trainer.load_checkpoint(ckpt, mode="scoring")
+    trainer.evaluate()
+    return _by_row(seen)
+
+
+def _served_queries(art: str, root: Path) -> dict[int, np.ndarray]:
+    """The Scorer's query of every row of the evaluation window (hour 01), keyed by ``ts``."""
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(next(root.glob("*/hour=01/part-0.parquet")))
+    return dict(zip(rows.column("ts").to_pylist(), Scorer(art).score(rows), strict=True))
+
+
+def _max_diff(got: dict[int, np.ndarray], want: dict[int, np.ndarray]) -> float:
+    assert got and set(got) <= set(want), (len(got), len(set(got) - set(want)))
+    return max(float(np.abs(q - want[t]).max()) for t, q in got.items())
 
 
 def _keeper(seen: list[dict[str, Any]]) -> LambdaHook:
@@ -291,6 +340,15 @@ def test_cross_rank_negatives_and_full_corpus_metrics_on_two_ranks_equal_one_pro
     for name, value in expected_sas.items():
         assert r0["sas_metrics"][name] == pytest.approx(value, abs=1e-9), name
     assert r0["sas_metrics"]["recall@20"] > 2 * 20 / 300  # above chance after a few steps
+
+    # One checkpoint, one query per row: the 2-rank evaluation's (sharded user tables, whose
+    # output order is not the declared one), one process's and the serving export's agree; as
+    # does the SASRec's with the same user features.
+    two_ranks = _by_row(r0["seen"] + r1["seen"])
+    assert _max_diff(two_ranks, _served_queries(str(tmp_path / "out" / "art"), root)) < 1e-5
+    assert _max_diff(_one_rank_queries(str(root), str(tmp_path / "one"), r0["ckpt"]), two_ranks) < 1e-5
+    sas_rows = _by_row(r0["sas_seen"] + r1["sas_seen"])
+    assert _max_diff(sas_rows, _served_queries(str(tmp_path / "out_sasrec" / "art"), root)) < 1e-5
 
 
 def _stalled_cross_rank(root: str, out: str) -> None:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.models import make_tables
@@ -423,8 +423,22 @@ class _RetrievalBase(nn.Module):
 
     def _serving_user(self, pooled: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """``[B, F * D]``: the scorer's pooled user features in ``user_features`` order (None
-        without user features), as ``users(batch.sparse).values()`` gives them in training."""
+        without user features), as ``_pooled_user`` joins them in training."""
         return torch.cat([pooled[f] for f in self.user_features], dim=1) if self.user_features else None
+
+    def _pooled_user(self, pooled: KeyedTensor | Any | None) -> torch.Tensor | None:
+        """``[B, F * D]``: the user tables' output (a ``KeyedTensor``, or a sharded
+        collection's awaitable of one) joined by name in ``user_features`` order, as torchrec's
+        DLRM joins its features. A sharded collection returns its features grouped by sharding
+        type and rank, not in the declared order (table-wise on 2 ranks: ``[segment,
+        user_id]`` for a declared ``[user_id, segment]``): its ``values()`` would feed the
+        tower a column order that changes with the world size and differs from serving's."""
+        if pooled is None:
+            return None
+        if list(pooled.keys()) == self.user_features:
+            return pooled.values()  # type: ignore[no-any-return]  # in order already: no copy
+        by_name = pooled.to_dict()
+        return torch.cat([by_name[f] for f in self.user_features], dim=1)
 
     def _catalog(self, name: str) -> torch.Tensor:
         return getattr(self, f"catalog_{name}")  # type: ignore[no-any-return]
@@ -676,7 +690,7 @@ class TwoTowerModel(_RetrievalBase):
             hist, lengths = self._history(seq, b)
             outputs["history_lengths"] = lengths
             outputs["history_ids"] = batch.sequence[self.history_feature].values()
-        query = self._user_query(pooled.values() if pooled is not None else None, hist, lengths)
+        query = self._user_query(self._pooled_user(pooled), hist, lengths)
         loss = self._loss(query, items, target_ids, weights, negatives, neg_ids, pending)
         outputs["query"] = query.detach()
         outputs["target"] = target_ids
@@ -861,7 +875,7 @@ class SASRecModel(_RetrievalBase):
             check_aligned_history(side.lengths()[:b], lengths, key, self.history_feature)
             hist = hist + JaggedTensor(values=side.values(), lengths=lengths).to_padded_dense(self.max_len)
         hist_ids_jt = batch.sequence[self.history_feature]
-        out = self.encode(hist, lengths, pooled.values() if pooled is not None else None)  # [B, L+1, D]
+        out = self.encode(hist, lengths, self._pooled_user(pooled))  # [B, L+1, D]
         last = out[torch.arange(b, device=out.device), lengths.long()]  # after the last item
         query = self._out(last)
         target_emb = self._item_vectors(seq, slice(0, b))
