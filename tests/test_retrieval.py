@@ -479,3 +479,89 @@ def test_an_item_catalog_without_a_side_feature_column_is_named(tmp_path: Path) 
     with pytest.raises(ValueError, match=r"_items.parquet' lacks column\(s\) \['item_cat'\]; it has \['item_id'\]"):
         TwoTowerModel(["u"], num_items=20, item_side_features={"item_cat": 3}, item_catalog=str(path),
                       table_device="cpu")
+
+
+def test_the_filtered_protocol_excludes_each_users_earlier_items_as_a_numpy_reference() -> None:
+    from types import SimpleNamespace
+
+    from recsys_trainer.distributed import FakeGang
+    from recsys_trainer.hooks.base import MicroBatchOutput, StepOutput
+    from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+
+    rng = np.random.default_rng(3)
+    n_items, ks = 12, [1, 3]
+    corpus = rng.normal(size=(n_items, 4)).astype(np.float32)
+    # (user, time, target, history): training rows, then evaluation rows. User 0's eval rows
+    # share time 10 (one basket); user 1 repeats item 5; the histories stand for the model's
+    # last-max_len window, so user 0's older items (3, 4, 7) are known only from training rows.
+    train = [(0, 1, 3, [7]), (0, 2, 4, [7, 3]), (1, 1, 5, []), (1, 3, 6, [5]), (2, 2, 8, [2])]
+    evals = [(0, 10, 11, [3, 4]), (0, 10, 2, [3, 4]), (0, 12, 9, [1, 2]), (1, 11, 5, [5, 6]),
+             (2, 9, 0, [2, 8]), (2, 13, 11, [8, 0]), (0, 10, 6, [3, 4])]
+    queries = rng.normal(size=(len(evals), 4)).astype(np.float32)
+    # User 0's query at time 12 ranks item 3 (seen in training, out of its history) first and
+    # its target 9 second: only the filtered protocol puts 9 first.
+    queries[2] = corpus[3]
+    # Its query at time 10 ranks 6 and 2 (the same basket) above its target 11.
+    queries[0] = corpus[6]
+
+    def step(rows: list[tuple[int, int, int, list[int]]], q: np.ndarray) -> StepOutput:
+        batch = SimpleNamespace(weights=None, user=torch.tensor([r[0] for r in rows]),
+                                time=torch.tensor([float(r[1]) for r in rows]))
+        outputs = {"query": torch.from_numpy(q), "target": torch.tensor([r[2] for r in rows]),
+                   "history_lengths": torch.tensor([len(r[3]) for r in rows]),
+                   "history_ids": torch.tensor([i for r in rows for i in r[3]], dtype=torch.int64)}
+        return StepOutput(0, torch.zeros(()), [MicroBatchOutput(batch, torch.zeros(()), outputs)])  # type: ignore[arg-type]
+
+    def run(**kw: object) -> dict[str, float]:
+        hook = RetrievalMetricHook(k=ks, log=False, user_fn=lambda b: b.user, time_fn=lambda b: b.time, **kw)  # type: ignore[arg-type]
+        trainer = SimpleNamespace(model=_TableModel(torch.from_numpy(corpus)), gang=FakeGang(),
+                                  device=torch.device("cpu"), process_group=None, rank=0,
+                                  is_rank_zero=False, state=SimpleNamespace(global_step=1),
+                                  hooks=SimpleNamespace(fire=lambda *a: None))
+        hook.after_step(trainer, step(train[:3], np.zeros((3, 4), np.float32)))  # type: ignore[arg-type]
+        hook.after_step(trainer, step(train[3:], np.zeros((2, 4), np.float32)))  # type: ignore[arg-type]
+        hook.before_evaluate(trainer)  # type: ignore[arg-type]
+        hook.after_eval_step(trainer, step(evals[:4], queries[:4]))  # type: ignore[arg-type]
+        hook.after_eval_step(trainer, step(evals[4:], queries[4:]))  # type: ignore[arg-type]
+        metrics: dict[str, float] = {}
+        hook.after_evaluate(trainer, metrics)  # type: ignore[arg-type]
+        return metrics
+
+    def seen(u: int, t: int, targets: set[int], same_time: bool) -> list[int]:
+        out = set()
+        for ru, rt, item, hist in train + evals:
+            if ru != u:
+                continue
+            if rt < t or (same_time and rt == t and item not in targets):
+                out.add(item)
+            if rt <= t:
+                out.update(hist)
+        return sorted(out)
+
+    per_row = {"exclude": "seen", "per_user": False}
+    got = {}
+    for same_time in (False, True):
+        want = brute_force_metrics(queries, corpus, [[r[2]] for r in evals],
+                                   [seen(r[0], r[1], {r[2]}, same_time) for r in evals], ks)
+        got[same_time] = run(**per_row, exclude_same_time=same_time)
+        assert got[same_time] == pytest.approx(want, abs=1e-12), same_time
+    assert got[True] != got[False]  # user 0's basket at time 10 matters too
+    # Per user: the earliest row's query, all the user's targets, the items seen before it.
+    first = {u: min((i for i, r in enumerate(evals) if r[0] == u), key=lambda i: evals[i][1]) for u in (0, 1, 2)}
+    tsets = {u: sorted({r[2] for r in evals if r[0] == u}) for u in first}
+    want = brute_force_metrics(queries[list(first.values())], corpus, list(tsets.values()),
+                               [seen(u, evals[i][1], set(tsets[u]), True) for u, i in first.items()], ks)
+    assert run(exclude="seen", exclude_same_time=True) == pytest.approx(want, abs=1e-12)
+    # The current definitions, by name: the row's history, or nothing.
+    hist = run(exclude="history", per_user=False)
+    assert hist == pytest.approx(brute_force_metrics(queries, corpus, [[r[2]] for r in evals],
+                                                     [r[3] for r in evals], ks), abs=1e-12)
+    assert run(exclude_history=True, per_user=False) == hist
+    assert run(per_user=False) == pytest.approx(
+        brute_force_metrics(queries, corpus, [[r[2]] for r in evals], None, ks), abs=1e-12)
+    filtered = run(**per_row)
+    assert filtered["hitrate@1"] > hist["hitrate@1"]  # the older items matter on this case
+    with pytest.raises(ValueError, match="give `user_fn` and `time_fn`"):
+        RetrievalMetricHook(exclude="seen")
+    with pytest.raises(ValueError, match="refines exclude='seen'"):
+        RetrievalMetricHook(exclude_history=True, exclude_same_time=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from recsys_trainer.retrieval.metrics import (
     Jagged,
     check_k_fits_corpus,
     full_corpus_metrics,
+    seen_exclusions,
 )
 from recsys_trainer.retrieval.models import find_retrieval_model
 
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger("recsys_trainer")
+
+Exclude = Literal["none", "history", "seen"]
+EXCLUDE: tuple[str, ...] = ("none", "history", "seen")
 
 
 class RetrievalMetricHook(Hook):
@@ -46,6 +50,18 @@ class RetrievalMetricHook(Hook):
       of the user's earliest row, and the set of all the user's target items in the evaluation
       (the items of the eval period, predicted from the state before it).
 
+    What a query may not return (``exclude``):
+
+    * ``"none"`` (the default): nothing; the full-corpus ranking as it is;
+    * ``"history"`` (``exclude_history=True``): the row's history as the model saw it (the
+      last ``max_len`` items);
+    * ``"seen"``, the *filtered* full-corpus protocol of most papers: every item the user
+      interacted with before the query, among the rows this hook saw (training rows since the
+      process started, then the evaluation's rows) and their histories
+      (``retrieval.metrics.seen_exclusions``); needs ``user_fn`` and ``time_fn``. With
+      ``exclude_same_time`` also the user's other items of the query's own time (the rest of a
+      basket). ``per_user=False`` keeps one query per row with these exclusions.
+
     The values (``recall@10``, ``ndcg@10``, ``hitrate@10``, ... and ``num_queries``) are added
     to ``evaluate()``'s metrics (with ``prefix``) and sent to every hook's ``on_metrics`` as a
     ``MetricReport("eval", "eval", ...)`` (so ``JsonlMetricsHook`` and ``TensorBoardHook``
@@ -53,7 +69,10 @@ class RetrievalMetricHook(Hook):
 
     Args:
         k: cut-offs (each >= 1).
-        exclude_history: never return an item of the query's history.
+        exclude_history: ``exclude="history"`` (kept for existing callers).
+        exclude: ``"none"``, ``"history"`` or ``"seen"`` (above); None: from ``exclude_history``.
+        exclude_same_time: with ``exclude="seen"``, also the user's other items at the query's time.
+        per_user: with ``user_fn``, one query per user (True) or per row (False).
         metrics: which of ``recall``, ``ndcg``, ``hitrate`` to report.
         query_chunk_size / corpus_chunk_size: queries scored per step (bounds memory together
             with ``retrieval.metrics.sharded_top_k``'s block size) and corpus items per
@@ -61,6 +80,9 @@ class RetrievalMetricHook(Hook):
 
     Cost per evaluation: the item tower over the corpus (split over the ranks) and
     ``num_queries x num_items`` dot products (split over the ranks); see docs/retrieval.md.
+    ``exclude="seen"`` also keeps every training row's user, time, target and history on the
+    host (a device-to-host copy per step) and gathers them to every rank at evaluation; they
+    are not checkpointed (after a resume it knows the rows since).
     """
 
     def __init__(
@@ -70,6 +92,9 @@ class RetrievalMetricHook(Hook):
         exclude_history: bool = False,
         user_fn: Callable[[Batch], torch.Tensor] | None = None,
         time_fn: Callable[[Batch], torch.Tensor] | None = None,
+        exclude: Exclude | None = None,
+        exclude_same_time: bool = False,
+        per_user: bool = True,
         metrics: Sequence[str] = METRICS,
         prefix: str = "",
         log: bool = True,
@@ -85,17 +110,43 @@ class RetrievalMetricHook(Hook):
         if (user_fn is None) != (time_fn is None):
             raise ValueError("`user_fn` and `time_fn` go together: a user's query is its earliest "
                              "row, by time_fn.")
+        if exclude is None:
+            exclude = "history" if exclude_history else "none"
+        elif exclude not in EXCLUDE or (exclude_history and exclude != "history"):
+            raise ValueError(f"`exclude` must be one of {', '.join(EXCLUDE)} (and 'history' with "
+                             f"exclude_history=True), but is {exclude!r}.")
+        if exclude == "seen" and user_fn is None:
+            raise ValueError("exclude='seen' removes each user's earlier interactions: give "
+                             "`user_fn` and `time_fn` (per_user=False for one query per row).")
+        if exclude_same_time and exclude != "seen":
+            raise ValueError("`exclude_same_time` refines exclude='seen'; give exclude='seen'.")
         for name, v in (("query_chunk_size", query_chunk_size), ("corpus_chunk_size", corpus_chunk_size)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"`{name}` must be an int >= 1, but is {v!r}.")
         self.ks = sorted(set(ks))
-        self.exclude_history = exclude_history
+        self.exclude: Exclude = exclude
+        self.exclude_history = exclude != "none"
+        """Whether the rows' histories are kept (both exclusions read them)."""
+        self.exclude_same_time, self.per_user = exclude_same_time, per_user
+        self._train_events: list[dict[str, torch.Tensor]] = []
+        """``exclude="seen"``: the training rows' interactions (host tensors, this rank's)."""
         self._user_fn, self._time_fn = user_fn, time_fn
         self._metrics = tuple(metrics)
         self._prefix, self._log = prefix, log
         self._query_chunk, self._corpus_chunk = query_chunk_size, corpus_chunk_size
         self.reports: list[MetricReport] = []
         self._rows: list[dict[str, Any]] = []
+
+    def handled_events(self) -> set[str] | None:
+        # Training steps matter only to the filtered protocol: no per-step call otherwise.
+        events = {"before_evaluate", "after_eval_step", "after_evaluate"}
+        return events | {"after_step"} if self.exclude == "seen" else events
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        if self.exclude != "seen":
+            return
+        for mb in output.micro_batches:
+            self._train_events.append(self._take(mb.batch, mb.outputs)["events"])
 
     def before_evaluate(self, trainer: Trainer) -> None:
         # A model without an item tower, or a K the corpus cannot fill: say so before the pass.
@@ -120,7 +171,10 @@ class RetrievalMetricHook(Hook):
         keep = torch.ones(query.shape[0], dtype=torch.bool, device=query.device) \
             if batch.weights is None else batch.weights.to(query.device) > 0
         row: dict[str, Any] = {"query": query[keep].float(), "target": target[keep].to(torch.int64)}
-        if self.exclude_history:
+        if self.exclude_history and self.exclude == "seen" and "history_lengths" not in outputs:
+            # A model without a history feature: the seen items are the earlier rows' targets.
+            row["history"] = Jagged.empty(int(keep.sum()), query.device)
+        elif self.exclude_history:
             if "history_lengths" not in outputs or "history_ids" not in outputs:
                 raise TypeError("exclude_history=True needs outputs['history_lengths'] and "
                                 "outputs['history_ids'] from the model's forward.")
@@ -131,6 +185,17 @@ class RetrievalMetricHook(Hook):
             # To the host: users are grouped there (numpy) after the gang's object gather.
             row["user"] = self._user_fn(batch).reshape(-1)[keep.cpu()].cpu().to(torch.int64)
             row["time"] = self._time_fn(batch).reshape(-1)[keep.cpu()].cpu().to(torch.float64)
+        if self.exclude == "seen":
+            # To the host with the users: the seen items are matched there (numpy) after the
+            # gang's object gather. Each row's target at its time, its history items before it.
+            user, time, hist = row["user"], row["time"], row["history"]
+            n_hist = hist.lengths.cpu()
+            row["events"] = {
+                "user": torch.cat([user, user.repeat_interleave(n_hist)]),
+                "item": torch.cat([row["target"].cpu(), hist.values.cpu()]),
+                "time": torch.cat([time, time.repeat_interleave(n_hist)]),
+                "before": torch.cat([user.new_zeros(user.numel(), dtype=torch.bool),
+                                     user.new_ones(int(n_hist.sum()), dtype=torch.bool)])}
         return row
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -144,14 +209,26 @@ class RetrievalMetricHook(Hook):
             raise ValueError("RetrievalMetricHook: the evaluation had no rows on any rank.")
         device = trainer.device
         rows = self._rows
+        users = times = None
+        if self._user_fn is not None:
+            # Host tensors already (``_take``): numpy views of them, no copy from the device.
+            users = np.concatenate([np.asarray(r["user"]) for r in rows]) if rows else np.zeros(0, np.int64)
+            times = np.concatenate([np.asarray(r["time"]) for r in rows]) if rows else np.zeros(0, np.float64)
+        sets: list[np.ndarray] = []
+        if self.exclude == "seen":  # one target per row: the first of each row's events
+            sets = [t.reshape(1) for r in rows
+                    for t in np.asarray(r["events"]["item"][: r["user"].numel()])]
         query = torch.cat([r["query"] for r in rows]) if rows else torch.zeros(0, dims[0], device=device)
         target = Jagged.one_per_row(torch.cat([r["target"] for r in rows]) if rows
                                     else torch.zeros(0, dtype=torch.int64, device=device))
         history = None
         if self.exclude_history:
             history = Jagged.cat([r["history"] for r in rows], device)
-        if self._user_fn is not None:
-            query, target, history = self._per_user(trainer, rows, query, target, history)
+        if self._user_fn is not None and self.per_user:
+            query, target, history, users, times, sets = self._per_user(trainer, rows, query, target, history)
+        if self.exclude == "seen":
+            assert users is not None and times is not None
+            history = self._seen(trainer, rows, users, times, sets, query.device)
         values = full_corpus_metrics(
             model, query.to(device), target, self.ks, exclude=history, device=device,
             query_chunk_size=self._query_chunk, corpus_chunk_size=self._corpus_chunk,
@@ -169,9 +246,28 @@ class RetrievalMetricHook(Hook):
                         model.num_items, report.step, shown)
         trainer.hooks.fire("on_metrics", trainer, report)
 
+    def _seen(self, trainer: Trainer, rows: list[dict[str, Any]], users: np.ndarray,
+              times: np.ndarray, sets: list[np.ndarray], device: torch.device) -> Jagged:
+        """This rank's queries' exclusions under ``exclude="seen"``: from every rank's training
+        and evaluation rows (one object gather), per query (``users``, ``times``, target
+        ``sets``)."""
+        mine = [{k: np.asarray(v) for k, v in e.items()}
+                for e in [*self._train_events, *(r["events"] for r in rows)]]
+        gathered = [e for part in trainer.gang.all_gather_object(mine) for e in part]
+        ev = {k: np.concatenate([e[k] for e in gathered]) if gathered else np.zeros(0, dt)
+              for k, dt in (("user", np.int64), ("item", np.int64), ("time", np.float64),
+                            ("before", bool))}
+        excl = seen_exclusions(ev["user"], ev["item"], ev["time"], ev["before"], users, times, sets,
+                               same_time=self.exclude_same_time)
+        return Jagged(torch.as_tensor([len(x) for x in excl], dtype=torch.int64, device=device),
+                      torch.as_tensor(np.concatenate(excl) if excl else np.zeros(0, np.int64),
+                                      dtype=torch.int64, device=device))
+
     def _per_user(self, trainer: Trainer, rows: list[dict[str, Any]], query: torch.Tensor,
-                  target: Jagged, history: Jagged | None) -> tuple[torch.Tensor, Jagged, Jagged | None]:
-        """One query per user: its earliest row's embedding and history; all its targets. The
+                  target: Jagged, history: Jagged | None,
+                  ) -> tuple[torch.Tensor, Jagged, Jagged | None, np.ndarray, np.ndarray, list[np.ndarray]]:
+        """One query per user: its earliest row's embedding, history, user and time; all its
+        targets (also as host arrays). The
         grouping runs on the host (numpy, over the gang's object gather); what it selects goes
         back to the queries' device."""
         user = torch.cat([r["user"] for r in rows]).numpy() if rows else np.zeros(0, np.int64)
@@ -204,7 +300,8 @@ class RetrievalMetricHook(Hook):
         if history is not None:
             parts = [history.rows(int(i), int(i) + 1) for i in sel]
             new_history = Jagged.cat(parts, dev)
-        return query[torch.as_tensor(sel, dtype=torch.int64, device=query.device)], new_target, new_history
+        return (query[torch.as_tensor(sel, dtype=torch.int64, device=query.device)], new_target,
+                new_history, all_user[mine], all_time[mine], sets)
 
 
 __all__ = ["RetrievalMetricHook"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -250,6 +251,32 @@ def _dedupe(targets: Jagged) -> Jagged:
     return Jagged(lengths, pairs[1])
 
 
+def seen_exclusions(ev_user: np.ndarray, ev_item: np.ndarray, ev_time: np.ndarray,
+                    ev_before: np.ndarray, users: np.ndarray, times: np.ndarray,
+                    targets: Sequence[np.ndarray], *, same_time: bool = False) -> list[np.ndarray]:
+    """The filtered protocol's exclusions: per query (user ``users[i]`` at time ``times[i]``
+    with target set ``targets[i]``), the distinct items the user interacted with before it,
+    from the interactions seen (``ev_*``: one per interaction; ``ev_before`` marks a history
+    item, known only to precede ``ev_time``, else the interaction is at ``ev_time``). An
+    interaction at ``t`` counts when ``t < time``, a history item of a row at ``t`` when
+    ``t <= time``; with ``same_time`` also the interactions at ``time`` itself that are not the
+    query's targets (the other items of one basket/session). An earlier interaction with a
+    target item is excluded too (a system that filters seen items cannot return it). Host-side
+    (numpy), as the per-user grouping."""
+    order = np.lexsort((ev_time, ev_user))
+    u, it, t, before = ev_user[order], ev_item[order], ev_time[order], ev_before[order]
+    lo = np.searchsorted(u, users, "left")
+    hi = np.searchsorted(u, users, "right")
+    out = []
+    for i in range(len(users)):
+        ts, bf, items = t[lo[i]:hi[i]], before[lo[i]:hi[i]], it[lo[i]:hi[i]]
+        keep = np.where(bf, ts <= times[i], ts < times[i])
+        if same_time:
+            keep |= ~bf & (ts == times[i]) & ~np.isin(items, targets[i])
+        out.append(np.unique(items[keep]))
+    return out
+
+
 def check_k_fits_corpus(ks: Sequence[int], num_items: int) -> None:
     """Refuse a cut-off above the corpus size: its top K would hold every item (recall 1.0 by
     construction), a number that says nothing about the model."""
@@ -298,5 +325,6 @@ __all__ = [
     "embed_corpus",
     "full_corpus_metrics",
     "ranking_metrics",
+    "seen_exclusions",
     "sharded_top_k",
 ]
