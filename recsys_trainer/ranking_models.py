@@ -40,29 +40,36 @@ def mlp(sizes: Sequence[int]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int) -> None:
+def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int,
+                           candidate_feature: str = "candidate",
+                           history_feature: str = "history") -> None:
     """Refuse candidate features without exactly one id per row and histories longer than
     ``max_len``: padding would silently take the first id (or the *oldest* ``max_len`` items).
-    Off the CPU an asynchronous device assert avoids a host sync per step."""
+    Off the CPU an asynchronous device assert avoids a host sync per step; its message is fixed
+    when the step runs (no row), so it names the features."""
     ok_c, ok_h = (candidate == 1).all(), (history <= max_len).all()
     if candidate.device.type != "cpu":
-        torch._assert_async(ok_c & ok_h, "candidate ids != 1 per row, or history > max_len")
+        torch._assert_async(ok_c & ok_h, f"DIN: the candidate feature {candidate_feature!r} must "
+                            "have exactly one id per row (a null in its column gives none), and "
+                            f"the history {history_feature!r} at most max_len={max_len} ids")
         return
     if not bool(ok_c):
         row = int(torch.nonzero(candidate != 1)[0, 0])
         raise ValueError(
-            f"the candidate feature must have exactly one id per row, but row {row} of the batch "
-            f"has {int(candidate[row])}. Read it from a scalar column (SequenceFeature on a "
-            "non-list column) with no nulls.")
+            f"DIN's candidate feature {candidate_feature!r} (the SequenceFeature of that name, "
+            "read from its column) must have exactly one id per row, but row "
+            f"{row} of the batch has {int(candidate[row])} (a null or an empty list in its "
+            "column gives none). Read it from a scalar column (SequenceFeature on a non-list "
+            "column) with no nulls, or give the SequenceFeature a null_id.")
     if not bool(ok_h):
         row = int(torch.nonzero(history > max_len)[0, 0])
         raise ValueError(
             f"row {row} of the batch has a history of {int(history[row])} ids, more than the "
-            f"model's max_len={max_len}. Give the SequenceFeature max_len={max_len} (the reader "
-            "keeps the most recent ids) or build the model with a larger max_len.")
+            f"model's max_len={max_len} (feature {history_feature!r}). Give the SequenceFeature "
+            f"max_len={max_len} (the reader keeps the most recent ids) or build the model with a "
+            "larger max_len.")
 
 
-# Leaves for torch.fx: data-dependent checks cannot be traced, and must not be.
 torch.fx.wrap("check_sequence_lengths")
 
 
@@ -173,7 +180,8 @@ class DINClassifier(nn.Module):
             seq = seq[0]  # a managed-collision collection returns (embeddings, remapped ids)
         cand_jt, hist_jt = seq[self.item_feature], seq[self.history_feature]
         hist_len = hist_jt.lengths()
-        check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len)
+        check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len, self.item_feature,
+                               self.history_feature)
         candidate = cand_jt.to_padded_dense(desired_length=1).squeeze(1)  # [B, D]
         history = hist_jt.to_padded_dense(desired_length=self.max_len)  # [B, L, D]
         return self._logits(dense, self.sparse_arch(batch.sparse), candidate, history, hist_len)
@@ -196,8 +204,10 @@ class DINClassifier(nn.Module):
         """The logits of ``forward`` from looked-up embeddings: the serving contract
         (``recsys_trainer.serving.export``). Rows without exactly one candidate id fail as in
         training (an assert kept in the exported program)."""
+        # A fixed message (the program holds no row); the Scorer names the column and row.
         torch._assert_async((lengths[self.item_feature] == 1).all(),
-                            "the candidate feature must have exactly one id per row (DIN)")
+                            f"DIN: the candidate feature {self.item_feature!r} must have exactly "
+                            "one id per row (a null in its column gives none)")
         dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
         return self._logits(dense, stack_pooled(self.sparse_arch, pooled),
                             sequences[self.item_feature].squeeze(1), sequences[self.history_feature],

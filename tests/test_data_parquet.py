@@ -308,23 +308,35 @@ def _rewrite(path: str, **columns: pa.Array) -> None:
     pq.write_table(t, path)
 
 
-def test_an_id_column_that_turns_from_integers_to_strings_is_refused_also_after_a_resume(tmp_path) -> None:
+def test_an_id_column_that_turns_from_integers_to_strings_is_read_as_integers_or_refused_by_value(
+        tmp_path) -> None:
+    """Integer and string ids map to different rows: a later window whose integer id column is
+    written as strings is read as the integers they write (``str(int)``'s form, as the serving
+    Scorer reads a request's), and a value of any other form is refused naming the file, row
+    and value, also after a resume (the first kind is part of the data state)."""
     write_windows(str(tmp_path), [[8], [8]])
     later = str(tmp_path / "hour=01" / "part-0.parquet")
-    _rewrite(later, item=pa.array([str(i) for i in range(8)]))  # row ids would become hashes
+    as_ints = [b.sparse["item"].values().tolist() for b in _ds(str(tmp_path)).iter_window("hour=01")]
+    items = pq.read_table(later).column("item").to_pylist()
+    _rewrite(later, item=pa.array([str(i) for i in items]))  # unconverted, row ids would become hashes
     ds = _ds(str(tmp_path))
     assert list(ds.window_ids()) == ["hour=00", "hour=01"]
     assert len(list(ds.iter_window("hour=00"))) == 2
     state = ds.state_dict()
-    expected = (rf"file {later}, column 'item': the sparse id column holds string ids in window "
-                r"'hour=01', but held integer ids in window 'hour=00' \(file .*hour=00/part-0.parquet\)")
+    assert [b.sparse["item"].values().tolist() for b in ds.iter_window("hour=01")] == as_ints
+    _rewrite(later, item=pa.array([str(i) if k != 5 else f"0{i}" for k, i in enumerate(items)]))
+    expected = (rf"file {later}, row group 0, row 5, column 'item': the sparse id column holds "
+                rf"string ids, but held integer ids in window 'hour=00' \(file .*hour=00/part-0.parquet\), "
+                rf"and value '0{items[5]}' is no integer written as str\(int\) writes it")
+    fresh = _ds(str(tmp_path))
+    assert len(list(fresh.iter_window("hour=00"))) == 2
     with pytest.raises(DataError, match=expected):
-        next(ds.iter_window("hour=01"))
-    # The record is part of the data state: a run resumed after hour=00 refuses hour=01 too.
+        list(fresh.iter_window("hour=01"))
+    # A run resumed after hour=00 reads hour=01 as the integers hour=00 held, too.
     resumed = _ds(str(tmp_path))
     resumed.load_state_dict(state)
     with pytest.raises(DataError, match=expected):
-        next(resumed.iter_window("hour=01"))
+        list(resumed.iter_window("hour=01"))
 
 
 def test_files_of_one_window_with_different_column_types_read_alike_on_one_rank_and_on_two(

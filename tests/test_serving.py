@@ -101,6 +101,20 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
         if kind == "mixed":
             assert tables["t_C4"].weight is not None and tables["t_C4"].weight.shape[0] == su.NUM_EMB
         su.check_delta(case["root"], kind, case["windows"][-1], 3, 5)
+    if kind == "din":
+        # A null candidate: no id in the row. Served: named by column, feature and row (the
+        # program's assert holds no row); trained (CPU): named by feature and batch row.
+        from recsys_trainer.ranking_models import check_sequence_lengths
+
+        row = {k: v for k, v in pq.read_table(case["windows"][-1]).to_pylist()[0].items()
+               if k != "label"}
+        with pytest.raises(DataError, match=r"file the rows to score, row 1, column 'item': the "
+                                            r"model reads exactly one id per row of sequence "
+                                            r"feature 'item' \(its candidate\), but this row has 0"):
+            Scorer(case["art"]).score([row, {**row, "item": None}])
+        with pytest.raises(ValueError, match=r"DIN's candidate feature 'item' .* must have exactly "
+                                             r"one id per row, but row 1 of the batch has 0"):
+            check_sequence_lengths(torch.tensor([1, 0]), torch.tensor([1, 1]), 3, "item", "hist_item")
 
 
 def test_a_delta_of_plain_tables_reproduces_the_full_export_of_the_later_step(dlrm) -> None:
@@ -123,14 +137,34 @@ def test_an_export_from_the_checkpoint_equals_the_export_from_the_live_trainer(d
     with pytest.raises(FileExistsError, match=r"holds \['notes.txt', 'step_00000003'\]"):
         export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(mine), model=model, features=spec)
     assert (mine / "notes.txt").read_text() == "keep" and (mine / "step_00000003").is_dir()
-    # What an export that died before its marker left is cleared by the next one.
+    # Only the names an export writes, but not an export's: a user's manifest.json and
+    # vocab/words.json (no manifest of ours), or ours beside a file it does not list.
+    other = tmp_path / "other"
+    (other / "vocab").mkdir(parents=True)
+    (other / "manifest.json").write_text('{"name": "my app"}')
+    (other / "vocab" / "words.json").write_text('["a"]')
+    with pytest.raises(FileExistsError, match=r"holds \['manifest.json', 'vocab/words.json'\] "
+                                              r"with a manifest.json that is not a serving export's"):
+        export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(other), model=model, features=spec)
+    assert (other / "manifest.json").read_text() == '{"name": "my app"}'
+    assert (other / "vocab" / "words.json").read_text() == '["a"]'
+    # What an export that died before its marker left (its manifest is written first) is
+    # cleared by the next one: a truncated file, another's temporary file.
     left = tmp_path / "left"
-    (left / "vocab").mkdir(parents=True)
-    for name in (mf.TABLES, "manifest.json.tmp.99", "vocab/C1.json"):
-        (left / name).write_bytes(b"partial")
+    export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(left), model=model, features=spec)
+    (left / mf.MARKER).unlink()
+    (left / mf.TABLES).write_bytes(b"partial")
+    (left / (mf.PROGRAM + ".tmp.99")).write_bytes(b"partial")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "manifest.json").write_bytes((left / "manifest.json").read_bytes())
+    (mixed / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match=r"holds \['notes.txt'\], which its manifest.json does not list"):
+        export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(mixed), model=model, features=spec)
+    assert (mixed / "notes.txt").read_text() == "keep"
     export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(left), model=model, features=spec)
     assert Scorer(str(left)).content_hash == summary.content_hash
-    assert not (left / "manifest.json.tmp.99").exists() and not (left / "vocab").exists()
+    assert not (left / (mf.PROGRAM + ".tmp.99")).exists()
 
 
 def test_an_artifact_on_object_storage_loads_and_scores_the_same(dlrm) -> None:
@@ -159,6 +193,13 @@ def test_rows_as_dicts_with_nulls_and_missing_columns_get_what_training_does_or_
     assert scorer.score(table.slice(0, 0)).shape == (0,)
     with pytest.raises(DataError, match="column 'C4': its values do not make one column"):
         scorer.score([rows[0], {**rows[1], "C4": 5}])  # a string column given an int
+    # An integer sent for a string id column is its decimal string (as a file of strings holds).
+    assert scorer.score([{**rows[1], "C4": 5}])[0] == scorer.score([{**rows[1], "C4": "5"}])[0]
+    # The edge rows (a null dense value, a null id) alone, as one-row requests: predict's.
+    edge = pq.read_table(dlrm["windows"][-1]).to_pylist()[-3:]
+    for r in edge:
+        request = {k: v for k, v in r.items() if k != "label"}
+        assert abs(float(scorer.score([request])[0]) - float(dlrm["pred"][r["row_id"]][0])) <= 1e-6
 
 
 def test_a_negative_dynamic_id_is_refused_as_in_training() -> None:
@@ -324,8 +365,13 @@ import recsys_trainer.serving as serving
 after_import = set(sys.modules)
 torch.export.load(sys.argv[1] + "/dense.pt2")  # what torch.export itself imports
 after_torch_export = set(sys.modules)
-scores = serving.Scorer(sys.argv[1]).score(pq.read_table(sys.argv[2]))
-print(json.dumps({"scores": scores.tolist(), "by_import": sorted(after_import - after_torch),
+scorer = serving.Scorer(sys.argv[1])
+scores = scorer.score(pq.read_table(sys.argv[2]))
+# As a server gets them: the edge rows (nulls) one request each, and an empty request.
+edge = [{k: v for k, v in r.items() if k != "label"} for r in pq.read_table(sys.argv[2]).to_pylist()[-3:]]
+one = {r["row_id"]: float(scorer.score([r])[0]) for r in edge}
+print(json.dumps({"scores": scores.tolist(), "one": one, "empty": list(scorer.score([]).shape),
+                  "by_import": sorted(after_import - after_torch),
                   "by_scoring": sorted(set(sys.modules) - after_torch_export),
                   "all": sorted(sys.modules)}))
 """
@@ -348,6 +394,9 @@ def test_an_export_scores_in_a_fresh_process_that_never_imports_the_trainer_or_t
     assert not [m for m in got["all"] if m.startswith(_TRAINING)]
     assert np.array_equal(np.array(got["scores"], np.float32),
                           Scorer(dlrm["art"]).score(pq.read_table(window)))
+    assert got["empty"] == [0] and len(got["one"]) == 3
+    for row_id, score in got["one"].items():
+        assert abs(score - float(dlrm["pred"][int(row_id)][0])) <= 1e-6, row_id
 
 
 def test_run_export_writes_the_artifact_of_the_newest_checkpoint_of_a_cli_training_run(tmp_path) -> None:
@@ -427,13 +476,23 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
         labels=["y"], dense=["row_id"],
         sparse=[SparseFeature(name="genre", num_embeddings=12, vocab=VocabFromData()),
                 SparseFeature(name="year", num_embeddings=10, vocab=VocabFromData()),
-                SparseFeature(name="tags", num_embeddings=8, vocab=VocabFromData())],
+                SparseFeature(name="tags", num_embeddings=8, vocab=VocabFromData()),
+                # Reads the vocabularies' columns, hashed (no vocabulary of its own).
+                SparseFeature(name="genre_x_year", num_embeddings=16, cross=("genre", "year"))],
         sequence=[SequenceFeature(name="item", num_embeddings=16, vocab=VocabFromData(name="items")),
                   SequenceFeature(name="hist", num_embeddings=16, max_len=MAX_LEN,
                                   vocab=VocabFromData(name="items"))])
     data = str(tmp_path / "data")
     write_vocab_windows(data, (64, 48), files_per_window=1)
     windows = [os.path.join(data, f"hour={w:02d}", "part-0.parquet") for w in range(2)]
+    # Rows with one column null each, of every kind (a string and an integer vocabulary, both
+    # also crossed; a list; a sequence's candidate and its history), in the predicted window.
+    nullable = ("genre", "year", "tags", "item", "hist")
+    later = pq.read_table(windows[1])
+    first = later.slice(0, 1).to_pylist()[0]
+    null_rows = [{**first, c: None, "row_id": 1_000_000 + i} for i, c in enumerate(nullable)]
+    pq.write_table(pa.concat_tables([later, pa.Table.from_pylist(null_rows, schema=later.schema)]),
+                   windows[1])
 
     def model() -> ServableTiny:
         m = ServableTiny(spec)
@@ -462,6 +521,18 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
     got = dict(zip(rows.column("row_id").to_pylist(), scorer.score(rows).tolist(), strict=True))
     want = dict(zip(pred.column("row_id").to_pylist(), pred.column("y").to_pylist(), strict=True))
     assert max(abs(got[r] - want[r]) for r in want) <= 1e-6 and set(got) == set(want)
+    # Each null row alone, as a server gets it (dicts, or a table built from them, where the
+    # null column has no type): what predict gave the row in the file. The column of a
+    # vocabulary that a cross shares takes the vocabulary's kind, whichever feature is last.
+    for r in null_rows:
+        request = {k: v for k, v in r.items() if k != "y"}
+        for one in ([request], pa.Table.from_pylist([request])):
+            assert abs(float(scorer.score(one)[0]) - want[r["row_id"]]) <= 1e-6, (request, one)
+    assert scorer.id_kinds == {"genre": "string", "hist": "integer", "item": "integer",
+                               "tags": "string", "year": "integer"}
+    # An empty request: no rows, no columns to check; the shape a caller indexes by output.
+    for empty in ([], pa.table({}), rows.slice(0, 0)):
+        assert scorer.score(empty).shape == (0,)
     again = export_for_serving(str(tmp_path / "ckpt"), str(tmp_path / "again"), model=model(),
                                features=spec)
     assert again.content_hash == summary.content_hash
@@ -506,6 +577,14 @@ def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_pre
     spec = seq_spec()
     write_seq_windows(str(tmp_path / "data"), [[64], [48]])
     windows = [str(tmp_path / "data" / f"hour={w:02d}" / "part-0.parquet") for w in range(2)]
+    # Rows with nulls of the other kinds (an integer id; a weighted list with its weights; a
+    # bucketized number with null_id; a history), in the predicted window.
+    later = pq.read_table(windows[1])
+    first = later.slice(1, 1).to_pylist()[0]
+    null_rows = [{**first, **dict.fromkeys(cols), "row_id": 1_000_000 + i}
+                 for i, cols in enumerate((["user"], ["tags", "tag_w"], ["age"], ["hist"]))]
+    pq.write_table(pa.concat_tables([later, pa.Table.from_pylist(null_rows, schema=later.schema)]),
+                   windows[1])
     trainer = Trainer(ServableSeqModel(spec), TrainingArguments(output_dir=str(tmp_path / "ckpt"),
                                                                 log_steps=1000),
                       train_dataset=ParquetWindowDataset(windows[:1], spec, batch_size=16),
@@ -531,6 +610,21 @@ def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_pre
     one_by_one = np.array([scorer.score([r])[0] for r in empty])
     assert np.abs(one_by_one - typed).max() <= 1e-6
     assert abs(typed[0] - want[empty[0]["row_id"]]) <= 1e-6
+    for r in null_rows:
+        request = {k: v for k, v in r.items() if k != "y"}
+        for one in ([request], pa.Table.from_pylist([request])):
+            assert abs(float(scorer.score(one)[0]) - want[r["row_id"]]) <= 1e-6, request
+    # Integer ids sent as strings: the same rows when written as str(int) writes them (a hash
+    # of the text would score other rows, silently); anything else is refused by name.
+    request = {k: v for k, v in dicts[1].items() if k != "y"}
+    as_text = {**request, "user": str(request["user"]), "tags": [str(t) for t in request["tags"]],
+               "hist": [str(t) for t in request["hist"]]}
+    assert scorer.id_kinds["user"] == "integer" and request["tags"] and request["hist"]
+    assert float(scorer.score([as_text])[0]) == float(scorer.score([request])[0])
+    for bad in ("abc", "07", "+7", " 7"):
+        with pytest.raises(DataError, match=rf"row 1, column 'user': the id column held integer "
+                                            rf"ids in training, but value '{re.escape(bad)}'"):
+            scorer.score([as_text, {**as_text, "user": bad}])
 
 
 def test_a_delta_that_fails_to_apply_leaves_the_scorer_as_it_was(dlrm, tmp_path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 def _is_list(t: pa.DataType) -> bool:
@@ -41,3 +42,49 @@ def _float_view(col: pa.ChunkedArray | pa.Array, fill: float) -> np.ndarray:
 def _to_float(col: pa.ChunkedArray | pa.Array, fill: float) -> np.ndarray:
     """float32 numpy copy of a numeric column with nulls replaced by ``fill``."""
     return np.array(_float_view(col, fill), dtype=np.float32, copy=True)
+
+
+_CANONICAL_INT = r"^-?(0|[1-9][0-9]*)$"
+"""An integer written as ``str(int)`` writes it: no sign '+', no leading zeros or spaces, so the
+conversion back is lossless ("079" and "79" are different strings, but would be one integer)."""
+
+
+def _id_kind(t: pa.DataType) -> str | None:
+    """``"integer"`` / ``"string"`` for an id column's type (a list by its elements), else None."""
+    elem = t.value_type if _is_list(t) else t
+    return "integer" if _is_int(elem) else "string" if _is_str(elem) else None
+
+
+def _as_id_kind(col: pa.ChunkedArray | pa.Array, kind: str) -> tuple[pa.Array | None, int | None, str]:
+    """An id column (or a list of ids) converted losslessly to the ``kind`` of ids it held in
+    training: integers written as strings parsed back to int64, integers written as their
+    decimal strings. Returns ``(converted, None, "")``, or ``(None, row, value)`` naming the
+    first value that is no integer written as ``str(int)`` writes one (or outside int64)."""
+    arr = _combine(col)
+    listed = _is_list(arr.type)
+    flat = arr.flatten() if listed else arr
+    if kind == "string":
+        out = flat.cast(pa.string())
+    else:
+        ok = pc.fill_null(pc.match_substring_regex(flat.cast(pa.string()), _CANONICAL_INT), True)
+        ok_np = ok.to_numpy(zero_copy_only=False)
+        bad = None if ok_np.all() else int(np.flatnonzero(~ok_np)[0])
+        if bad is None:
+            try:
+                out = flat.cast(pa.int64())
+            except pa.ArrowInvalid:  # all digits, but beyond int64
+                big = [i for i, v in enumerate(flat.to_pylist())
+                       if v is not None and not -2**63 <= int(v) < 2**63]
+                bad = big[0]
+        if bad is not None:
+            if listed:
+                lens = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+                row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
+            else:
+                row = bad
+            return None, row, repr(flat[bad].as_py())
+    if not listed:
+        return out, None, ""
+    lens = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, out, mask=arr.is_null()), None, ""

@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 from recsys_trainer import storage
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.columns import _as_id_kind, _id_kind
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.prefetch import Prefetcher
@@ -410,26 +411,23 @@ class ParquetWindowDataset(WindowedDataset):
             logger.warning("%s (on_all_null='warn': reading the file)", warning)
 
     def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
-        """Refuse a sparse id column whose ids change kind (integer <-> string) between files or
-        windows, across restarts too: integer ids index the table (or hash as integers), strings
-        hash as text, so the same id would silently train another row. Also refuses a column a
-        feature's vocabulary cannot map (or strings with ``hash=False`` and no vocabulary)."""
-        kinds = self.features.id_kinds(schema)
+        """Record the kind of ids (integer / string) each sparse id column first holds, across
+        restarts too: integer ids index the table (or hash as integers), strings hash as text,
+        so a column that changes kind in a later file or window is read as the first kind
+        (``_as_first_kinds``: converted losslessly, or refused naming the value). Also refuses
+        a column a feature's vocabulary cannot map (or strings with ``hash=False`` and no
+        vocabulary)."""
+        # A column of the other kind than first read is read as that kind (``_as_first_kinds``
+        # converts it, or refuses a value that does not convert), so it is checked as that kind.
+        found = self.features.id_kinds(schema)
+        kinds = {c: self._id_kinds[c]["kind"] if c in self._id_kinds else k for c, k in found.items()}
         for s in self.features.id_features:
             for c in s.sources:
                 problem = column_problem(s.vocab, s.hash, kinds[c], s.name) if c in kinds else None
                 if problem is not None:
                     raise DataError(problem, file=path, column=c)
-        for column, kind in kinds.items():
-            first = self._id_kinds.setdefault(column, {"kind": kind, "window": window_id, "file": path})
-            if first["kind"] != kind:
-                raise DataError(
-                    f"the sparse id column holds {kind} ids in window {window_id!r}, but held "
-                    f"{first['kind']} ids in window {first['window']!r} (file {first['file']}); "
-                    "integer and string ids map to different rows. Write the column with one type "
-                    "in every window (or start a new run, in a new output_dir, for the new type).",
-                    file=path, column=column,
-                )
+        for c, k in found.items():
+            self._id_kinds.setdefault(c, {"kind": k, "window": window_id, "file": path})
 
     def _plan(self, window: Window) -> tuple[list[_Piece], int]:
         """This rank's pieces of the window, in reading order, and their total rows."""
@@ -484,8 +482,32 @@ class ParquetWindowDataset(WindowedDataset):
         rows = np.arange(piece.start, piece.start + piece.length)
         if piece.shuffle_seed is not None:
             rows = np.random.default_rng(piece.shuffle_seed).permutation(rows)[piece.skip:]
-            return table.take(pa.array(rows)), rows
-        return table.slice(piece.start, piece.length), rows
+            return self._as_first_kinds(table.take(pa.array(rows)), u, rows), rows
+        return self._as_first_kinds(table.slice(piece.start, piece.length), u, rows), rows
+
+    def _as_first_kinds(self, table: pa.Table, unit: _Unit, rows: np.ndarray) -> pa.Table:
+        """Id columns of the other kind than first read (``_id_kinds``) converted to it
+        losslessly, as the serving Scorer converts a request's: integers written as strings
+        (``str(int)``'s form) back to integers, integers to their decimal strings. Integer and
+        string ids map to different rows, so anything else is a ``DataError`` naming the file,
+        row and value."""
+        for i, f in enumerate(table.schema):
+            first = self._id_kinds.get(f.name)
+            got = _id_kind(f.type)
+            if first is None or got is None or got == first["kind"] or f.name not in self._id_columns:
+                continue
+            col, bad, value = _as_id_kind(table.column(i), first["kind"])
+            if col is None:
+                assert bad is not None
+                raise DataError(
+                    f"the sparse id column holds {got} ids, but held {first['kind']} ids in window "
+                    f"{first['window']!r} (file {first['file']}), and value {value} is no integer "
+                    "written as str(int) writes it (no '+', leading zeros or spaces): integer and "
+                    "string ids map to different rows. Write the column with one type in every "
+                    "window (or start a new run, in a new output_dir, for the new type).",
+                    file=unit.file, row_group=unit.row_group, row=int(rows[bad]), column=f.name)
+            table = table.set_column(i, f.name, col)
+        return table
 
     def _read_pieces(self, pieces: list[_Piece], use_threads: bool = True,
                      columns: list[str] | None = None) -> Iterator[

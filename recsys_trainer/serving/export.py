@@ -387,6 +387,26 @@ def _resolve_vocabs(spec: FeatureSpec, ckpt: str) -> FeatureSpec:
                                sequence=[fix(q) for q in spec.sequence])
 
 
+def _trained_id_kinds(info: Any, spec: FeatureSpec) -> dict[str, str]:
+    """``{id column: "integer" | "string"}``: the kind of ids each column held in training, as
+    the training reader recorded it (``ParquetWindowDataset``'s data state in the checkpoint;
+    every rank plans every file, so rank 0's record is every file's), and for columns it did not
+    record, the kind of a vocabulary reading them. The Scorer converts a request's ids of the
+    other kind losslessly or refuses them: a string ``"79"`` hashes to another row than ``79``."""
+    with layout.reading(info.where):
+        extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)
+    state = extra.get("train_dataset") or {}
+    recorded = state.get("id_kinds") if isinstance(state, dict) else None
+    kinds = {c: str(v["kind"]) for c, v in (recorded or {}).items()
+             if isinstance(v, dict) and v.get("kind") in ("integer", "string")}
+    for f in spec.id_features:
+        kind = getattr(f.vocab, "kind", None)
+        if f.boundaries is None and kind in ("integer", "string"):
+            for c in f.sources:
+                kinds.setdefault(c, kind)
+    return dict(sorted(kinds.items()))
+
+
 def _output_names(spec: FeatureSpec, width: int, given: list[str] | None) -> list[str]:
     if given is not None:
         if len(given) != width:
@@ -443,6 +463,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
     outputs = _output_names(spec, 1 if width.dim() == 1 else int(width.shape[1]), output_names)
 
     features_json, files = mf.spec_to_json(spec)
+    features_json["id_kinds"] = _trained_id_kinds(info, spec)
     files[mf.TABLES] = save_safetensors(tensors)
     files[mf.PROGRAM] = _program_bytes(ep)
     aot_error: str | None = None
@@ -490,57 +511,75 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
 
 def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, bytes],
                    filesystem: Any = None) -> int:
-    """Write ``files``, then ``manifest.json``, then ``COMMITTED`` (the manifest's sha256) last.
-    An existing committed artifact there is refused (artifacts are immutable); leftovers of an
-    export that never committed are removed first. Returns the bytes written."""
+    """Write ``manifest.json``, then ``files``, then ``COMMITTED`` (the manifest's sha256) last.
+    An existing committed artifact there is refused (artifacts are immutable); an export that
+    never committed is removed first, but only one provably ours (``_uncommitted_export``).
+    Returns the bytes written."""
     root = storage.resolve(out_dir, filesystem)
     if layout.exists(root.join(mf.MARKER)):
         raise FileExistsError(f"{root.url!r} already holds a committed serving artifact; export "
                               "into a new directory (artifacts are never overwritten).")
     if layout.is_dir(root):
-        foreign = _foreign_names(root)
-        if foreign:
+        refusal = _uncommitted_export(root)
+        if refusal is not None:
             raise FileExistsError(
-                f"{root.url!r} exists and holds {foreign[:3]}, which no serving export writes; "
-                "export into a new or empty directory (it is not cleared: it may hold your "
-                "checkpoints or other artifacts).")
-        layout.remove_tree(root)  # an export that died before its marker: only its own files
+                f"{root.url!r} exists and {refusal}; export into a new or empty directory (it "
+                "is not cleared: it may hold your checkpoints, other artifacts or other files), "
+                "or remove what is there yourself if it is an export that died.")
+        layout.remove_tree(root)  # an export of ours that died before its marker
     body = dl.dumps(manifest)
     # A full or read-only disk: name the artifact (the OS error names no file, or a temporary
     # one); what was written stays uncommitted, and the next export clears it.
     with storage.errors_named(root.url, "write"):
         layout.make_dir(root)
+        # The manifest first: a directory an export dies in then holds the manifest that lists
+        # every file it may have written, which is what lets the next export clear it.
+        layout.write_bytes(root.join(mf.MANIFEST), body)
         if any("/" in n for n in files):
             layout.make_dir(root.join(mf.VOCAB_DIR))
         total = 0
         for name, data in sorted(files.items()):
             layout.write_bytes(root.join(name), data)
             total += len(data)
-        layout.write_bytes(root.join(mf.MANIFEST), body)
         layout.write_bytes(root.join(mf.MARKER), json.dumps(
             {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
     return total + len(body)
 
 
-_ARTIFACT_NAMES = frozenset({mf.MANIFEST, mf.TABLES, mf.PROGRAM, mf.AOTI_PROGRAM, dl.DELTA_TABLES})
-
-
-def _foreign_names(root: storage.Location) -> list[str]:
-    """Names in ``root`` that an export (full or delta, with its temporary files) does not
-    write: a directory holding any is not an unfinished export and must not be cleared."""
+def _uncommitted_export(root: storage.Location) -> str | None:
+    """None when the directory ``root`` (no marker) is empty or provably an export of ours that
+    did not commit: its ``manifest.json`` parses as one (``schema_version``, ``kind``,
+    ``files``) and every name there is the manifest or a file it lists (or their temporary
+    files). Else what is there and why it is not cleared: names alone prove nothing (a user's
+    ``manifest.json`` or ``vocab/words.json`` has the names an export writes)."""
     def final(name: str) -> str:  # the name a temporary file is renamed to
         return name.split(".tmp.", 1)[0]
 
-    names = layout.list_names(root)
-    foreign = [n for n in names if n != mf.VOCAB_DIR and final(n) not in _ARTIFACT_NAMES]
-    if mf.VOCAB_DIR in names:
-        vocab = root.join(mf.VOCAB_DIR)
-        if not layout.is_dir(vocab):
-            foreign.append(mf.VOCAB_DIR)
-        else:
-            foreign += [f"{mf.VOCAB_DIR}/{n}" for n in layout.list_names(vocab)
-                        if not final(n).endswith(".json")]
-    return sorted(foreign)
+    names = sorted(layout.list_names(root))
+    if not names:
+        return None
+    found = list(names)
+    if mf.VOCAB_DIR in names and layout.is_dir(root.join(mf.VOCAB_DIR)):
+        found.remove(mf.VOCAB_DIR)
+        found += [f"{mf.VOCAB_DIR}/{n}" for n in sorted(layout.list_names(root.join(mf.VOCAB_DIR)))]
+    data = layout.read_bytes(root.join(mf.MANIFEST)) if mf.MANIFEST in names else None
+    try:
+        manifest = json.loads(data.decode()) if data is not None else None
+    except (UnicodeDecodeError, ValueError):
+        manifest = None
+    ours = (isinstance(manifest, dict) and isinstance(manifest.get("schema_version"), int)
+            and manifest.get("kind") in ("full", "delta") and isinstance(manifest.get("files"), dict))
+    if not ours:
+        why = ("no manifest.json" if data is None else
+               "a manifest.json that is not a serving export's (no schema_version, kind, files)")
+        return f"holds {found[:5]} with {why}, so it is not an unfinished serving export"
+    assert isinstance(manifest, dict)
+    listed = {mf.MANIFEST, *manifest["files"]}
+    foreign = [n for n in found if final(n) not in listed]
+    if foreign:
+        return (f"holds {foreign[:5]}, which its manifest.json does not list, so it is not (only) "
+                "an unfinished serving export")
+    return None
 
 
 def _on_rank_zero(trainer: Any, work: Any) -> Any:

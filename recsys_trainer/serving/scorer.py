@@ -9,7 +9,9 @@ training machinery (a test checks ``sys.modules`` in a fresh interpreter).
 Rows are scored as a model in training would see them at prediction time: label columns are
 not needed (they are filled with 0, as ``predict`` documents; the bundled models' outputs do
 not read them), passthrough columns are ignored. A missing input column is a ``DataError``
-naming it; a bad value a ``DataError`` naming the column and row, as in training.
+naming it; a bad value a ``DataError`` naming the column and row, as in training. An id column
+sent as the other kind than training read (``id_kinds``: ``"79"`` for the integer 79) is
+converted losslessly or refused, as the training reader does for a later window.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from safetensors.torch import load as load_safetensors
 
 from recsys_trainer import storage
 from recsys_trainer.data.chunk import DecodedChunk
+from recsys_trainer.data.columns import _as_id_kind, _id_kind
 from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
@@ -100,6 +103,11 @@ class Scorer:
         # Decoding needs neither passthrough columns nor (real) labels; see the module docstring.
         self._decode_spec = dataclasses.replace(spec, passthrough=(), on_nan_label="error",
                                                 label_range=None)
+        self.id_kinds: dict[str, str] = _id_kinds(spec, self.manifest["features"])
+        """``{id column: "integer" | "string"}``: the kind of ids each column held in training
+        (recorded by the export; for older artifacts, what the features' vocabularies say). A
+        request's column of the other kind is converted losslessly or refused (``_table``)."""
+        self._null_types = _null_column_types(self._decode_spec, self.id_kinds)
         tensors = load_safetensors(self._read(mf.TABLES))
         self.tables: dict[str, Table] = {
             t["name"]: Table.from_manifest(t, tensors) for t in self.manifest["tables"]}
@@ -168,17 +176,26 @@ class Scorer:
 
     def score(self, rows: Rows, *, activation: str | None = None) -> np.ndarray:
         """Scores of ``rows``: float32 ``[B]`` (one output) or ``[B, T]`` (one column per name
-        in ``output_names``). ``activation``: ``"sigmoid"`` (probabilities of the bundled
+        in ``output_names``); no rows (``[]``, a table of 0 rows, with or without columns):
+        ``[0]`` / ``[0, T]``. ``activation``: ``"sigmoid"`` (probabilities of the bundled
         models' logits) or ``"none"``; default: the export's (as ``predict``'s)."""
         act = self.activation if activation is None else activation
         if act not in ("sigmoid", "none"):
             raise ValueError(f"`activation` must be 'sigmoid' or 'none', but is {act!r}.")
-        dense, pooled, sequences, lengths = self.inputs(rows)
-        if dense.shape[0] == 0:
-            width = len(self.output_names)
+        width = len(self.output_names)
+        if _num_rows(rows) == 0:
+            # Nothing to decode: an empty list has no columns to check, and an empty table's
+            # columns give no row to score (the shape is what a caller indexing by output expects).
             return np.zeros((0,) if width == 1 else (0, width), dtype=np.float32)
+        dense, pooled, sequences, lengths = self.inputs(rows)
         with torch.inference_mode():
-            out = self._program(dense, pooled, sequences, lengths)
+            try:
+                out = self._program(dense, pooled, sequences, lengths)
+            except RuntimeError as e:
+                named = self._one_id_error(e, lengths)
+                if named is None:
+                    raise
+                raise named from None
             if act == "sigmoid":
                 # Per output column (a strided view), as predict applies it: torch's vectorised
                 # sigmoid (contiguous input) and its scalar loop (strided) differ in the last bit.
@@ -198,6 +215,26 @@ class Scorer:
                 raise
             raise DataError(e.detail, column=e.column, row=e.row, file="the rows to score") from None
         return self._inputs_of(chunk)
+
+    def _one_id_error(self, error: RuntimeError, lengths: Mapping[str, torch.Tensor],
+                      ) -> DataError | None:
+        """The program's assert that a sequence feature (a DIN candidate) has exactly one id per
+        row, as a ``DataError`` naming the feature, its column and the first such row (the
+        assert itself can only carry a fixed message); None for any other error."""
+        for f, lens in lengths.items():
+            if f"{f!r}" not in str(error) or "exactly one id per row" not in str(error):
+                continue
+            bad = torch.nonzero(lens != 1)
+            if not len(bad):
+                continue
+            row = int(bad[0, 0])
+            source = next(q.source for q in self._decode_spec.sequence if q.name == f)
+            return DataError(
+                f"the model reads exactly one id per row of sequence feature {f!r} (its "
+                f"candidate), but this row has {int(lens[row])} (a null or an empty list gives "
+                "none); send one id, or give the feature a null_id in training.",
+                column=source, row=row, file="the rows to score")
+        return None
 
     def _inputs_of(self, chunk: DecodedChunk) -> tuple[torch.Tensor, dict[str, torch.Tensor],
                                                        dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -241,6 +278,7 @@ class Scorer:
             table = rows
         else:
             table = self._from_pylist(list(rows))
+        table = self._conform_id_kinds(self._typed_nulls(table))
         n = table.num_rows
         for label in spec.labels:
             zeros = pa.array(np.zeros(n, dtype=np.float32))
@@ -251,10 +289,28 @@ class Scorer:
         spec.check_schema(table.schema, "the rows to score")
         return table
 
+    def _conform_id_kinds(self, table: pa.Table) -> pa.Table:
+        """Id columns sent as the other kind than training read: integers and strings hash to
+        different rows, so ``"79"`` for an id trained as ``79`` would score another row silently.
+        Integers written as strings (``str(int)``'s form) become integers, integers their
+        decimal strings; anything else is a ``DataError`` naming the column, row and value."""
+        for i, f in enumerate(table.schema):
+            want = self.id_kinds.get(f.name)
+            got = _id_kind(f.type)
+            if want is None or got is None or got == want:
+                continue
+            col, row, value = _as_id_kind(table.column(i), want)
+            if col is None:
+                raise DataError(
+                    f"the id column held {want} ids in training, but value {value} is a string "
+                    "that is no integer written as str(int) writes it (no '+', leading zeros or "
+                    "spaces); send the integer id, as trained (a string would hash to another "
+                    "row).", column=f.name, row=row, file="the rows to score")
+            table = table.set_column(i, f.name, col)
+        return table
+
     def _from_pylist(self, rows: list[Mapping[str, Any]]) -> pa.Table:
-        """Dicts -> a table. A column without one typed value (all None, or lists that are all
-        empty or None: pyarrow infers ``null`` / ``list<null>``) gets the type training reads it
-        as, so a null or an empty list is what training makes of it, not a type error."""
+        """Dicts -> a table (``_typed_nulls`` then types the columns without a typed value)."""
         # Every key of any row (from_pylist would take the first row's keys only); a key a
         # row lacks is a null there.
         keys = list(dict.fromkeys(k for r in rows for k in r))
@@ -266,14 +322,15 @@ class Scorer:
                 raise DataError(f"its values do not make one column ({e}); give every row the "
                                 "same type (as a file's column has).", column=k,
                                 file="the rows to score") from None
-        table = pa.Table.from_pydict(columns)
+        return pa.Table.from_pydict(columns)
+
+    def _typed_nulls(self, table: pa.Table) -> pa.Table:
+        """A column without one typed value (all None, or lists that are all empty or None:
+        pyarrow infers ``null`` / ``list<null>``, from dicts or in a table built from them) gets
+        the type training read it as, so a null or an empty list is what training makes of it
+        (the row as it would be in a file), not a type error."""
         spec = self._decode_spec
-        id_type: dict[str, pa.DataType] = {}
-        for s in spec.id_features:
-            for c in s.sources:
-                kind = getattr(s.vocab, "kind", None)
-                id_type[c] = pa.float64() if s.boundaries is not None else (
-                    pa.string() if kind == "string" else pa.int64())
+        id_type = self._null_types
         # A weight column of a multi-hot feature: a list exactly when its id column is one.
         weight_of = {s.weight_column: s.source for s in spec.sparse if s.weight_column}
         sequences = {s.source for s in spec.sequence if s.max_len > 1}
@@ -331,6 +388,41 @@ class Scorer:
             self._program = program
         self.step, self.content_hash = meta["target"]["step"], meta["target"]["content_hash"]
         self.applied_deltas.append(root.url)
+
+
+def _num_rows(rows: Rows) -> int:
+    return rows.num_rows if isinstance(rows, pa.Table | pa.RecordBatch) else len(rows)
+
+
+def _id_kinds(spec: FeatureSpec, features_json: Mapping[str, Any]) -> dict[str, str]:
+    """The kind of ids each id column held in training: the export's record (``id_kinds`` of
+    the features JSON), else (an older artifact, or a column no file recorded) what a
+    vocabulary reading it holds. Bucketized columns are read as numbers: none."""
+    kinds = dict(features_json.get("id_kinds") or {})
+    for s in spec.id_features:
+        kind = getattr(s.vocab, "kind", None)
+        if s.boundaries is None and kind in ("integer", "string"):
+            for c in s.sources:
+                kinds.setdefault(c, kind)
+    return kinds
+
+
+def _null_column_types(spec: FeatureSpec, kinds: Mapping[str, str]) -> dict[str, pa.DataType]:
+    """The type an id column of dicts without one typed value (all None) is given: decided per
+    column, over every feature reading it (a column a vocabulary and a cross share must be of
+    the vocabulary's kind, whichever feature comes last), so it decodes as a null in a file of
+    the training schema: the kind recorded in training, else a vocabulary's kind, else a number
+    for a bucketized column, else an integer."""
+    types: dict[str, pa.DataType] = {}
+    for s in spec.id_features:
+        for c in s.sources:
+            if c in kinds:
+                types[c] = pa.string() if kinds[c] == "string" else pa.int64()
+            elif s.boundaries is not None:
+                types.setdefault(c, pa.float64())
+            else:
+                types.setdefault(c, pa.int64())
+    return types
 
 
 __all__ = ["DynamicRows", "Scorer", "Table", "check_program_archive"]
