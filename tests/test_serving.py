@@ -652,3 +652,22 @@ def test_a_delta_that_fails_to_apply_leaves_the_scorer_as_it_was(dlrm, tmp_path)
     scorer.apply_delta(delta)
     assert not scorer.aot_inductor
     assert np.array_equal(scorer.score(rows), Scorer(full).score(rows)) and scorer.step == 5
+
+
+def test_the_exports_host_copy_takes_the_checkpoints_values_in_the_models_dtypes_on_the_cpu() -> None:
+    """``_on_host`` is where the export crosses to the host: a dense part on another device
+    (``meta`` here, a GPU in training) comes back on the CPU with the checkpoint's values, and a
+    model built in another precision keeps it (a copy into its tensors would)."""
+    from recsys_trainer.serving.export import _on_host
+
+    state = {k: v.float() for k, v in torch.nn.Linear(3, 2).state_dict().items()}
+    double = _on_host(torch.nn.Linear(3, 2).to(torch.float64), state)
+    assert {p.dtype for p in double.parameters()} == {torch.float64}
+    assert torch.equal(double.weight, state["weight"].double())
+    on_meta = _on_host(torch.nn.Linear(3, 2, device="meta"), state)
+    assert {p.device.type for p in on_meta.parameters()} == {"cpu"}
+    assert torch.equal(on_meta.weight, state["weight"])
+    with_buffer = torch.nn.Linear(3, 2, device="meta")
+    with_buffer.register_buffer("positions", torch.arange(3, device="meta"), persistent=False)
+    with pytest.raises(ValueError, match=r"\['positions'\] on the meta device"):
+        _on_host(with_buffer, state)

@@ -219,9 +219,13 @@ def _on_host(dense_model: nn.Module, dense_state: Mapping[str, torch.Tensor]) ->
     ``meta``, for a model built only to name the architecture) must not keep its device.
     ``assign=True`` takes the checkpoint's host tensors as the parameters and buffers instead of
     copying them into the device ones; what the checkpoint does not hold (non-persistent
-    buffers, e.g. position indices) is then moved.
+    buffers, e.g. position indices) is then moved. Values keep the model's dtypes, as a copy into
+    its tensors would (a model built in another precision for serving exports in that one).
     """
-    dense_model.load_state_dict(dense_state, strict=True, assign=True)
+    dtypes = {k: t.dtype for k, t in dense_model.state_dict(keep_vars=True).items()}
+    dense_model.load_state_dict(
+        {k: v.to(dtypes[k]) if k in dtypes and v.dtype != dtypes[k] else v
+         for k, v in dense_state.items()}, strict=True, assign=True)
     left = [n for n, t in [*dense_model.named_parameters(), *dense_model.named_buffers()]
             if t.device.type == "meta"]
     if left:
