@@ -20,8 +20,12 @@ every epoch: Recall/NDCG@K of each event's next item, every eval user scored aga
   history, each item the sum of its id's and its category's embeddings (history and candidate);
   next-item loss at the last 10 positions of each row against the batch's items plus 128
   uniformly sampled ones (``--sasrec-*`` flags change it: ``--sasrec-user-features`` adds the
-  user id and segment to every query, ``--no-sasrec-side-features`` drops the category;
-  docs/retrieval.md has the measurements).
+  user id and segment to every query, ``--no-sasrec-side-features`` drops the category,
+  ``--sasrec-loss full`` makes every item a negative, ``--sasrec-eval-positions 1`` makes the
+  evaluation loss score the ranked query only; docs/retrieval.md has the measurements).
+
+``--sparse-lr-final F`` decays the tables' lr linearly to ``F`` times ``--sparse-lr`` by the last
+step (``optimizers.SparseLRSchedule``), after ``--sparse-lr-warmup`` steps of warm-up.
 
 ``--export DIR`` writes the last model's item embeddings (``export_item_embeddings``);
 ``--faiss`` then builds an exact faiss index (``IndexFlatIP``) from the export, searches it with
@@ -40,7 +44,14 @@ import pyarrow.parquet as pq
 import torch
 from torch import nn
 
-from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, setup_logging, shutdown
+from recsys_trainer import (
+    LambdaHook,
+    SparseOptimizer,
+    Trainer,
+    TrainingArguments,
+    setup_logging,
+    shutdown,
+)
 from recsys_trainer.data.interactions_synthetic import (
     InteractionSignal,
     ensure_dataset,
@@ -50,6 +61,7 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+from recsys_trainer.optimizers import SparseLRSchedule, linear_decay
 from recsys_trainer.retrieval.export import export_item_embeddings, read_item_embeddings
 from recsys_trainer.retrieval.models import SASRecModel, TwoTowerModel
 
@@ -81,6 +93,7 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
                             embedding_dim=a.sasrec_dim, num_layers=a.sasrec_layers,
                             num_heads=a.sasrec_heads, dropout=a.sasrec_dropout, temperature=0.05,
                             train_positions=a.sasrec_positions or None,
+                            eval_positions=a.sasrec_eval_positions or None, loss=a.sasrec_loss,
                             num_uniform_negatives=max(a.uniform_negatives, a.sasrec_negatives),
                             log_q_correction=not a.no_log_q, cross_rank_negatives=a.cross_rank)
     return model, spec
@@ -92,6 +105,7 @@ def fit(name: str, a: argparse.Namespace, meta: dict[str, Any], windows: list[An
     lr = a.sasrec_lr if name == "sasrec" and a.sasrec_lr is not None else a.lr
     sparse_lr = a.sasrec_sparse_lr if name == "sasrec" and a.sasrec_sparse_lr is not None else a.sparse_lr
     hook = RetrievalMetricHook(k=KS)
+    hooks: list[Any] = [hook]
     trainer = Trainer(
         model=model,
         args=TrainingArguments(output_dir=f"{a.output_dir}/{name}", log_steps=a.log_steps,
@@ -101,8 +115,14 @@ def fit(name: str, a: argparse.Namespace, meta: dict[str, Any], windows: list[An
         eval_dataset=ParquetWindowDataset(windows[-1:], spec, batch_size=2048),
         dense_optimizers=(lambda params: torch.optim.Adam(params, lr=lr), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=sparse_lr),
-        hooks=[hook],
+        hooks=hooks,
     )
+    if a.sparse_lr_final != 1.0 or a.sparse_lr_warmup:
+        # Steps of the whole run, from the log's size: the decay ends with the last epoch.
+        total = a.epochs * a.rows_per_hour * (len(windows) - 1) // (a.batch_size * trainer.world_size)
+        schedule = SparseLRSchedule(trainer.optimizer, linear_decay(
+            total, a.sparse_lr_final, a.sparse_lr_warmup))
+        trainer.add_hook(LambdaHook(before_step=lambda tr: schedule.apply(tr.state.global_step)))
     trainer.train_and_evaluate()
     return trainer, [r.values for r in hook.reports]
 
@@ -144,6 +164,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=512, help="rows per rank per step")
     p.add_argument("--lr", type=float, default=2e-3, help="dense Adam lr")
     p.add_argument("--sparse-lr", type=float, default=0.05, help="row-wise Adagrad lr of the tables")
+    p.add_argument("--sparse-lr-final", type=float, default=1.0,
+                   help="decay the tables' lr linearly to this fraction of it by the last step "
+                        "(SparseLRSchedule; 1: constant)")
+    p.add_argument("--sparse-lr-warmup", type=int, default=0, help="steps of linear warm-up of the tables' lr")
     p.add_argument("--shuffle", action="store_true", help="shuffle the rows within each window")
     p.add_argument("--uniform-negatives", type=int, default=0, help="uniform negatives per step (mixed)")
     p.add_argument("--cross-rank", action="store_true", help="in-batch negatives from every rank")
@@ -158,6 +182,10 @@ def main() -> None:
     s.add_argument("--sasrec-positions", type=int, default=10,
                    help="train on the last N positions of each row (0: every position)")
     s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
+    s.add_argument("--sasrec-loss", choices=["in_batch", "sampled", "full"], default="in_batch",
+                   help="full: every item a negative (a softmax over the whole corpus)")
+    s.add_argument("--sasrec-eval-positions", type=int, default=0,
+                   help="the evaluation loss scores the last N positions (0: as in training)")
     s.add_argument("--sasrec-user-features", action=argparse.BooleanOptionalAction, default=False,
                    help="user id and segment, projected into every query (measured: a head start, "
                         "then it overfits)")

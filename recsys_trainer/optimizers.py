@@ -271,6 +271,49 @@ class OptimizerState:
                 p.grad = g
 
 
+class SparseLRSchedule:
+    """A learning-rate schedule for the fused (in-backward) table optimizers: every table
+    group's lr becomes its configured lr times ``factor(step)``.
+
+    FBGEMM owns an in-backward optimizer's lr and takes a new one only when torchrec's fused
+    optimizer is stepped (its ``step`` calls ``set_learning_rate`` with the group's lr; the
+    update itself already ran in backward, so that step changes no weight). ``apply(step)``
+    writes the groups and makes that call. It holds no state besides the configured lrs: call
+    it with ``trainer.state.global_step`` before each step (``LambdaHook(before_step=...)``) and
+    a resumed run continues the schedule (the checkpoint does not hold the fused lr).
+    """
+
+    def __init__(self, optimizer: SparseDenseOptimizer, factor: Callable[[int], float]) -> None:
+        self.fused = optimizer.fused
+        self.factor = factor
+        self.base = [float(g["lr"]) for g in self.fused.param_groups]
+        """The configured lr of each fused group (read once: ``apply`` overwrites them)."""
+
+    def apply(self, step: int) -> float:
+        """Set every table group's lr for ``step``; returns the factor."""
+        f = float(self.factor(step))
+        check_number("the sparse lr schedule's factor", f, at_least=0)
+        for group, base in zip(self.fused.param_groups, self.base, strict=True):
+            group["lr"] = base * f
+        self.fused.step()
+        return f
+
+
+def linear_decay(total_steps: int, final: float = 0.1, warmup_steps: int = 0) -> Callable[[int], float]:
+    """A factor for ``SparseLRSchedule``: a linear warm-up from 0 over ``warmup_steps``, then a
+    linear decay from 1 to ``final`` at ``total_steps`` (``final`` after it)."""
+    check_number("total_steps", total_steps, above=0)
+    check_number("final", final, at_least=0)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, total_steps - warmup_steps)
+        return 1.0 + (final - 1.0) * min(1.0, (step - warmup_steps) / span)
+
+    return factor
+
+
 class SparseDenseOptimizer(CombinedOptimizer):
     """One keyed optimizer over both halves: the dense one (stepped by the Trainer) and DMP's
     fused sparse one (stepped inside backward). ``state_dict`` covers both."""

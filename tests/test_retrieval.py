@@ -565,3 +565,31 @@ def test_the_filtered_protocol_excludes_each_users_earlier_items_as_a_numpy_refe
         RetrievalMetricHook(exclude="seen")
     with pytest.raises(ValueError, match="refines exclude='seen'"):
         RetrievalMetricHook(exclude_history=True, exclude_same_time=True)
+
+
+def test_the_full_softmax_scores_every_item_and_sasrec_evaluates_its_last_position_only() -> None:
+    # Two-tower: each row's query against the whole corpus, the plain cross-entropy.
+    model = _two_tower(loss="full")
+    batch = _tt_batch([1, 2, 2, 7], [[3, 4], [6], [], [1, 2, 3]], weights=[1.0, 2.0, 1.0, 0.0])
+    loss, out = model(batch)
+    corpus = model.item_embeddings(torch.arange(20))
+    per_row = F.cross_entropy(out["query"] @ corpus.t() / model.temperature, out["target"], reduction="none")
+    w = batch.weights
+    assert w is not None
+    assert float(loss) == pytest.approx(float((per_row * w).sum() / w.sum()), rel=1e-5)
+    assert float(model(batch.as_padding())[0]) == 0.0
+    with pytest.raises(ValueError, match="loss='full' already scores every item"):
+        _two_tower(loss="full", cross_rank_negatives=True)
+    # SASRec in evaluation with eval_positions=1: the loss is that of the ranked query alone.
+    torch.manual_seed(0)
+    sas = SASRecModel(num_items=20, max_len=5, embedding_dim=8, dropout=0.0, loss="full",
+                      train_positions=3, eval_positions=1, table_device="cpu")
+    batch = _tt_batch([1, 2], [[3, 4, 5], [6]], keys=("item", "hist_item"))
+    train_loss = float(sas(batch)[0])
+    sas.eval()
+    loss, out = sas(batch)
+    corpus = sas.item_embeddings(torch.arange(20))
+    expected = F.cross_entropy(out["query"] @ corpus.t() / sas.temperature, out["target"])
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    sas.eval_positions = sas.train_positions  # the default: as in training
+    assert float(sas(batch)[0]) == pytest.approx(train_loss, rel=1e-5)

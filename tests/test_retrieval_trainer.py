@@ -244,3 +244,30 @@ def test_row_id_features_leave_the_users_spec_to_a_later_model_and_keep_what_the
     assert hashes == {"u": None, "item": False, "tag": None}  # a vocabulary maps rows already
     apply_model_to_specs([ds], label_range=None)  # the same dataset given to a ranking model
     assert ds.features == user
+
+
+def test_a_sparse_lr_schedule_reaches_the_fused_table_optimizer(log, tmp_path) -> None:
+    from recsys_trainer import LambdaHook
+    from recsys_trainer.optimizers import SparseLRSchedule, linear_decay
+
+    def table(trainer: Trainer) -> torch.Tensor:
+        # SASRec's item vector is its item table row (normalised): nothing dense in between.
+        with torch.no_grad():
+            return trainer.model.module.item_embeddings(torch.arange(meta["num_items"])).clone()
+
+    root, meta = log
+    for frozen in (False, True):
+        trainer = _trainer(root, meta, str(tmp_path / str(frozen)), model="sasrec", train_steps=2)
+        schedule = SparseLRSchedule(trainer.optimizer, (lambda step: 0.0) if frozen else linear_decay(4, 0.5))
+        seen: list[float | None] = []
+
+        def before(tr: Trainer, s: SparseLRSchedule = schedule, lrs: list[float | None] = seen) -> None:
+            s.apply(tr.state.global_step)
+            lrs.append(tr.sparse_lr())
+
+        trainer.add_hook(LambdaHook(before_step=before))
+        start = table(trainer)
+        trainer.train()
+        # FBGEMM updated the table at the scheduled lr: not at all at 0, at 0.1 then 0.0875.
+        assert torch.equal(table(trainer), start) == frozen
+        assert seen == ([0.0, 0.0] if frozen else [pytest.approx(0.1), pytest.approx(0.1 * 0.875)])

@@ -18,8 +18,11 @@ items, plus ``num_uniform_negatives`` items drawn uniformly from the corpus (*mi
 negatives), with the logQ correction from a streaming ``ItemFrequencyEstimator`` (a module of
 the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the other ranks'
 items (an all-gather whose backward returns every rank's gradient to each rank's items).
-``"sampled"`` is a sampled softmax against the uniform negatives only. Uniformly sampled ids are looked up in the same call as the
-batch (one more row of the sequence KJT), so the item table is read once per step.
+``"sampled"`` is a sampled softmax against the uniform negatives only. ``"full"`` is the full
+softmax: every item of the corpus is a negative (no sampling, no logQ; for a corpus small
+enough that a ``[queries, num_items]`` logit matrix fits). Uniformly sampled ids (and, with
+``"full"``, the whole corpus) are looked up in the same call as the batch (one more row of the
+sequence KJT), so the item table is read once per step.
 
 The data-dependent parts (checks, collectives with per-rank sizes, the assembled lookup) are
 ``torch.fx`` leaves: TorchRec's ``pipeline="sparse_dist"`` traces the forward. The item table
@@ -55,7 +58,7 @@ from recsys_trainer.retrieval.losses import (
     sampled_softmax_loss,
 )
 
-LossKind = Literal["in_batch", "sampled"]
+LossKind = Literal["in_batch", "sampled", "full"]
 
 
 @runtime_checkable
@@ -334,8 +337,11 @@ class _RetrievalBase(nn.Module):
             raise ValueError(f"`num_items` must be an int >= 2, but is {num_items!r}.")
         if not isinstance(max_len, int) or max_len < 1:
             raise ValueError(f"`max_len` must be an int >= 1, but is {max_len!r}.")
-        if loss not in ("in_batch", "sampled"):
-            raise ValueError(f"`loss` must be 'in_batch' or 'sampled', but is {loss!r}.")
+        if loss not in ("in_batch", "sampled", "full"):
+            raise ValueError(f"`loss` must be 'in_batch', 'sampled' or 'full', but is {loss!r}.")
+        if loss == "full" and cross_rank_negatives:
+            raise ValueError("loss='full' already scores every item of the corpus; "
+                             "`cross_rank_negatives` has nothing to add.")
         if not isinstance(num_uniform_negatives, int) or num_uniform_negatives < 0:
             raise ValueError(f"`num_uniform_negatives` must be an int >= 0, but is {num_uniform_negatives!r}.")
         if loss == "sampled" and num_uniform_negatives < 1:
@@ -403,6 +409,9 @@ class _RetrievalBase(nn.Module):
     positions: torch.Tensor
 
     def _uniform_negatives(self, device: torch.device) -> torch.Tensor | None:
+        if self.loss_kind == "full":
+            # Every item, in training and evaluation: the negatives are the whole corpus.
+            return torch.arange(self.num_items, device=device)
         if self.num_uniform_negatives == 0:
             return None
         if self.training:
@@ -526,6 +535,11 @@ class _RetrievalBase(nn.Module):
               ) -> torch.Tensor:
         """The configured loss of ``query [B, D]`` against ``items [B, D]`` (the positives);
         ``pending``: the cross-rank gather of ``items`` already launched (``start_candidates``)."""
+        if self.loss_kind == "full":
+            assert negatives is not None and negative_ids is not None
+            # Each item once: a constant logQ, so none; the positive's own column is masked.
+            return sampled_softmax_loss(query, items, item_ids, negatives, negative_ids, weights,
+                                        temperature=self.temperature)
         cand, cand_ids, cand_valid, offset, num_in_batch = self._candidates(items, item_ids, weights, pending)
         s = self.num_uniform_negatives
         log_q = neg_log_q = None
@@ -711,8 +725,9 @@ class SASRecModel(_RetrievalBase):
     the last ``t`` of each row (``1``: the target only; fewer queries, a cheaper loss). The loss
     scores each query against its positive and shared negatives: the batch's target items and
     ``num_uniform_negatives`` uniform items, with the logQ correction (``loss="in_batch"``;
-    ``"sampled"``: the uniform items only). In evaluation the query is the output after the
-    last history item.
+    ``"sampled"``: the uniform items only; ``"full"``: every item of the corpus, no sampling).
+    In evaluation the query is the output after the last history item, and the loss scores the
+    positions ``eval_positions`` says (``1``: that query only, what the metrics rank).
 
     An item's vector is its row of the item table plus, with ``item_side_features``, the rows
     of its side features (one table ``t_<name>`` each): the same vector is the input at a
@@ -734,6 +749,9 @@ class SASRecModel(_RetrievalBase):
     (max_len=max_len)]``, in the order of ``sequence_keys``.
 
     Args (besides the loss options, as ``TwoTowerModel``'s):
+        eval_positions: the last positions of each row the evaluation's loss scores; None:
+            ``train_positions``'s; ``1``: only the query the metrics rank (cheaper, and the
+            loss of what is evaluated).
         user_features: pooled user features (``batch.sparse`` keys); none by default.
         user_num_embeddings: rows per user table (one int or one per feature).
         item_side_features: ``{feature: rows}`` of item side features; none by default.
@@ -761,6 +779,7 @@ class SASRecModel(_RetrievalBase):
         num_heads: int = 2,
         dropout: float = 0.1,
         train_positions: int | None = None,
+        eval_positions: int | None = None,
         normalize: bool = True,
         temperature: float = 0.05,
         loss: LossKind = "in_batch",
@@ -796,9 +815,12 @@ class SASRecModel(_RetrievalBase):
             raise ValueError(f"`num_layers` must be an int >= 1, but is {num_layers!r}.")
         if not isinstance(num_heads, int) or num_heads < 1 or embedding_dim % num_heads:
             raise ValueError(f"`num_heads` must divide embedding_dim={embedding_dim}, but is {num_heads!r}.")
-        if train_positions is not None and (not isinstance(train_positions, int) or train_positions < 1):
-            raise ValueError(f"`train_positions` must be an int >= 1 or None, but is {train_positions!r}.")
+        for name, value in (("train_positions", train_positions), ("eval_positions", eval_positions)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{name}` must be an int >= 1 or None, but is {value!r}.")
         self.train_positions = train_positions
+        self.eval_positions = train_positions if eval_positions is None else eval_positions
+        """The last positions of each row the evaluation's loss scores (None: every one)."""
         self.user_projection = (nn.Linear(embedding_dim * len(self.user_features), embedding_dim)
                                 if self.user_features else None)
         """The user features' term of every query (None without user features)."""
@@ -883,8 +905,9 @@ class SASRecModel(_RetrievalBase):
         weights = batch.weights
         # Positions 0..n-1 predict h_1..h_n; position n (after the last item) the target.
         valid = self.positions[: self.max_len].unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]: p < n
-        if self.train_positions is not None:  # only the last t positions (the target's included)
-            first = lengths.unsqueeze(1) + 1 - self.train_positions
+        scored = self.train_positions if self.training else self.eval_positions
+        if scored is not None:  # only the last t positions (the target's included)
+            first = lengths.unsqueeze(1) + 1 - scored
             valid = valid & (self.positions[: self.max_len].unsqueeze(0) >= first)
         hist_ids = JaggedTensor(values=hist_ids_jt.values(), lengths=lengths).to_padded_dense(
             self.max_len, padding_value=0)
@@ -905,7 +928,11 @@ class SASRecModel(_RetrievalBase):
                        negative_ids: torch.Tensor | None) -> torch.Tensor:
         """Every position's query against its positive and the shared negatives: the batch's
         target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
-        uniform ones."""
+        uniform ones; with ``loss="full"`` every item of the corpus."""
+        if self.loss_kind == "full":
+            assert negatives is not None and negative_ids is not None
+            return sampled_softmax_loss(queries, positives, positive_ids, negatives, negative_ids,
+                                        weights, temperature=self.temperature)
         cand, cand_ids, cand_valid, _, num_in_batch = self._candidates(row_items, row_ids, row_weights)
         s = self.num_uniform_negatives
         parts, ids, weights_n = [], [], []
