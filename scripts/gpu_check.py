@@ -16,7 +16,10 @@ Checks (``--only`` takes groups or names, comma-separated: ``--only a,c`` or ``-
   sasrec, with evaluation).
 - ``c.async`` / ``c.sync``: a run saving every 4 steps (``async_save`` True / False) is
   SIGKILLed mid-training after a committed checkpoint, resumed by a fresh process, and compared
-  bitwise with an uninterrupted run (the pattern of tests/test_recovery.py).
+  bitwise with an uninterrupted run (the pattern of tests/test_recovery.py). c.async fails
+  unless the victim's manager was in async mode and staged saves (counted at its ``_stage``)
+  before the kill; whether a save was still being written at the kill is reported
+  (``save_in_flight_at_kill``: its future not done), as it is a race.
 - ``d.*``: serving parity of a trained model of each bundled kind (``dlrm``, ``din``, ``mmoe``,
   ``dynamic``, ``mixed``, ``two_tower``'s user side): the CPU ``Scorer`` against ``predict``
   (or the live model's query vectors), max |diff| <= 1e-5, (i) from ``export_for_serving`` on
@@ -774,12 +777,21 @@ def c_leg(role: str, out: str, device: str, async_save: bool, info_file: str) ->
                                        f"within 120 s (committed: {committed_steps(out)})")
                 time.sleep(0.05)
             manager = trainer.checkpointer
-            in_flight = bool(getattr(manager, "_pending", None) is not None)
+            # ``in_flight``: a pending future not yet done (``_pending`` alone is also set for
+            # a save that finished but was not collected yet). ``staged``: the async saves that
+            # went through the staging copy (counted below); the buffers' bytes alone prove
+            # nothing, as they are allocated ahead of the first save.
+            pending = getattr(manager, "_pending", None)
+            staging = getattr(manager, "_staging", None)
             tmp = info_file + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"step": trainer.state.global_step, "committed": committed_steps(out),
-                           "save_in_flight": in_flight, "device": str(trainer.device),
-                           "pid": os.getpid()}, f)
+                           "save_in_flight": bool(manager.in_flight),
+                           "save_pending_uncollected": pending is not None,
+                           "async_mode": bool(manager.async_save),
+                           "staged_saves": list(staged_steps),
+                           "staged_bytes": int(staging.nbytes) if staging is not None else 0,
+                           "device": str(trainer.device), "pid": os.getpid()}, f)
             os.replace(tmp, info_file)
             while True:  # mid-training: the parent SIGKILLs this process here
                 time.sleep(1)
@@ -787,6 +799,18 @@ def c_leg(role: str, out: str, device: str, async_save: bool, info_file: str) ->
     rec = RowRecorder()
     hooks: list[Any] = [rec] + ([KillPoint()] if role == "victim" else [])
     trainer = c_trainer(out, device, async_save, hooks)
+    staged_steps: list[int] = []
+    if role == "victim":
+        # Count the saves that took the async path: CheckpointManager._save calls _stage (the
+        # copy into the staging buffers) only when it does not block. Wrapped on this instance.
+        manager = trainer.checkpointer
+        stage = manager._stage
+
+        def counted_stage(tensors: dict[str, Any]) -> dict[str, Any]:
+            staged_steps.append(int(trainer.state.global_step))
+            return stage(tensors)
+
+        manager._stage = counted_stage
     trainer.train()
     if role == "victim":
         raise RuntimeError("the victim finished training without reaching its kill point")
@@ -845,11 +869,27 @@ def w_c(ctx: Ctx, mode: str) -> dict[str, Any]:
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(30)
         figs.update(killed_at_step=at_kill["step"], committed_at_kill=at_kill["committed"],
-                    save_in_flight_at_kill=at_kill["save_in_flight"], exit=victim.returncode)
+                    save_in_flight_at_kill=at_kill["save_in_flight"],
+                    save_uncollected_at_kill=at_kill["save_pending_uncollected"],
+                    victim_async_mode=at_kill["async_mode"],
+                    victim_staged_saves=len(at_kill["staged_saves"]),
+                    victim_staged_steps=",".join(map(str, at_kill["staged_saves"])),
+                    victim_staged_bytes=at_kill["staged_bytes"], exit=victim.returncode)
         log(f"SIGKILLed the victim at step {at_kill['step']} (committed {at_kill['committed']}, "
-            f"a save in flight: {at_kill['save_in_flight']}); exit {victim.returncode}")
+            f"a save still being written: {at_kill['save_in_flight']}, async saves staged at "
+            f"steps {at_kill['staged_saves']}); exit {victim.returncode}")
         if victim.returncode != -signal.SIGKILL:
             raise CheckFailed(f"the victim ended with {victim.returncode}, not by SIGKILL", figs)
+        # c.async exists to exercise the async path (staging copy, writer thread): a victim
+        # that saved blocking, or never staged, would pass the bitwise comparison vacuously.
+        if async_save and not at_kill["async_mode"]:
+            raise CheckFailed("the victim's checkpoint manager was not in async mode", figs)
+        if async_save and (not at_kill["staged_saves"] or at_kill["staged_bytes"] <= 0):
+            raise CheckFailed("the victim staged no async save before its kill (staged at "
+                              f"steps {at_kill['staged_saves']}, {at_kill['staged_bytes']} "
+                              "bytes in the staging buffers)", figs)
+        if not async_save and at_kill["staged_saves"]:
+            raise CheckFailed("c.sync's victim staged a save: it did not save blocking", figs)
         _run(leg_cmd("resume", cut_dir, resume_info), ctx, timeout=ctx.left() - INNER_MARGIN_S,
              label="the resumed run")
         try:

@@ -5,11 +5,15 @@ Developers and CI have no GPU, and on the CPU a tensor made without a device sit
 device as everything else: the bug only shows on a GPU ("Expected all tensors to be on the same
 device ... cuda:0 and cpu!"). Two checks make the CPU suite see it:
 
-1. Static (AST, fast): in the device-side modules listed in ``DEVICE_SIDE``, no tensor
-   constructor without ``device=`` (``torch.zeros``, ``torch.arange``, ``torch.tensor``, ...,
-   ``torch.Generator()``, ``torch.from_numpy``) and no ``.cpu()`` / ``.numpy()`` / ``.to("cpu")``
-   round trip, except in ``ALLOWED`` (each entry says why) and for tensors made to become a
-   module's buffer or parameter (they move with the module).
+1. Static (AST, fast): in the device-side modules listed in ``DEVICE_SIDE`` (every other
+   module of the package is in ``NOT_DEVICE_SIDE`` with a reason), no tensor constructor
+   without a device or with a host one (``torch.zeros``, ``torch.arange``, ``torch.tensor``,
+   ..., ``torch.Generator()``; ``device="cpu:0"``, ``torch.device("cpu")``, ``None``; a
+   ``**kwargs`` splat counts as unknown), no legacy typed constructor (``torch.LongTensor``)
+   or ``torch.from_numpy``, no ``new_*`` / ``*_like`` with a host device, and no ``.cpu()`` /
+   ``.numpy()`` / ``.to(<host>)`` round trip; torch is followed through its import aliases.
+   Exceptions: ``ALLOWED`` (each entry says why) and tensors made to become a module's buffer
+   or parameter (they move with the module).
 2. Behavioural: the device-side pure-torch paths run with their inputs (and modules) on the
    ``meta`` device. PyTorch refuses to mix a ``meta`` tensor with a CPU tensor in one op, just
    as it refuses a CUDA one, so a tensor made on the host fails here as on a GPU. Cross-rank
@@ -54,8 +58,17 @@ DEVICE_SIDE: tuple[str, ...] = (
     "metrics.py",
     "models.py",
     "ranking_models.py",
+    # the training loop and what it runs on the model's device: the step, autocast and loss
+    # scaling, the batch's move to the device, sharding (DMP/DDP), the optimizers' state, the
+    # per-device generators
+    "trainer.py",
+    "pipeline.py",
     "step.py",
     "precision.py",
+    "batch.py",
+    "sharding.py",
+    "optimizers.py",
+    "rng.py",
     # hooks' metric state and the hooks that read the model's tensors
     "hooks/_interval.py",
     "hooks/base.py",
@@ -83,8 +96,11 @@ DEVICE_SIDE: tuple[str, ...] = (
     "dynamic/stats.py",
     "dynamic/tables.py",
     "dynamic/pooled_sharding.py",
-    # the dynamic export's lookups (public: they may be given device tensors)
+    # the dynamic export's lookups (public: they may be given device tensors); the live
+    # components' tensors a checkpoint takes and restores; the warm start's copy into them
     "checkpoint/dynamic_export.py",
+    "checkpoint/contents.py",
+    "checkpoint/model_bank.py",
 )
 """Modules whose tensors live on the model's device (paths under ``recsys_trainer/``)."""
 
@@ -98,8 +114,39 @@ NOT_DEVICE_SIDE: dict[str, str] = {
         ("hooks/__init__.py", "hooks/early_stopping.py", "hooks/jsonl.py", "hooks/lambda_hook.py",
          "hooks/logger.py", "hooks/profiler.py", "hooks/progress.py", "hooks/tensorboard.py"),
         "reports Python values the metric hooks already read back; makes no tensors"),
+    **dict.fromkeys(
+        ("__init__.py", "__main__.py", "lazy.py", "logs.py", "component.py", "validation.py",
+         "args.py", "config.py", "cli.py", "periods.py", "smoke.py", "torchrec_compat.py"),
+        "configuration, entry points and plumbing: Python values, makes no tensors"),
+    "plot.py": "renders a run's metrics log (JSON lines) to PNG files on the host",
+    "storage.py": "filesystems and paths (pyarrow.fs); no tensors",
+    "preemption.py": "signals become an agreed stop (a flag on the control gang); no tensors",
+    **dict.fromkeys(
+        ("checkpoint/__init__.py", "checkpoint/errors.py", "checkpoint/layout.py",
+         "checkpoint/lock.py"),
+        "checkpoint files, markers, retention and the output_dir lock; no tensors"),
+    "checkpoint/manager.py": "when and where to save; the tensors it hands on are the "
+                             "components' own (checkpoint/contents.py, scanned)",
+    "checkpoint/writer.py": "the save's host side by design: pinned host staging buffers and "
+                            "zero-copy views of host tensors for DCP",
+    "checkpoint/export.py": "reads checkpoints into host state dicts, without torch.distributed "
+                            "or a device",
+    **dict.fromkeys(
+        tuple(f"data/{m}.py" for m in (
+            "__init__", "base", "batch_check", "chunk", "churn_dataset", "columns",
+            "criteo_synthetic", "decode", "errors", "features", "generated", "hashing",
+            "id_stream", "inputs", "interactions_synthetic", "open_bandit", "parquet",
+            "prefetch", "spec", "sync", "synthetic", "vocab", "windows")),
+        "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
+        "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
+    **dict.fromkeys(
+        tuple(f"serving/{m}.py" for m in (
+            "__init__", "delta", "export", "manifest", "quantize", "routing", "scorer",
+            "tables")),
+        "serving runs on the host: the export copies the model to host tensors first and the "
+        "Scorer scores on the CPU"),
 }
-"""Modules under the device-side packages that are deliberately left out, and why."""
+"""Modules of the package that are deliberately left out of the scan, and why."""
 
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("metrics.py", "ClickMetrics.result", ".cpu"):
@@ -132,19 +179,38 @@ CONSTRUCTORS = frozenset({
     "zeros", "ones", "empty", "full", "arange", "range", "tensor", "as_tensor", "asarray",
     "randn", "rand", "randint", "randperm", "linspace", "logspace", "eye", "empty_strided",
     "scalar_tensor", "tril_indices", "triu_indices", "frombuffer", "Generator",
+    "sparse_coo_tensor", "sparse_csr_tensor", "sparse_csc_tensor", "sparse_compressed_tensor",
+    "bartlett_window", "blackman_window", "hamming_window", "hann_window", "kaiser_window",
 })
 """``torch.<name>(...)`` calls that make a tensor (or generator) on the CPU unless given a
 device. (``zeros_like``, ``new_zeros`` and the like take their device from a tensor.)"""
 
-HOST_ONLY = frozenset({"from_numpy"})
+HOST_ONLY = frozenset({
+    "from_numpy",
+    # The legacy typed constructors: CPU tensors (they refuse a CUDA device).
+    "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor",
+    "CharTensor", "ShortTensor", "IntTensor", "LongTensor", "BoolTensor",
+})
 """``torch.<name>(...)`` calls that always give a host tensor."""
 
 
-def _is_torch_attr(node: ast.AST, names: frozenset[str]) -> str | None:
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id == "torch" and node.attr in names):
-        return node.attr
-    return None
+def _torch_aliases(tree: ast.AST) -> tuple[set[str], dict[str, str]]:
+    """The names the module binds to torch (``import torch``, ``import torch as th``) and the
+    names it imports from torch (``from torch import zeros as z`` -> {"z": "zeros"}), anywhere
+    in the module: a constructor reached through an alias is still a constructor."""
+    modules: set[str] = set()
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch":
+                    modules.add(a.asname or "torch")
+                elif a.name.startswith("torch.") and a.asname is None:
+                    modules.add("torch")  # ``import torch.nn`` binds ``torch`` too
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and node.level == 0:
+            for a in node.names:
+                names[a.asname or a.name] = a.name
+    return modules, names
 
 
 def _places_on_module(call: ast.Call) -> bool:
@@ -155,13 +221,52 @@ def _places_on_module(call: ast.Call) -> bool:
 
 
 class _Finder(ast.NodeVisitor):
-    """Device-less constructors and host round trips, by enclosing function."""
+    """Device-less constructors and host round trips, by enclosing function.
 
-    def __init__(self) -> None:
+    A device counts as the host's when it is a string starting with ``"cpu"``, a
+    ``torch.device("cpu"...)`` call or, for a constructor, the literal ``None`` (the default
+    device: the host); an ``a if c else b`` is the host's if either branch is. A ``**kwargs``
+    splat may or may not carry a device: it is flagged (allow-list it where the caller's
+    keywords do carry one)."""
+
+    def __init__(self, torch_modules: set[str] | None = None,
+                 torch_names: dict[str, str] | None = None) -> None:
         self.scope: list[str] = []
         self.found: list[tuple[str, str, int]] = []  # (function, what, line)
         self._placed: set[int] = set()  # ids of calls that end up a buffer or parameter
         self._placed_names: list[set[str]] = []
+        self._modules = {"torch"} if torch_modules is None else torch_modules
+        self._names = torch_names or {}
+
+    def visit_Module(self, node: ast.Module) -> None:
+        modules, names = _torch_aliases(node)
+        self._modules |= modules
+        self._names = {**self._names, **names}
+        self.generic_visit(node)
+
+    def _torch_fn(self, func: ast.AST) -> str | None:
+        """``torch.<name>`` (through any alias of torch) or a name imported from torch."""
+        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                and func.value.id in self._modules):
+            return func.attr
+        if isinstance(func, ast.Name):
+            return self._names.get(func.id)
+        return None
+
+    def _host_device(self, value: ast.AST, none_is_host: bool) -> bool:
+        if isinstance(value, ast.Constant):
+            if value.value is None:
+                return none_is_host
+            return isinstance(value.value, str) and value.value.startswith("cpu")
+        if isinstance(value, ast.Call) and self._torch_fn(value.func) == "device":
+            first = value.args[0] if value.args else next(
+                (k.value for k in value.keywords if k.arg == "type"), None)
+            return (isinstance(first, ast.Constant) and isinstance(first.value, str)
+                    and first.value.startswith("cpu"))
+        if isinstance(value, ast.IfExp):
+            return (self._host_device(value.body, none_is_host)
+                    or self._host_device(value.orelse, none_is_host))
+        return False
 
     def _function(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
         # Names handed to register_buffer / Parameter in this function: what made them moves
@@ -195,22 +300,41 @@ class _Finder(ast.NodeVisitor):
         self.generic_visit(node)
         self.scope.pop()
 
-    def visit_Call(self, node: ast.Call) -> None:
-        what = None
-        ctor = _is_torch_attr(node.func, CONSTRUCTORS)
-        if ctor is not None and id(node) not in self._placed:
-            device = [k for k in node.keywords if k.arg == "device" or k.arg is None]
-            if not device or (isinstance(device[0].value, ast.Constant) and device[0].arg == "device"
-                              and device[0].value.value in (None, "cpu")):
-                what = f"torch.{ctor}"
-        host = _is_torch_attr(node.func, HOST_ONLY)
-        if host is not None and id(node) not in self._placed:
-            what = f"torch.{host}"
+    def _what(self, node: ast.Call) -> str | None:
+        fn = self._torch_fn(node.func)
+        placed = id(node) in self._placed
+        device = [k for k in node.keywords if k.arg == "device"]
+        if fn in HOST_ONLY and not placed:
+            return f"torch.{fn}"
+        # torch.normal makes a new tensor only from float mean/std and a size (3rd argument
+        # or size=); with tensor mean/std it is on their device.
+        is_ctor = fn in CONSTRUCTORS or (fn == "normal" and (
+            len(node.args) >= 3 or any(k.arg == "size" for k in node.keywords)))
+        if is_ctor and not placed:
+            if device:
+                if self._host_device(device[0].value, none_is_host=True):
+                    return f"torch.{fn}"
+            else:
+                # No device keyword: the default (the host); a ** splat: unknown.
+                return f"torch.{fn}"
+        # *_like and x.new_*: the device of a tensor unless told otherwise (None keeps it).
+        like = f"torch.{fn}" if fn is not None and fn.endswith("_like") else (
+            f".{node.func.attr}" if fn is None and isinstance(node.func, ast.Attribute)
+            and node.func.attr.startswith("new_") else None)
+        if like is not None and device and self._host_device(device[0].value, none_is_host=False):
+            return f'{like}(device="cpu")'
         if isinstance(node.func, ast.Attribute) and node.func.attr in ("cpu", "numpy") and not node.args:
-            what = f".{node.func.attr}"
-        if (isinstance(node.func, ast.Attribute) and node.func.attr == "to" and node.args
-                and isinstance(node.args[0], ast.Constant) and node.args[0].value == "cpu"):
-            what = '.to("cpu")'
+            return f".{node.func.attr}"
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "to" and fn is None:
+            # x.to("cpu"), x.to(torch.device("cpu")), x.to(device="cpu", ...); to(None) and
+            # to(device=None) keep the device.
+            targets = node.args[:1] + [k.value for k in device]
+            if any(self._host_device(t, none_is_host=False) for t in targets):
+                return '.to("cpu")'
+        return None
+
+    def visit_Call(self, node: ast.Call) -> None:
+        what = self._what(node)
         if what is not None:
             self.found.append((".".join(self.scope) or "<module>", what, node.lineno))
         self.generic_visit(node)
@@ -243,29 +367,69 @@ def test_device_side_modules_make_no_tensor_without_a_device() -> None:
     assert not stale, f"ALLOWED entries that match nothing any more: {stale}"
 
 
-def test_every_module_of_the_device_packages_is_classified() -> None:
-    """A new module in a device-side package is listed as device-side or left out with a
-    reason, so the static check cannot miss it by omission."""
+def test_every_module_of_the_package_is_classified() -> None:
+    """Every module of the package (``recsys_trainer/**/*.py``) is listed as device-side or
+    left out with a reason, so the static check cannot miss one by omission; no entry names a
+    module that is gone, and none is in both lists."""
     listed = set(DEVICE_SIDE) | set(NOT_DEVICE_SIDE)
-    for package in ("hooks", "retrieval", "dynamic"):
-        for path in sorted((PACKAGE / package).glob("*.py")):
-            rel = f"{package}/{path.name}"
-            if rel in listed:
-                continue
-            raise AssertionError(f"recsys_trainer/{rel} is neither in DEVICE_SIDE nor in "
-                                 "NOT_DEVICE_SIDE of tests/test_device_guard.py")
+    modules = {path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")}
+    unclassified = sorted(modules - listed)
+    assert not unclassified, (f"neither in DEVICE_SIDE nor in NOT_DEVICE_SIDE of "
+                              f"tests/test_device_guard.py: {unclassified}")
+    assert not sorted(listed - modules), f"listed but not in the package: {sorted(listed - modules)}"
+    assert not set(DEVICE_SIDE) & set(NOT_DEVICE_SIDE), set(DEVICE_SIDE) & set(NOT_DEVICE_SIDE)
+    assert all(NOT_DEVICE_SIDE.values()), "every NOT_DEVICE_SIDE entry says why"
 
 
 def test_the_static_check_sees_what_it_must() -> None:
-    """The checker itself: a device-less constructor is found, one with a device or one that
-    becomes a buffer is not."""
+    """The checker itself: every way of writing "on the host" that it must see is found (a
+    device-less constructor, a host device however spelt, a ``**`` splat, torch through an
+    alias, the legacy typed constructors, host round trips); a device taken from a tensor, or
+    a tensor that becomes a buffer, is not."""
     src = '''
 import torch
-def f(x):
+import torch as th
+from torch import zeros, LongTensor as LT
+def f(x, kw):
     a = torch.zeros(3)
     b = torch.arange(3, device=x.device)
     c = torch.tensor([1], device=None)
     return x.cpu().numpy(), x.to("cpu"), torch.from_numpy(a.numpy())
+def devices(x, kw, d):
+    torch.ones(2, device=torch.device("cpu"))
+    torch.ones(2, device="cpu:0")
+    torch.ones(2, device=th.device("cpu", 0))
+    torch.ones(2, device=None if d is None else d)
+    torch.zeros(3, **kw)
+    th.zeros(3)
+    zeros(3)
+    torch.LongTensor([1])
+    torch.FloatTensor(2)
+    LT([1])
+    torch.normal(0.0, 1.0, (3,))
+    torch.normal(0.0, 1.0, size=(3,))
+    torch.sparse_coo_tensor(x, x, (2, 2))
+def moves(x):
+    x.to(device="cpu")
+    x.to(torch.device("cpu"))
+    x.to(dtype=torch.float32, device="cpu")
+    x.new_tensor([1], device="cpu")
+    torch.empty_like(x, device="cpu")
+    x.new_zeros(2, device=torch.device("cpu"))
+def fine(x, d, kw):
+    torch.zeros(3, device=x.device)
+    torch.zeros(3, device=d, **kw)
+    x.new_zeros(4)
+    x.new_zeros(4, device=None)
+    torch.zeros_like(x)
+    torch.empty_like(x, device=x.device)
+    torch.normal(x, x)
+    x.to(d)
+    x.to(torch.float32)
+    x.to(device=x.device)
+    torch.device("cpu")
+    torch.sparse_coo_tensor(x, x, (2, 2), device=x.device)
+    th.ones(2, device=d)
 class M(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -278,9 +442,16 @@ class M(torch.nn.Module):
     finder = _Finder()
     finder.visit(ast.parse(src))
     got = sorted((f, w) for f, w, _ in finder.found)
-    assert got == sorted([("f", "torch.zeros"), ("f", "torch.tensor"), ("f", ".cpu"), ("f", ".numpy"),
-                          ("f", '.to("cpu")'), ("f", "torch.from_numpy"), ("f", ".numpy"),
-                          ("M.__init__", "torch.ones")])
+    assert got == sorted([
+        ("f", "torch.zeros"), ("f", "torch.tensor"), ("f", ".cpu"), ("f", ".numpy"),
+        ("f", '.to("cpu")'), ("f", "torch.from_numpy"), ("f", ".numpy"),
+        *(("devices", f"torch.{w}") for w in (
+            "ones", "ones", "ones", "ones", "zeros", "zeros", "zeros", "LongTensor",
+            "FloatTensor", "LongTensor", "normal", "normal", "sparse_coo_tensor")),
+        ("moves", '.to("cpu")'), ("moves", '.to("cpu")'), ("moves", '.to("cpu")'),
+        ("moves", '.new_tensor(device="cpu")'), ("moves", 'torch.empty_like(device="cpu")'),
+        ("moves", '.new_zeros(device="cpu")'),
+        ("M.__init__", "torch.ones")])
 
 
 # ----------------------------------------------------------------------------- meta fixtures
