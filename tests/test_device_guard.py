@@ -492,12 +492,12 @@ def meta_reads() -> Iterator[None]:
     before = fx_config.meta_nonzero_assume_all_nonzero
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
-        lib.impl("_local_scalar_dense", _read, "Meta")
-        lib.impl("_unique2", unique2, "Meta")
-        lib.impl("unique_dim", unique_dim, "Meta")
-        lib.impl("bincount", bincount, "Meta")
-        lib.impl("repeat_interleave.Tensor", repeat_interleave, "Meta")
-        lib.impl("masked_select", masked_select, "Meta")
+        lib.impl("_local_scalar_dense", _read, "Meta", allow_override=True)
+        lib.impl("_unique2", unique2, "Meta", allow_override=True)
+        lib.impl("unique_dim", unique_dim, "Meta", allow_override=True)
+        lib.impl("bincount", bincount, "Meta", allow_override=True)
+        lib.impl("repeat_interleave.Tensor", repeat_interleave, "Meta", allow_override=True)
+        lib.impl("masked_select", masked_select, "Meta", allow_override=True)
     fx_config.meta_nonzero_assume_all_nonzero = True
     try:
         yield
