@@ -55,7 +55,8 @@ SUPPORTED_STACKS: dict[str, tuple[str, str]] = {
     "2.14": ("1.9.0", "1.9.2"),
 }
 ALLOW_ANY_STACK_ENV = "RECSYS_TRAINER_ALLOW_ANY_STACK"
-"""Set to 1 to turn :class:`UnsupportedStackError` into a warning (a build of one's own, say)."""
+"""Set to 1 (or true, yes) to turn :class:`UnsupportedStackError` into a warning (a build of
+one's own, say)."""
 
 
 class UnsupportedStackError(ImportError):
@@ -133,8 +134,10 @@ def stack_problem(stack: tuple[str, str, str]) -> tuple[Literal["error", "warnin
     installed = _describe(stack)
     if want is not None and _release(fbgemm_v) == want[0] and _release(torchrec_v) == want[1]:
         return None
-    built_for = {f: m for m, (f, _) in SUPPORTED_STACKS.items()}.get(_release(fbgemm_v))
-    if want is not None and _release(fbgemm_v) != want[0]:
+    # fbgemm-gpu is built for a torch release line: compared by major.minor, so that a patch or
+    # a development build of the right line (1.8.1, 1.8.0a0) is untested, not refused.
+    built_for = {_minor(f): m for m, (f, _) in SUPPORTED_STACKS.items()}.get(_minor(fbgemm_v))
+    if want is not None and _minor(fbgemm_v) != _minor(want[0]):
         return "error", (
             f"installed: {installed}. fbgemm-gpu {want[0]} is the build for torch {minor}; "
             f"fbgemm-gpu {fbgemm_v} is not, and its libraries do not load with this torch. "
@@ -171,7 +174,7 @@ def check_installed_stack() -> None:
     if problem is None:
         return
     severity, message = problem
-    if severity == "error" and os.environ.get(ALLOW_ANY_STACK_ENV) != "1":
+    if severity == "error" and os.environ.get(ALLOW_ANY_STACK_ENV, "").lower() not in ("1", "true", "yes"):
         raise UnsupportedStackError(
             f"{message} Set {ALLOW_ANY_STACK_ENV}=1 to import recsys_trainer anyway.")
     warnings.warn(message, UnknownStackWarning, stacklevel=2)

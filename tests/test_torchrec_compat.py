@@ -87,6 +87,10 @@ def test_the_installed_stack_is_a_supported_pair() -> None:
     (("2.15.0", "1.9.0", "1.9.2"), "error", "fbgemm-gpu 1.9.0 is the build for torch 2.14"),
     (("2.10.0", "1.5.0", "1.5.0"), "error", "older than the oldest supported pair"),
     (("2.13.0", "1.8.0", "1.9.2"), "warning", "not a supported pair"),
+    # a patch or development build of the right fbgemm-gpu line: untested, not refused
+    (("2.13.0", "1.8.1", "1.8.0"), "warning", "not a supported pair"),
+    (("2.13.0a0+git1234", "1.8.0a0", "1.8.0"), "warning", "not a supported pair"),
+    (("2.14.1", "1.8.1", "1.8.0"), "error", "fbgemm-gpu 1.9.0 is the build for torch 2.14"),
     (("2.15.0", "1.10.0", "1.10.0"), "warning", "not a supported pair"),
 ])
 def test_stack_problem_names_the_installed_stack_and_the_supported_pairs(
@@ -108,9 +112,10 @@ def test_check_installed_stack_raises_for_a_broken_mix_and_warns_for_an_unknown_
     monkeypatch.setattr(compat, "installed_stack", lambda: ("2.13.0", "1.9.0", "1.9.2"))
     with pytest.raises(compat.UnsupportedStackError, match=r"torch 2\.13\.0, fbgemm-gpu 1\.9\.0"):
         compat.check_installed_stack()
-    monkeypatch.setenv(compat.ALLOW_ANY_STACK_ENV, "1")
-    with pytest.warns(compat.UnknownStackWarning, match="fbgemm-gpu 1.9.0"):
-        compat.check_installed_stack()
+    for value in ("1", "true", "YES"):
+        monkeypatch.setenv(compat.ALLOW_ANY_STACK_ENV, value)
+        with pytest.warns(compat.UnknownStackWarning, match="fbgemm-gpu 1.9.0"):
+            compat.check_installed_stack()
     monkeypatch.setattr(compat, "installed_stack", lambda: ("2.15.0", "1.10.0", "1.10.0"))
     monkeypatch.delenv(compat.ALLOW_ANY_STACK_ENV)
     with pytest.warns(compat.UnknownStackWarning, match="torch 2.15.0"):
