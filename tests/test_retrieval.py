@@ -593,3 +593,77 @@ def test_the_full_softmax_scores_every_item_and_sasrec_evaluates_its_last_positi
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     sas.eval_positions = sas.train_positions  # the default: as in training
     assert float(sas(batch)[0]) == pytest.approx(train_loss, rel=1e-5)
+
+
+def test_the_seen_record_is_bounded_by_distinct_pairs_and_survives_a_checkpoint(tmp_path: Path,
+                                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """exclude='seen' keeps one entry per distinct (user, item), not per training row (a
+    repeated stream does not grow it), checkpoints it as the hook's state (a save/load gives
+    the same metrics), and the default hook has neither per-step work nor state."""
+    from types import SimpleNamespace
+
+    from recsys_trainer.distributed import FakeGang
+    from recsys_trainer.hooks.base import MicroBatchOutput, StepOutput
+    from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+
+    rng = np.random.default_rng(5)
+    corpus = rng.normal(size=(10, 4)).astype(np.float32)
+    train = [(0, 1, 3, [7]), (0, 2, 4, [7, 3]), (1, 1, 5, []), (1, 3, 6, [5]), (2, 2, 8, [2])]
+    evals = [(0, 10, 1, [3, 4]), (1, 11, 2, [5, 6]), (2, 9, 0, [2, 8])]
+    queries = rng.normal(size=(len(evals), 4)).astype(np.float32)
+    queries[0] = corpus[3]  # user 0's top item is 3, seen in training only
+
+    def step(rows: list[tuple[int, int, int, list[int]]], q: np.ndarray,
+             weights: list[float] | None = None) -> StepOutput:
+        batch = SimpleNamespace(weights=None if weights is None else torch.tensor(weights),
+                                user=torch.tensor([r[0] for r in rows]),
+                                time=torch.tensor([float(r[1]) for r in rows]))
+        outputs = {"query": torch.from_numpy(q), "target": torch.tensor([r[2] for r in rows]),
+                   "history_lengths": torch.tensor([len(r[3]) for r in rows]),
+                   "history_ids": torch.tensor([i for r in rows for i in r[3]], dtype=torch.int64)}
+        return StepOutput(0, torch.zeros(()), [MicroBatchOutput(batch, torch.zeros(()), outputs)])  # type: ignore[arg-type]
+
+    trainer = SimpleNamespace(model=_TableModel(torch.from_numpy(corpus)), gang=FakeGang(),
+                              device=torch.device("cpu"), process_group=None, rank=0,
+                              is_rank_zero=False, state=SimpleNamespace(global_step=1),
+                              hooks=SimpleNamespace(fire=lambda *a: None))
+
+    def hook() -> RetrievalMetricHook:
+        return RetrievalMetricHook(k=[1, 3], log=False, user_fn=lambda b: b.user,  # type: ignore[attr-defined]
+                                   time_fn=lambda b: b.time, exclude="seen", per_user=False)  # type: ignore[attr-defined]
+
+    def evaluate(h: RetrievalMetricHook) -> dict[str, float]:
+        h.before_evaluate(trainer)  # type: ignore[arg-type]
+        h.after_eval_step(trainer, step(evals, queries))  # type: ignore[arg-type]
+        metrics: dict[str, float] = {}
+        h.after_evaluate(trainer, metrics)  # type: ignore[arg-type]
+        return metrics
+
+    pairs = {(u, i) for u, _, t, hist in train for i in [t, *hist]}
+    once, many = hook(), hook()
+    once.after_step(trainer, step(train, np.zeros((5, 4), np.float32)))  # type: ignore[arg-type]
+    for _ in range(50):  # the same rows again and again, and a padding row that does not count
+        many.after_step(trainer, step([*train, (9, 1, 9, [9])], np.zeros((6, 4), np.float32),  # type: ignore[arg-type]
+                                      [1.0] * 5 + [0.0]))
+    assert once.seen_record_size() == many.seen_record_size() == len(pairs)
+    want = evaluate(once)
+    assert evaluate(many) == want
+    assert many.seen_record_size() == len(pairs)  # the evaluation's rows did not join it
+
+    # A checkpoint round trip (the per-rank extra state is a torch.save file).
+    torch.save({"hook": many.state_dict()}, tmp_path / "hooks.pt")
+    restored = hook()
+    restored.load_state_dict(torch.load(tmp_path / "hooks.pt", weights_only=False)["hook"])
+    assert restored.seen_record_size() == len(pairs)
+    with caplog.at_level("WARNING", logger="recsys_trainer"):
+        assert evaluate(restored) == want
+        assert "restarts" not in caplog.text
+        # A resume whose checkpoint held no record says so at its first evaluation.
+        assert evaluate(hook())["hitrate@1"] <= want["hitrate@1"]
+    assert "seen-record" in caplog.text and "restarts" in caplog.text
+
+    # The default: no training-step event handled, nothing checkpointed.
+    default = RetrievalMetricHook(k=[1], log=False)
+    assert "after_step" not in (default.handled_events() or set())
+    assert default.state_dict() == {}
+    assert "after_step" in (hook().handled_events() or set())

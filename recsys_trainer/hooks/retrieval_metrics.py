@@ -80,9 +80,14 @@ class RetrievalMetricHook(Hook):
 
     Cost per evaluation: the item tower over the corpus (split over the ranks) and
     ``num_queries x num_items`` dot products (split over the ranks); see docs/retrieval.md.
-    ``exclude="seen"`` also keeps every training row's user, time, target and history on the
-    host (a device-to-host copy per step) and gathers them to every rank at evaluation; they
-    are not checkpointed (after a resume it knows the rows since).
+    With ``exclude`` other than ``"seen"`` training steps cost nothing (the hook does not
+    handle ``after_step``). ``exclude="seen"`` copies each training row's user, time, target
+    and history to the host every step (device-to-host copies, no other device work) and keeps
+    a compact seen-record: one entry per distinct (user, item) with the earliest time it was
+    an interaction and the earliest time it was in a row's history (``_merge_seen``), so it
+    grows with the distinct pairs, not with the stream. Evaluation gathers that record (not raw
+    rows) to every rank. It is the hook's checkpoint state (per rank), so a resumed run keeps
+    it; a resume from a checkpoint without it logs a warning at the first evaluation.
     """
 
     def __init__(
@@ -128,8 +133,17 @@ class RetrievalMetricHook(Hook):
         self.exclude_history = exclude != "none"
         """Whether the rows' histories are kept (both exclusions read them)."""
         self.exclude_same_time, self.per_user = exclude_same_time, per_user
-        self._train_events: list[dict[str, torch.Tensor]] = []
-        """``exclude="seen"``: the training rows' interactions (host tensors, this rank's)."""
+        self._seen_record: dict[str, np.ndarray] = _merge_seen([])
+        """``exclude="seen"``: this rank's compact seen-record (``_merge_seen``'s form)."""
+        self._seen_pending: list[dict[str, np.ndarray]] = []
+        """Training steps' events not yet merged into ``_seen_record`` (merged in batches:
+        merging every step would re-sort the whole record each step)."""
+        self._seen_pending_rows = 0
+        self._seen_steps = 0
+        """Training steps recorded by this process (0 at an evaluation after a resume that
+        restored no record: the warning)."""
+        self._seen_restored = False
+        self._seen_warned = False
         self._user_fn, self._time_fn = user_fn, time_fn
         self._metrics = tuple(metrics)
         self._prefix, self._log = prefix, log
@@ -145,13 +159,59 @@ class RetrievalMetricHook(Hook):
     def after_step(self, trainer: Trainer, output: StepOutput) -> None:
         if self.exclude != "seen":
             return
+        self._seen_steps += 1
         for mb in output.micro_batches:
-            self._train_events.append(self._take(mb.batch, mb.outputs)["events"])
+            ev = self._take(mb.batch, mb.outputs, train=True)["seen"]
+            self._seen_pending.append(ev)
+            self._seen_pending_rows += len(ev["user"])
+        # Merge once the pending events outgrow the record (and a floor): amortised linear
+        # work, and memory at most about twice the record plus the floor.
+        if self._seen_pending_rows > max(len(self._seen_record["user"]), _SEEN_MERGE_FLOOR):
+            self._compact_seen()
+
+    def _compact_seen(self) -> dict[str, np.ndarray]:
+        """Merge the pending training events into the record; returns the record."""
+        if self._seen_pending:
+            self._seen_record = _merge_seen([self._seen_record, *self._seen_pending])
+            self._seen_pending, self._seen_pending_rows = [], 0
+        return self._seen_record
+
+    def state_dict(self) -> dict[str, Any]:
+        # Only the filtered protocol has state; the default adds nothing to a checkpoint.
+        if self.exclude != "seen":
+            return {}
+        return {"seen_record": dict(self._compact_seen())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        rec = state.get("seen_record")
+        if rec is None:
+            return
+        if set(rec) != set(_SEEN_KEYS):
+            raise ValueError(f"RetrievalMetricHook: a seen-record with keys {sorted(rec)}, "
+                             f"expected {sorted(_SEEN_KEYS)}.")
+        self._seen_record = _merge_seen([{k: np.asarray(rec[k]) for k in _SEEN_KEYS}])
+        self._seen_pending, self._seen_pending_rows = [], 0
+        self._seen_restored = True
+
+    def seen_record_size(self) -> int:
+        """Entries in the seen-record (distinct (user, item) pairs of this rank's training
+        rows), after merging what is pending."""
+        return len(self._compact_seen()["user"])
 
     def before_evaluate(self, trainer: Trainer) -> None:
         # A model without an item tower, or a K the corpus cannot fill: say so before the pass.
         check_k_fits_corpus(self.ks, find_retrieval_model(trainer.model).num_items)
         self._rows = []
+        if (self.exclude == "seen" and not self._seen_warned and not self._seen_restored
+                and self._seen_steps == 0 and trainer.state.global_step > 0):
+            # Resumed (step > 0) with no record restored and no step trained here: the filtered
+            # protocol would silently exclude less than a run that never stopped.
+            self._seen_warned = True
+            logger.warning(
+                "RetrievalMetricHook(exclude='seen'): evaluating at step %d without the "
+                "training rows' seen-record (the checkpoint held none): it restarts now, so "
+                "items seen before this process are not excluded.",
+                trainer.state.global_step)
 
     def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
         if output.is_padding:
@@ -159,14 +219,33 @@ class RetrievalMetricHook(Hook):
         for mb in output.micro_batches:
             self._rows.append(self._take(mb.batch, mb.outputs))
 
-    def _take(self, batch: Batch, outputs: Any) -> dict[str, Any]:
-        """The rows of one batch that count (weight > 0): query, target, history, user, time."""
+    def _take(self, batch: Batch, outputs: Any, *, train: bool = False) -> dict[str, Any]:
+        """The rows of one batch that count (weight > 0): query, target, history, user, time.
+
+        ``train``: only the seen-record's events (``{"seen": ...}``), copied to the host first
+        and selected there: a training row's query is never used."""
         if not isinstance(outputs, dict) or "query" not in outputs or "target" not in outputs:
             raise TypeError(
                 "RetrievalMetricHook needs the model's forward to return (loss, outputs) with "
                 "outputs['query'] [B, D] and outputs['target'] [B] (TwoTowerModel, SASRecModel), "
                 f"but the outputs are {type(outputs).__name__}"
                 f"{' with keys ' + str(sorted(outputs)) if isinstance(outputs, dict) else ''}.")
+        if train:
+            # The seen-record's events, in ``_merge_seen``'s form: one copy to the host of each
+            # input, the real rows selected there (no device work, no query).
+            assert self._user_fn is not None and self._time_fn is not None
+            target = np.asarray(outputs["target"].reshape(-1).cpu()).astype(np.int64)
+            keep_h = (np.ones(len(target), dtype=bool) if batch.weights is None
+                      else np.asarray(batch.weights.reshape(-1).cpu()) > 0)
+            user = np.asarray(self._user_fn(batch).reshape(-1).cpu()).astype(np.int64)[keep_h]
+            time = np.asarray(self._time_fn(batch).reshape(-1).cpu()).astype(np.float64)[keep_h]
+            if "history_lengths" in outputs and "history_ids" in outputs:
+                lengths = np.asarray(outputs["history_lengths"].reshape(-1).cpu()).astype(np.int64)
+                values = np.asarray(outputs["history_ids"].reshape(-1).cpu()).astype(np.int64)
+                values, lengths = values[np.repeat(keep_h, lengths)], lengths[keep_h]
+            else:  # a model without a history feature: the seen items are the earlier targets
+                lengths, values = np.zeros(int(keep_h.sum()), np.int64), np.zeros(0, np.int64)
+            return {"seen": _events(user, time, target[keep_h], lengths, values)}
         query, target = outputs["query"], outputs["target"].reshape(-1)
         keep = torch.ones(query.shape[0], dtype=torch.bool, device=query.device) \
             if batch.weights is None else batch.weights.to(query.device) > 0
@@ -188,14 +267,11 @@ class RetrievalMetricHook(Hook):
         if self.exclude == "seen":
             # To the host with the users: the seen items are matched there (numpy) after the
             # gang's object gather. Each row's target at its time, its history items before it.
-            user, time, hist = row["user"], row["time"], row["history"]
-            n_hist = hist.lengths.cpu()
-            row["events"] = {
-                "user": torch.cat([user, user.repeat_interleave(n_hist)]),
-                "item": torch.cat([row["target"].cpu(), hist.values.cpu()]),
-                "time": torch.cat([time, time.repeat_interleave(n_hist)]),
-                "before": torch.cat([user.new_zeros(user.numel(), dtype=torch.bool),
-                                     user.new_ones(int(n_hist.sum()), dtype=torch.bool)])}
+            hist = row["history"]
+            tgt = np.asarray(row["target"].cpu())
+            row["target_host"] = tgt
+            row["seen"] = _events(np.asarray(row["user"]), np.asarray(row["time"]), tgt,
+                                  np.asarray(hist.lengths.cpu()), np.asarray(hist.values.cpu()))
         return row
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -215,9 +291,8 @@ class RetrievalMetricHook(Hook):
             users = np.concatenate([np.asarray(r["user"]) for r in rows]) if rows else np.zeros(0, np.int64)
             times = np.concatenate([np.asarray(r["time"]) for r in rows]) if rows else np.zeros(0, np.float64)
         sets: list[np.ndarray] = []
-        if self.exclude == "seen":  # one target per row: the first of each row's events
-            sets = [t.reshape(1) for r in rows
-                    for t in np.asarray(r["events"]["item"][: r["user"].numel()])]
+        if self.exclude == "seen":  # one target per row (host copies from ``_take``)
+            sets = [t.reshape(1) for r in rows for t in r["target_host"]]
         query = torch.cat([r["query"] for r in rows]) if rows else torch.zeros(0, dims[0], device=device)
         target = Jagged.one_per_row(torch.cat([r["target"] for r in rows]) if rows
                                     else torch.zeros(0, dtype=torch.int64, device=device))
@@ -249,14 +324,12 @@ class RetrievalMetricHook(Hook):
     def _seen(self, trainer: Trainer, rows: list[dict[str, Any]], users: np.ndarray,
               times: np.ndarray, sets: list[np.ndarray], device: torch.device) -> Jagged:
         """This rank's queries' exclusions under ``exclude="seen"``: from every rank's training
-        and evaluation rows (one object gather), per query (``users``, ``times``, target
-        ``sets``)."""
-        mine = [{k: np.asarray(v) for k, v in e.items()}
-                for e in [*self._train_events, *(r["events"] for r in rows)]]
-        gathered = [e for part in trainer.gang.all_gather_object(mine) for e in part]
-        ev = {k: np.concatenate([e[k] for e in gathered]) if gathered else np.zeros(0, dt)
-              for k, dt in (("user", np.int64), ("item", np.int64), ("time", np.float64),
-                            ("before", bool))}
+        seen-record and evaluation rows (one object gather of the compact records), per query
+        (``users``, ``times``, target ``sets``)."""
+        # The evaluation's rows join only this evaluation's record, not the training record.
+        mine = _merge_seen([self._compact_seen(), *(r["seen"] for r in rows)])
+        rec = _merge_seen(list(trainer.gang.all_gather_object(mine)))
+        ev = _seen_events(rec)
         excl = seen_exclusions(ev["user"], ev["item"], ev["time"], ev["before"], users, times, sets,
                                same_time=self.exclude_same_time)
         return Jagged(torch.as_tensor([len(x) for x in excl], dtype=torch.int64, device=device),
@@ -302,6 +375,53 @@ class RetrievalMetricHook(Hook):
             new_history = Jagged.cat(parts, dev)
         return (query[torch.as_tensor(sel, dtype=torch.int64, device=query.device)], new_target,
                 new_history, all_user[mine], all_time[mine], sets)
+
+
+_SEEN_KEYS: tuple[str, ...] = ("user", "item", "at", "before")
+_SEEN_MERGE_FLOOR = 1 << 16
+"""Pending training events merged into the seen-record at the latest after this many."""
+
+
+def _events(user: np.ndarray, time: np.ndarray, target: np.ndarray, lengths: np.ndarray,
+            values: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows (user, time, target, history) as ``_merge_seen`` input: the target an interaction
+    at the row's time, each history item known to precede it (not merged yet)."""
+    n_hist = int(lengths.sum())
+    inf = np.full(len(user), np.inf)
+    return {"user": np.concatenate([user, np.repeat(user, lengths)]).astype(np.int64),
+            "item": np.concatenate([target, values]).astype(np.int64),
+            "at": np.concatenate([time, np.full(n_hist, np.inf)]).astype(np.float64),
+            "before": np.concatenate([inf, np.repeat(time, lengths)]).astype(np.float64)}
+
+
+def _merge_seen(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """One entry per distinct (user, item) of ``parts``: ``at``, the earliest time it was a
+    row's target (an interaction at that time), and ``before``, the earliest time of a row
+    whose history held it (inf: never). These two minima decide ``seen_exclusions`` exactly:
+    an interaction at ``t`` counts when ``t < time`` (or ``t == time`` with ``same_time``),
+    a history item when ``t <= time``, so only the earliest of each kind matters."""
+    if not parts:
+        return {"user": np.zeros(0, np.int64), "item": np.zeros(0, np.int64),
+                "at": np.zeros(0, np.float64), "before": np.zeros(0, np.float64)}
+    u, i, at, bf = (np.concatenate([np.asarray(p[k]) for p in parts]) for k in _SEEN_KEYS)
+    if not len(u):
+        return _merge_seen([])
+    order = np.lexsort((i, u))
+    u, i, at, bf = u[order], i[order], at[order], bf[order]
+    start = np.flatnonzero(np.r_[True, (u[1:] != u[:-1]) | (i[1:] != i[:-1])])
+    return {"user": u[start].astype(np.int64), "item": i[start].astype(np.int64),
+            "at": np.minimum.reduceat(at, start).astype(np.float64),
+            "before": np.minimum.reduceat(bf, start).astype(np.float64)}
+
+
+def _seen_events(rec: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The record as ``seen_exclusions``' events: an interaction per finite ``at``, a history
+    item per finite ``before``."""
+    has_at, has_bf = np.isfinite(rec["at"]), np.isfinite(rec["before"])
+    return {"user": np.concatenate([rec["user"][has_at], rec["user"][has_bf]]),
+            "item": np.concatenate([rec["item"][has_at], rec["item"][has_bf]]),
+            "time": np.concatenate([rec["at"][has_at], rec["before"][has_bf]]),
+            "before": np.r_[np.zeros(int(has_at.sum()), bool), np.ones(int(has_bf.sum()), bool)]}
 
 
 __all__ = ["RetrievalMetricHook"]
