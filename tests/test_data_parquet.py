@@ -324,19 +324,43 @@ def test_an_id_column_that_turns_from_integers_to_strings_is_read_as_integers_or
     assert len(list(ds.iter_window("hour=00"))) == 2
     state = ds.state_dict()
     assert [b.sparse["item"].values().tolist() for b in ds.iter_window("hour=01")] == as_ints
-    _rewrite(later, item=pa.array([str(i) if k != 5 else f"0{i}" for k, i in enumerate(items)]))
-    expected = (rf"file {later}, row group 0, row 5, column 'item': the sparse id column holds "
-                rf"string ids, but held integer ids in window 'hour=00' \(file .*hour=00/part-0.parquet\), "
-                rf"and value '0{items[5]}' is no integer written as str\(int\) writes it")
-    fresh = _ds(str(tmp_path))
-    assert len(list(fresh.iter_window("hour=00"))) == 2
-    with pytest.raises(DataError, match=expected):
-        list(fresh.iter_window("hour=01"))
+    # "-0": str(int) never writes it (it would become 0, the id "0" wrote).
+    for k, bad in ((5, f"0{items[5]}"), (3, "-0")):
+        _rewrite(later, item=pa.array([str(i) if j != k else bad for j, i in enumerate(items)]))
+        expected = (rf"file {later}, row group 0, row {k}, column 'item': the sparse id column holds "
+                    rf"string ids, but held integer ids in window 'hour=00' \(file .*hour=00/part-0.parquet\), "
+                    rf"and value '{bad}' is no integer written as str\(int\) writes it")
+        fresh = _ds(str(tmp_path))
+        assert len(list(fresh.iter_window("hour=00"))) == 2
+        with pytest.raises(DataError, match=expected):
+            list(fresh.iter_window("hour=01"))
     # A run resumed after hour=00 reads hour=01 as the integers hour=00 held, too.
     resumed = _ds(str(tmp_path))
     resumed.load_state_dict(state)
     with pytest.raises(DataError, match=expected):
         list(resumed.iter_window("hour=01"))
+
+
+def test_integer_ids_in_a_column_first_read_as_strings_are_refused_by_value(tmp_path) -> None:
+    """The reverse of the test above is refused, not converted: pyarrow's CSV reader reads an
+    all-digit "02134" as 2134, so str(int) would train another id than the file wrote. The
+    error names the file, row, value and the fix (keep the CSV column a string)."""
+    first, later = str(tmp_path / "w0.csv"), str(tmp_path / "w1.csv")
+    base = pa.table({"row_id": [0.0, 1.0], "y": [0.0, 1.0], "tag": [1, 2]})
+    pacsv.write_csv(base.append_column("item", pa.array(["a7", "0213"])), first)
+    pacsv.write_csv(base.append_column("item", pa.array(["0213", "0007"])), later)
+    windows = [Window("w0", (first,)), Window("w1", (later,))]
+    ds = ParquetWindowDataset(windows, row_id_spec(), batch_size=4)
+    assert len(list(ds.iter_window("w0"))) == 1
+    with pytest.raises(DataError, match=rf"file {later}, row group 0, row 0, column 'item': the "
+                                        r"sparse id column holds integer ids \(value 213\), but held "
+                                        r"string ids in window 'w0'.*csv_convert_options"):
+        list(ds.iter_window("w1"))
+    # The fix the error names: the column read as strings, "0213" the id window w0 trained.
+    kept = ParquetWindowDataset(windows, row_id_spec(), batch_size=4, csv_convert_options=
+                                pacsv.ConvertOptions(column_types={"item": pa.string()}))
+    (b0,), (b1,) = list(kept.iter_window("w0")), list(kept.iter_window("w1"))
+    assert b0.sparse["item"].values().tolist()[1] == b1.sparse["item"].values().tolist()[0]
 
 
 def test_files_of_one_window_with_different_column_types_read_alike_on_one_rank_and_on_two(

@@ -193,8 +193,14 @@ def test_rows_as_dicts_with_nulls_and_missing_columns_get_what_training_does_or_
     assert scorer.score(table.slice(0, 0)).shape == (0,)
     with pytest.raises(DataError, match="column 'C4': its values do not make one column"):
         scorer.score([rows[0], {**rows[1], "C4": 5}])  # a string column given an int
-    # An integer sent for a string id column is its decimal string (as a file of strings holds).
-    assert scorer.score([{**rows[1], "C4": 5}])[0] == scorer.score([{**rows[1], "C4": "5"}])[0]
+    # An integer sent for a string id column is refused by name: 7 may have meant "7" or "007".
+    with pytest.raises(DataError, match=r"row 0, column 'C4': the id column held string ids in "
+                                        r"training, but value 5 is an integer.*send the ids as "
+                                        r"strings"):
+        scorer.score([{**rows[1], "C4": 5}])
+    # Any iterable of dicts scores, a generator too (counted once, from one list).
+    assert np.array_equal(scorer.score(r for r in rows[:2]), scorer.score(rows[:2]))
+    assert scorer.score(iter([])).shape == (0,)
     # The edge rows (a null dense value, a null id) alone, as one-row requests: predict's.
     edge = pq.read_table(dlrm["windows"][-1]).to_pylist()[-3:]
     for r in edge:
@@ -621,10 +627,26 @@ def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_pre
                "hist": [str(t) for t in request["hist"]]}
     assert scorer.id_kinds["user"] == "integer" and request["tags"] and request["hist"]
     assert float(scorer.score([as_text])[0]) == float(scorer.score([request])[0])
-    for bad in ("abc", "07", "+7", " 7"):
+    for bad in ("abc", "07", "+7", " 7", "-0"):
         with pytest.raises(DataError, match=rf"row 1, column 'user': the id column held integer "
                                             rf"ids in training, but value '{re.escape(bad)}'"):
             scorer.score([as_text, {**as_text, "user": bad}])
+
+
+def test_a_delta_against_a_base_without_id_kinds_says_so_not_that_the_spec_changed() -> None:
+    """A base exported before the features JSON recorded ``id_kinds`` hashes to another
+    ``features_sha256`` than a new export of the same spec: told apart from a changed spec."""
+    from recsys_trainer.serving.export import _check_delta_features
+
+    new = {"features": {"sparse": [], "id_kinds": {"C1": "string"}}, "features_sha256": "b"}
+    _check_delta_features({**new}, new)  # the same spec: nothing to say
+    old_base = {"features": {"sparse": []}, "features_sha256": "a"}
+    with pytest.raises(ArtifactError, match=r"the base was exported before id kinds were recorded "
+                                            r".*export in full once, then deltas work again"):
+        _check_delta_features(old_base, new)
+    changed = {"features": {"sparse": [1], "id_kinds": {}}, "features_sha256": "c"}
+    with pytest.raises(ArtifactError, match="the feature spec changed since the base export"):
+        _check_delta_features(changed, new)
 
 
 def test_a_delta_that_fails_to_apply_leaves_the_scorer_as_it_was(dlrm, tmp_path) -> None:

@@ -44,9 +44,10 @@ def _to_float(col: pa.ChunkedArray | pa.Array, fill: float) -> np.ndarray:
     return np.array(_float_view(col, fill), dtype=np.float32, copy=True)
 
 
-_CANONICAL_INT = r"^-?(0|[1-9][0-9]*)$"
-"""An integer written as ``str(int)`` writes it: no sign '+', no leading zeros or spaces, so the
-conversion back is lossless ("079" and "79" are different strings, but would be one integer)."""
+_CANONICAL_INT = r"^(0|-?[1-9][0-9]*)$"
+"""An integer written as ``str(int)`` writes it: no sign '+', no leading zeros or spaces, no
+"-0", so the conversion back is lossless ("079" and "79", or "-0" and "0", are different strings,
+but would be one integer)."""
 
 
 def _id_kind(t: pa.DataType) -> str | None:
@@ -57,14 +58,21 @@ def _id_kind(t: pa.DataType) -> str | None:
 
 def _as_id_kind(col: pa.ChunkedArray | pa.Array, kind: str) -> tuple[pa.Array | None, int | None, str]:
     """An id column (or a list of ids) converted losslessly to the ``kind`` of ids it held in
-    training: integers written as strings parsed back to int64, integers written as their
-    decimal strings. Returns ``(converted, None, "")``, or ``(None, row, value)`` naming the
-    first value that is no integer written as ``str(int)`` writes one (or outside int64)."""
+    training. Returns ``(converted, None, "")``, or ``(None, row, value)`` naming the first value
+    refused. Only integers written as strings (``str(int)``'s form, within int64) convert, to
+    int64. Integers never convert to strings: ``str(int)`` cannot restore what the integer lost
+    (pyarrow's CSV reader reads "02134" as 2134, a client may send 7 for "007"), so the first
+    non-null integer is refused; a column without a value converts (there is nothing to change)."""
     arr = _combine(col)
     listed = _is_list(arr.type)
     flat = arr.flatten() if listed else arr
+    bad: int | None = None
     if kind == "string":
-        out = flat.cast(pa.string())
+        valid = flat.is_valid().to_numpy(zero_copy_only=False)
+        if valid.any():
+            bad = int(np.flatnonzero(valid)[0])
+        else:
+            out = flat.cast(pa.string())
     else:
         ok = pc.fill_null(pc.match_substring_regex(flat.cast(pa.string()), _CANONICAL_INT), True)
         ok_np = ok.to_numpy(zero_copy_only=False)
@@ -76,13 +84,13 @@ def _as_id_kind(col: pa.ChunkedArray | pa.Array, kind: str) -> tuple[pa.Array | 
                 big = [i for i, v in enumerate(flat.to_pylist())
                        if v is not None and not -2**63 <= int(v) < 2**63]
                 bad = big[0]
-        if bad is not None:
-            if listed:
-                lens = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
-                row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
-            else:
-                row = bad
-            return None, row, repr(flat[bad].as_py())
+    if bad is not None:
+        if listed:
+            lens = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
+            row = int(np.searchsorted(np.cumsum(lens), bad, side="right"))
+        else:
+            row = bad
+        return None, row, repr(flat[bad].as_py())
     if not listed:
         return out, None, ""
     lens = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)

@@ -414,11 +414,12 @@ class ParquetWindowDataset(WindowedDataset):
         """Record the kind of ids (integer / string) each sparse id column first holds, across
         restarts too: integer ids index the table (or hash as integers), strings hash as text,
         so a column that changes kind in a later file or window is read as the first kind
-        (``_as_first_kinds``: converted losslessly, or refused naming the value). Also refuses
+        (``_as_first_kinds``: strings of integers converted losslessly, integers in a string
+        column or any other value refused, naming the value). Also refuses
         a column a feature's vocabulary cannot map (or strings with ``hash=False`` and no
         vocabulary)."""
         # A column of the other kind than first read is read as that kind (``_as_first_kinds``
-        # converts it, or refuses a value that does not convert), so it is checked as that kind.
+        # converts it, or refuses it naming the value), so it is checked as that kind.
         found = self.features.id_kinds(schema)
         kinds = {c: self._id_kinds[c]["kind"] if c in self._id_kinds else k for c, k in found.items()}
         for s in self.features.id_features:
@@ -488,9 +489,10 @@ class ParquetWindowDataset(WindowedDataset):
     def _as_first_kinds(self, table: pa.Table, unit: _Unit, rows: np.ndarray) -> pa.Table:
         """Id columns of the other kind than first read (``_id_kinds``) converted to it
         losslessly, as the serving Scorer converts a request's: integers written as strings
-        (``str(int)``'s form) back to integers, integers to their decimal strings. Integer and
-        string ids map to different rows, so anything else is a ``DataError`` naming the file,
-        row and value."""
+        (``str(int)``'s form) back to integers. Integer and string ids map to different rows, so
+        anything else is a ``DataError`` naming the file, row and value; integers in a column
+        first read as strings always are: ``str(int)`` cannot restore the leading zeros a reader
+        dropped (pyarrow's CSV reader reads an all-digit "02134" as 2134)."""
         for i, f in enumerate(table.schema):
             first = self._id_kinds.get(f.name)
             got = _id_kind(f.type)
@@ -499,12 +501,23 @@ class ParquetWindowDataset(WindowedDataset):
             col, bad, value = _as_id_kind(table.column(i), first["kind"])
             if col is None:
                 assert bad is not None
+                where = f"in window {first['window']!r} (file {first['file']})"
+                if first["kind"] == "string":
+                    raise DataError(
+                        f"the sparse id column holds integer ids (value {value}), but held string "
+                        f"ids {where}: an integer cannot be turned back into the string it was "
+                        "read from (\"02134\" and \"2134\" are different ids, a CSV reader reads "
+                        "both as 2134), so it is refused rather than trained as another id. Write "
+                        "the ids as strings (for CSV set csv_convert_options.column_types = "
+                        f"{{{f.name!r}: pa.string()}} so the column stays a string), or start a new "
+                        "run, in a new output_dir, for integer ids.",
+                        file=unit.file, row_group=unit.row_group, row=int(rows[bad]), column=f.name)
                 raise DataError(
-                    f"the sparse id column holds {got} ids, but held {first['kind']} ids in window "
-                    f"{first['window']!r} (file {first['file']}), and value {value} is no integer "
-                    "written as str(int) writes it (no '+', leading zeros or spaces): integer and "
-                    "string ids map to different rows. Write the column with one type in every "
-                    "window (or start a new run, in a new output_dir, for the new type).",
+                    f"the sparse id column holds {got} ids, but held {first['kind']} ids {where}, "
+                    f"and value {value} is no integer written as str(int) writes it (no '+', "
+                    "'-0', leading zeros or spaces): integer and string ids map to different rows. "
+                    "Write the column with one type in every window (or start a new run, in a new "
+                    "output_dir, for the new type).",
                     file=unit.file, row_group=unit.row_group, row=int(rows[bad]), column=f.name)
             table = table.set_column(i, f.name, col)
         return table

@@ -664,6 +664,21 @@ def export_for_serving(source: Any, out_dir: str, *, model: nn.Module | None = N
     return result
 
 
+def _check_delta_features(base_manifest: Mapping[str, Any], new: Mapping[str, Any]) -> None:
+    """A delta carries no feature spec: refuse one whose base was exported with another. A base
+    from before ``id_kinds`` were recorded in the features JSON differs only by that record (it
+    is hashed into ``features_sha256``), so it gets its own message, not "the spec changed"."""
+    if new["features_sha256"] == base_manifest["features_sha256"]:
+        return
+    base_features = base_manifest.get("features")
+    if isinstance(base_features, Mapping) and "id_kinds" not in base_features:
+        raise mf.ArtifactError(
+            "the base was exported before id kinds were recorded (recsys_trainer 0.1.0 before "
+            "the features JSON's id_kinds); export in full once, then deltas work again.")
+    raise mf.ArtifactError("the feature spec changed since the base export; a delta cannot "
+                           "carry that: export in full.")
+
+
 def export_delta(source: Any, base: str, out_dir: str, *, full_out_dir: str | None = None,
                  model: nn.Module | None = None, features: FeatureSpec | None = None,
                  output_names: list[str] | None = None, activation: str = "sigmoid",
@@ -685,9 +700,7 @@ def export_delta(source: Any, base: str, out_dir: str, *, full_out_dir: str | No
         built = build(ckpt, mdl, spec, output_names=output_names, activation=activation,
                       quant=quantize, aot_inductor=False, verify=verify)
         new = built.manifest
-        if new["features_sha256"] != base_manifest["features_sha256"]:
-            raise mf.ArtifactError("the feature spec changed since the base export; a delta "
-                                   "cannot carry that: export in full.")
+        _check_delta_features(base_manifest, new)
         delta_tensors, summary = dl.compute_delta(base_manifest, base_tensors, new, built.tensors)
         files = {dl.DELTA_TABLES: save_safetensors(delta_tensors)}
         program_changed = new["files"][mf.PROGRAM]["sha256"] != base_manifest["files"][mf.PROGRAM]["sha256"]

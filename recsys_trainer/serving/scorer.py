@@ -1,7 +1,7 @@
 """``Scorer``: load a serving artifact and score raw rows exactly as training scored them.
 
-Rows (a ``pyarrow.Table`` / ``RecordBatch``, or a list of dicts of raw column values) go
-through the training code's own decoding (``FeatureSpec.decode_chunk``: every transform,
+Rows (a ``pyarrow.Table`` / ``RecordBatch``, or a list or other iterable of dicts of raw column
+values) go through the training code's own decoding (``FeatureSpec.decode_chunk``: every transform,
 hash and vocabulary), then the embedding part (``tables.py``), then the exported dense
 program (``torch.export``). Imports no torchrec, no FBGEMM and none of ``torch.distributed``'s
 training machinery (a test checks ``sys.modules`` in a fresh interpreter).
@@ -10,8 +10,9 @@ Rows are scored as a model in training would see them at prediction time: label 
 not needed (they are filled with 0, as ``predict`` documents; the bundled models' outputs do
 not read them), passthrough columns are ignored. A missing input column is a ``DataError``
 naming it; a bad value a ``DataError`` naming the column and row, as in training. An id column
-sent as the other kind than training read (``id_kinds``: ``"79"`` for the integer 79) is
-converted losslessly or refused, as the training reader does for a later window.
+sent as the other kind than training read (``id_kinds``) is converted where that is lossless
+(``"79"`` for the integer 79) and refused otherwise (an integer for a string id: 7 may have
+meant ``"007"``), as the training reader does for a later window.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import logging
 import os
 import tempfile
 import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -42,7 +43,7 @@ from recsys_trainer.serving.tables import DynamicRows, FusedLookup, Table
 
 logger = logging.getLogger(__name__)
 
-Rows: TypeAlias = pa.Table | pa.RecordBatch | Sequence[Mapping[str, Any]]
+Rows: TypeAlias = pa.Table | pa.RecordBatch | Iterable[Mapping[str, Any]]
 
 
 def check_program_archive(data: bytes, name: str) -> None:
@@ -183,6 +184,10 @@ class Scorer:
         if act not in ("sigmoid", "none"):
             raise ValueError(f"`activation` must be 'sigmoid' or 'none', but is {act!r}.")
         width = len(self.output_names)
+        if not isinstance(rows, pa.Table | pa.RecordBatch | Sized):
+            # A generator or other one-pass iterable of dicts: counted and decoded from one list
+            # (counting would otherwise consume it, or fail on len()).
+            rows = list(rows)
         if _num_rows(rows) == 0:
             # Nothing to decode: an empty list has no columns to check, and an empty table's
             # columns give no row to score (the shape is what a caller indexing by output expects).
@@ -292,8 +297,9 @@ class Scorer:
     def _conform_id_kinds(self, table: pa.Table) -> pa.Table:
         """Id columns sent as the other kind than training read: integers and strings hash to
         different rows, so ``"79"`` for an id trained as ``79`` would score another row silently.
-        Integers written as strings (``str(int)``'s form) become integers, integers their
-        decimal strings; anything else is a ``DataError`` naming the column, row and value."""
+        Integers written as strings (``str(int)``'s form) become integers; anything else is a
+        ``DataError`` naming the column, row and value. Integers for ids trained as strings are
+        always refused: 7 cannot say whether it meant "7" or "007"."""
         for i, f in enumerate(table.schema):
             want = self.id_kinds.get(f.name)
             got = _id_kind(f.type)
@@ -301,11 +307,18 @@ class Scorer:
                 continue
             col, row, value = _as_id_kind(table.column(i), want)
             if col is None:
+                if want == "string":
+                    raise DataError(
+                        f"the id column held string ids in training, but value {value} is an "
+                        "integer: it cannot be turned back into the string it came from (7 may "
+                        "have been \"7\" or \"007\", different ids), so it is refused rather "
+                        "than scored as another row; send the ids as strings, as trained.",
+                        column=f.name, row=row, file="the rows to score")
                 raise DataError(
                     f"the id column held {want} ids in training, but value {value} is a string "
-                    "that is no integer written as str(int) writes it (no '+', leading zeros or "
-                    "spaces); send the integer id, as trained (a string would hash to another "
-                    "row).", column=f.name, row=row, file="the rows to score")
+                    "that is no integer written as str(int) writes it (no '+', '-0', leading "
+                    "zeros or spaces); send the integer id, as trained (a string would hash to "
+                    "another row).", column=f.name, row=row, file="the rows to score")
             table = table.set_column(i, f.name, col)
         return table
 
@@ -390,7 +403,7 @@ class Scorer:
         self.applied_deltas.append(root.url)
 
 
-def _num_rows(rows: Rows) -> int:
+def _num_rows(rows: pa.Table | pa.RecordBatch | Sized) -> int:
     return rows.num_rows if isinstance(rows, pa.Table | pa.RecordBatch) else len(rows)
 
 
