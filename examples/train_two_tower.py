@@ -94,7 +94,9 @@ def build(name: str, meta: dict[str, Any], a: argparse.Namespace) -> tuple[nn.Mo
                             num_heads=a.sasrec_heads, dropout=a.sasrec_dropout, temperature=0.05,
                             train_positions=a.sasrec_positions or None,
                             eval_positions=a.sasrec_eval_positions or None, loss=a.sasrec_loss,
-                            num_uniform_negatives=max(a.uniform_negatives, a.sasrec_negatives),
+                            # The full softmax scores every item: it takes no sample (and refuses one).
+                            num_uniform_negatives=0 if a.sasrec_loss == "full"
+                            else max(a.uniform_negatives, a.sasrec_negatives),
                             log_q_correction=not a.no_log_q, cross_rank_negatives=a.cross_rank)
     return model, spec
 
@@ -181,7 +183,7 @@ def main() -> None:
     s.add_argument("--sasrec-dropout", type=float, default=0.1)
     s.add_argument("--sasrec-positions", type=int, default=10,
                    help="train on the last N positions of each row (0: every position)")
-    s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step")
+    s.add_argument("--sasrec-negatives", type=int, default=128, help="uniform negatives per step (none with --sasrec-loss full)")
     s.add_argument("--sasrec-loss", choices=["in_batch", "sampled", "full"], default="in_batch",
                    help="full: every item a negative (a softmax over the whole corpus)")
     s.add_argument("--sasrec-eval-positions", type=int, default=0,

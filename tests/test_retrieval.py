@@ -580,6 +580,16 @@ def test_the_full_softmax_scores_every_item_and_sasrec_evaluates_its_last_positi
     assert float(model(batch.as_padding())[0]) == 0.0
     with pytest.raises(ValueError, match="loss='full' already scores every item"):
         _two_tower(loss="full", cross_rank_negatives=True)
+    # A uniform sample beside the full softmax is refused, not silently ignored.
+    with pytest.raises(ValueError, match=r"`num_uniform_negatives` \(8\) would be ignored"):
+        _two_tower(loss="full", num_uniform_negatives=8)
+    with pytest.raises(ValueError, match=r"`num_uniform_negatives` \(128\) would be ignored"):
+        SASRecModel(num_items=20, max_len=5, embedding_dim=8, loss="full", num_uniform_negatives=128,
+                    table_device="cpu")
+    # SASRec's default sample: 256, none with the full softmax.
+    assert SASRecModel(num_items=20, max_len=5, embedding_dim=8, table_device="cpu").num_uniform_negatives == 256
+    assert SASRecModel(num_items=20, max_len=5, embedding_dim=8, loss="full",
+                       table_device="cpu").num_uniform_negatives == 0
     # SASRec in evaluation with eval_positions=1: the loss is that of the ranked query alone.
     torch.manual_seed(0)
     sas = SASRecModel(num_items=20, max_len=5, embedding_dim=8, dropout=0.0, loss="full",

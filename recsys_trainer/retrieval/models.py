@@ -20,7 +20,8 @@ the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the othe
 items (an all-gather whose backward returns every rank's gradient to each rank's items).
 ``"sampled"`` is a sampled softmax against the uniform negatives only. ``"full"`` is the full
 softmax: every item of the corpus is a negative (no sampling, no logQ; for a corpus small
-enough that a ``[queries, num_items]`` logit matrix fits). Uniformly sampled ids (and, with
+enough that a ``[queries, num_items]`` logit matrix fits); it refuses ``num_uniform_negatives
+> 0`` (a ValueError) rather than ignore it. Uniformly sampled ids (and, with
 ``"full"``, the whole corpus) are looked up in the same call as the batch (one more row of the
 sequence KJT), so the item table is read once per step.
 
@@ -344,6 +345,12 @@ class _RetrievalBase(nn.Module):
                              "`cross_rank_negatives` has nothing to add.")
         if not isinstance(num_uniform_negatives, int) or num_uniform_negatives < 0:
             raise ValueError(f"`num_uniform_negatives` must be an int >= 0, but is {num_uniform_negatives!r}.")
+        if loss == "full" and num_uniform_negatives > 0:
+            # Refused rather than ignored: a caller who set a sample size would otherwise train
+            # a different loss than the one configured, without a word.
+            raise ValueError(f"loss='full' already scores every item of the corpus: "
+                             f"`num_uniform_negatives` ({num_uniform_negatives}) would be ignored; "
+                             "give num_uniform_negatives=0 or loss='in_batch'/'sampled'.")
         if loss == "sampled" and num_uniform_negatives < 1:
             raise ValueError("loss='sampled' draws its negatives uniformly from the corpus: give "
                              "`num_uniform_negatives` >= 1 (e.g. 1024).")
@@ -749,6 +756,8 @@ class SASRecModel(_RetrievalBase):
     (max_len=max_len)]``, in the order of ``sequence_keys``.
 
     Args (besides the loss options, as ``TwoTowerModel``'s):
+        num_uniform_negatives: uniform negatives per step; None: 256, or 0 with
+            ``loss="full"`` (which refuses any other number: it scores every item already).
         eval_positions: the last positions of each row the evaluation's loss scores; None:
             ``train_positions``'s; ``1``: only the query the metrics rank (cheaper, and the
             loss of what is evaluated).
@@ -783,7 +792,7 @@ class SASRecModel(_RetrievalBase):
         normalize: bool = True,
         temperature: float = 0.05,
         loss: LossKind = "in_batch",
-        num_uniform_negatives: int = 256,
+        num_uniform_negatives: int | None = None,
         log_q_correction: bool = True,
         cross_rank_negatives: bool = False,
         frequency_buckets: int | None = None,
@@ -800,6 +809,9 @@ class SASRecModel(_RetrievalBase):
             raise ValueError(f"item side features {missing} have no history key in "
                              f"`history_side_features` ({hist_side}): a sequential model adds them "
                              "to every history item, so the data must carry them per history item.")
+        if num_uniform_negatives is None:
+            # The default sample, except with the full softmax, which takes none.
+            num_uniform_negatives = 0 if loss == "full" else 256
         super().__init__(
             num_items=num_items, item_feature=item_feature, history_feature=history_feature,
             user_features=user_features, user_num_embeddings=user_num_embeddings,
