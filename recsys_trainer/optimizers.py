@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.optim import optimizers as trec_optim
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
@@ -53,7 +54,8 @@ class SparseOptimizer:
         lr: learning rate.
         kwargs: further optimizer arguments (``eps``, ``weight_decay``, ``betas``...).
 
-    The sparse lr is fixed for the run (FBGEMM owns it); the dense lr follows the scheduler.
+    FBGEMM owns the sparse lr: it is this ``lr`` for the whole run unless a
+    ``SparseLRSchedule`` rewrites it each step (the dense lr follows the dense scheduler).
     It is also the ``sparse_optimizer`` section of a CLI config (same fields).
     """
 
@@ -281,11 +283,30 @@ class SparseLRSchedule:
     writes the groups and makes that call. It holds no state besides the configured lrs: call
     it with ``trainer.state.global_step`` before each step (``LambdaHook(before_step=...)``) and
     a resumed run continues the schedule (the checkpoint does not hold the fused lr).
+
+    Raises ``SparseLRScheduleError`` (a ValueError) when there is nothing to schedule: no fused
+    table optimizer, a table whose FBGEMM optimizer is ``NONE`` (no lr to set: FBGEMM would
+    raise NotImplementedError at the first step), or a group without ``"lr"``.
     """
 
     def __init__(self, optimizer: SparseDenseOptimizer, factor: Callable[[int], float]) -> None:
         self.fused = optimizer.fused
         self.factor = factor
+        if not self.fused.param_groups:
+            raise SparseLRScheduleError("SparseLRSchedule: the model has no fused (in-backward) "
+                                        "table optimizer, so there is no sparse lr to schedule.")
+        # Refuse at construction, not at the first step inside training.
+        none = [name for name, leaf in _fused_leaves(self.fused)
+                if getattr(getattr(leaf, "_emb_module", None), "optimizer", None) == EmbOptimType.NONE]
+        if none:
+            raise SparseLRScheduleError(
+                f"SparseLRSchedule: the tables of {none} have no fused optimizer (FBGEMM "
+                "OptimType.NONE), so they have no lr to schedule; give them a sparse optimizer.")
+        no_lr = [i for i, g in enumerate(self.fused.param_groups) if "lr" not in g]
+        if no_lr:
+            raise SparseLRScheduleError(
+                f"SparseLRSchedule: fused param group(s) {no_lr} have no 'lr' (keys: "
+                f"{sorted(k for k in self.fused.param_groups[no_lr[0]] if k != 'params')}).")
         self.base = [float(g["lr"]) for g in self.fused.param_groups]
         """The configured lr of each fused group (read once: ``apply`` overwrites them)."""
 
@@ -295,8 +316,27 @@ class SparseLRSchedule:
         check_number("the sparse lr schedule's factor", f, at_least=0)
         for group, base in zip(self.fused.param_groups, self.base, strict=True):
             group["lr"] = base * f
-        self.fused.step()
+        try:
+            self.fused.step()
+        except NotImplementedError as e:  # a table made lr-less after construction
+            raise SparseLRScheduleError(f"SparseLRSchedule: FBGEMM refused the new lr: {e}") from e
         return f
+
+
+class SparseLRScheduleError(ValueError):
+    """A ``SparseLRSchedule`` or ``linear_decay`` that cannot work as configured."""
+
+
+def _fused_leaves(opt: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """The innermost optimizers of torchrec's (nested) ``CombinedOptimizer``, with their path
+    (each one FBGEMM module's ``EmbeddingFusedOptimizer``)."""
+    subs = getattr(opt, "optimizers", None)
+    if not isinstance(subs, list) or not subs:
+        return [(prefix or "<root>", opt)]
+    out: list[tuple[str, Any]] = []
+    for name, sub in subs:
+        out += _fused_leaves(sub, ".".join(p for p in (prefix, name) if p))
+    return out
 
 
 def linear_decay(total_steps: int, final: float = 0.1, warmup_steps: int = 0) -> Callable[[int], float]:
@@ -304,6 +344,11 @@ def linear_decay(total_steps: int, final: float = 0.1, warmup_steps: int = 0) ->
     linear decay from 1 to ``final`` at ``total_steps`` (``final`` after it)."""
     check_number("total_steps", total_steps, above=0)
     check_number("final", final, at_least=0)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or not 0 <= warmup_steps < total_steps:
+        # A warm-up as long as the run would never reach the decay (and a negative one would
+        # divide by it): refuse it here rather than schedule nonsense.
+        raise SparseLRScheduleError(f"`warmup_steps` must be an int with 0 <= warmup_steps < "
+                                    f"total_steps ({total_steps}), but is {warmup_steps!r}.")
 
     def factor(step: int) -> float:
         if step < warmup_steps:
@@ -349,3 +394,16 @@ class SparseDenseOptimizer(CombinedOptimizer):
             if "lr" in group:
                 return float(group["lr"])
         return None
+
+    def sparse_lrs(self) -> dict[str, float]:
+        """``{table: lr}`` read from the live fused groups: the current lr, also under a
+        ``SparseLRSchedule`` (which rewrites the groups, not the configured ``SparseOptimizer``)."""
+        lr_of = {id(p): float(g["lr"]) for g in self.fused.param_groups if "lr" in g
+                 for p in g["params"]}
+        out = {}
+        for key, p in self.fused.params.items():
+            if id(p) in lr_of:
+                # "<...>.t_item.weight" -> "t_item": the table is the module above the weight.
+                parts = key.split(".")
+                out[parts[-2] if len(parts) > 1 and parts[-1] == "weight" else key] = lr_of[id(p)]
+        return out

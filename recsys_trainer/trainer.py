@@ -274,6 +274,7 @@ class Trainer:
             if ds is not None:
                 ds.setup(self.rank, self.world_size)
                 ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
+                ds.follow_id_kinds(self.train_dataset)  # eval reads ids as training does
         self.vocabularies = Vocabularies(self.gang)
         """The vocabularies the datasets' id features map through: built from the data when
         training starts (``VocabFromData``), restored on resume; a checkpoint component."""
@@ -370,7 +371,11 @@ class Trainer:
         return self.optimizer.sparse_lr()
 
     def sparse_lrs(self) -> dict[str, float]:
-        """``{table: lr}`` of every embedding table's fused optimizer (fixed for the run)."""
+        """``{table: lr}``: the configured lr of every embedding table's fused optimizer
+        (``table_optimizers``). FBGEMM keeps it for the run unless an
+        ``optimizers.SparseLRSchedule`` rewrites it each step; then these are the schedule's base
+        lrs, not the current ones: ``sparse_lr()`` and ``optimizer.sparse_lrs()`` read the live
+        fused groups."""
         return {t: o.lr for t, o in self.table_optimizers.items()}
 
     def state_components(self) -> dict[str, Stateful]:
@@ -453,6 +458,7 @@ class Trainer:
             raise ValueError("`dataset` is None; pass the data to score to predict(...).")
         ds.setup(self.rank, self.world_size)
         ds.set_gang(self.gang)
+        ds.follow_id_kinds(self.train_dataset)  # ids read as training read them (integer/string)
         self.vocabularies.attach(ds, "the predict dataset")
         if self.smoke is not None and not self.smoke.running:
             # Test mode: the phases, then one batch of the first window scored into the smoke

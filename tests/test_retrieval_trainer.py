@@ -271,3 +271,41 @@ def test_a_sparse_lr_schedule_reaches_the_fused_table_optimizer(log, tmp_path) -
         # FBGEMM updated the table at the scheduled lr: not at all at 0, at 0.1 then 0.0875.
         assert torch.equal(table(trainer), start) == frozen
         assert seen == ([0.0, 0.0] if frozen else [pytest.approx(0.1), pytest.approx(0.1 * 0.875)])
+        # The live per-table lrs are the scheduled ones; the configured ones stay the base.
+        want = 0.0 if frozen else 0.1 * 0.875
+        assert trainer.optimizer.sparse_lrs() == {t: pytest.approx(want) for t in trainer.sparse_lrs()}
+        assert list(set(trainer.sparse_lrs().values())) == [pytest.approx(0.1)]
+
+
+def test_a_sparse_lr_schedule_refuses_what_it_cannot_schedule() -> None:
+    from types import SimpleNamespace
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    from recsys_trainer.optimizers import SparseLRSchedule, SparseLRScheduleError, linear_decay
+
+    def opt(groups: list[dict[str, Any]], leaves: list[tuple[str, Any]] | None = None,
+            step: Any = None) -> Any:
+        fused = SimpleNamespace(param_groups=groups, optimizers=leaves or [], step=step or (lambda: None))
+        return SimpleNamespace(fused=fused)
+
+    with pytest.raises(SparseLRScheduleError, match="no fused"):
+        SparseLRSchedule(opt([]), linear_decay(4))
+    none_leaf = SimpleNamespace(_emb_module=SimpleNamespace(optimizer=EmbOptimType.NONE), optimizers=None)
+    with pytest.raises(SparseLRScheduleError, match=r"\['users'\] have no fused optimizer"):
+        SparseLRSchedule(opt([{"lr": 0.1, "params": []}], [("users", none_leaf)]), linear_decay(4))
+    with pytest.raises(SparseLRScheduleError, match=r"group\(s\) \[1\] have no 'lr'"):
+        SparseLRSchedule(opt([{"lr": 0.1, "params": []}, {"params": []}]), linear_decay(4))
+
+    def refuse() -> None:
+        raise NotImplementedError("Setting learning rate is not supported for OptimType.NONE")
+
+    schedule = SparseLRSchedule(opt([{"lr": 0.1, "params": []}], step=refuse), linear_decay(4))
+    with pytest.raises(SparseLRScheduleError, match="FBGEMM refused the new lr"):
+        schedule.apply(0)
+    assert isinstance(SparseLRScheduleError("x"), ValueError)
+    for warmup in (-1, 4, 5, 1.5, True):
+        with pytest.raises(SparseLRScheduleError, match="warmup_steps"):
+            linear_decay(4, warmup_steps=warmup)  # type: ignore[arg-type]
+    f = linear_decay(4, 0.5, warmup_steps=2)
+    assert [f(s) for s in range(5)] == [0.5, 1.0, 1.0, 0.75, 0.5]
