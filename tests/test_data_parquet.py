@@ -363,6 +363,36 @@ def test_integer_ids_in_a_column_first_read_as_strings_are_refused_by_value(tmp_
     assert b0.sparse["item"].values().tolist()[1] == b1.sparse["item"].values().tolist()[0]
 
 
+def test_an_eval_dataset_following_the_train_dataset_reads_ids_as_the_kind_training_read(
+        tmp_path) -> None:
+    """An eval (or predict) window of strings beside integer training ids: with
+    ``follow_id_kinds(train)`` (the Trainer calls it) the strings are read as the integers they
+    write, as training reads them, not hashed as text (other rows); also after the train
+    dataset is resumed (its record replaced)."""
+    write_windows(str(tmp_path / "train"), [[8]])
+    write_windows(str(tmp_path / "eval"), [[8]])
+    eval_file = str(tmp_path / "eval" / "hour=00" / "part-0.parquet")
+    ints = [b.sparse["item"].values().tolist() for b in _ds(str(tmp_path / "eval")).iter_window("hour=00")]
+    items = pq.read_table(eval_file).column("item").to_pylist()
+    _rewrite(eval_file, item=pa.array([str(i) for i in items]))
+    train = _ds(str(tmp_path / "train"))
+    assert len(list(train.iter_window("hour=00"))) == 2  # records 'item' as integer ids
+    alone = _ds(str(tmp_path / "eval"))
+    assert [b.sparse["item"].values().tolist() for b in alone.iter_window("hour=00")] != ints
+    for source in (train, _ds(str(tmp_path / "train"))):
+        if source is not train:
+            source.load_state_dict(train.state_dict())  # a resumed train dataset
+        ev = _ds(str(tmp_path / "eval"))
+        ev.follow_id_kinds(source)
+        assert [b.sparse["item"].values().tolist() for b in ev.iter_window("hour=00")] == ints
+    _rewrite(eval_file, item=pa.array([f"0{i}" for i in items]))
+    ev = _ds(str(tmp_path / "eval"))
+    ev.follow_id_kinds(train)
+    with pytest.raises(DataError, match=r"row 0, column 'item': the sparse id column holds string ids, "
+                                        r"but held integer ids in window 'hour=00' \(file .*train"):
+        list(ev.iter_window("hour=00"))
+
+
 def test_files_of_one_window_with_different_column_types_read_alike_on_one_rank_and_on_two(
         tmp_path) -> None:
     write_windows(str(tmp_path), [[6, 6]], row_group_size=6)

@@ -602,6 +602,16 @@ def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_pre
                                          batch_size=48), str(tmp_path / "pred"))
     pred = read_predictions(str(tmp_path / "pred"))
     want = dict(zip(pred.column("row_id").to_pylist(), pred.column("y").to_pylist(), strict=True))
+    # The predicted window with its integer user ids written as strings: read as training read
+    # them (the predict dataset follows the train dataset's id kinds), the same predictions.
+    as_text, t = str(tmp_path / "as_text.parquet"), pq.read_table(windows[1])
+    users = [None if u is None else str(u) for u in t.column("user").to_pylist()]
+    pq.write_table(t.set_column(t.schema.get_field_index("user"), "user", pa.array(users)), as_text)
+    trainer.predict(ParquetWindowDataset([as_text], dataclasses.replace(spec, passthrough=["row_id"]),
+                                         batch_size=48), str(tmp_path / "pred_text"))
+    text_pred = read_predictions(str(tmp_path / "pred_text"))
+    assert dict(zip(text_pred.column("row_id").to_pylist(), text_pred.column("y").to_pylist(),
+                    strict=True)) == want
     export_for_serving(trainer, str(tmp_path / "art"))
     scorer = Scorer(str(tmp_path / "art"))
     assert scorer.tables["t_tags"].weighted and scorer.tables["t_item"].kind == "sequence"

@@ -75,6 +75,12 @@ class WindowedDataset(ABC):
         if self.features is not None:
             self.features = with_vocabularies(self.features, vocabularies)
 
+    def follow_id_kinds(self, train: WindowedDataset | None) -> None:
+        """Read each sparse id column as the kind of ids (integer / string) ``train`` (the
+        Trainer's train dataset) records for it, not as this dataset first sees it: an eval or
+        predict window of strings beside integer training ids would otherwise hash the strings
+        as text, other rows than training's. Default: nothing (no kinds recorded)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

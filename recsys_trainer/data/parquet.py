@@ -227,6 +227,9 @@ class ParquetWindowDataset(WindowedDataset):
         self._id_kinds: dict[str, dict[str, str]] = {}
         """Per sparse id column: the kind of ids first read ("integer"/"string"), and the window
         and file it was first read from (saved in ``state_dict``)."""
+        self._kinds_of: ParquetWindowDataset | None = None
+        """The dataset whose ``_id_kinds`` this one reads and records into (``follow_id_kinds``);
+        held as the dataset, not its dict, because a resume replaces that dict."""
 
     # ------------------------------------------------------------------ WindowedDataset
 
@@ -311,6 +314,15 @@ class ParquetWindowDataset(WindowedDataset):
         for _, got in self._read_pieces(plain, columns=list(columns)):
             if got is not None:
                 yield got[0]
+
+    def follow_id_kinds(self, train: WindowedDataset | None) -> None:
+        """Share ``train``'s record of id kinds (an eval or predict dataset: one kind per column
+        across the run, whichever dataset reads the column first records it)."""
+        self._kinds_of = train if isinstance(train, ParquetWindowDataset) and train is not self else None
+
+    def _kinds(self) -> dict[str, dict[str, str]]:
+        """The record of id kinds this dataset reads as: the followed dataset's, else its own."""
+        return self._kinds_of._id_kinds if self._kinds_of is not None else self._id_kinds
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": 2, "epoch": self.epoch, "fingerprint": self._fingerprint(),
@@ -421,14 +433,15 @@ class ParquetWindowDataset(WindowedDataset):
         # A column of the other kind than first read is read as that kind (``_as_first_kinds``
         # converts it, or refuses it naming the value), so it is checked as that kind.
         found = self.features.id_kinds(schema)
-        kinds = {c: self._id_kinds[c]["kind"] if c in self._id_kinds else k for c, k in found.items()}
+        record = self._kinds()
+        kinds = {c: record[c]["kind"] if c in record else k for c, k in found.items()}
         for s in self.features.id_features:
             for c in s.sources:
                 problem = column_problem(s.vocab, s.hash, kinds[c], s.name) if c in kinds else None
                 if problem is not None:
                     raise DataError(problem, file=path, column=c)
         for c, k in found.items():
-            self._id_kinds.setdefault(c, {"kind": k, "window": window_id, "file": path})
+            record.setdefault(c, {"kind": k, "window": window_id, "file": path})
 
     def _plan(self, window: Window) -> tuple[list[_Piece], int]:
         """This rank's pieces of the window, in reading order, and their total rows."""
@@ -493,8 +506,9 @@ class ParquetWindowDataset(WindowedDataset):
         anything else is a ``DataError`` naming the file, row and value; integers in a column
         first read as strings always are: ``str(int)`` cannot restore the leading zeros a reader
         dropped (pyarrow's CSV reader reads an all-digit "02134" as 2134)."""
+        record = self._kinds()
         for i, f in enumerate(table.schema):
-            first = self._id_kinds.get(f.name)
+            first = record.get(f.name)
             got = _id_kind(f.type)
             if first is None or got is None or got == first["kind"] or f.name not in self._id_columns:
                 continue
