@@ -670,7 +670,13 @@ def test_the_seen_record_is_bounded_by_distinct_pairs_and_survives_a_checkpoint(
         assert "restarts" not in caplog.text
         # A resume whose checkpoint held no record says so at its first evaluation.
         assert evaluate(hook())["hitrate@1"] <= want["hitrate@1"]
-    assert "seen-record" in caplog.text and "restarts" in caplog.text
+        assert "seen-record starts at step 1" in caplog.text and "restarts" in caplog.text
+        caplog.clear()
+        # Also when the resumed process trains first: its record starts at that step.
+        late = hook()
+        late.after_step(trainer, StepOutput(7, torch.zeros(()), step(train, np.zeros((5, 4), np.float32)).micro_batches))  # type: ignore[arg-type]
+        evaluate(late)
+        assert "seen-record starts at step 6" in caplog.text
 
     # The default: no training-step event handled, nothing checkpointed.
     default = RetrievalMetricHook(k=[1], log=False)

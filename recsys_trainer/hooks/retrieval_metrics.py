@@ -139,9 +139,9 @@ class RetrievalMetricHook(Hook):
         """Training steps' events not yet merged into ``_seen_record`` (merged in batches:
         merging every step would re-sort the whole record each step)."""
         self._seen_pending_rows = 0
-        self._seen_steps = 0
-        """Training steps recorded by this process (0 at an evaluation after a resume that
-        restored no record: the warning)."""
+        self._seen_from_step: int | None = None
+        """The global step before the first training step this process recorded: above 0
+        without a restored record, the record misses the steps before it (the warning)."""
         self._seen_restored = False
         self._seen_warned = False
         self._user_fn, self._time_fn = user_fn, time_fn
@@ -159,7 +159,8 @@ class RetrievalMetricHook(Hook):
     def after_step(self, trainer: Trainer, output: StepOutput) -> None:
         if self.exclude != "seen":
             return
-        self._seen_steps += 1
+        if self._seen_from_step is None:
+            self._seen_from_step = output.step - 1
         for mb in output.micro_batches:
             ev = self._take(mb.batch, mb.outputs, train=True)["seen"]
             self._seen_pending.append(ev)
@@ -202,16 +203,15 @@ class RetrievalMetricHook(Hook):
         # A model without an item tower, or a K the corpus cannot fill: say so before the pass.
         check_k_fits_corpus(self.ks, find_retrieval_model(trainer.model).num_items)
         self._rows = []
-        if (self.exclude == "seen" and not self._seen_warned and not self._seen_restored
-                and self._seen_steps == 0 and trainer.state.global_step > 0):
-            # Resumed (step > 0) with no record restored and no step trained here: the filtered
+        start = self._seen_from_step if self._seen_from_step is not None else trainer.state.global_step
+        if self.exclude == "seen" and not self._seen_warned and not self._seen_restored and start > 0:
+            # Resumed (the record starts after step 0) with no record restored: the filtered
             # protocol would silently exclude less than a run that never stopped.
             self._seen_warned = True
             logger.warning(
-                "RetrievalMetricHook(exclude='seen'): evaluating at step %d without the "
-                "training rows' seen-record (the checkpoint held none): it restarts now, so "
-                "items seen before this process are not excluded.",
-                trainer.state.global_step)
+                "RetrievalMetricHook(exclude='seen'): the training rows' seen-record starts at "
+                "step %d (a resume from a checkpoint that held none): it restarts there, so "
+                "items seen in the steps before are not excluded.", start)
 
     def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
         if output.is_padding:
