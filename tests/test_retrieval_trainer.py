@@ -309,3 +309,27 @@ def test_a_sparse_lr_schedule_refuses_what_it_cannot_schedule() -> None:
             linear_decay(4, warmup_steps=warmup)  # type: ignore[arg-type]
     f = linear_decay(4, 0.5, warmup_steps=2)
     assert [f(s) for s in range(5)] == [0.5, 1.0, 1.0, 0.75, 0.5]
+
+
+def test_the_seen_record_resumes_with_the_checkpoint(log, tmp_path) -> None:
+    """exclude='seen': the hook's seen-record goes into the checkpoint (per-rank extra state), so
+    a run cut after 3 steps and resumed holds the same record at step 6 as one that never
+    stopped."""
+    root, meta = log
+
+    def hook() -> RetrievalMetricHook:
+        return RetrievalMetricHook(
+            k=[20], log=False, exclude="seen", per_user=False,
+            user_fn=lambda b: b.sparse["user_id"].values(),
+            # A stand-in order (the spec carries no timestamp): only the record is compared.
+            time_fn=lambda b: torch.zeros(b.batch_size))
+
+    straight, cut, resumed = hook(), hook(), hook()
+    _trainer(root, meta, str(tmp_path / "straight"), train_steps=6, hooks=[straight]).train()
+    _trainer(root, meta, str(tmp_path / "cut"), train_steps=3, hooks=[cut]).train()
+    _trainer(root, meta, str(tmp_path / "cut"), train_steps=6, hooks=[resumed]).train()
+    a, b = straight.state_dict()["seen_record"], resumed.state_dict()["seen_record"]
+    assert 0 < cut.seen_record_size() < straight.seen_record_size() == resumed.seen_record_size()
+    assert resumed._seen_restored and resumed._seen_from_step == 3  # resumed, did not retrain
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
