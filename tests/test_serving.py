@@ -381,6 +381,13 @@ print(json.dumps({"scores": scores.tolist(), "one": one, "empty": list(scorer.sc
                   "by_scoring": sorted(set(sys.modules) - after_torch_export),
                   "all": sorted(sys.modules)}))
 """
+_FRESH_REQUESTS = """
+import json, sys
+import recsys_trainer.serving as serving
+scorer = serving.Scorer(sys.argv[1])
+scores = [float(scorer.score([r])[0]) for r in json.loads(sys.argv[2])]
+print(json.dumps({"scores": scores, "empty": list(scorer.score([]).shape)}))
+"""
 _TRAINING = ("torchrec", "fbgemm_gpu", "accelerate", "recsys_trainer.trainer",
              "recsys_trainer.checkpoint", "recsys_trainer.sharding", "recsys_trainer.distributed",
              "recsys_trainer.batch", "recsys_trainer.dynamic", "recsys_trainer.models")
@@ -536,6 +543,18 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
             assert abs(float(scorer.score(one)[0]) - want[r["row_id"]]) <= 1e-6, (request, one)
     assert scorer.id_kinds == {"genre": "string", "hist": "integer", "item": "integer",
                                "tags": "string", "year": "integer"}
+    # The same in a fresh process, as a server runs: each null row alone, an integer id sent as
+    # its string (JSON clients do), and an empty request.
+    as_string = {**{k: v for k, v in first.items() if k != "y"}, "item": str(first["item"])}
+    requests = [{k: v for k, v in r.items() if k != "y"} for r in null_rows] + [as_string]
+    out = subprocess.run([sys.executable, "-c", _FRESH_REQUESTS, art, json.dumps(requests)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    fresh = json.loads(out.stdout.strip().splitlines()[-1])
+    for r, score in zip(null_rows, fresh["scores"], strict=False):
+        assert abs(score - want[r["row_id"]]) <= 1e-6, r
+    assert fresh["scores"][-1] == float(scorer.score([{**as_string, "item": first["item"]}])[0])
+    assert fresh["empty"] == [0]
     # An empty request: no rows, no columns to check; the shape a caller indexes by output.
     for empty in ([], pa.table({}), rows.slice(0, 0)):
         assert scorer.score(empty).shape == (0,)
