@@ -106,20 +106,17 @@ def _data_key(cfg: RunConfig, which: str) -> str:
 
 
 def build_trainer(cfg: RunConfig, needs: Sequence[str] = ()) -> Any:
-    """The ``Trainer`` of ``cfg`` on this rank (starts the process group). ``needs``: the
-    datasets ("train", "eval") the run mode cannot do without."""
-    import torch.distributed as dist
+    """The ``Trainer`` of ``cfg`` on this rank. ``needs``: the datasets ("train", "eval") the
+    run mode cannot do without.
 
-    from recsys_trainer.distributed import init_distributed
-    from recsys_trainer.rng import seed_everything
+    The placement first (process group, device, seed; once, for everything built after it): the
+    datasets are per rank, and the model's dense layers are initialised in its constructor, from
+    ``args.seed`` (a dataset by ``class`` may draw too)."""
+    from recsys_trainer.placement import place
     from recsys_trainer.trainer import Trainer
 
-    # Start the group first: the datasets are per rank.
-    init_distributed(cfg.args.device, cfg.args.collective_timeout_s)
-    # Seed before anything is built: the model's dense layers are initialised in its constructor
-    # (the Trainer seeds again only once it gets the model), and a dataset by `class` may draw.
-    seed_everything(cfg.args.seed)
-    train, held_out = build_datasets(cfg, dist.get_rank())
+    placement = place(cfg.args)
+    train, held_out = build_datasets(cfg, placement.rank)
     for which in needs:
         if (train if which == "train" else held_out) is None:
             raise ConfigError(f"`run: {cfg.run}` needs {which} data; set `{_data_key(cfg, which)}`.")
@@ -133,6 +130,7 @@ def build_trainer(cfg: RunConfig, needs: Sequence[str] = ()) -> Any:
                           cfg.lr_scheduler.factory() if cfg.lr_scheduler is not None else None),
         sparse_optimizer=cfg.sparse_optimizer,
         table_optimizers=cfg.table_optimizers,
+        placement=placement,
     )
 
 

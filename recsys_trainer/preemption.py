@@ -67,6 +67,9 @@ class Preemption:
     """From the signal to the commit."""
     error: str | None = None
     """Why no checkpoint was committed, when none was."""
+    save_still_running: bool = False
+    """The save missed the grace period and its writer thread still holds collectives: the
+    process must end at once (an interpreter exit would wait for that thread)."""
 
     @property
     def exit_code(self) -> int:

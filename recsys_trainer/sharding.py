@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -87,19 +87,25 @@ def apply_sparse_optimizer(
 
     Returns ``{table: SparseOptimizer}`` for every table.
     """
+    chosen = resolve_table_optimizers(sorted({t for t, _, _ in table_parameters(model)}), spec,
+                                      per_table)
+    register_sparse_optimizers(model, chosen)
+    return chosen
+
+
+def register_sparse_optimizers(model: nn.Module, chosen: Mapping[str, SparseOptimizer]) -> None:
+    """Register ``chosen`` (``{table: SparseOptimizer}``, resolved) in backward on the tables."""
     params = list(table_parameters(model))
     if not params:
         raise ValueError(
             "the model has no torchrec EmbeddingBagCollection/EmbeddingCollection with parameters; "
             "recsys_trainer shards embedding tables and needs at least one."
         )
-    chosen = resolve_table_optimizers(sorted({t for t, _, _ in params}), spec, per_table)
     groups: dict[int, tuple[SparseOptimizer, list[nn.Parameter]]] = {}
     for table, _, p in params:
         groups.setdefault(id(chosen[table]), (chosen[table], []))[1].append(p)
     for opt, ps in groups.values():
         apply_optimizer_in_backward(opt.optimizer_class, ps, opt.optimizer_kwargs())
-    return chosen
 
 
 def table_configs(model: nn.Module, kind: Literal["pooled", "sequence"] | None = None) -> list[Any]:
@@ -274,23 +280,27 @@ def shard_model(
     plan: ShardingPlan | None = None,
     static_graph: bool = True,
     table_optimizers: TableOptimizers | None = None,
+    resolved: Mapping[str, SparseOptimizer] | None = None,
 ) -> DistributedModelParallel:
     """Apply the sparse optimizer in backward, plan, and wrap in ``DistributedModelParallel``.
 
     ``model`` may hold its tables on the meta device; DMP materialises only the local shards.
     ``table_optimizers`` (``{table name or glob: SparseOptimizer}``) overrides
-    ``sparse_optimizer`` for the tables it matches.
+    ``sparse_optimizer`` for the tables it matches; ``resolved`` (``{table: SparseOptimizer}``
+    for every table, as ``resolve_table_optimizers`` returns it) replaces both when the caller
+    resolved them already (the Trainer's builder).
     ``static_graph`` is DDP's flag: faster, but incompatible with ``no_sync`` (gradient
     accumulation fails with "expect_autograd_hooks_ INTERNAL ASSERT"), so turn it off then.
     """
     check_table_dims(model)
-    chosen = resolve_table_optimizers(table_names(model), sparse_optimizer, table_optimizers)
+    chosen = dict(resolved) if resolved is not None else \
+        resolve_table_optimizers(table_names(model), sparse_optimizer, table_optimizers)
     unbounded = dynamic.dynamic_table_names(model)
     for table, opt in chosen.items():
         opt.check_device(device.type)
         if table in unbounded:
             dynamic.check_sparse_optimizer(model, opt.name)
-    apply_sparse_optimizer(model, sparse_optimizer, table_optimizers)
+    register_sparse_optimizers(model, chosen)
     pg = process_group if process_group is not None else dist.GroupMember.WORLD
     assert pg is not None, "a process group must be initialised before sharding"
     env = ShardingEnv.from_process_group(pg)
@@ -332,6 +342,7 @@ __all__ = [
     "embedding_modules",
     "install_sparse_grad_unscaling",
     "plan_sharding",
+    "register_sparse_optimizers",
     "shard_model",
     "supported_sparse_optimizers",
     "table_names",

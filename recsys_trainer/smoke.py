@@ -95,6 +95,16 @@ def smoke_arguments(args: TrainingArguments, output_dir: str,
     )
 
 
+class Runs(Protocol):
+    """A Trainer's entry points as they run (``Trainer.train`` and the others call one)."""
+
+    def train(self) -> None: ...
+    def train_and_evaluate(self) -> None: ...
+    def evaluate(self) -> dict[str, float]: ...
+    def predict(self, ds: Any, options: Any, filesystem: Any, max_windows: int | None = None,
+                max_batches: int | None = None) -> Any: ...
+
+
 class _Trainer(Protocol):
     """What the smoke test uses of the Trainer (a protocol: this module must not import it)."""
 
@@ -107,15 +117,40 @@ class _Trainer(Protocol):
 
     @property
     def is_rank_zero(self) -> bool: ...
-    def train(self) -> None: ...
-    def evaluate(self) -> dict[str, float]: ...
     def save_checkpoint(self, path: str | None = None) -> str: ...
     def load_checkpoint(self, path: str) -> None: ...
 
 
+class _SmokeRuns:
+    """``Runs`` in test mode: every entry point runs the phases around the real ones."""
+
+    def __init__(self, smoke: SmokeTest, trainer: _Trainer, direct: Runs) -> None:
+        self._smoke, self._trainer, self._direct = smoke, trainer, direct
+
+    def train(self) -> None:
+        self._smoke.run(self._trainer, self._direct)
+
+    def train_and_evaluate(self) -> None:
+        self._smoke.run(self._trainer, self._direct)
+
+    def evaluate(self) -> dict[str, float]:
+        self._smoke.run(self._trainer, self._direct)
+        return self._smoke.eval_metrics
+
+    def predict(self, ds: Any, options: Any, filesystem: Any, max_windows: int | None = None,
+                max_batches: int | None = None) -> Any:
+        # The phases, then one batch of the first window scored into the smoke directory (never
+        # into `output_dir`, never the whole data).
+        direct = self._direct
+        self._smoke.run(self._trainer, direct, predict=lambda out: direct.predict(
+            ds, dataclasses.replace(options, output_dir=out), None, max_windows=1, max_batches=1))
+        return self._smoke.predict_summary
+
+
 class SmokeTest:
-    """Runs the phases on a Trainer built with ``smoke_test=True`` (the Trainer calls ``run``
-    from ``train``, ``evaluate`` and ``train_and_evaluate``)."""
+    """Runs the phases on a Trainer built with ``smoke_test=True``: the builder makes one, and
+    ``around`` wraps the Trainer's entry points so ``train``, ``evaluate``,
+    ``train_and_evaluate`` and ``predict`` run it."""
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
@@ -123,7 +158,6 @@ class SmokeTest:
             tempfile.mkdtemp(prefix="recsys-smoke-logs-")
         """The hooks' local files (a local ``output_dir`` holds them itself; one on object
         storage cannot, so each rank gets a local temporary directory, removed at the end)."""
-        self.running = False
         self.report: dict[str, Any] = {}
         """What ran: steps, eval rows, the checkpoint, seconds per phase."""
         self.eval_metrics: dict[str, float] = {}
@@ -131,24 +165,29 @@ class SmokeTest:
         self.predict_summary: Any = None
         """The ``predict`` phase's ``PredictSummary`` (what ``Trainer.predict()`` returns)."""
 
-    def run(self, trainer: _Trainer, predict: Callable[[str], Any] | None = None) -> dict[str, Any]:
-        """All phases, on every rank; returns ``report``. Raises ``SmokeTestError``.
+    def around(self, trainer: _Trainer, direct: Runs) -> Runs:
+        """The entry points of ``trainer`` in test mode: each runs the phases on ``direct``."""
+        return _SmokeRuns(self, trainer, direct)
+
+    def run(self, trainer: _Trainer, direct: Runs,
+            predict: Callable[[str], Any] | None = None) -> dict[str, Any]:
+        """All phases, on every rank, through ``direct`` (the real entry points); returns
+        ``report``. Raises ``SmokeTestError``.
 
         ``predict(output_dir)``: the ``predict`` phase (``Trainer.predict`` in test mode), scoring
         into ``output_dir`` and returning its ``PredictSummary``."""
-        self.running = True
         t_all = time.perf_counter()
         seconds: dict[str, float] = {}
         phase = PHASES[0]
         try:
             if trainer.train_dataset is not None:
                 t0 = time.perf_counter()
-                trainer.train()
+                direct.train()
                 seconds[phase] = time.perf_counter() - t0
             phase = "evaluate"
             if trainer.eval_dataset is not None:
                 t0 = time.perf_counter()
-                metrics = trainer.evaluate()
+                metrics = direct.evaluate()
                 seconds[phase] = time.perf_counter() - t0
                 self.eval_metrics = metrics
                 self.report["eval_samples"] = metrics["num_samples"]
@@ -177,7 +216,7 @@ class SmokeTest:
                 # just 2 batches (its epoch ended in the saved state) still trains a step.
                 trainer.args.train_steps = saved_step + 1
                 trainer.args.train_epoch = trainer.state.epoch + 2
-                trainer.train()
+                direct.train()
                 if trainer.state.global_step != saved_step + 1:
                     raise RuntimeError(f"training after the resume ended at step "
                                        f"{trainer.state.global_step}, not {saved_step + 1}")
@@ -194,7 +233,6 @@ class SmokeTest:
         except Exception as exc:
             raise SmokeTestError(phase, exc) from exc
         finally:
-            self.running = False
             trainer.checkpointer.close()
             if trainer.is_rank_zero:
                 remove_smoke_directory(self.output_dir)
@@ -223,5 +261,5 @@ def remove_smoke_directory(path: str) -> None:
         logger.warning("smoke test: could not remove %s: %s", loc.url, exc)
 
 
-__all__ = ["PHASES", "SMOKE_PREFIX", "SMOKE_TRAIN_STEPS", "SmokeTest", "SmokeTestError", "smoke_arguments",
-           "smoke_directory"]
+__all__ = ["PHASES", "SMOKE_PREFIX", "SMOKE_TRAIN_STEPS", "Runs", "SmokeTest", "SmokeTestError",
+           "smoke_arguments", "smoke_directory"]

@@ -53,7 +53,6 @@ interrupts is abandoned (a window's is redone on resume). Then the checkpoint of
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import math
@@ -71,57 +70,29 @@ from torch.distributed.checkpoint.stateful import Stateful
 from recsys_trainer import dynamic
 from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.builder import TrainerParts, build_trainer_parts
 from recsys_trainer.checkpoint.contents import RestoreMode
-from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.manager import CheckpointManager
-from recsys_trainer.data.base import (
-    IterableAsWindow,
-    Lookahead,
-    WindowedDataset,
-    WindowPairing,
-    as_windowed,
-    nothing_to_train_error,
-)
-from recsys_trainer.data.batch_check import BatchCheck
-from recsys_trainer.data.spec import apply_model_to_specs
+from recsys_trainer.data.base import Lookahead, WindowedDataset, as_windowed, nothing_to_train_error
 from recsys_trainer.data.sync import SyncedIterator
-from recsys_trainer.data.vocab import Vocabularies
-from recsys_trainer.distributed import (
-    Gang,
-    ProcessGroupGang,
-    configure_cpu_threads,
-    init_distributed,
-    new_control_group,
-    peer_lost_error,
-)
-from recsys_trainer.hooks.base import Hook, HookList, MicroBatchOutput, StepOutput
-from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
-from recsys_trainer.hooks.logger import LoggerHook
-from recsys_trainer.logs import default_logging, setup_logging
+from recsys_trainer.distributed import Gang, peer_lost_error
+from recsys_trainer.eval_schedule import EvalPlan, EvalSchedule
+from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
+from recsys_trainer.logs import setup_logging
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
     SchedulerArg,
-    SparseDenseOptimizer,
     SparseOptimizer,
     TableOptimizers,
-    build_dense_optimizer,
-    build_lr_scheduler,
-    resolve_table_optimizers,
 )
 from recsys_trainer.pipeline import SparseDistPipeline
-from recsys_trainer.precision import Precision
+from recsys_trainer.placement import Placement
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.preemption import Preempted, Preemption, PreemptionWatcher, exit_now
-from recsys_trainer.rng import RNGState, seed_everything
-from recsys_trainer.sharding import (
-    check_data_fits_model,
-    dense_no_sync,
-    feature_tables,
-    shard_model,
-    table_names,
-)
-from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
-from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings, split_output
+from recsys_trainer.rng import RNGState
+from recsys_trainer.sharding import dense_no_sync
+from recsys_trainer.smoke import Runs
+from recsys_trainer.step import NonFiniteGuard, split_output
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -173,6 +144,16 @@ class TrainerState:
             setattr(self, k, v)
 
 
+@dataclass
+class _Walked:
+    """What one ``train()`` call walked, to tell "nothing to train" from "nothing left"."""
+
+    start_step: int
+    epochs: int = 0
+    listed: int = 0
+    entered: int = 0
+
+
 class Trainer:
     """Trains a model whose embedding tables are sharded by TorchRec and whose dense part is DDP.
 
@@ -198,9 +179,13 @@ class Trainer:
         checkpointer: saves, rotates and restores checkpoints; by default
             ``CheckpointManager.from_args(args)``. It gets ``state_components()``.
         gang: the control collectives (tests pass a ``FakeGang``); by default a gloo group.
+        placement: where this rank trains (``recsys_trainer.placement.place``), when the caller
+            started the job already; by default the constructor calls ``place(args)``.
 
-    The constructor initialises the process group (via accelerate under torchrun; a world-size-1
-    gloo group in a plain process), shards the model, and builds both optimizers.
+    The constructor builds every component once through ``recsys_trainer.builder`` (the process
+    group via accelerate under torchrun, or a world-size-1 gloo group in a plain process; the
+    sharded model; both optimizers) and wires them together. ``Trainer.from_parts`` takes
+    components built by ``build_trainer_parts`` instead.
     """
 
     def __init__(
@@ -217,94 +202,56 @@ class Trainer:
         add_logger_hook: bool = True,
         gang: Gang | None = None,
         checkpointer: CheckpointManager | None = None,
+        placement: Placement | None = None,
     ) -> None:
-        self.args = args if args is not None else TrainingArguments()
-        if not isinstance(self.args, TrainingArguments):
-            raise TypeError(f"`args` must be a TrainingArguments, got {type(self.args).__name__}.")
-        a = self.args
-        cuda = torch.cuda.is_available() if a.device == "auto" else a.device == "cuda"
-        # The group first: accelerate would create it itself (torch's env:// rendezvous, whose
-        # keys a torchrun restart finds stale; see distributed.attempt_store) and uses ours.
-        info = init_distributed(self.args.device, self.args.collective_timeout_s)
-        self.precision = Precision(a.mixed_precision, cuda=cuda,
-                                   gradient_accumulation_steps=a.gradient_accumulation_steps)
-        default_logging(info.rank)  # rank 0's INFO lines visible without a logging set-up
-        self.device = info.device
-        self.rank, self.world_size = info.rank, info.world_size
-        configure_cpu_threads(info.local_world_size)
-        seed_everything(self.args.seed)
-        self.gang: Gang = gang if gang is not None else ProcessGroupGang(
-            new_control_group(self.args.collective_timeout_s))
-        self.process_group: dist.ProcessGroup | None = dist.group.WORLD
+        self._wire(build_trainer_parts(
+            model, args, train_dataset, eval_dataset, hooks, dense_optimizers, sparse_optimizer,
+            table_optimizers=table_optimizers, add_logger_hook=add_logger_hook, gang=gang,
+            checkpointer=checkpointer, placement=placement))
+
+    @classmethod
+    def from_parts(cls, parts: TrainerParts) -> Trainer:
+        """A Trainer over components ``build_trainer_parts`` built (each is used as is)."""
+        trainer = cls.__new__(cls)
+        trainer._wire(parts)
+        return trainer
+
+    def _wire(self, parts: TrainerParts) -> None:
+        """Take the built components and connect them (no component is built here)."""
+        self.parts = parts
+        self.args = parts.args
+        self.placement = parts.placement
+        self.device = parts.placement.device
+        self.rank, self.world_size = parts.placement.rank, parts.placement.world_size
+        self.gang: Gang = parts.placement.gang
+        self.process_group: dist.ProcessGroup | None = parts.placement.process_group
         """The group the model's tensor collectives run on (sharding, DDP, metric sync); control
         decisions run on ``gang``."""
-
-        self.sparse_optimizer_spec = sparse_optimizer or SparseOptimizer()
-        self.table_optimizers = resolve_table_optimizers(
-            table_names(model), self.sparse_optimizer_spec, table_optimizers)
+        self.model = parts.model
+        self.precision = parts.precision
+        self.sparse_optimizer_spec = parts.sparse_optimizer
+        self.table_optimizers = parts.table_optimizers
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
-        check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
-        self._batch_check = BatchCheck(feature_tables(model, "pooled"), feature_tables(model, "sequence"))
-        """Checks batches no FeatureSpec decoded (ids inside their tables, features present)."""
-        apply_model_to_specs((train_dataset, eval_dataset), label_range=getattr(model, "label_range", None),
-                             row_id_features=getattr(model, "row_id_features", ()))
-        self.model = shard_model(
-            model,
-            self.sparse_optimizer_spec,
-            self.device,
-            table_optimizers=self.table_optimizers,
-            process_group=self.process_group,
-            sharding_types=self.args.sharding_types,
-            local_world_size=info.local_world_size,
-            static_graph=self.args.gradient_accumulation_steps == 1,
-        )
-        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
-        if dense_optimizers is None:
-            dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
-        dense_arg, sched_arg = dense_optimizers
-        dense_opt, dense_named = build_dense_optimizer(self.model, dense_arg)
-        self.dense_params = [p for _, p in dense_named]
-        self.optimizer = SparseDenseOptimizer(dense_opt, dense_named, self.model.fused_optimizer)
-        self.lr_scheduler = build_lr_scheduler(sched_arg, dense_opt)
-        self.precision.prepare_model(self.model)
-
-        self.train_dataset: WindowedDataset | None = as_windowed(train_dataset)
-        self.eval_dataset: WindowedDataset | None = as_windowed(eval_dataset)
-        for ds in (self.train_dataset, self.eval_dataset):
-            if ds is not None:
-                ds.setup(self.rank, self.world_size)
-                ds.set_gang(self.gang)  # e.g. rank 0 lists the windows for every rank
-                ds.follow_id_kinds(self.train_dataset)  # eval reads ids as training does
-        self.vocabularies = Vocabularies(self.gang)
+        self.optimizer = parts.optimizer
+        self.lr_scheduler = parts.lr_scheduler
+        self.dense_params = parts.dense_params
+        self.train_dataset: WindowedDataset | None = parts.train_dataset
+        self.eval_dataset: WindowedDataset | None = parts.eval_dataset
+        self.vocabularies = parts.vocabularies
         """The vocabularies the datasets' id features map through: built from the data when
         training starts (``VocabFromData``), restored on resume; a checkpoint component."""
-        for name, ds in (("train_dataset", self.train_dataset), ("eval_dataset", self.eval_dataset)):
-            if ds is not None:
-                self.vocabularies.attach(ds, name)
-
-        self.hooks = HookList()
-        user_hooks = list(hooks or [])
-        if add_logger_hook and not any(isinstance(h, LoggerHook) for h in user_hooks):
-            user_hooks.insert(0, LoggerHook())
-        if dynamic.dynamic_table_names(self.model) and not any(
-            isinstance(h, DynamicTableStatsHook) for h in user_hooks
-        ):
-            # Placed first so reporting hooks after it see its window report.
-            user_hooks.insert(0, DynamicTableStatsHook())
-        for h in user_hooks:
-            self.hooks.add(h)
-
-        self.state = TrainerState()
-        self.timings = StepTimings()
-        """Wall-time breakdown of the last training step (read it in ``after_step``)."""
-        self._dense_step = DenseStep(
-            dense_opt, self.dense_params, self.precision,
-            accumulation_steps=a.gradient_accumulation_steps, max_grad_norm=a.max_grad_norm,
-            lr_scheduler=self.lr_scheduler, timings=self.timings,
-        )
-        self._pipeline: SparseDistPipeline | None = None
-        self.non_finite = NonFiniteGuard(a.non_finite_loss, a.max_non_finite_skips)
+        self.hooks = parts.hooks
+        self.checkpointer = parts.checkpointer
+        self.non_finite: NonFiniteGuard = parts.non_finite
         """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
+        self.timings = parts.timings
+        """Wall-time breakdown of the last training step (read it in ``after_step``)."""
+        self._batch_check = parts.batch_check
+        """Checks batches no FeatureSpec decoded (ids inside their tables, features present)."""
+        self._dense_step = parts.dense_step
+        self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
+        self.state = TrainerState()
+        self._pipeline: SparseDistPipeline | None = None
         self.last_step_skipped = False
         """True when the last step had a micro-batch skipped for a non-finite loss."""
         self._stop_local = False
@@ -315,17 +262,12 @@ class Trainer:
         """What the last preemption did (``recsys_trainer.preemption``); None: none."""
         self._depth = 0
         self._train_it: SyncedIterator | None = None
-        self._step_eval: tuple[WindowedDataset, list[str] | None] | None = None
-        self.smoke: SmokeTest | None = None
-        """With ``args.smoke_test``: train/evaluate run the smoke test instead (``smoke``)."""
-        if a.smoke_test:
-            self.smoke = SmokeTest(smoke_directory(self.gang, a.output_dir))
-            self.args = smoke_arguments(a, self.smoke.output_dir, self.smoke.logging_dir)
-            checkpointer = None  # a given one saves into its own output_dir: never in test mode
-        # Attached on every rank (the default creates its own gloo group: a collective). It
-        # resumes, saves on the configured triggers, and serves save/load_checkpoint.
-        self.checkpointer = checkpointer if checkpointer is not None else \
-            CheckpointManager.from_args(self.args)
+        self._schedule = EvalSchedule(None, None, enabled=False)
+        self.smoke = parts.smoke
+        """With ``args.smoke_test``: the smoke test that ``train``/``evaluate``/``predict`` run
+        instead (``recsys_trainer.smoke``); None otherwise."""
+        direct = _DirectRuns(self)
+        self._runs: Runs = self.smoke.around(self, direct) if self.smoke is not None else direct
         self.checkpointer.attach(self.state_components(), run_args=self.args.to_jsonable(),
                                  listener=lambda event, path: self.hooks.fire(event, self, path))
 
@@ -422,22 +364,12 @@ class Trainer:
 
     def train(self) -> None:
         """Train on ``train_dataset`` (see the module docstring for the event order)."""
-        if self.smoke is not None and not self.smoke.running:
-            self.smoke.run(self)
-            return
-        with self._top_level():
-            self._train(with_eval=False)
+        self._runs.train()
 
     def evaluate(self) -> dict[str, float]:
         """Evaluate the model *in memory* on ``eval_dataset``; returns the metrics. To evaluate
         a trained model, ``resume(mode="scoring")`` first."""
-        if self.smoke is not None and not self.smoke.running:
-            self.smoke.run(self)
-            return self.smoke.eval_metrics
-        with self._top_level():
-            eval_ds = self._require(self.eval_dataset, "eval_dataset")
-            self.vocabularies.build(self.train_dataset)  # unless restored or built already
-            return self._evaluate(eval_ds, None)
+        return self._runs.evaluate()
 
     def predict(self, dataset: Any, output_dir: str, *, activation: Activation = "sigmoid",
                 output_names: Sequence[str] | None = None,
@@ -460,36 +392,14 @@ class Trainer:
         ds.set_gang(self.gang)
         ds.follow_id_kinds(self.train_dataset)  # ids read as training read them (integer/string)
         self.vocabularies.attach(ds, "the predict dataset")
-        if self.smoke is not None and not self.smoke.running:
-            # Test mode: the phases, then one batch of the first window scored into the smoke
-            # directory (never into `output_dir`, never the whole data).
-            self.smoke.run(self, predict=lambda out: self._predict(
-                ds, dataclasses.replace(options, output_dir=out), None, max_windows=1, max_batches=1))
-            assert self.smoke.predict_summary is not None
-            return self.smoke.predict_summary
-        return self._predict(ds, options, filesystem)
-
-    @torch.no_grad()
-    def _predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
-                 max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
-        with self._top_level():
-            self.vocabularies.build(self.train_dataset)
-            self.state.mode = "predict"
-            self.model.eval()
-            return predict(self._forward, ds, self.gang, self.device, options, filesystem,
-                           max_windows=max_windows, max_batches=max_batches,
-                           batch_check=self._batch_check)
+        return self._runs.predict(ds, options, filesystem)
 
     def train_and_evaluate(self) -> None:
         """Train, evaluating after each train window (windowed eval data: eval window ``i``
         after train window ``i``) or after each epoch (unwindowed eval data), or on the eval
         period (``args.eval_every_n_*``)."""
         self._require(self.eval_dataset, "eval_dataset")
-        if self.smoke is not None and not self.smoke.running:
-            self.smoke.run(self)
-            return
-        with self._top_level():
-            self._train(with_eval=True)
+        self._runs.train_and_evaluate()
 
     # ------------------------------------------------------------------ loops
 
@@ -547,115 +457,116 @@ class Trainer:
         return 2 if self._preemption_watcher.requested else int(self._stop_local)
 
     def _stop_for_preemption(self) -> None:
-        """Every rank: name the signal, save this step within the grace period, on_preempt,
-        then raise ``Preempted``."""
+        """Every rank: name the signal, save this step within the grace period (the
+        ``"preempt"`` resume point), on_preempt, then raise ``Preempted``."""
         st, watcher = self.state, self._preemption_watcher
         agreed_at = time.monotonic()
         signalled_at = watcher.received_at if watcher.received_at is not None else agreed_at
         # The signal may have reached some ranks only: every rank names the same one.
         signum = self.gang.all_reduce_max([watcher.signum or 0])[0]
-        p = Preemption(signal=signal.Signals(signum).name, step=st.global_step,
-                       seconds_to_stop=agreed_at - signalled_at)
+        p = self.preemption = Preemption(signal=signal.Signals(signum).name, step=st.global_step,
+                                         seconds_to_stop=agreed_at - signalled_at)
         st.stop_reason = f"preempted by {p.signal}"
-        grace = self.args.preemption_grace_s
-        assert grace is not None
         if self.is_rank_zero:
             logger.warning("%s: every rank stopped after step %d (%.2f s after the signal); "
                            "saving its checkpoint within preemption_grace_s=%g s", p.signal,
-                           p.step, p.seconds_to_stop, grace)
-        if self.checkpointer.will_save():
-            try:
-                p.checkpoint = self.checkpointer.save_within(grace - (agreed_at - signalled_at))
-                p.committed = True
-                p.seconds_to_commit = time.monotonic() - signalled_at
-            except CheckpointError as e:
-                p.error = str(e)
-                self._exit_now = e.kind == "deadline"
-        else:
-            p.error = "this run saves no checkpoints (no save trigger is set)"
-        self.preemption = p
+                           p.step, p.seconds_to_stop, self.args.preemption_grace_s)
+        self.hooks.fire("on_resume_point", self, "preempt")
         if p.committed:
             logger.warning("%s: checkpoint of step %d committed %.2f s after the signal: %s",
                            p.signal, p.step, p.seconds_to_commit, p.checkpoint)
         else:
+            p.error = p.error or "no hook saved a checkpoint at the preemption"
             logger.error("PreemptionError: rank %d: %s after step %d, but no checkpoint was "
                          "committed: %s A rerun resumes from the last committed checkpoint.",
                          self.rank, p.signal, p.step, p.error)
+        self._exit_now = p.save_still_running
         self.hooks.fire("on_preempt", self, p)
-        if not self._exit_now:
-            self.checkpointer.close()  # releases output_dir's lock
         raise Preempted(p)
 
     def _train_loop(self, with_eval: bool) -> None:
+        """Resume, then train epoch after epoch until ``train_steps``, ``train_epoch``, the end
+        of the data or an agreed stop; ``train_and_evaluate`` evaluates as ``EvalSchedule``
+        decides."""
         train_ds = self._require(self.train_dataset, "train_dataset")
-        args, st = self.args, self.state
+        st = self.state
         self.resume()
         self.vocabularies.build(train_ds)  # VocabFromData: from the first windows (unless restored)
         self.hooks.fire("before_train", self)
-        # Resumed from a checkpoint of a run that already reached train_steps: nothing to do.
-        done = args.train_steps is not None and st.global_step >= args.train_steps
-        if done and with_eval and st.eval_owed is not None and self.eval_dataset is not None:
-            # Stopped (signal, crash) after the last step but before the evaluation after it.
-            self._evaluate(self.eval_dataset, st.eval_owed or None)
+        schedule = self._schedule = EvalSchedule(self.eval_dataset, self.args.eval_period, with_eval)
+        walked = _Walked(start_step=st.global_step)
+        if self._step_limit_reached():  # resumed from a run that reached train_steps
+            owed = schedule.owed_on_resume(st.eval_owed)
+            if owed is not None:  # stopped after the last step, before the evaluation after it
+                self._evaluate(owed.dataset, owed.windows)
+                st.eval_owed = None
+        else:
+            while st.epoch < self.args.train_epoch and not self._train_epoch(train_ds, walked):
+                pass
+        self._report_end(train_ds, walked)
+        self.hooks.fire("on_resume_point", self, "end")
+        self.hooks.fire("after_train", self)
+
+    def _train_epoch(self, train_ds: WindowedDataset, walked: _Walked) -> bool:
+        """One pass over the train windows (from the resume position); True when training must
+        end."""
+        st, schedule = self.state, self._schedule
+        walked.epochs += 1
+        self.hooks.fire("before_epoch", self, st.epoch)
+        train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
+        # Windows are walked lazily: a streaming source yields each window when it appears, and
+        # training on it starts then (not once the whole stream has ended).
+        windows = Lookahead(itertools.islice(train_ds.window_ids(), self.args.window_iter))
+        done = False
+        for index, window_id, plan in schedule.windows(windows):
+            walked.listed += 1
+            if index < st.window_index:
+                continue  # trained before the checkpoint this run resumed from
+            st.window_index = index
+            walked.entered += 1
+            done = self._train_and_evaluate_window(train_ds, index, window_id, plan)
+            if done:
+                break
+        self.hooks.fire("after_epoch", self, st.epoch)
+        epoch_eval = schedule.due_after_epoch(st.epoch + 1)
+        if epoch_eval is not None:
+            st.eval_owed = []
+            self._evaluate(epoch_eval.dataset, None)
             st.eval_owed = None
-        start_step, epochs, listed, entered = st.global_step, 0, 0, 0  # to tell "nothing to train"
-        while not done and st.epoch < args.train_epoch:
-            epochs += 1
-            self.hooks.fire("before_epoch", self, st.epoch)
-            train_ds.set_epoch(st.epoch)  # e.g. reseeds a per-epoch shuffle
-            # Windows are walked lazily: a streaming source yields each window when it appears,
-            # and training on it starts then (not once the whole stream has ended).
-            windows = Lookahead(itertools.islice(train_ds.window_ids(), args.window_iter))
-            eval_ds = self.eval_dataset
-            eval_windows = (
-                iter(eval_ds.window_ids())
-                if with_eval and eval_ds is not None and self._is_windowed(eval_ds)
-                else None
-            )
-            pairing = WindowPairing()
-            for index, window_id in enumerate(windows):
-                listed += 1
-                eval_id = next(eval_windows, None) if eval_windows is not None else None
-                if eval_windows is not None:
-                    pairing.check(window_id, eval_id)  # a shifted pair is an error, not a wrong eval
-                if index < st.window_index:
-                    continue  # trained before the checkpoint this run resumed from
-                st.window_index = index
-                entered += 1
-                # What train_and_evaluate evaluates here: the paired eval window, or all eval data.
-                paired = eval_windows is not None
-                eval_on = [eval_id] if eval_id is not None else None
-                self._step_eval = (eval_ds, eval_on) if with_eval and eval_ds is not None and (
-                    eval_on or not paired) else None
-                eval_due = self._step_eval is not None and self._eval_due_after(
-                    "window", index + 1, paired)
-                st.eval_owed = list(eval_on or []) if eval_due else None
-                done = self._train_window(train_ds, window_id)
-                if self._step_eval is not None and eval_due:
-                    if paired and not done and pairing.needs_next_train_id():
-                        pairing.check_before_eval(windows.peek())  # never evaluate a shifted pair
-                    self._evaluate(*self._step_eval)
-                st.eval_owed = None
-                self._step_eval = None
-                if not done:
-                    # The window is finished: the resume position moves to the next one.
-                    st.window_index, st.batches_in_window = index + 1, 0
-                    self.checkpointer.on_window_end()
-                if done:
-                    break
-            self.hooks.fire("after_epoch", self, st.epoch)
-            if with_eval and eval_ds is not None and self._eval_due_after(
-                    "epoch", st.epoch + 1, windowed=eval_windows is not None):
-                st.eval_owed = []
-                self._evaluate(eval_ds, None)
-                st.eval_owed = None
-            if not done:
-                st.epoch += 1
-                st.window_index = 0
-                self.checkpointer.on_epoch_end()
-        if st.global_step == start_step and st.stop_reason is None and (entered or (epochs and not listed)):
+        if not done:
+            st.epoch, st.window_index = st.epoch + 1, 0
+            self.hooks.fire("on_resume_point", self, "epoch")
+        return done
+
+    def _train_and_evaluate_window(self, train_ds: WindowedDataset, index: int, window_id: str,
+                                   plan: EvalPlan | None) -> bool:
+        """Train one window, then evaluate its plan if due; True when training must end."""
+        st, schedule = self.state, self._schedule
+        schedule.current = plan  # a steps/rows eval period evaluates this while training
+        after = plan if plan is not None and plan.after_window else None
+        st.eval_owed = after.owed if after is not None else None
+        done = self._train_window(train_ds, window_id)
+        if after is not None:
+            schedule.check_pair_before_eval(training_ended=done)
+            self._evaluate(after.dataset, after.windows)
+        st.eval_owed, schedule.current = None, None
+        if not done:  # the window is finished: the resume position moves to the next one
+            st.window_index, st.batches_in_window = index + 1, 0
+            self.hooks.fire("on_resume_point", self, "window")
+        return done
+
+    def _step_limit_reached(self) -> bool:
+        limit = self.args.train_steps
+        return limit is not None and self.state.global_step >= limit
+
+    def _report_end(self, train_ds: WindowedDataset, walked: _Walked) -> None:
+        """Refuse a run that trained nothing although it had windows to train; say why a run
+        ended before ``train_steps``."""
+        st, args = self.state, self.args
+        if st.global_step == walked.start_step and st.stop_reason is None and (
+                walked.entered or (walked.epochs and not walked.listed)):
             # Same on every rank (agreed listing, agreed fetches): every rank raises.
-            raise nothing_to_train_error(train_ds, listed, st.rows_unread)
+            raise nothing_to_train_error(train_ds, walked.listed, st.rows_unread)
         if args.train_steps is not None and st.global_step < args.train_steps and st.stop_reason is None:
             logger.warning(
                 "training ended after %d of train_steps=%d steps: the data ran out after "
@@ -663,8 +574,6 @@ class Trainer:
             )
         if st.rows_unread and self.is_rank_zero:
             logger.info("rank 0 left %d train rows unread at window ends (uneven data)", st.rows_unread)
-        self.checkpointer.on_train_end()
-        self.hooks.fire("after_train", self)
 
     def _train_window(self, ds: WindowedDataset, window_id: str) -> bool:
         """Train one window; returns True when training must end (limit or agreed stop)."""
@@ -741,17 +650,16 @@ class Trainer:
             return split_output(self.model(batch))
 
     def _end_of_step(self) -> bool:
-        """An eval period in steps or rows, checkpoint triggers, then the ``train_steps`` limit;
-        True when training must end."""
-        period = self.args.eval_period
-        if self._step_eval is not None and period is not None and period.due_after_step(self.state):
+        """An eval period in steps or rows, the ``"step"`` resume point (checkpoint triggers),
+        then the ``train_steps`` limit; True when training must end."""
+        plan = self._schedule.due_after_step(self.state)
+        if plan is not None:
             window_id = self.state.window_id
-            self._evaluate(*self._step_eval)
+            self._evaluate(plan.dataset, plan.windows)
             self.state.window_id = window_id  # still training this window
-        self.checkpointer.on_step_end()
-        limit = self.args.train_steps
-        if limit is not None and self.state.global_step >= limit:
-            self.state.stop_reason = self.state.stop_reason or f"train_steps={limit} reached"
+        self.hooks.fire("on_resume_point", self, "step")
+        if self._step_limit_reached():
+            self.state.stop_reason = self.state.stop_reason or f"train_steps={self.args.train_steps} reached"
             return True
         return False
 
@@ -867,8 +775,7 @@ class Trainer:
             "loss": total_loss / total_rows if total_rows else math.nan,
             "num_samples": total_rows,
         }
-        self.hooks.fire("after_evaluate", self, metrics)
-        self.checkpointer.record_metrics(metrics)  # with what hooks added: keep-best may use it
+        self.hooks.fire("after_evaluate", self, metrics)  # CheckpointHook last: records them
         st.mode = prev_mode
         if prev_mode == "train":
             self.model.train()
@@ -876,23 +783,46 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
-    def _eval_due_after(self, unit: Literal["window", "epoch"], done: int, windowed: bool) -> bool:
-        """Whether ``train_and_evaluate`` evaluates after a window or epoch: on the eval period,
-        or by default after each window (windowed eval data) or epoch (unwindowed)."""
-        period = self.args.eval_period
-        if period is None:
-            return windowed == (unit == "window")
-        return period.due_after_window(done) if unit == "window" else period.due_after_epoch(done)
-
-    @staticmethod
-    def _is_windowed(ds: WindowedDataset | None) -> bool:
-        return ds is not None and not isinstance(ds, IterableAsWindow)
-
     @staticmethod
     def _require(ds: WindowedDataset | None, name: str) -> WindowedDataset:
         if ds is None:
             raise ValueError(f"`{name}` is None; pass it to Trainer(...) to use this method.")
         return ds
+
+
+class _DirectRuns:
+    """The Trainer's entry points as they run a job (``Runs``); in test mode the smoke test
+    (``recsys_trainer.smoke.SmokeTest.around``) drives these instead."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._t = trainer
+
+    def train(self) -> None:
+        with self._t._top_level():
+            self._t._train(with_eval=False)
+
+    def train_and_evaluate(self) -> None:
+        with self._t._top_level():
+            self._t._train(with_eval=True)
+
+    def evaluate(self) -> dict[str, float]:
+        t = self._t
+        with t._top_level():
+            eval_ds = t._require(t.eval_dataset, "eval_dataset")
+            t.vocabularies.build(t.train_dataset)  # unless restored or built already
+            return t._evaluate(eval_ds, None)
+
+    @torch.no_grad()
+    def predict(self, ds: WindowedDataset, options: PredictOptions, filesystem: Any,
+                max_windows: int | None = None, max_batches: int | None = None) -> PredictSummary:
+        t = self._t
+        with t._top_level():
+            t.vocabularies.build(t.train_dataset)
+            t.state.mode = "predict"
+            t.model.eval()
+            return predict(t._forward, ds, t.gang, t.device, options, filesystem,
+                           max_windows=max_windows, max_batches=max_batches,
+                           batch_check=t._batch_check)
 
 
 __all__ = ["Trainer", "TrainerState", "setup_logging"]

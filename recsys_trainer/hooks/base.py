@@ -11,7 +11,7 @@ import difflib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -100,6 +100,15 @@ EVENTS: tuple[str, ...] = (
 )
 
 
+ResumePoint = Literal["step", "window", "epoch", "end", "preempt"]
+"""Where ``on_resume_point`` fires: a checkpoint taken there resumes exactly."""
+
+RESUME_POINT_EVENTS: tuple[str, ...] = ("on_resume_point",)
+"""Events about the training position rather than the data, kept out of ``EVENTS`` (the
+documented data order): they fire at the points a run can resume from. ``CheckpointHook`` saves
+there."""
+
+
 class Hook:
     """Base class: override any subset of the events below. All are no-ops here.
 
@@ -168,6 +177,14 @@ class Hook:
         """When a ``MetricReportHook`` has computed metrics (on every rank, same values); fired
         by that hook, so only runs that include one see it."""
 
+    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+        """When training reaches a point a checkpoint resumes from exactly: ``"step"`` after
+        each step (after an evaluation due then), ``"window"`` once a train window is finished
+        (after its evaluation; the position is the next window), ``"epoch"`` once an epoch is
+        finished, ``"end"`` when training ends normally (before ``after_train``), ``"preempt"``
+        when every rank stopped for a preemption signal (``trainer.preemption``; before
+        ``on_preempt``). Not in ``EVENTS``: see ``RESUME_POINT_EVENTS``."""
+
     def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         """When ``train``/``evaluate``/``train_and_evaluate`` raises; ``end`` still follows."""
 
@@ -196,6 +213,7 @@ class Hook:
 
 
 _EVENT_PREFIXES = ("before_", "after_", "on_")
+_ALL_EVENTS = EVENTS + RESUME_POINT_EVENTS
 
 
 def check_event_names(hook: Hook) -> None:
@@ -205,7 +223,7 @@ def check_event_names(hook: Hook) -> None:
         if cls is Hook or not issubclass(cls, Hook):
             continue
         for name, value in vars(cls).items():
-            if callable(value) and name.startswith(_EVENT_PREFIXES) and name not in EVENTS:
+            if callable(value) and name.startswith(_EVENT_PREFIXES) and name not in _ALL_EVENTS:
                 close = difflib.get_close_matches(name, EVENTS, n=3, cutoff=0.6)
                 hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
                 raise TypeError(
@@ -222,36 +240,53 @@ def overridden_events(hook: Hook) -> set[str]:
     if declared is not None:
         return set(declared)
     cls = type(hook)
-    return {e for e in EVENTS if getattr(cls, e) is not getattr(Hook, e)}
+    return {e for e in _ALL_EVENTS if getattr(cls, e) is not getattr(Hook, e)}
 
 
 class HookList:
     """Calls hooks in list order, each only for the events it overrides.
+
+    Hooks given as ``last`` stay after every hook added later (the Trainer's ``CheckpointHook``:
+    it must see what the others did first).
 
     Also the hooks' part of a checkpoint (a ``Stateful``): each hook with state is saved under
     ``ClassName#k`` (the k-th hook of that class), a key that stays the same when stateless
     hooks are added or removed.
     """
 
-    def __init__(self, hooks: Sequence[Hook] = ()) -> None:
+    def __init__(self, hooks: Sequence[Hook] = (), last: Sequence[Hook] = ()) -> None:
         self._hooks: list[Hook] = []
-        self._by_event: dict[str, list[Hook]] = {e: [] for e in EVENTS}
+        self._last: list[Hook] = []
         for h in hooks:
             self.add(h)
+        for h in last:
+            self._check(h)
+            self._last.append(h)
+        self._index()
 
-    def add(self, hook: Hook) -> None:
+    @staticmethod
+    def _check(hook: Hook) -> None:
         if not isinstance(hook, Hook):
             raise TypeError(f"hooks must be recsys_trainer.Hook instances, got {type(hook).__name__}.")
         check_event_names(hook)
+
+    def _index(self) -> None:
+        self._by_event: dict[str, list[Hook]] = {e: [] for e in _ALL_EVENTS}
+        for h in self._hooks + self._last:
+            for e in overridden_events(h):
+                self._by_event[e].append(h)
+
+    def add(self, hook: Hook) -> None:
+        """Append ``hook`` (before the ``last`` hooks)."""
+        self._check(hook)
         self._hooks.append(hook)
-        for e in overridden_events(hook):
-            self._by_event[e].append(hook)
+        self._index()
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self._hooks)
+        return iter(self._hooks + self._last)
 
     def __len__(self) -> int:
-        return len(self._hooks)
+        return len(self._hooks) + len(self._last)
 
     def has(self, event: str) -> bool:
         return bool(self._by_event[event])
@@ -263,7 +298,7 @@ class HookList:
     def _keyed(self) -> list[tuple[str, Hook]]:
         seen: dict[str, int] = {}
         out = []
-        for h in self._hooks:
+        for h in self._hooks + self._last:
             name = type(h).__qualname__
             out.append((f"{name}#{seen.get(name, 0)}", h))
             seen[name] = seen.get(name, 0) + 1

@@ -1,0 +1,78 @@
+"""``CheckpointHook``: when the Trainer saves, decided in one hook.
+
+The training loop announces its resume points (``on_resume_point``: after a step, a finished
+window, a finished epoch, the end of training, a preemption stop) and never calls the checkpoint
+manager itself; this hook turns those points into saves on the configured triggers
+(``args.checkpoint``), records evaluation metrics for keep-best retention, and saves within the
+grace period on a preemption. The Trainer adds it after every other hook, so ``after_evaluate``
+records what the other hooks added to the metrics, and ``on_preempt`` closes the manager after
+the other hooks have seen the preemption.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.checkpoint.manager import CheckpointManager
+from recsys_trainer.hooks.base import Hook, ResumePoint
+
+if TYPE_CHECKING:
+    from recsys_trainer.preemption import Preemption
+    from recsys_trainer.trainer import Trainer
+
+
+class CheckpointHook(Hook):
+    """Saves ``manager``'s checkpoints at the Trainer's resume points.
+
+    - ``"step"``: commits a finished asynchronous save; ``save_steps`` / ``save_every_n_rows``.
+    - ``"window"`` / ``"epoch"``: ``save_every_n_windows`` / ``save_every_n_epochs`` (fired once
+      the resume position has moved past the window or epoch, after its evaluation).
+    - ``"end"``: ``save_end``, then waits for the save in flight to commit (before
+      ``after_train``).
+    - ``"preempt"``: saves the step every rank stopped after, within what is left of
+      ``args.preemption_grace_s``, and fills in ``trainer.preemption``.
+    """
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+
+    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+        m = self.manager
+        if point == "step":
+            m.on_step_end()
+        elif point == "window":
+            m.on_window_end()
+        elif point == "epoch":
+            m.on_epoch_end()
+        elif point == "end":
+            m.on_train_end()
+        elif point == "preempt":
+            assert trainer.preemption is not None, "the Trainer names the preemption first"
+            self._save_for_preemption(trainer.preemption, trainer.args.preemption_grace_s)
+
+    def _save_for_preemption(self, p: Preemption, grace_s: float | None) -> None:
+        assert grace_s is not None, "no preemption without preemption_grace_s"
+        started = time.monotonic()
+        if not self.manager.will_save():
+            p.error = "this run saves no checkpoints (no save trigger is set)"
+            return
+        try:
+            p.checkpoint = self.manager.save_within(grace_s - p.seconds_to_stop)
+            p.committed = True
+            p.seconds_to_commit = p.seconds_to_stop + (time.monotonic() - started)
+        except CheckpointError as e:
+            p.error = str(e)
+            p.save_still_running = e.kind == "deadline"
+
+    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+        # Last of the hooks: the record holds what the others added (keep_best_metric may name it).
+        self.manager.record_metrics(metrics)
+
+    def on_preempt(self, trainer: Trainer, preemption: Preemption) -> None:
+        if not preemption.save_still_running:
+            self.manager.close()  # releases output_dir's lock
+
+
+__all__ = ["CheckpointHook"]
