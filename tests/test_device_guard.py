@@ -78,12 +78,18 @@ DEVICE_SIDE: tuple[str, ...] = (
     "hooks/dynamic_tables.py",
     # retrieval: models, losses, frequencies, collectives, evaluation, the export's embedding
     "retrieval/__init__.py",
+    "retrieval/base.py",
+    "retrieval/candidates.py",
+    "retrieval/catalog.py",
+    "retrieval/checks.py",
     "retrieval/collectives.py",
     "retrieval/export.py",
     "retrieval/frequency.py",
+    "retrieval/kjt.py",
     "retrieval/losses.py",
     "retrieval/metrics.py",
     "retrieval/models.py",
+    "retrieval/protocol.py",
     # dynamic tables: the id maps and what runs on their buffers
     "dynamic/__init__.py",
     "dynamic/id_map.py",
@@ -164,12 +170,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("retrieval/frequency.py", "ItemFrequencyEstimator.__init__", "torch.Generator"):
         "hash parameters drawn on the host from the seed (the same on every device and rank), "
         "registered as buffers and moved with the module",
-    ("retrieval/models.py", "_fixed_draw", "torch.Generator"):
+    ("retrieval/base.py", "_fixed_draw", "torch.Generator"):
         "evaluation negatives drawn once on the host so that every device gets the same ids; "
         "the caller moves them to the device once and keeps them there",
-    ("retrieval/models.py", "_fixed_draw", "torch.randint"):
+    ("retrieval/base.py", "_fixed_draw", "torch.randint"):
         "as above",
-    ("retrieval/models.py", "load_item_catalog", "torch.from_numpy"):
+    ("retrieval/catalog.py", "load_item_catalog", "torch.from_numpy"):
         "reads the catalog file on the host; the model registers the columns as buffers",
 }
 """(module, function, what) -> why a host tensor is right there (a host-side helper in a

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from recsys_trainer.distributed import FakeGang, Gang, ProcessGroupGang
 from recsys_trainer.retrieval import collectives
 from recsys_trainer.retrieval.metrics import embed_corpus
-from recsys_trainer.retrieval.models import find_retrieval_model
+from recsys_trainer.retrieval.protocol import find_retrieval_model
 from recsys_trainer.storage import resolve, storage_error
 
 MARKER = "_SUCCESS"

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from recsys_trainer.retrieval import collectives
-from recsys_trainer.retrieval.models import RetrievalModel
+from recsys_trainer.retrieval.protocol import RetrievalModel
 
 METRICS = ("recall", "ndcg", "hitrate")
 
