@@ -18,14 +18,22 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
                     dense optimizer step, lr scheduler step, global_step += 1
                     after_step(output)
                     [train_and_evaluate with eval_every_n_steps/_rows: evaluate, if due]
-                    [checkpoint triggers]
+                    on_resume_point("step")          # CheckpointHook: step and row triggers
                     if global_step == train_steps: break all
                 after_window(window_id)
                 [train_and_evaluate with windowed eval: evaluate eval window i (see below)]
+                on_resume_point("window")            # unless training ended in this window
             after_epoch(epoch)
             [train_and_evaluate with unwindowed eval: evaluate]
+            on_resume_point("epoch")                 # unless training ended in this epoch
+        on_resume_point("end")                       # CheckpointHook: save_end, wait for the save
         after_train
         end
+
+    Evaluation is decided by ``EvalSchedule`` (``recsys_trainer.eval_schedule``); saving by the
+    ``CheckpointHook`` (``recsys_trainer.hooks.checkpoint``), the last hook, at the resume points
+    (``on_resume_point`` is not in ``hooks.EVENTS``: see docs/hooks.md). Components are built
+    once by ``recsys_trainer.builder`` on one ``Placement``.
 
     evaluate():
         before_evaluate
@@ -46,7 +54,7 @@ On an exception: on_exception(exc), then end, then the exception propagates.
 On a preemption signal (SIGTERM/SIGINT while training, ``recsys_trainer.preemption``): the next
 batch fetch (training or evaluation) stops every rank, after the same step; an evaluation it
 interrupts is abandoned (a window's is redone on resume). Then the checkpoint of that step
-(within args.preemption_grace_s of the signal), on_preempt(preemption), end, and ``Preempted``
+(on_resume_point("preempt"): within args.preemption_grace_s of the signal), on_preempt(preemption), end, and ``Preempted``
 (a SystemExit with code 128 + signal) propagates; no after_window/after_epoch/after_train.
 """
 
