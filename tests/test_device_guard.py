@@ -122,17 +122,23 @@ NOT_DEVICE_SIDE: dict[str, str] = {
         "reports Python values the metric hooks already read back; makes no tensors"),
     **dict.fromkeys(
         ("__init__.py", "__main__.py", "lazy.py", "logs.py", "component.py", "validation.py",
-         "args.py", "config.py", "cli.py", "periods.py", "smoke.py", "torchrec_compat.py"),
+         "args.py", "cli.py", "periods.py", "smoke.py", "torchrec_compat.py",
+         "config/__init__.py", "config/data.py", "config/factory.py", "config/hooks.py",
+         "config/model.py", "config/optimizers.py", "config/run.py", "config/yaml_io.py",
+         "builder.py", "eval_schedule.py", "hooks/checkpoint.py", "hooks/publish.py"),
         "configuration, entry points and plumbing: Python values, makes no tensors"),
+    "placement.py": "decides the model's device once (torch.device values); makes no tensors",
     "plot.py": "renders a run's metrics log (JSON lines) to PNG files on the host",
     "storage.py": "filesystems and paths (pyarrow.fs); no tensors",
     "preemption.py": "signals become an agreed stop (a flag on the control gang); no tensors",
     **dict.fromkeys(
         ("checkpoint/__init__.py", "checkpoint/errors.py", "checkpoint/layout.py",
-         "checkpoint/lock.py"),
+         "checkpoint/lock.py", "checkpoint/rotation.py", "checkpoint/resume.py"),
         "checkpoint files, markers, retention and the output_dir lock; no tensors"),
-    "checkpoint/manager.py": "when and where to save; the tensors it hands on are the "
-                             "components' own (checkpoint/contents.py, scanned)",
+    **dict.fromkeys(
+        ("checkpoint/manager.py", "checkpoint/save_pipeline.py", "checkpoint/loading.py"),
+        "when and where to save and load; the tensors they hand on are the components' own "
+        "(checkpoint/contents.py, scanned)"),
     "checkpoint/writer.py": "the save's host side by design: pinned host staging buffers and "
                             "zero-copy views of host tensors for DCP",
     "checkpoint/export.py": "reads checkpoints into host state dicts, without torch.distributed "
@@ -148,7 +154,7 @@ NOT_DEVICE_SIDE: dict[str, str] = {
     **dict.fromkeys(
         tuple(f"serving/{m}.py" for m in (
             "__init__", "delta", "export", "manifest", "quantize", "routing", "scorer",
-            "tables")),
+            "tables", "published", "follow")),
         "serving runs on the host: the export copies the model to host tensors first and the "
         "Scorer scores on the CPU"),
 }
