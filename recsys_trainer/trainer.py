@@ -1,5 +1,10 @@
 """The Trainer: a hook-list training loop over sharded sparse and DDP dense parameters.
 
+(Longer than 600 lines on purpose: the event order below is this file's code read top to bottom,
+the entry points, the loop, the step and the evaluation pass; what they use is built in
+``builder.py``, decided in ``eval_schedule.py`` and ``hooks/checkpoint.py``, and run in
+``step.py`` and ``pipeline.py``.)
+
 Event order (every event fires exactly as written; ``end`` once per top-level call)::
 
     train():
