@@ -148,7 +148,8 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "__init__", "base", "batch_check", "chunk", "churn_dataset", "columns",
             "criteo_synthetic", "decode", "errors", "features", "generated", "hashing",
             "id_stream", "inputs", "interactions_synthetic", "open_bandit", "parquet",
-            "prefetch", "spec", "sync", "synthetic", "vocab", "windows")),
+            "prefetch", "spec", "sync", "synthetic", "vocab", "vocab_build", "vocab_features",
+            "vocab_lookup", "vocab_state", "windows")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(
