@@ -27,7 +27,7 @@ from vocab_data import (
 from recsys_trainer import LambdaHook, Trainer
 from recsys_trainer.checkpoint.export import export_vocabularies
 from recsys_trainer.config import ConfigError, load_config
-from recsys_trainer.data import vocab as vocab_module
+from recsys_trainer.data import vocab_lookup
 from recsys_trainer.data.features import (
     DataError,
     FeatureSpec,
@@ -187,7 +187,7 @@ def test_large_vocabularies_are_looked_up_by_sorted_search_with_the_same_rows(mo
     probe_i = [ints[i] if i < 500 else 20_000 + i for i in rng.integers(0, 700, 2000)]
     small = (_decode(SparseFeature(name="w", vocab=words), probe_w),
              _decode(SparseFeature(name="i", vocab=ints), probe_i))
-    monkeypatch.setattr(vocab_module, "INDEX_IN_MAX_SIZE", 16)
+    monkeypatch.setattr(vocab_lookup, "INDEX_IN_MAX_SIZE", 16)  # read where the lookup is made
     large = (_decode(SparseFeature(name="w", vocab=words), probe_w),
              _decode(SparseFeature(name="i", vocab=ints), probe_i))
     assert large == small
