@@ -19,7 +19,12 @@ from recsys_trainer.torchrec_compat import check_installed_stack
 check_installed_stack()
 
 if TYPE_CHECKING:
-    from recsys_trainer.args import TrainingArguments
+    from recsys_trainer.args import (
+        CheckpointArguments,
+        EvalArguments,
+        LoggingArguments,
+        TrainingArguments,
+    )
     from recsys_trainer.batch import Batch
     from recsys_trainer.data.base import WindowedDataset
     from recsys_trainer.distributed import shutdown
@@ -65,6 +70,9 @@ _LAZY: dict[str, str] = {
     "Trainer": "recsys_trainer.trainer",
     "TrainerState": "recsys_trainer.trainer",
     "TrainingArguments": "recsys_trainer.args",
+    "CheckpointArguments": "recsys_trainer.args",
+    "EvalArguments": "recsys_trainer.args",
+    "LoggingArguments": "recsys_trainer.args",
     "WindowedDataset": "recsys_trainer.data.base",
     "seed_everything": "recsys_trainer.rng",
     "setup_logging": "recsys_trainer.logs",
@@ -74,11 +82,14 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "Batch",
+    "CheckpointArguments",
     "EarlyStoppingHook",
+    "EvalArguments",
     "Hook",
     "JsonlMetricsHook",
     "LambdaHook",
     "LoggerHook",
+    "LoggingArguments",
     "MetricReport",
     "MetricReportHook",
     "MicroBatchOutput",

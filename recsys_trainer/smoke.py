@@ -38,7 +38,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from recsys_trainer.args import TrainingArguments
+from recsys_trainer.args import (
+    CheckpointArguments,
+    EvalArguments,
+    LoggingArguments,
+    TrainingArguments,
+)
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.distributed import Gang
@@ -83,16 +88,20 @@ def smoke_directory(gang: Gang, output_dir: str | None = None) -> str:
 
 def smoke_arguments(args: TrainingArguments, output_dir: str,
                     logging_dir: str | None = None) -> TrainingArguments:
-    """``args`` for the smoke test: its own output and logging dirs, a few steps, no periodic
-    saves."""
+    """``args`` for the smoke test: its own output and logging dirs, a few steps, every report
+    each step, one evaluation batch, no periodic save or resume. Of the checkpoint section it
+    keeps only how the real job's saves are written and what they hold (the one save of the
+    ``save`` phase then goes through the same path); the eval and logging sections are fresh."""
+    c = args.checkpoint
+    checkpoint = CheckpointArguments(
+        save_concurrency_per_rank=c.save_concurrency_per_rank, async_save=c.async_save,
+        model_bank=c.model_bank, params_not_save=c.params_not_save,
+        save_filter_fn=c.save_filter_fn, reshard_data_position=c.reshard_data_position,
+        max_to_keep=c.max_to_keep, resume_from=None)
     return dataclasses.replace(
-        args, output_dir=output_dir, logging_dir=logging_dir, train_steps=SMOKE_TRAIN_STEPS, train_epoch=1, eval_steps=1,
-        save_steps=None, save_every_n_rows=None, save_every_n_windows=None,
-        save_every_n_epochs=None, save_end=False, resume_from=None, keep_every_n_hours=None,
-        keep_best_metric=None, log_steps=1, log_every_n_rows=None, eval_every_n_steps=None,
-        eval_every_n_rows=None, eval_every_n_windows=None, eval_every_n_epochs=None,
-        max_to_keep=max(args.max_to_keep, 1),
-    )
+        args, output_dir=output_dir, train_steps=SMOKE_TRAIN_STEPS, train_epoch=1,
+        checkpoint=checkpoint, eval=EvalArguments(eval_steps=1),
+        logging=LoggingArguments(logging_dir=logging_dir, log_steps=1))
 
 
 class Runs(Protocol):

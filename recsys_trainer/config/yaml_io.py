@@ -100,18 +100,23 @@ def load_config(path: str | None, overrides: Sequence[tuple[str, str]] = ()) -> 
     return RunConfig.from_dict(apply_overrides(raw, overrides))
 
 
+_NOT_PRINTED = {"save_filter_fn"}
+"""Settings that hold Python callables (set from code, never from YAML): left out of the dump."""
+
+
 def _plain(value: Any) -> Any:
     """``value`` as YAML can dump it: a dataclass (a nested section of ``TrainingArguments``)
-    becomes its mapping; anything else is returned as it is."""
+    becomes its mapping, without the callables; anything else is returned as it is."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+        return {k: v for k, v in dataclasses.asdict(value).items() if k not in _NOT_PRINTED}
     return value
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, Any]:
-    """The resolved config as plain data (what ``recsys-train --print-config`` shows)."""
+    """The resolved config as plain data (what ``recsys-train --print-config`` shows): ``args``
+    by section (``checkpoint``, ``eval``, ``logging``), as the YAML may write it."""
     args = {f.name: _plain(getattr(cfg.args, f.name)) for f in dataclasses.fields(cfg.args)
-            if f.name != "save_filter_fn"}
+            if f.name not in _NOT_PRINTED}
     m, d, o = cfg.model, cfg.data, cfg.dense_optimizer
     out = {
         "run": cfg.run,
