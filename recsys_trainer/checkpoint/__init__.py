@@ -7,14 +7,9 @@ See ``docs/checkpoint.md`` for the layout and the guarantees. ``ModelBankSource`
 from recsys_trainer.args import ModelBankSource
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
-from recsys_trainer.checkpoint.layout import (
-    CheckpointInfo,
-    RetentionPolicy,
-    latest_committed,
-    list_committed,
-    select_to_delete,
-)
+from recsys_trainer.checkpoint.layout import CheckpointInfo, latest_committed, list_committed
 from recsys_trainer.checkpoint.manager import CheckpointManager, SaveStats
+from recsys_trainer.checkpoint.rotation import RetentionPolicy, select_to_delete
 
 __all__ = [
     "CheckpointError",

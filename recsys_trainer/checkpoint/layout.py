@@ -1,4 +1,4 @@
-"""On-disk layout of checkpoints, the commit marker, the index, and retention (pure functions).
+"""On-disk layout of checkpoints, the commit marker and the index (retention: ``rotation``).
 
 ::
 
@@ -29,7 +29,6 @@ import concurrent.futures as cf
 import contextlib
 import json
 import logging
-import math
 import os
 import posixpath
 import re
@@ -38,14 +37,20 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow.fs as pafs
 
 from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.checkpoint.rotation import (  # re-exported: their home before rotation.py
+    RetentionPolicy as RetentionPolicy,
+)
+from recsys_trainer.checkpoint.rotation import (
+    select_to_delete as select_to_delete,
+)
 from recsys_trainer.storage import Location, resolve
 
 logger = logging.getLogger(__name__)
@@ -476,51 +481,6 @@ def has_readers(where: Where) -> bool:
         if age < READ_LEASE_MAX_AGE_S:
             return True
     return False
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """Which committed checkpoints survive rotation.
-
-    Keeps the ``max_to_keep`` newest; in addition (not counted against it) the ones marked
-    ``KEEP``, the best by ``keep_best_metric`` (``keep_best_mode`` "min" or "max"; only
-    checkpoints that recorded the metric compete), and one per ``keep_every_n_hours`` of commit
-    time (the oldest of each period).
-    """
-
-    max_to_keep: int = 5
-    keep_every_n_hours: float | None = None
-    keep_best_metric: str | None = None
-    keep_best_mode: Literal["min", "max"] = "min"
-
-
-def select_to_delete(
-    infos: Iterable[CheckpointInfo], policy: RetentionPolicy, protected_steps: Iterable[int] = ()
-) -> list[CheckpointInfo]:
-    """The checkpoints rotation deletes (pure). Never the newest, never a protected step (e.g.
-    the one resumed from), never one marked keep, never the best."""
-    ordered = sorted(infos, key=lambda i: i.step)
-    if not ordered:
-        return []
-    keep: set[int] = {i.step for i in ordered[-policy.max_to_keep:]}
-    keep.add(ordered[-1].step)
-    keep.update(protected_steps)
-    keep.update(i.step for i in ordered if i.keep)
-    metric = policy.keep_best_metric
-    if metric is not None:
-        scored = [i for i in ordered if metric in i.metrics and not math.isnan(i.metrics[metric])]
-        if scored:
-            sign = 1.0 if policy.keep_best_mode == "min" else -1.0
-            best = min(scored, key=lambda i: (sign * i.metrics[metric], -i.step))
-            keep.add(best.step)
-    if policy.keep_every_n_hours is not None:
-        period = policy.keep_every_n_hours * 3600.0
-        last: float | None = None
-        for i in ordered:
-            if last is None or i.commit_time >= last + period:
-                keep.add(i.step)
-                last = i.commit_time
-    return [i for i in ordered if i.step not in keep]
 
 
 QUARANTINE_INFIX = ".unverified-"

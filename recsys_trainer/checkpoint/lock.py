@@ -18,7 +18,9 @@ write the object; the later write wins, the earlier job reads back the other's t
 trains and is refused, and a job that finds its lease taken over later (by a renewal that finds
 another token) fails its next save instead of writing next to the other job.
 
-``lock_for(location)`` picks the right one.
+``lock_for(location)`` picks the right one; ``claim_output_dir`` is what a run that saves does
+with it at the start of training (on every rank: the writability probe, the lock on rank 0, one
+collective so every rank learns the outcome).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ import threading
 import time
 import uuid
 
+from recsys_trainer.checkpoint import layout
+from recsys_trainer.checkpoint.errors import CheckpointError
+from recsys_trainer.distributed import Gang
 from recsys_trainer.storage import Location
 
 logger = logging.getLogger(__name__)
@@ -210,6 +215,44 @@ def lock_for(output_dir: Location, lease_ttl_s: float = 60.0) -> OutputDirLock |
     if output_dir.is_local:
         return OutputDirLock(output_dir.path)
     return LeaseLock(output_dir, ttl_s=lease_ttl_s)
+
+
+def claim_output_dir(lock: OutputDirLock | LeaseLock, out: Location, output_dir: str,
+                     gang: Gang) -> None:
+    """At the start of training, when the run will save: ``out`` must be writable on every rank
+    (a probe file) and not in use by another job (rank 0 takes ``lock``; the caller releases it
+    when training ends). Every rank learns the outcome, so all stop together before anything is
+    trained instead of failing at the first save. ``output_dir`` is the name messages use."""
+    problem = layout.probe_writable(out)
+    holder = None
+    if problem is None and gang.rank == 0:
+        try:
+            holder = lock.acquire(gang.world_size)
+        except OSError as e:
+            problem = f"{type(e).__name__}: {e}"
+    reports = gang.all_gather_object((socket.gethostname(), problem, holder))
+    unwritable = [f"rank {r} (host {h}): {p}" for r, (h, p, _) in enumerate(reports) if p]
+    holders = [x for _, _, x in reports if x]
+    if not unwritable and not holders:
+        return
+    lock.release()
+    if unwritable:
+        raise CheckpointError(
+            f"`output_dir` {output_dir!r} is not writable: {'; '.join(unwritable)}. "
+            "Checkpoints could not be saved there, so training did not start. "
+            + ("Fix its permissions or mount" if out.is_local else
+               "Fix the bucket name, the credentials or the endpoint (AWS_* environment "
+               "variables, or the filesystem's own config)")
+            + ", or choose another output_dir.",
+            path=output_dir, kind="unwritable")
+    how = ("an OS file lock that ends with that process, however it ends: it cannot go "
+           "stale") if out.is_local else \
+        ("a lease object that its job renews; it expires by itself when that job is gone")
+    raise CheckpointError(
+        f"`output_dir` {output_dir!r} is in use by {holders[0]}. Two jobs saving into "
+        "one output_dir skip each other's steps as already saved and resume from each "
+        "other's state. Wait for that job to end, or use another output_dir. (Its lock, "
+        f"{lock.path}, is {how}.)", path=output_dir, kind="locked")
 
 
 def _describe(content: bytes) -> str:

@@ -26,26 +26,27 @@ All collectives of a save run on the manager's own gang (by default a dedicated 
 the writer thread never interleaves with the training loop's collectives. A synchronous save (``async_save=False``) runs the same
 writer code on the main thread without the staging copy (DCP writes from zero-copy views of
 the live tensors).
+
+The manager is a façade: each concern lives in its own module, and this class holds the
+configuration and the run's state and composes them:
+
+* ``checkpoint.save_pipeline``: snapshot, staging, write and commit, the save in flight;
+* ``checkpoint.rotation``: which checkpoints to delete (a pure function; the deleting is here);
+* ``checkpoint.resume``: choosing and verifying the checkpoint to resume from, quarantine, the
+  foreign-checkpoint check;
+* ``checkpoint.loading``: reading a checkpoint (strict keys, the data position remap);
+* ``checkpoint.lock``: the ``output_dir`` lock and ``claim_output_dir``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import json
 import logging
-import os
-import socket
 import time
-import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow.fs as pafs
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
 from recsys_trainer.args import (
     ModelBankSource,
@@ -53,10 +54,17 @@ from recsys_trainer.args import (
     TrainingArguments,
     model_bank_sources,
 )
-from recsys_trainer.checkpoint import contents, layout, writer
-from recsys_trainer.checkpoint.errors import CheckpointError, describe_failure, only_os_errors
-from recsys_trainer.checkpoint.lock import lock_for
+from recsys_trainer.checkpoint import contents, layout, loading, resume, rotation, writer
+from recsys_trainer.checkpoint.lock import claim_output_dir, lock_for
 from recsys_trainer.checkpoint.model_bank import warm_start
+from recsys_trainer.checkpoint.save_pipeline import (
+    SaveQueue,
+    SaveStats,
+    Snapshot,
+    Stager,
+    take_snapshot,
+    write_checkpoint,
+)
 from recsys_trainer.distributed import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     FakeGang,
@@ -64,37 +72,15 @@ from recsys_trainer.distributed import (
     ProcessGroupGang,
     new_gloo_group,
 )
-from recsys_trainer.dynamic import lookup_path_hint
 from recsys_trainer.storage import Location, resolve
+
+__all__ = ["CheckpointListener", "CheckpointManager", "SaveStats"]
 
 logger = logging.getLogger(__name__)
 
 CheckpointListener = Callable[[str, str], None]
 """``(event, path)`` for ``before_save_checkpoint``, ``after_save_checkpoint`` and
 ``after_load_checkpoint`` (the Trainer forwards them to its hooks)."""
-
-
-@dataclass
-class SaveStats:
-    """Timings of one save (for logs and benchmarks)."""
-
-    step: int
-    path: str
-    blocked_s: float
-    """Time the training loop was blocked (snapshot, plus the whole write when synchronous)."""
-    total_s: float = 0.0
-    """From the start of the save to its commit."""
-    num_bytes: int = 0
-    """Bytes written by all ranks (from the manifest)."""
-
-
-@dataclass
-class _Pending:
-    step: int
-    path: str
-    future: cf.Future[dict[str, Any]]
-    stats: SaveStats
-    started: float = field(default_factory=time.perf_counter)
 
 
 class CheckpointManager:
@@ -108,7 +94,7 @@ class CheckpointManager:
             triggers (rows: the ``rows_seen`` counter, the same on every rank).
         save_end: save when training ends (once: not again if that step was just saved).
         max_to_keep: committed checkpoints kept by rotation (plus the protected ones, see
-            ``layout.RetentionPolicy``).
+            ``rotation.RetentionPolicy``).
         save_concurrency_per_rank: DCP ``FileSystemWriter`` threads (and files) per rank.
         async_save: snapshot on the main thread, write in a background thread.
         resume_from: ``"auto"`` (newest committed checkpoint in ``output_dir``), a checkpoint
@@ -128,7 +114,8 @@ class CheckpointManager:
             renewal (renewed every quarter of it; see ``checkpoint.lock.LeaseLock``).
 
     The Trainer builds one with ``from_args`` unless given one, and ``attach``es its components.
-    Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods.
+    Public methods own the guards (drain, idempotency) and dispatch to ``_`` methods and to the
+    concern modules (see the module docstring).
     """
 
     def __init__(
@@ -170,8 +157,8 @@ class CheckpointManager:
         self.resume_from = resume_from
         self.model_bank = model_bank_sources(model_bank)
         self.key_filter = contents.KeyFilter(params_not_save, save_filter_fn)
-        self.policy = layout.RetentionPolicy(max_to_keep, keep_every_n_hours, keep_best_metric,
-                                             keep_best_mode)
+        self.policy = rotation.RetentionPolicy(max_to_keep, keep_every_n_hours, keep_best_metric,
+                                               keep_best_mode)
         self.verify_checksums = verify_checksums
         self.reshard_data_position = reshard_data_position
         self._gang = gang
@@ -180,10 +167,8 @@ class CheckpointManager:
         self._components: contents.Components = {}
         self._listener: CheckpointListener = lambda _event, _path: None
         self._run_args: dict[str, Any] = {}
-        self._executor: cf.ThreadPoolExecutor | None = None
-        self._pending: _Pending | None = None
-        self._staging = writer.StagingBuffers()
-        self._staging_cache: dict[str, Any] | None = None  # fallback (unsupported tensor types)
+        self._saves = SaveQueue()
+        self._stager = Stager()
         self._resumed_step: int | None = None
         self._resume_done = False
         self._rows_at_last_step = 0  # rows_seen after the previous step (set again by resume)
@@ -192,8 +177,6 @@ class CheckpointManager:
         self.last_metrics: dict[str, float] = {}
         """The latest evaluation metrics (recorded in the next checkpoint's manifest)."""
         self._warned_best_missing = False
-        self.history: list[SaveStats] = []
-        """Stats of every committed save of this manager."""
 
     @classmethod
     def from_args(cls, args: TrainingArguments, gang: Gang | None = None) -> CheckpointManager:
@@ -244,10 +227,26 @@ class CheckpointManager:
 
     @property
     def gang(self) -> Gang:
+        """The gang of the manager's control collectives (set by ``attach``)."""
         if self._gang is None:
             raise RuntimeError("the CheckpointManager is not attached to any state yet; call "
                                "attach(components) first (the Trainer does).")
         return self._gang
+
+    @property
+    def history(self) -> list[SaveStats]:
+        """Stats of every committed save of this manager."""
+        return self._saves.history
+
+    @property
+    def _staging(self) -> writer.StagingBuffers:
+        # The async save's staging buffers; tests read them and benchmarks/bench_checkpoint.py
+        # swaps in fresh ones to time a cold save.
+        return self._stager.buffers
+
+    @_staging.setter
+    def _staging(self, buffers: writer.StagingBuffers) -> None:
+        self._stager.buffers = buffers
 
     def record_metrics(self, metrics: dict[str, Any]) -> None:
         """Remember the latest evaluation metrics (the next checkpoint records them, for
@@ -292,18 +291,13 @@ class CheckpointManager:
             elif self.model_bank:
                 warm_start(self._components, self.model_bank, gang)
             return source
-        self._claim_output_dir()
+        if self.will_save():
+            claim_output_dir(self._lock, self._out, self.output_dir, gang)
         if self._resume_done:
             return None
         self._resume_done = True
-        if gang.rank == 0 and self._pending is None:
-            for loc in layout.list_incomplete(self._out):
-                logger.warning("removing incomplete checkpoint %s (its save never committed)",
-                               loc.url)
-                try:
-                    layout.remove_tree(loc)
-                except OSError as e:  # it is never loaded anyway; try again at the next start
-                    logger.warning("could not remove %s: %s", loc.url, e)
+        if gang.rank == 0 and self._saves.pending is None:
+            resume.remove_incomplete(self._out)
         # Only a run that saves here holds output_dir's lock, and only its own saves would
         # collide with a bad checkpoint left under a step name.
         source = self._choose_source(may_quarantine=self.will_save())
@@ -313,185 +307,25 @@ class CheckpointManager:
             self._resumed_step = source.step
         elif self.model_bank:
             warm_start(self._components, self.model_bank, gang)
-        self._check_no_foreign_checkpoints(source)
+        if self.will_save():
+            resume.check_no_foreign_checkpoints(
+                contents.counters(self._components)["global_step"], source, out=self._out,
+                output_dir=self.output_dir, resume_from=self.resume_from)
         self._prepare_staging()
         self._rows_at_last_step = contents.counters(self._components).get("rows_seen", 0)
         return source
 
     def _choose_source(self, may_quarantine: bool) -> layout.CheckpointInfo | None:
-        """The checkpoint to restore, the same on every rank (or a ``CheckpointError`` on every
-        rank). An explicit ``resume_from`` is taken as it is (its load verifies it, strictly).
-        ``"auto"`` tries the committed checkpoints newest first: every rank verifies the
-        candidate's files (sizes and CRC32s, as a load would) and one collective decides, so
-        ranks never pick different ones; one that fails on any rank is skipped with a warning
-        naming it and why, and with ``may_quarantine`` rank 0 moves it aside
-        (``layout.quarantine``): left under its step name, this run's own save of that step
-        would be skipped as already committed. Checkpoints that exist but none verifies are an
-        error, never a silent fresh start."""
-        if self.resume_from != "auto":
-            source = self._resolve_resume_source()
-            self._verify_everywhere(source, verify=False)  # only the agreement on the step
-            return source
-        candidates = layout.list_committed(self._out)
-        skipped: list[tuple[layout.CheckpointInfo, str]] = []
-        for info in [*reversed(candidates), None]:
-            failures = self._verify_everywhere(info)
-            if info is None:
-                break
-            if not failures:
-                # Moved aside only now that there is one to fall back to: with none, a restart
-                # must meet the same error, not an output_dir that looks empty.
-                for bad, why in skipped:
-                    moved = self._quarantine(bad, why) if may_quarantine else None
-                    logger.warning(
-                        "checkpoint step %d at %s fails verification, so it is not resumed "
-                        "from: %s. %s", bad.step, bad.path, why,
-                        f"It is kept for inspection at {moved}." if moved else
-                        "It is left where it is (this run does not save into its directory).")
-                if skipped:
-                    logger.warning("resuming from %s (step %d), the newest checkpoint that "
-                                   "verifies", info.path, info.step)
-                return info
-            # The facts only: the advice in the message is for a load that has no fallback.
-            skipped.append((info, "; ".join(
-                f"rank {r}: {msg.replace(layout.UNUSABLE_ADVICE, '').strip().rstrip('.')}"
-                for r, msg, _, _ in failures)))
-        if not skipped:
-            return None
-        raise CheckpointError(
-            f"no committed checkpoint in {self.output_dir!r} verifies, so there is nothing to "
-            f"resume from: {'; '.join(f'step {i.step} ({why})' for i, why in skipped)}. Repair "
-            "them, or move them out of the output directory to start from scratch there (or "
-            "use another output_dir).", path=self.output_dir, kind="corrupt")
-
-    def _verify_everywhere(self, info: layout.CheckpointInfo | None,
-                           verify: bool = True) -> list[tuple[int, str, str | None, str]]:
-        """Every rank checks ``info``'s files (with ``verify``); one collective makes every rank
-        agree that they all look at the same step and learn which ranks found it bad. Returns
-        ``[(rank, message, path, kind)]`` of the failures (empty: usable everywhere)."""
-        gang = self.gang
-        step = info.step if info is not None else -1
-        error: CheckpointError | None = None
-        if info is not None and verify:
-            try:
-                manifest = layout.read_manifest(info.where)
-                if manifest is None:
-                    raise CheckpointError(
-                        f"checkpoint step {step} at {info.path!r} lost its {layout.MARKER} "
-                        "marker after it was listed (rotated away by another job?).",
-                        step=step, path=info.path, kind="missing")
-                layout.verify_files(info.where, manifest, checksums=self.verify_checksums)
-            except CheckpointError as e:
-                error = e
-            except OSError as e:  # a read that fails is as bad as a wrong checksum
-                error = CheckpointError(f"checkpoint step {step}: reading {info.path!r} "
-                                        f"failed: {e}", step=step, path=info.path, kind="corrupt")
-        # max and -min of the step in one all-reduce: a disagreement is seen on every rank.
-        high, neg_low, failed = gang.all_reduce_max([step, -step, int(error is not None)])
-        if high != -neg_low:
-            raise CheckpointError(
-                f"ranks disagree on the checkpoint to resume from (this rank sees step {step}, "
-                f"others between {-neg_low} and {high}); is {self.output_dir!r} on a filesystem "
-                "shared by all ranks?", step=high, path=self.output_dir, kind="mismatch")
-        if not failed:
-            return []
-        mine = None if error is None else (str(error), error.path, error.kind)
-        return [(r, *g) for r, g in enumerate(gang.all_gather_object(mine)) if g is not None]
-
-    def _quarantine(self, info: layout.CheckpointInfo, why: str) -> str:
-        """Rank 0 moves a checkpoint that failed verification aside; every rank learns where to
-        (or the error, raised on every rank: left in place it would shadow this run's save)."""
-        gang = self.gang
-        moved: str | None = None
-        error: str | None = None
-        if gang.rank == 0:
-            try:
-                moved = layout.quarantine(info.where, f"step {info.step} failed verification "
-                                          f"when a run resumed: {why}").url
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
-                error = f"{type(e).__name__}: {e}"
-        moved, error = gang.broadcast_object((moved, error))
-        if error is not None or moved is None:
-            raise CheckpointError(
-                f"checkpoint step {info.step} at {info.path!r} fails verification ({why}), and "
-                f"moving it out of the way failed: {error}. Move it out of {self.output_dir!r} "
-                "by hand (this run would otherwise skip its own save of that step as already "
-                "committed), or resume from another checkpoint by path.",
-                step=info.step, path=info.path, kind="corrupt")
-        return moved
-
-    def _claim_output_dir(self) -> None:
-        """At the start of training, when this run will save: ``output_dir`` must be writable on
-        every rank (a probe file) and not in use by another job (rank 0 takes its lock, see
-        ``checkpoint.lock``; released when training ends). Every rank learns the outcome, so all
-        stop together before anything is trained instead of failing at the first save."""
-        if not self.will_save():
-            return
-        gang = self.gang
-        problem = layout.probe_writable(self._out)
-        holder = None
-        if problem is None and gang.rank == 0:
-            try:
-                holder = self._lock.acquire(gang.world_size)
-            except OSError as e:
-                problem = f"{type(e).__name__}: {e}"
-        reports = gang.all_gather_object((socket.gethostname(), problem, holder))
-        unwritable = [f"rank {r} (host {h}): {p}" for r, (h, p, _) in enumerate(reports) if p]
-        holders = [x for _, _, x in reports if x]
-        if not unwritable and not holders:
-            return
-        self._lock.release()
-        if unwritable:
-            raise CheckpointError(
-                f"`output_dir` {self.output_dir!r} is not writable: {'; '.join(unwritable)}. "
-                "Checkpoints could not be saved there, so training did not start. "
-                + ("Fix its permissions or mount" if self._out.is_local else
-                   "Fix the bucket name, the credentials or the endpoint (AWS_* environment "
-                   "variables, or the filesystem's own config)")
-                + ", or choose another output_dir.",
-                path=self.output_dir, kind="unwritable")
-        how = ("an OS file lock that ends with that process, however it ends: it cannot go "
-               "stale") if self._out.is_local else \
-            ("a lease object that its job renews; it expires by itself when that job is gone")
-        raise CheckpointError(
-            f"`output_dir` {self.output_dir!r} is in use by {holders[0]}. Two jobs saving into "
-            "one output_dir skip each other's steps as already saved and resume from each "
-            "other's state. Wait for that job to end, or use another output_dir. (Its lock, "
-            f"{self._lock.path}, is {how}.)", path=self.output_dir, kind="locked")
+        return resume.choose_source(
+            self.gang, resume_from=self.resume_from, out=self._out, output_dir=self.output_dir,
+            verify_checksums=self.verify_checksums, may_quarantine=may_quarantine,
+            locate=self._locate)
 
     def will_save(self) -> bool:
         """Whether this run saves checkpoints (any save trigger is set)."""
         triggers = (self.save_steps, self.save_every_n_rows, self.save_every_n_windows,
                     self.save_every_n_epochs)
         return self.save_end or any(t is not None for t in triggers)
-
-    def _check_no_foreign_checkpoints(self, source: layout.CheckpointInfo | None) -> None:
-        """Refuse to save into an ``output_dir`` that holds committed checkpoints of another
-        trajectory at or after this run's start step (a fresh start or a roll-back next to
-        newer checkpoints): this run's save of such a step would be skipped as already done,
-        and a restart with ``resume_from="auto"`` would load the other run's state. (With
-        ``"auto"`` the source is the newest, so this never fires.) Same answer on every rank:
-        the ranks agreed on ``source`` and read the same directory."""
-        if not self.will_save():
-            return
-        start = contents.counters(self._components)["global_step"]
-        foreign = [i.step for i in layout.list_committed(self._out)
-                   if i.step >= start and not (source is not None and
-                                               layout.same_place(i.where, source.where))]
-        if foreign:
-            # Under torchrun --max-restarts a restarted attempt meets its own earlier attempt's
-            # checkpoints here, and every restart would fail the same way.
-            restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-            hint = (f" Under torchrun --max-restarts={restarts} a restarted attempt must resume "
-                    "from them: set `resume_from` to \"auto\" (the default)."
-                    if self.resume_from is None and restarts not in ("", "0") else "")
-            raise CheckpointError(
-                f"`output_dir` {self.output_dir!r} holds committed checkpoints at steps "
-                f"{foreign}, at or after step {start} where this run starts (resume_from="
-                f"{self.resume_from!r}); this run's saves of those steps would be skipped, and a "
-                f"restart would resume from them instead of from this run. Move them out of "
-                f"`output_dir`, or use another `output_dir`.{hint}",
-                step=start, path=self.output_dir, kind="mismatch")
 
     def _prepare_staging(self) -> None:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes
@@ -500,8 +334,7 @@ class CheckpointManager:
         if not self.async_save or not self.will_save():
             return
         try:
-            self._staging.prepare(contents.tensor_state(self._components, self.key_filter),
-                                  background=True)
+            self._stager.prepare(contents.tensor_state(self._components, self.key_filter))
         except Exception as e:  # noqa: BLE001 - an optimisation: the first save allocates
             logger.warning("could not pre-allocate checkpoint staging buffers: %s", e)
 
@@ -546,10 +379,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._lock.release()
-            self._staging.wait_prepared()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            self._stager.wait_prepared()
+            self._saves.shutdown()
 
     # ------------------------------------------------------------------ public API
 
@@ -564,7 +395,8 @@ class CheckpointManager:
         step = int(contents.counters(self._components)["global_step"])
         loc = self._locate(path) if path else self._out.join(layout.step_dir_name(step))
         path = loc.url
-        if self._pending is not None and self._pending.path == path:
+        pending = self._saves.pending
+        if pending is not None and pending.path == path:
             return path
         self.wait()
         if layout.is_committed(loc):
@@ -577,25 +409,9 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; fire ``after_save_checkpoint``.
         A failed save raises ``CheckpointError`` here (the previous checkpoint is intact)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            manifest = pending.future.result()
-        except CheckpointError:
-            raise
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            error = CheckpointError(
-                f"saving checkpoint step {pending.step} to {pending.path!r} failed: "
-                f"{describe_failure(e)}. The last committed checkpoint is kept; this directory "
-                "is never loaded and is removed at the next start.",
-                step=pending.step, path=pending.path, kind="save_failed")
-            # A full disk or a read-only mount is said in full above: DCP's per-rank
-            # tracebacks would only bury it.
-            raise error from (None if only_os_errors(e) else e)
-        self._committed(pending, manifest)
+        committed = self._saves.wait()
+        if committed is not None:
+            self._listener("after_save_checkpoint", committed.path)
 
     def load(self, path: str, *, strict: bool = True,
              mode: contents.RestoreMode = "training") -> None:
@@ -621,216 +437,80 @@ class CheckpointManager:
         """
         deadline = time.perf_counter() + seconds
         self.gang  # noqa: B018 - raises when nothing is attached
-        if self._pending is not None:
-            self._await(self._pending, deadline, "the save in flight")
+        if self._saves.pending is not None:
+            SaveQueue.await_commit(self._saves.pending, deadline, "the save in flight")
             self.wait()
         step = int(contents.counters(self._components)["global_step"])
         loc = self._out.join(layout.step_dir_name(step))
         if layout.is_committed(loc):
             return loc.url
-        tensors, extra, base, stats, t0 = self._snapshot(step, loc)
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        future = self._executor.submit(self._write, loc, writer.exact_views(tensors), extra, base)
-        pending = self._pending = _Pending(step, loc.url, future, stats, started=t0)
-        self._await(pending, deadline, f"the save of step {step}")
-        stats.blocked_s = time.perf_counter() - t0
+        snap = self._snapshot(step, loc)
+        views = writer.exact_views(snap.tensors)
+        pending = self._saves.submit(
+            snap, loc.url, lambda: self._write(loc, views, snap.extra, snap.base))
+        SaveQueue.await_commit(pending, deadline, f"the save of step {step}")
+        snap.stats.blocked_s = time.perf_counter() - snap.started
         self.wait()
         return loc.url
-
-    def _await(self, pending: _Pending, deadline: float, what: str) -> None:
-        try:
-            pending.future.exception(timeout=max(0.0, deadline - time.perf_counter()))
-        except cf.TimeoutError:
-            raise CheckpointError(
-                f"{what} ({pending.path!r}) did not commit in time: it ran "
-                f"{time.perf_counter() - pending.started:.1f} s. It is never loaded unless it "
-                "commits; the last committed checkpoint stays the newest.",
-                step=pending.step, path=pending.path, kind="deadline") from None
 
     @property
     def in_flight(self) -> bool:
         """Whether an asynchronous save is still being written."""
-        return self._pending is not None and not self._pending.future.done()
+        return self._saves.in_flight
 
     # ------------------------------------------------------------------ internals: save
 
     def _save(self, step: int, loc: Location, blocking: bool) -> None:
         path = loc.url
-        tensors, extra, base, stats, t0 = self._snapshot(step, loc)
+        snap = self._snapshot(step, loc)
         if blocking:
-            pending = _Pending(step, path, cf.Future(), stats, started=t0)
-            try:
-                # The loop is blocked: DCP may write straight from the live tensors (exact views
-                # spare it a clone of every table that is a view of a fused buffer).
-                pending.future.set_result(self._write(loc, writer.exact_views(tensors), extra,
-                                                      base))
-            except BaseException as e:
-                pending.future.set_exception(e)
-            stats.blocked_s = time.perf_counter() - t0
-            self._pending = pending
+            # The loop is blocked: DCP may write straight from the live tensors (exact views
+            # spare it a clone of every table that is a view of a fused buffer).
+            self._saves.run_here(snap, path, lambda: self._write(
+                loc, writer.exact_views(snap.tensors), snap.extra, snap.base))
             self.wait()
             return
         # Snapshot: the loop mutates the live tensors in place from the next step on.
-        staged = self._stage(tensors)
-        if self._executor is None:
-            self._executor = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        future = self._executor.submit(self._write, loc, staged, extra, base)
-        stats.blocked_s = time.perf_counter() - t0
-        self._pending = _Pending(step, path, future, stats, started=t0)
+        staged = self._stage(snap.tensors)
+        self._saves.submit(snap, path, lambda: self._write(loc, staged, snap.extra, snap.base))
 
-    def _snapshot(self, step: int, loc: Location) -> tuple[dict[str, Any], bytes, dict[str, Any],
-                                                            SaveStats, float]:
-        """``before_save_checkpoint``, then what a save of ``step`` writes: the tensors (live),
-        this rank's extra state (serialised now), the manifest's base, its stats and start."""
+    def _snapshot(self, step: int, loc: Location) -> Snapshot:
+        """``before_save_checkpoint``, then what a save of ``step`` writes
+        (``save_pipeline.take_snapshot``)."""
         path = loc.url
         self._listener("before_save_checkpoint", path)
-        t0 = time.perf_counter()
-        gang, comps = self.gang, self._components
-        tensors = contents.tensor_state(comps, self.key_filter)
-        extra = contents.serialize(contents.extra_state(
-            comps, rank=gang.rank, world_size=gang.world_size,
-            manager_state={"windows_done": self.windows_done}, args=self._run_args))
-        counters = contents.counters(comps)
-        base = {
-            "step": step,
-            "epoch": counters["epoch"],
-            "world_size": gang.world_size,
-            "trainer_state": counters,
-            "metrics": dict(self.last_metrics),
-            "args": dict(self._run_args),
-        }
-        return tensors, extra, base, SaveStats(step=step, path=path, blocked_s=0.0), t0
+        return take_snapshot(self._components, self.key_filter, gang=self.gang, step=step,
+                             path=path, windows_done=self.windows_done,
+                             last_metrics=self.last_metrics, run_args=self._run_args)
 
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Copy every tensor into CPU buffers allocated once (ideally before the first save, see
         ``_prepare_staging``) and reused by later saves: a memcpy into memory already faulted
-        in."""
-        try:
-            return self._staging.stage(tensors)
-        except TypeError:  # e.g. DTensor: torch's generic staging below
-            pass
-        if self._staging_cache is not None:
-            try:
-                return _copy_state_dict(tensors, self._staging_cache)
-            except Exception:  # noqa: BLE001 - structure changed: rebuild the buffers
-                self._staging_cache = None
-        self._staging_cache = _create_cpu_state_dict(tensors, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(tensors, self._staging_cache)
+        in. (A method of the manager so that a script can count async saves by wrapping it.)"""
+        return self._stager.stage(tensors)
 
     def _write(self, loc: Location, tensors: dict[str, Any], extra: bytes,
                base: dict[str, Any]) -> dict[str, Any]:
-        """Write and commit one checkpoint (all ranks; collectives on the manager's gang).
-
-        Every rank runs the same collectives on every path, failures included: a rank that fails
-        locally reports it at the next collective instead of raising past it (the other ranks
-        would wait there until the group's timeout, and the group's later collectives would be
-        out of step). DCP itself makes every rank raise when one rank fails inside it."""
-        gang = self.gang
-        rank, step, path = gang.rank, base["step"], loc.url
-        local_error: str | None = None
-        if rank == 0:
-            try:
-                if self._lock.lost:
-                    raise CheckpointError(
-                        f"{self._lock.lost}: another job is saving into {self.output_dir!r}; "
-                        "this job stops saving there. Use one output_dir per job.",
-                        path=self.output_dir, kind="locked")
-                if layout.is_dir(loc) and not layout.is_committed(loc):
-                    layout.remove_tree(loc)  # a crashed earlier attempt at this step
-                layout.make_dir(loc)
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
-                local_error = f"{type(e).__name__}: {e}"
-        # Instead of a barrier: the directory exists (or every rank learns it does not).
-        self._raise_if_any(gang.all_gather_object(local_error), step, path)
-        threads = max(1, self.save_concurrency_per_rank)
-        # CRC32s are computed while DCP writes (helper threads overlap them with the write
-        # syscalls), so there is no read-back pass; each DCP thread fsyncs its own file once.
-        with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-crc") as crc:
-            storage = writer.HashingFileSystemWriter(loc, thread_count=threads, pool=crc,
-                                                     sync_files=True)
-            dcp.save(tensors, storage_writer=storage, process_group=gang.group)
-        # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
-        # rank's shards were written and fsynced.
-        files: dict[str, Any] = {}
-        try:
-            extra_name = contents.extra_file_name(rank)
-            layout.write_bytes(loc.join(extra_name), extra)
-            mine = [extra_name] + [n for n in layout.list_names(loc)
-                                   if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
-            if rank == 0:
-                mine.append(".metadata")
-            digests = storage.digests
-            digests[extra_name] = (len(extra), zlib.crc32(extra))
-            for n in mine:  # anything written other than through the writer: hash it from disk
-                if n not in digests:
-                    digests[n] = layout.digest(loc.join(n))
-            files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
-        except Exception as e:  # noqa: BLE001 - reported to every rank below
-            local_error = f"{type(e).__name__}: {e}"
-        gathered = gang.all_gather_object((files, local_error))
-        manifest: dict[str, Any] = {}
-        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err is not None]
-        error: str | None = "; ".join(errors) if errors else None
-        if rank == 0 and error is None:
-            try:
-                manifest = self._commit(loc, base, [part for part, _ in gathered])
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
-                error = f"{type(e).__name__}: {e}"
-        # Every rank learns whether the commit happened (no rank hangs if rank 0 failed).
-        error, manifest = gang.broadcast_object((error, manifest))
-        if error is not None:
-            raise CheckpointError(f"committing checkpoint step {step} at {path!r} failed: {error}",
-                                  step=step, path=path, kind="save_failed")
-        if rank == 0 and layout.same_place(layout.parent(loc), self._out):
-            self._rotate(just_committed=step)
-        return manifest
-
-    @staticmethod
-    def _raise_if_any(errors: list[str | None], step: int, path: str) -> None:
-        bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-        if bad:
-            raise CheckpointError(f"saving checkpoint step {step} at {path!r} failed: "
-                                  + "; ".join(bad), step=step, path=path, kind="save_failed")
-
-    def _commit(self, loc: Location, base: dict[str, Any],
-                gathered: list[dict[str, Any]]) -> dict[str, Any]:
-        """Rank 0, after every rank's files are known complete: ``args.json``, then the marker
-        (the last object of the checkpoint), then the index."""
-        files: dict[str, Any] = {}
-        for part in gathered:
-            files.update(part)
-        # Locally, args.json's fsync of the directory also makes every rank's file entries
-        # durable (their files were fsynced by the writers) before the marker exists.
-        layout.write_bytes(loc.join("args.json"),
-                           (json.dumps(base["args"], indent=2, sort_keys=True) + "\n").encode())
-        manifest = {
-            "format_version": layout.FORMAT_VERSION,
-            **{k: v for k, v in base.items() if k != "args"},
-            "commit_time": time.time(),
-            "files": files,
-        }
-        layout.write_bytes(loc.join(layout.MARKER),
-                           (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-        parent = layout.parent(loc)
-        if parent.is_local:
-            # The step directory's own entry in output_dir must be durable before rotation may
-            # delete older checkpoints: otherwise a power loss could leave neither.
-            layout.fsync_dir(parent.path)
-        try:
-            layout.write_index(parent, layout.list_committed(parent))
-        except OSError as e:  # the index is informational; the marker is what counts
-            logger.warning("could not update %s: %s", parent.join(layout.INDEX).url, e)
+        """Write and commit one checkpoint (all ranks; ``save_pipeline.write_checkpoint``), then
+        rank 0 rotates ``output_dir`` when the checkpoint is in it. Runs on the writer thread
+        for an async save; the lambdas that submit it look it up at call time, so tests can
+        wrap ``CheckpointManager._write`` to slow writes down."""
+        manifest = write_checkpoint(loc, tensors, extra, base, gang=self.gang, lock=self._lock,
+                                    output_dir=self.output_dir,
+                                    threads=self.save_concurrency_per_rank)
+        if self.gang.rank == 0 and layout.same_place(layout.parent(loc), self._out):
+            self._rotate(just_committed=base["step"])
         return manifest
 
     def _rotate(self, just_committed: int) -> None:
-        """Delete what the retention policy lets go. Never the checkpoint just committed, even
-        when ``output_dir`` holds newer steps (e.g. from an earlier run this one did not resume
-        from): it is this run's latest state. A failure is logged; the commit stands."""
+        """Delete what the retention policy lets go (``rotation.select_to_delete`` decides).
+        Never the checkpoint just committed, even when ``output_dir`` holds newer steps (e.g.
+        from an earlier run this one did not resume from): it is this run's latest state. A
+        failure is logged; the commit stands."""
         try:
             infos = layout.list_committed(self._out)
             protected = {s for s in (self._resumed_step, just_committed) if s is not None}
-            doomed = [i for i in layout.select_to_delete(infos, self.policy, protected)
+            doomed = [i for i in rotation.select_to_delete(infos, self.policy, protected)
                       if not layout.has_readers(i.where)]  # never under a reader
         except Exception as e:  # noqa: BLE001 - rotation tries again after the next commit
             logger.warning("checkpoint rotation failed: %s", e)
@@ -847,161 +527,24 @@ class CheckpointManager:
 
     def _poll(self) -> None:
         """Finish a completed async save without blocking (fires its hooks on this thread).
-
-        A *failed* save is left pending: the next save or the end of training (steps every rank
-        reaches together) raises it. Ranks see their writer threads finish at different steps;
-        raising here would stop one rank while the others train on and wait for it in their
-        next collective."""
-        pending = self._pending
-        if pending is not None and pending.future.done() and pending.future.exception() is None:
+        A failed one stays pending (``SaveQueue.committed_unseen`` says why)."""
+        if self._saves.committed_unseen():
             self.wait()
 
-    def _committed(self, pending: _Pending, manifest: dict[str, Any]) -> None:
-        stats = pending.stats
-        stats.total_s = time.perf_counter() - pending.started
-        stats.num_bytes = sum(int(f["size"]) for f in manifest.get("files", {}).values())
-        self.history.append(stats)
-        logger.info("checkpoint step %d committed at %s (%.1f MB, loop blocked %.3fs, total %.2fs)",
-                    stats.step, stats.path, stats.num_bytes / 1e6, stats.blocked_s, stats.total_s)
-        self._listener("after_save_checkpoint", pending.path)
-
     # ------------------------------------------------------------------ internals: load
-
-    def _resolve_resume_source(self) -> layout.CheckpointInfo | None:
-        src = self.resume_from
-        if src is None:
-            return None
-        if src == "auto":
-            return layout.latest_committed(self._out)
-        return layout.resolve_checkpoint(self._locate(src), "`resume_from`")
 
     def _load_and_notify(self, info: layout.CheckpointInfo, *, mode: contents.RestoreMode,
                          verified: bool, strict: bool = True, path: str | None = None) -> None:
         self.wait()
         with layout.reading(info.where):
             if not verified:
-                failures = self._verify_everywhere(info)
+                failures = resume.verify_everywhere(self.gang, info, output_dir=self.output_dir,
+                                                    verify_checksums=self.verify_checksums)
                 if failures:
-                    rank, msg, bad, kind = failures[0]
-                    seen = "" if self.gang.world_size == 1 else \
-                        f" (found by rank{'s' if len(failures) > 1 else ''} " \
-                        f"{', '.join(str(f[0]) for f in failures)})"
-                    raise CheckpointError(msg + seen, step=info.step, path=bad, kind=kind)
-            self._load_read(info, strict, mode)
+                    resume.raise_verification_failure(info, failures, self.gang.world_size)
+            windows_done = loading.load_checkpoint(
+                self._components, info, gang=self.gang, strict=strict, mode=mode,
+                key_filter=self.key_filter, reshard_data_position=self.reshard_data_position)
+            if windows_done is not None:
+                self.windows_done = windows_done
         self._listener("after_load_checkpoint", path if path is not None else info.path)
-
-    def _load_read(self, info: layout.CheckpointInfo, strict: bool,
-                   mode: contents.RestoreMode) -> None:
-        path, step, loc = info.path, info.step, info.where
-        gang = self.gang
-        # Scoring restores a subset; the counters component is read either way (below).
-        comps = self._components if mode == "training" else {
-            k: self._components[k] for k in contents.scoring_components(self._components)}
-        same_world = info.world_size == gang.world_size
-        src_rank = gang.rank if same_world else 0
-        extra = contents.load_extra(loc.join(contents.extra_file_name(src_rank)), step)
-
-        contents.init_optimizer_state(comps)
-        target = contents.tensor_state(comps, lambda _k: True)
-        saved = set(writer.storage_reader(loc).read_metadata().state_dict_metadata)
-        self._check_keys(target, saved, path, step, strict)
-        target = self._restrict_to_checkpoint(target, saved)
-        try:
-            dcp.load(target, storage_reader=writer.storage_reader(loc), process_group=gang.group)
-        except Exception as e:
-            raise CheckpointError(f"loading checkpoint step {step} from {path!r} failed: {e}",
-                                  step=step, path=path, kind="load_failed") from e
-        # DCP loaded in place into tensors that share storage with the model and optimizers;
-        # load_state_dict makes that explicit for modules whose state_dict returns copies.
-        contents.load_model_state(comps, target["model"])
-
-        ts = dict(extra[contents.COUNTERS])
-        if mode == "scoring":
-            contents.apply_extra(comps, extra, same_world=same_world)
-            # Which model this is (logs and metrics name its step); not where training was.
-            contents.set_counters(self._components,
-                                  {k: ts[k] for k in contents.MODEL_COUNTERS if k in ts})
-            logger.info("loaded the model of checkpoint step %d from %s for scoring (%s)", step,
-                        path, ", ".join(sorted(comps)))
-            return
-        if not same_world:
-            ts = self._remap_position(ts, info)
-            if extra["train_dataset"]:
-                logger.warning("world size changed (%d -> %d): the train dataset's own state is "
-                               "not restored; the data position comes from the trainer counters",
-                               info.world_size, gang.world_size)
-        contents.apply_extra(comps, extra, same_world=same_world)
-        comps[contents.COUNTERS].load_state_dict(ts)
-        self.windows_done = int(extra["manager"].get("windows_done", 0))
-        logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
-                    info.world_size)
-
-    def _check_keys(self, target: dict[str, Any], saved: set[str], path: str, step: int,
-                    strict: bool) -> None:
-        """Strict loading: every state the trainer has must be in the checkpoint, unless this
-        run's filters leave it out of checkpoints, and the checkpoint holds nothing else."""
-        missing = [f"model.{k}" for k in target["model"]
-                   if f"model.{k}" not in saved and self.key_filter(k)]
-        for pk, entry in target["optim"]["state"].items():
-            if not self.key_filter(contents.optim_param_name(pk)):
-                continue
-            missing.extend(f"optim.state.{pk}.{sk}" for sk in entry
-                           if f"optim.state.{pk}.{sk}" not in saved)
-        if missing and strict:
-            raise CheckpointError(
-                f"checkpoint step {step} at {path!r} lacks {len(missing)} entries this trainer "
-                f"has, e.g. {missing[:5]}; is it from another model? (Use the model bank to "
-                f"initialise from a different model.){lookup_path_hint(missing, saved)}",
-                step=step, path=path, kind="mismatch")
-        # Model keys only: every rank's model state dict names every table (sharded tensors),
-        # but a rank's fused optimizer state holds only its own shards' entries.
-        have = {f"model.{k}" for k in target["model"]}
-        unexpected = sorted(k for k in saved if k.startswith("model.") and k not in have)
-        if unexpected and strict:
-            raise CheckpointError(
-                f"checkpoint step {step} at {path!r} holds {len(unexpected)} entries this "
-                f"trainer does not have, e.g. {unexpected[:5]}; is it from another model? (Use "
-                f"the model bank to initialise from a different model.)", step=step, path=path,
-                kind="mismatch")
-
-    @staticmethod
-    def _restrict_to_checkpoint(target: dict[str, Any], saved: set[str]) -> dict[str, Any]:
-        model = {k: v for k, v in target["model"].items() if f"model.{k}" in saved}
-        optim_state = {}
-        for pk, entry in target["optim"]["state"].items():
-            kept = {k: v for k, v in entry.items() if f"optim.state.{pk}.{k}" in saved}
-            if kept:
-                optim_state[pk] = kept
-        # A rank whose tables all have a stateless optimizer (SGD) holds no optimizer state;
-        # DCP reads an empty "optim" mapping there as a missing key "optim.".
-        return {"model": model, "optim": {"state": optim_state}} if optim_state else {"model": model}
-
-    def _remap_position(self, ts: dict[str, Any], info: layout.CheckpointInfo) -> dict[str, Any]:
-        """Map the data position of a checkpoint saved with another world size.
-
-        At a window boundary (no batch of the window trained) the position is the same for any
-        world size. Mid-window, each rank's batch count refers to its own shard of the window,
-        which does not exist at the new world size: follow ``reshard_data_position``.
-        """
-        ts = dict(ts)
-        ts["rows_unread"] = 0
-        if ts["batches_in_window"] == 0:
-            return ts
-        policy = self.reshard_data_position
-        if policy == "error":
-            raise CheckpointError(
-                f"checkpoint step {info.step} was saved with world size {info.world_size} in the "
-                f"middle of train window {ts['window_index']} ({ts['window_id']!r}, after "
-                f"{ts['batches_in_window']} batches per rank); this run has world size "
-                f"{self.gang.world_size}, so that position does not exist. Either resume with "
-                f"{info.world_size} ranks, resume from a checkpoint taken at a window boundary "
-                f"(save_every_n_windows), or set reshard_data_position='restart_window' (re-read "
-                f"the window: some rows twice) or 'next_window' (skip the rest of it).",
-                step=info.step, path=info.path, kind="reshard")
-        logger.warning("world size changed %d -> %d mid-window: %s", info.world_size,
-                       self.gang.world_size, policy)
-        if policy == "next_window":
-            ts["window_index"] += 1
-        ts["batches_in_window"] = 0
-        return ts
-
