@@ -17,6 +17,7 @@ meant ``"007"``), as the training reader does for a later window.
 
 from __future__ import annotations
 
+import copy as _copy
 import dataclasses
 import io
 import json
@@ -25,7 +26,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping, Sized
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +41,9 @@ from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.delta import apply_table_delta, read_delta
 from recsys_trainer.serving.tables import DynamicRows, FusedLookup, Table
+
+if TYPE_CHECKING:
+    from recsys_trainer.serving.follow import Follower
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +143,9 @@ class Scorer:
         plain = [t for t in self.tables.values() if FusedLookup.eligible(t)]
         dims = {t.dim for t in plain}
         self._fused = FusedLookup(plain) if len(plain) > 1 and len(dims) == 1 else None
-        self._fused_keys: tuple[list[str], torch.Tensor] | None = None
-        self._fused_served: list[str] = []
+        # (decoded keys, the keys the fused lookup serves, their offsets): one tuple, replaced
+        # whole, so that threads scoring at once never see one plan's keys with another's list.
+        self._fused_keys: tuple[list[str], list[str], torch.Tensor] | None = None
 
     def _read(self, name: str) -> bytes:
         data = mf.read_file(self.root, name)
@@ -265,15 +270,15 @@ class Scorer:
 
     def _fused_plan(self, keys: list[str]) -> tuple[list[str], torch.Tensor]:
         """The decoded keys the fused lookup serves (in the decoded order) and their offsets."""
-        if self._fused_keys is None or self._fused_keys[0] != keys:
+        plan = self._fused_keys
+        if plan is None or plan[0] != keys:
             assert self._fused is not None
             mine = [k for k in keys if k in self._pooled and k in self._pooled_inputs
                     and self._pooled[k].name in self._fused.offset]
             offsets = torch.tensor([self._fused.offset[self._pooled[k].name] for k in mine],
                                    dtype=torch.int64)
-            self._fused_keys = (keys, offsets)
-            self._fused_served = mine
-        return self._fused_served, self._fused_keys[1]
+            plan = self._fused_keys = (keys, mine, offsets)
+        return plan[1], plan[2]
 
     def _table(self, rows: Rows) -> pa.Table:
         spec = self._decode_spec
@@ -364,11 +369,45 @@ class Scorer:
 
     # ------------------------------------------------------------------ deltas
 
+    def copy(self) -> Scorer:
+        """An independent copy to bring forward with ``apply_delta`` while this one goes on
+        scoring in other threads (``apply_delta`` writes plain tables' rows in place, so it must
+        never run on a scorer that is serving). The copy's tables are its own tensors; the
+        program, feature spec and manifest, which ``apply_delta`` replaces rather than changes,
+        are shared. Costs one copy of the tables' memory."""
+        new = _copy.copy(self)
+        new.tables = {
+            name: dataclasses.replace(
+                t, features=list(t.features),
+                weight=None if t.weight is None else t.weight.clone(),
+                dynamic=None if t.dynamic is None else dataclasses.replace(t.dynamic))
+            for name, t in self.tables.items()}
+        new.applied_deltas = list(self.applied_deltas)
+        new._index_tables()
+        return new
+
+    @staticmethod
+    def follow(location: str | os.PathLike[str], *, poll_s: float = 2.0, start: bool = True,
+               **kwargs: Any) -> Follower:
+        """A ``Follower`` of the published location ``location`` (a path or URL a training job
+        publishes to): it has polled once (a model is loaded when one was published and
+        readable), and with ``start`` polls every ``poll_s`` seconds in a background thread
+        (``stop()`` ends it). ``kwargs``: ``Follower``'s (``filesystem``, ``verify``, ...)."""
+        from recsys_trainer.serving.follow import Follower
+
+        follower = Follower(location, poll_s=poll_s, **kwargs)
+        follower.poll_once()
+        if start:
+            follower.start()
+        return follower
+
     def apply_delta(self, path: str | os.PathLike[str], *, filesystem: Any = None) -> None:
         """Bring the scorer to the state of a delta export (``export_delta``): changed rows of
         plain tables, new/changed/evicted ids and default rows of dynamic tables, and the dense
         program if it changed. Deltas apply in order: one whose base is not this scorer's
-        current state is refused (``ArtifactError``), and nothing is changed then."""
+        current state is refused (``ArtifactError``), and nothing is changed then. Not while
+        the scorer scores in another thread (plain tables' rows are written in place): bring a
+        ``copy()`` forward and swap it in, as ``Follower`` does."""
         root = storage.resolve(os.fspath(path), filesystem)
         delta = read_delta(root, self._verify)
         meta = delta.manifest

@@ -1,0 +1,209 @@
+"""``recsys-serve`` (recsys_trainer/serving/server.py) as a real process on 127.0.0.1, following
+a published location built by hand from real exports (tests/follow_utils.py): 503 before
+anything is published, JSON and Arrow IPC scoring equal to the Scorer's, named 400s, /health
+and /model, a new pointer followed, no failed request while the model swaps under load, and a
+SIGTERM that lets an in-flight request finish and exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import follow_utils as fu
+import numpy as np
+import pyarrow as pa
+import pytest
+from s3_server import free_ports
+
+from recsys_trainer.serving import Scorer
+from recsys_trainer.serving.server import ARROW_STREAM, parse_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> fu.Chain:
+    return fu.build_chain(str(tmp_path_factory.mktemp("chain")))
+
+
+def _request(url: str, body: bytes | None = None, content_type: str = "application/json",
+             accept: str | None = None, timeout: float = 30) -> tuple[int, Any, bytes]:
+    headers = {"Content-Type": content_type} if body is not None else {}
+    if accept:
+        headers["Accept"] = accept
+    req = urllib.request.Request(url, data=body, headers=headers,
+                                 method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.headers, r.read()  # headers: case-insensitive
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, e.read()
+
+
+def _json(url: str, payload: Any = None) -> tuple[int, Any]:
+    status, _, data = _request(url, None if payload is None else json.dumps(payload).encode())
+    return status, json.loads(data)
+
+
+def _arrow(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _wait(predicate: Any, what: str, proc: subprocess.Popen[bytes], log: str,
+          timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"recsys-serve exited ({proc.returncode}) waiting for {what}:\n"
+                                 + open(log).read()[-3000:])
+        try:
+            if predicate():
+                return
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}:\n" + open(log).read()[-3000:])
+
+
+@pytest.mark.timeout(120)
+def test_recsys_serve_scores_follows_the_pointer_and_stops_gracefully_on_sigterm(
+        chain: fu.Chain, tmp_path) -> None:
+    loc = chain.fresh_location(str(tmp_path / "pub"))  # artifacts, but no LATEST yet
+    (port,) = free_ports(1)
+    url = f"http://127.0.0.1:{port}"
+    log = str(tmp_path / "serve.log")
+    refs = {step: Scorer(path) for step, path in chain.full.items()}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "recsys_trainer.serving.server", loc,
+                                 "--port", str(port), "--poll-s", "0.1"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        _wait(lambda: _request(f"{url}/health")[0] == 503, "the server", proc, log, 90)
+        status, health = _json(f"{url}/health")
+        assert health["status"] == "no model" and health["last_error"] is None
+        assert _json(f"{url}/score", {"rows": []})[1]["error"] == "NoModel"
+
+        chain.point(loc, 1, "bases/b0", (), 1)
+        _wait(lambda: _request(f"{url}/health")[0] == 200, "the first model", proc, log)
+        status, model = _json(f"{url}/model")
+        assert status == 200 and model["step"] == 1 and model["sequence"] == 1
+        assert model["content_hash"] == chain.hashes[1] and model["window"] == "hour=01"
+        assert model["window_time"] == 1.7e9 + 1 and model["deltas"] == []
+        assert model["base"] == "bases/b0" and model["loaded_at"] <= time.time()
+
+        # JSON rows (edge rows with nulls and an unseen string among them) and Arrow IPC.
+        batch = chain.rows.slice(len(chain.rows) - 20)
+        rows = batch.to_pylist()
+        status, got = _json(f"{url}/score", {"rows": rows})
+        assert status == 200, got
+        assert (got["step"], got["content_hash"], got["outputs"]) == (1, chain.hashes[1], ["label"])
+        assert np.array_equal(np.asarray(got["scores"], dtype=np.float32),
+                              refs[1].score(rows).reshape(-1, 1))
+        status, headers, data = _request(f"{url}/score", _arrow(batch), ARROW_STREAM)
+        assert status == 200 and headers["X-Model-Step"] == "1"
+        assert np.array_equal(np.asarray(json.loads(data)["scores"], dtype=np.float32),
+                              refs[1].score(batch).reshape(-1, 1))
+        status, headers, data = _request(f"{url}/score", _arrow(batch), ARROW_STREAM,
+                                         accept=ARROW_STREAM)
+        table = pa.ipc.open_stream(data).read_all()
+        assert status == 200 and table.column_names == ["label"]
+        assert np.array_equal(table.column("label").to_numpy(), refs[1].score(batch))
+
+        # Named 400s: the scorer's DataError (column and row), a body it cannot read.
+        status, err = _json(f"{url}/score", {"rows": [{**rows[0], "I1": "abc"}]})
+        assert status == 400 and err["error"] == "DataError" and err["column"] == "I1"
+        assert "I1" in err["message"]
+        no_c1 = [{k: v for k, v in rows[0].items() if k != "C1"}]
+        status, err = _json(f"{url}/score", {"rows": no_c1})
+        assert status == 400 and err["error"] == "DataError" and "C1" in err["message"]
+        status, _, data = _request(f"{url}/score", b"{not json")
+        assert status == 400 and json.loads(data)["error"] == "BadRequest"
+        assert _json(f"{url}/score", {"rows": [1]})[0] == 400
+        status, _, data = _request(f"{url}/score", b"x", "text/csv")
+        assert status == 415
+        status, _, data = _request(f"{url}/score", b"not arrow", ARROW_STREAM)
+        assert status == 400 and "Arrow IPC" in json.loads(data)["message"]
+
+        # A new pointer is followed.
+        chain.point(loc, 2, "bases/b0", ("deltas/d1",), 3)
+        _wait(lambda: _json(f"{url}/model")[1]["step"] == 3, "the delta", proc, log)
+        status, got = _json(f"{url}/score", {"rows": rows})
+        assert got["step"] == 3 and np.array_equal(np.asarray(got["scores"], dtype=np.float32),
+                                                    refs[3].score(rows).reshape(-1, 1))
+
+        # Steady requests while the model swaps: none fails, each scored by the model it names.
+        expected = {s: refs[s].score(rows).reshape(-1, 1) for s in refs}
+        states = [("bases/b0", ("deltas/d1", "deltas/d2"), 5), ("bases/b0", (), 1),
+                  ("bases/b0", ("deltas/d1",), 3)]
+        done = threading.Event()
+
+        def publish() -> None:
+            seq = 2
+            while not done.is_set():
+                for base, deltas, step in states:
+                    seq += 1
+                    chain.point(loc, seq, base, deltas, step)
+                    time.sleep(0.3)
+
+        publisher = threading.Thread(target=publish)
+        publisher.start()
+        steps = []
+        try:
+            for _ in range(60):
+                status, got = _json(f"{url}/score", {"rows": rows})
+                assert status == 200, got
+                steps.append(got["step"])
+                assert np.array_equal(np.asarray(got["scores"], dtype=np.float32),
+                                      expected[got["step"]])
+        finally:
+            done.set()
+            publisher.join(30)
+        assert len(set(steps)) >= 2, steps
+        status, model = _json(f"{url}/model")
+        assert model["swaps"] >= 3 and model["last_error"] is None
+
+        # SIGTERM with a request in flight (its headers sent, its body not yet): it is
+        # answered, then the server exits 0.
+        body = json.dumps({"rows": rows}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:10])
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            s.sendall(body[10:])
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert b'"scores"' in answer
+        assert proc.wait(30) == 0, open(log).read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.mark.timeout(30)
+def test_recsys_serve_options_and_console_script() -> None:
+    args = parse_args(["s3://bucket/prefix"])
+    assert (args.host, args.port, args.poll_s, args.workers) == ("127.0.0.1", 8080, 2.0, 1)
+    args = parse_args(["/x", "--host", "0.0.0.0", "--port", "9", "--poll-s", "0.5",
+                       "--workers", "2"])
+    assert (args.host, args.port, args.poll_s, args.workers) == ("0.0.0.0", 9, 0.5, 2)
+    with pytest.raises(SystemExit):
+        parse_args(["/x", "--poll-s", "0"])
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        assert 'recsys-serve = "recsys_trainer.serving.server:main"' in f.read()
