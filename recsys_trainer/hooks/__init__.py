@@ -18,6 +18,7 @@ from recsys_trainer.hooks.nonfinite import NonFiniteLossHook
 from recsys_trainer.hooks.profiler import ProfilerHook
 from recsys_trainer.hooks.progress import ProgressHook
 from recsys_trainer.hooks.tensorboard import TensorBoardHook
+from recsys_trainer.lazy import lazy_attributes
 from recsys_trainer.metrics import METRIC_NAMES, ClickMetrics
 from recsys_trainer.step import StepTimings
 
@@ -38,8 +39,17 @@ __all__ = [
     "NonFiniteLossHook",
     "ProfilerHook",
     "ProgressHook",
+    "PublishError",
+    "PublishHook",
+    "PublishRecord",
     "StepOutput",
     "StepTimings",
     "TensorBoardHook",
     "read_jsonl",
 ]
+
+# Imported on first use (PEP 562): the publish hook imports the serving export, which imports
+# the root package, which imports this one.
+_LAZY = dict.fromkeys(("PublishError", "PublishHook", "PublishRecord"),
+                      "recsys_trainer.hooks.publish")
+__getattr__, __dir__ = lazy_attributes("recsys_trainer.hooks", _LAZY)

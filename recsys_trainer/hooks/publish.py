@@ -1,0 +1,636 @@
+"""``PublishHook``: publish the model to a serving location while it trains (online learning).
+
+During ``train()`` the hook publishes to LOCATION (a path or URL; the format is
+``recsys_trainer.serving.published``): a full artifact first, then a delta per period (every N
+train windows, N steps and/or N seconds), a new full artifact every ``full_every`` deltas or
+when a delta would exceed ``max_delta_fraction`` of its base's bytes, and after each publish
+the ``LATEST`` pointer, written last; then old bases and deltas are rotated away
+(``keep_bases``).
+
+How a publish runs, and what it costs the training loop::
+
+    every rank, at a resume point where a period is due (``on_resume_point``):
+        checkpointer.save()            the checkpoint manager's save of this step; with
+                                       ``async_save`` (the default) only its snapshot blocks
+    rank 0, when that checkpoint commits (``after_save_checkpoint``):
+        take a read lease on it        so checkpoint rotation keeps it while it is read
+        send its path to the publisher process (one line on a pipe)
+    rank 0's publisher process (``background=True``; started at ``before_train``):
+        build the full export of the checkpoint, or the delta against the previous published
+        state (kept as a full export in a local staging directory), locally; upload it under
+        bases/ or deltas/ (manifest, files, COMMITTED last); write LATEST; rotate; report back
+
+The loop is blocked only by the save's snapshot and rank 0's lease and pipe write
+(``PublishRecord.blocked_s`` measures them; docs/online.md has the figures). The publisher is
+a separate process, not a thread: ``torch.export`` patches ``nn.Module.__call__`` process-wide
+while it traces, which breaks a forward running meanwhile on the training thread. It exports
+the committed checkpoint, not the live model, so what it publishes is exactly a step the job
+can resume from. It needs the architecture as an unsharded module (tables on the ``meta``
+device are enough): ``model=``, or, by default, one derived at ``before_train`` from the
+Trainer's model (a CPU copy of its dense part, its sharded or unsharded
+``EmbeddingBagCollection`` / ``EmbeddingCollection`` tables rebuilt on ``meta``; dynamic and
+managed-collision tables cannot be rebuilt from their sharded form: pass ``model=``). The
+publisher imports that module's classes, so they must be importable (not defined in
+``__main__``); it starts with this process's ``sys.path``.
+
+A publish that fails (the store is down, a disk is full, the publisher died) logs a
+``PublishError`` naming the location and the cause and is tried again at the next period,
+from the newest checkpoint; it never stops training, and ``LATEST`` only ever names committed
+artifacts (a failed publish may leave a committed artifact no pointer names: rotation removes
+it). Sequence numbers of failed publishes are not reused, so a pointer's ``sequence`` grows by
+one per publish or more. When publishes fall behind, the publisher skips to the newest
+checkpoint sent (the skipped ones are recorded as ``superseded``).
+
+After a restart (of the job or of the publisher) the publisher reads the location's pointer,
+continues its sequence, and publishes a new base first (the state after the last delta is
+not stored anywhere as a full export).
+
+All ranks take part in the save (its collectives); only rank 0 exports, uploads and rotates
+(from the checkpoint: no collectives). With ``every_n_seconds`` and several ranks, rank 0's
+clock decides and is broadcast at every step (one small broadcast per step).
+
+The package exposes no event for dynamic tables' eviction passes, so the hook publishes on its
+periods only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any
+
+import pyarrow.fs as pafs
+import torch
+from torch import nn
+
+from recsys_trainer import storage
+from recsys_trainer.hooks.base import Hook, ResumePoint
+from recsys_trainer.serving import published as pub
+
+if TYPE_CHECKING:
+    from recsys_trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """A publish that failed; logged (``PublishError: ...``) and retried at the next period."""
+
+
+@dataclass(frozen=True)
+class PublishRecord:
+    """One publish: what it published (``kind``: ``"base"`` or ``"delta"``; ``ref``: its
+    name under the location), the pointer's sequence, the step and newest window, the bytes
+    uploaded, how long the publisher thread took (``seconds``), how long the loop was blocked
+    on every rank's part of it (``blocked_s``: the save's snapshot and rank 0's lease), and
+    ``error`` (None when it succeeded)."""
+
+    sequence: int
+    kind: str
+    ref: str | None
+    step: int
+    window: str | None
+    bytes: int
+    seconds: float
+    blocked_s: float
+    error: str | None = None
+
+
+
+def _positive(name: str, value: Any, kind: type | tuple[type, ...] = int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
+        raise ValueError(f"`{name}` must be a positive number, but is {value!r}.")
+
+
+# ---------------------------------------------------------------------- the publisher
+
+class _Publisher:
+    """Builds, uploads and points: one publish per ``publish(job)``. Holds the chain (the
+    current pointer, the full export of its state in ``stage``). Runs in the publisher process
+    (or in the training process with ``background=False``)."""
+
+    def __init__(self, *, location: str, filesystem: pafs.FileSystem | None, stage: str,
+                 model: nn.Module, spec: Any, window_filesystem: pafs.FileSystem | None,
+                 full_every: int, max_delta_fraction: float, keep_bases: int,
+                 quantize: str | None, activation: str, output_names: list[str] | None) -> None:
+        self.location, self.filesystem, self.stage = location, filesystem, stage
+        self.model, self.spec, self.window_filesystem = model, spec, window_filesystem
+        self.full_every, self.max_delta_fraction = full_every, max_delta_fraction
+        self.keep_bases = keep_bases
+        self.opts: dict[str, Any] = {"model": model, "features": spec, "quantize": quantize,
+                                     "activation": activation, "output_names": output_names}
+        self.pointer: pub.Pointer | None = None
+        self.history: list[pub.Pointer] = []
+        self.sequence: int | None = None
+        self.prev_full: str | None = None
+        self.base_bytes = 0
+
+    def publish(self, job: dict[str, Any]) -> dict[str, Any]:
+        """Publish ``job`` (``checkpoint``, ``step``, ``window``, ``window_files``,
+        ``blocked_s``); the record as a dict (``PublishRecord``'s fields). Never raises."""
+        t0 = time.perf_counter()
+        made: list[str] = []
+        base = {"step": job["step"], "window": job["window"], "blocked_s": job["blocked_s"],
+                "checkpoint": job["checkpoint"]}
+        try:
+            from recsys_trainer.checkpoint import layout
+
+            with layout.reading(job["checkpoint"]):
+                rec = self._publish(job, made)
+        except Exception as e:  # noqa: BLE001 - reported; a publish never stops training
+            for d in made:
+                shutil.rmtree(d, ignore_errors=True)
+            return {**base, "sequence": self.sequence if self.sequence is not None else -1,
+                    "kind": "failed", "ref": None, "bytes": 0,
+                    "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
+        rec.update(base, seconds=time.perf_counter() - t0, error=None)
+        try:
+            root = storage.resolve(self.location, self.filesystem)
+            assert self.pointer is not None
+            rec["rotated"] = pub.rotate(root, self.keep_bases, self.pointer, history=self.history)
+            kept = set(pub.list_artifacts(root))
+            self.history = [p for p in self.history if p.base in kept]
+        except Exception as e:  # noqa: BLE001 - rotation is tried again after the next publish
+            rec["rotation_error"] = f"{type(e).__name__}: {e}"
+        return rec
+
+    def _window_time(self, files: list[str]) -> float | None:
+        if not files:
+            return None
+        folder = files[0].rsplit("/", 1)[0]
+        try:
+            info = storage.file_info(storage.resolve(f"{folder}/_SUCCESS", self.window_filesystem))
+        except (OSError, ValueError):
+            return None
+        if info.type != pafs.FileType.File or info.mtime is None:
+            return None
+        return float(info.mtime.timestamp())
+
+    def _publish(self, job: dict[str, Any], made: list[str]) -> dict[str, Any]:
+        from recsys_trainer.serving.export import export_delta, export_for_serving
+
+        root = storage.resolve(self.location, self.filesystem)
+        if self.sequence is None:
+            existing = pub.read_pointer(root)
+            self.sequence = existing.sequence if existing is not None else 0
+        self.sequence += 1  # never reused, even when this publish fails
+        seq, step, window = self.sequence, int(job["step"]), job["window"]
+        window_time = self._window_time(job["window_files"])
+        prev = self.pointer
+        full_dir: str | None = None
+        if prev is not None and self.prev_full is not None and len(prev.deltas) < self.full_every:
+            name = pub.artifact_name(seq, step, prev.base.partition("/")[2])
+            local_delta = os.path.join(self.stage, f"delta-{name}")
+            full_dir = os.path.join(self.stage, f"full-{name}")
+            made += [local_delta, full_dir]
+            summary = export_delta(job["checkpoint"], self.prev_full, local_delta,
+                                   full_out_dir=full_dir, **self.opts)
+            if summary.bytes <= self.max_delta_fraction * self.base_bytes:
+                ref = f"{pub.DELTAS}/{name}"
+                n = self._upload(local_delta, root, ref)
+                shutil.rmtree(local_delta, ignore_errors=True)
+                pointer = pub.Pointer(seq, prev.base, (*prev.deltas, ref), step,
+                                      _content_hash(full_dir), window, window_time, time.time())
+                pub.write_pointer(root, pointer)
+                self._commit(pointer, full_dir, None)
+                return {"sequence": seq, "kind": "delta", "ref": ref, "bytes": n}
+            logger.info("the delta of step %d is %d bytes, over %.0f%% of the base's %d: "
+                        "publishing a new base", step, summary.bytes,
+                        100 * self.max_delta_fraction, self.base_bytes)
+            shutil.rmtree(local_delta, ignore_errors=True)
+        name = pub.artifact_name(seq, step)
+        if full_dir is None:
+            full_dir = os.path.join(self.stage, f"full-{name}")
+            made.append(full_dir)
+            export_for_serving(job["checkpoint"], full_dir, **self.opts)
+        ref = f"{pub.BASES}/{name}"
+        n = self._upload(full_dir, root, ref)
+        pointer = pub.Pointer(seq, ref, (), step, _content_hash(full_dir), window, window_time,
+                              time.time())
+        pub.write_pointer(root, pointer)
+        self._commit(pointer, full_dir, n)
+        return {"sequence": seq, "kind": "base", "ref": ref, "bytes": n}
+
+    def _commit(self, pointer: pub.Pointer, full_dir: str, base_bytes: int | None) -> None:
+        """The publish is visible: its full state becomes the next delta's base."""
+        if self.prev_full is not None and self.prev_full != full_dir:
+            shutil.rmtree(self.prev_full, ignore_errors=True)
+        self.prev_full = full_dir
+        self.pointer = pointer
+        self.history.append(pointer)
+        if base_bytes is not None:
+            self.base_bytes = base_bytes
+
+    def _upload(self, local_dir: str, root: storage.Location, ref: str) -> int:
+        """Copy the committed artifact ``local_dir`` to ``ref`` under the location with the
+        artifacts' commit protocol (manifest, files, ``COMMITTED`` last); returns its bytes."""
+        from recsys_trainer.serving import manifest as mf
+        from recsys_trainer.serving.export import write_artifact
+
+        with open(os.path.join(local_dir, mf.MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+        files = {}
+        for name in manifest["files"]:
+            with open(os.path.join(local_dir, *name.split("/")), "rb") as f:
+                files[name] = f.read()
+        return write_artifact(pub.artifact_location(root, ref).url, manifest, files,
+                              self.filesystem)
+
+
+def _content_hash(full_dir: str) -> str:
+    with open(os.path.join(full_dir, "manifest.json"), "rb") as f:
+        return str(json.loads(f.read())["content_hash"])
+
+
+def _skeleton(live: nn.Module) -> nn.Module:
+    """An unsharded stand-in of ``live`` for exports from its checkpoints: a CPU copy of its
+    dense part, and its embedding collections rebuilt on ``meta`` from their configurations."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    from recsys_trainer.serving.export import _dense_copy, _weighted, table_modules
+
+    modules = table_modules(live)
+    dynamic = [tm.owner for tm in modules if tm.dynamic]
+    if dynamic:
+        raise ValueError(
+            f"PublishHook cannot rebuild the dynamic or managed-collision tables {dynamic} "
+            "from their sharded form; pass PublishHook(model=...): an unsharded instance of "
+            "the trained architecture (its tables may be on the meta device).")
+    shell = _dense_copy(live, modules).to("cpu")
+    meta = torch.device("meta")
+    for tm in modules:
+        stand_in: nn.Module
+        if tm.kind == "pooled":
+            stand_in = EmbeddingBagCollection(tables=list(tm.configs),
+                                              is_weighted=_weighted(tm.module), device=meta)
+        else:
+            stand_in = EmbeddingCollection(tables=list(tm.configs), device=meta)
+        parent, _, name = tm.owner.rpartition(".")
+        setattr(shell.get_submodule(parent), name, stand_in)
+    return shell
+
+
+def _worker_main(init_path: str) -> None:
+    """The publisher process: jobs are JSON lines on stdin, records JSON lines on the original
+    stdout (everything else it prints goes to stderr). When jobs queue up, only the newest is
+    published (the others are answered ``superseded``). Ends at EOF."""
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:publisher:%(name)s:%(message)s")
+    init = torch.load(init_path, weights_only=False)
+    publisher = _Publisher(**init)
+    buffer, eof = b"", False
+    while not eof:
+        if b"\n" not in buffer:
+            data = os.read(0, 1 << 16)
+            if not data:
+                break
+            buffer += data
+        while select.select([0], [], [], 0)[0]:
+            data = os.read(0, 1 << 16)
+            if not data:
+                eof = True
+                break
+            buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        jobs = [json.loads(line) for line in lines if line.strip()]
+        for old in jobs[:-1]:
+            print(json.dumps({"sequence": -1, "kind": "superseded", "ref": None, "bytes": 0,
+                              "seconds": 0.0, "step": old["step"], "window": old["window"],
+                              "blocked_s": old["blocked_s"], "checkpoint": old["checkpoint"],
+                              "error": None}), file=results, flush=True)
+        if jobs:
+            print(json.dumps(publisher.publish(jobs[-1])), file=results, flush=True)
+
+
+# ---------------------------------------------------------------------- the hook
+
+class PublishHook(Hook):
+    """Publish the model to ``location`` while it trains (see the module docstring).
+
+    Args:
+        location: where to publish: a local path or a URL (``s3://bucket/prefix``).
+        every_n_windows / every_n_steps / every_n_seconds: the periods (at least one); a
+            publish is due when any of them is. Training's end always publishes its last step.
+        full_every: a new base after this many deltas on one base.
+        max_delta_fraction: a new base instead of a delta whose bytes exceed this fraction of
+            the base's.
+        keep_bases: bases kept by rotation (with the deltas their chains need).
+        background: publish from a separate process (False: on the training thread, which
+            then blocks for the whole publish; for debugging).
+        filesystem: a ``pyarrow.fs`` filesystem ``location`` is a path in.
+        model: the unsharded architecture for the export (default: derived from the Trainer's
+            model; needed for dynamic and managed-collision tables).
+        staging_dir: a local directory for the previous published state (a full export);
+            default: a temporary directory, removed at the end.
+        quantize / activation / output_names: as ``export_for_serving``'s.
+        final_timeout_s: at the end of training, how long to wait for the last publish.
+
+    The Trainer must save checkpoints (``output_dir``): publishes are exports of committed
+    checkpoints. Keep ``async_save`` (the default) so that the loop blocks only for the
+    snapshot. ``records`` lists every publish (rank 0), ``last_error`` the last failure.
+    """
+
+    def __init__(self, location: str, *, every_n_windows: int | None = None,
+                 every_n_steps: int | None = None, every_n_seconds: float | None = None,
+                 full_every: int = 10, max_delta_fraction: float = 0.5, keep_bases: int = 3,
+                 background: bool = True, filesystem: pafs.FileSystem | None = None,
+                 model: nn.Module | None = None, staging_dir: str | None = None,
+                 quantize: str | None = None, activation: str = "sigmoid",
+                 output_names: list[str] | None = None, final_timeout_s: float = 600.0) -> None:
+        if not isinstance(location, str | os.PathLike) or not os.fspath(location):
+            raise ValueError(f"`location` must be a path or URL, but is {location!r}.")
+        if every_n_windows is None and every_n_steps is None and every_n_seconds is None:
+            raise ValueError("PublishHook needs a period: every_n_windows, every_n_steps or "
+                             "every_n_seconds.")
+        _positive("every_n_windows", every_n_windows)
+        _positive("every_n_steps", every_n_steps)
+        _positive("every_n_seconds", every_n_seconds, (int, float))
+        _positive("full_every", full_every)
+        _positive("keep_bases", keep_bases)
+        _positive("max_delta_fraction", max_delta_fraction, (int, float))
+        _positive("final_timeout_s", final_timeout_s, (int, float))
+        self.location = os.fspath(location)
+        self.every_n_windows = every_n_windows
+        self.every_n_steps = every_n_steps
+        self.every_n_seconds = every_n_seconds
+        self.full_every = full_every
+        self.max_delta_fraction = float(max_delta_fraction)
+        self.keep_bases = keep_bases
+        self.background = background
+        self.filesystem = filesystem
+        self.model = model
+        self.staging_dir = staging_dir
+        self.quantize = quantize
+        self.activation = activation
+        self.output_names = output_names
+        self.final_timeout_s = float(final_timeout_s)
+        self.records: list[PublishRecord] = []
+        """Every publish this run, in order (rank 0; other ranks record nothing)."""
+        self.last_error: PublishError | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._windows_trained = 0
+        self._windows_at_request = 0
+        self._last_request_time = time.monotonic()
+        self._last_window: str | None = None
+        self._last_requested_step = -1
+        # checkpoint -> (step, blocked s, newest train window)
+        self._wanted: dict[str, tuple[int, float, str | None]] = {}
+        self._inflight: dict[str, contextlib.ExitStack] = {}  # checkpoint -> its read lease
+        self._results: queue.Queue[bytes | None] = queue.Queue()
+        self._init_path: str | None = None
+        self._stage: str | None = None
+        self._own_stage = False
+        self._local: _Publisher | None = None
+        self._trained = False
+
+    # ------------------------------------------------------------------ events
+
+    def before_train(self, trainer: Trainer) -> None:
+        self._stop_worker(0.0)
+        self._reset()
+        if getattr(trainer, "checkpointer", None) is None:
+            raise ValueError("PublishHook publishes exports of committed checkpoints: the "
+                             "Trainer needs a checkpoint manager (args.output_dir).")
+        if trainer.rank != 0:
+            return
+        live = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
+        assert isinstance(live, nn.Module)
+        model = self.model if self.model is not None else _skeleton(live)
+        ds = trainer.train_dataset
+        spec = getattr(ds, "features", None)
+        if spec is None:
+            raise ValueError("PublishHook: the train dataset has no FeatureSpec (`features`), "
+                             "which the serving artifact needs.")
+        if self.staging_dir is None:
+            self._stage, self._own_stage = tempfile.mkdtemp(prefix="recsys-publish-"), True
+        else:
+            os.makedirs(self.staging_dir, exist_ok=True)
+            self._stage = self.staging_dir
+        init = {"location": self.location, "filesystem": self.filesystem,
+                "stage": self._stage, "model": model, "spec": spec,
+                "window_filesystem": getattr(ds, "filesystem", None),
+                "full_every": self.full_every, "max_delta_fraction": self.max_delta_fraction,
+                "keep_bases": self.keep_bases, "quantize": self.quantize,
+                "activation": self.activation, "output_names": self.output_names}
+        if not self.background:
+            self._local = _Publisher(**init)
+            return
+        self._init_path = os.path.join(self._stage, "publisher-init.pt")
+        torch.save(init, self._init_path)
+        self._start_worker()
+
+    def after_window(self, trainer: Trainer, window_id: str) -> None:
+        if trainer.state.mode == "train":
+            self._windows_trained += 1
+            self._last_window = window_id
+
+    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+        if trainer.rank == 0:
+            self._poll()
+        step = trainer.state.global_step
+        if point == "preempt" or step == self._last_requested_step:
+            return
+        due = False
+        if point == "end":
+            due = True
+        elif point == "window" and self.every_n_windows is not None:
+            due = self._windows_trained - self._windows_at_request >= self.every_n_windows
+        elif point == "step":
+            due = self.every_n_steps is not None and step % self.every_n_steps == 0
+        if not due and self.every_n_seconds is not None and point in ("step", "window"):
+            due = time.monotonic() - self._last_request_time >= self.every_n_seconds
+            if trainer.world_size > 1:
+                due = bool(trainer.gang.broadcast_object(due))
+        if due:
+            self._request(trainer, step, final=point == "end")
+
+    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        if trainer.rank == 0 and path.rstrip("/") in self._wanted:
+            self._submit(trainer, path.rstrip("/"))
+
+    def after_train(self, trainer: Trainer) -> None:
+        self._trained = True
+        if trainer.rank == 0:
+            self.wait(self.final_timeout_s)
+
+    def end(self, trainer: Trainer) -> None:
+        if trainer.rank != 0:
+            return
+        # After an exception nothing waits: a publisher stopped mid-publish leaves no pointer
+        # naming a partial artifact.
+        self._stop_worker(self.final_timeout_s if self._trained else 0.0)
+        for lease in self._inflight.values():
+            lease.close()
+        self._inflight.clear()
+        if self._own_stage and self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+
+    # ------------------------------------------------------------------ rank 0's side
+
+    def _request(self, trainer: Trainer, step: int, final: bool) -> None:
+        """Every rank: save this step (the manager's save; a no-op when it is saved already)."""
+        t0 = time.perf_counter()
+        self._last_requested_step = step
+        self._windows_at_request = self._windows_trained
+        self._last_request_time = time.monotonic()
+        path = trainer.checkpointer.save(blocking=True if final else None).rstrip("/")
+        blocked = time.perf_counter() - t0
+        if trainer.rank != 0:
+            return
+        self._wanted[path] = (step, blocked, self._last_window)
+        if path not in self._inflight:
+            from recsys_trainer.checkpoint import layout
+
+            if layout.is_committed(path):  # committed before: no commit event follows
+                self._submit(trainer, path)
+
+    def _submit(self, trainer: Trainer, path: str) -> None:
+        if path in self._inflight or path not in self._wanted:
+            return
+        from recsys_trainer.checkpoint import layout
+
+        t0 = time.perf_counter()
+        step, blocked, window = self._wanted.pop(path)
+        lease = contextlib.ExitStack()
+        try:
+            lease.enter_context(layout.reading(path))
+        except Exception as e:  # noqa: BLE001 - rotated away already: the next period retries
+            self._record({"sequence": -1, "kind": "failed", "ref": None, "bytes": 0,
+                          "seconds": 0.0, "step": step, "window": window, "blocked_s": blocked,
+                          "checkpoint": path, "error": f"{type(e).__name__}: {e}"})
+            return
+        w = getattr(trainer.train_dataset, "_known", {}).get(window) if window else None
+        job = {"checkpoint": path, "step": step, "window": window,
+               "window_files": list(w.files) if w is not None else [], "blocked_s": 0.0}
+        self._inflight[path] = lease
+        if self._local is not None:
+            job["blocked_s"] = blocked + (time.perf_counter() - t0)
+            self._record(self._local.publish(job))
+            return
+        if self._proc is None or self._proc.poll() is not None:
+            self._start_worker()
+        assert self._proc is not None and self._proc.stdin is not None
+        job["blocked_s"] = blocked + (time.perf_counter() - t0)
+        try:
+            self._proc.stdin.write(json.dumps(job).encode() + b"\n")
+            self._proc.stdin.flush()
+        except OSError as e:  # the publisher died: restarted at the next period
+            self._record({**job, "sequence": -1, "kind": "failed", "ref": None, "bytes": 0,
+                          "seconds": 0.0, "error": f"the publisher process is gone ({e})"})
+
+    def _start_worker(self) -> None:
+        assert self._init_path is not None
+        self._results = queue.Queue()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "recsys_trainer.hooks._publish_worker", self._init_path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert self._proc.stdout is not None
+        threading.Thread(target=_pump, args=(self._proc.stdout, self._results),
+                         name="recsys-publish-results", daemon=True).start()
+
+    def _stop_worker(self, timeout: float) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if timeout > 0:
+            self._proc = proc
+            self.wait(timeout)
+            self._proc = None
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(timeout=max(timeout, 0.1) if timeout > 0 else 0.1)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+        self._poll()
+
+    def _poll(self) -> None:
+        """Take in what the publisher reported (non-blocking)."""
+        while True:
+            try:
+                line = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:  # its stdout closed: it exited
+                continue
+            with contextlib.suppress(ValueError):
+                self._record(json.loads(line))
+        proc = self._proc
+        if proc is not None and proc.poll() is not None and self._results.empty():
+            code = proc.returncode
+            self._proc = None
+            for path in list(self._inflight):
+                self._record({"sequence": -1, "kind": "failed", "ref": None, "bytes": 0,
+                              "seconds": 0.0, "step": -1, "window": None, "blocked_s": 0.0,
+                              "checkpoint": path,
+                              "error": f"the publisher process exited with code {code}"})
+
+    def _record(self, raw: dict[str, Any]) -> None:
+        lease = self._inflight.pop(str(raw.get("checkpoint", "")), None)
+        if lease is not None:
+            lease.close()
+        fields = {k: raw.get(k) for k in PublishRecord.__dataclass_fields__}
+        rec = PublishRecord(**fields)  # type: ignore[arg-type]
+        self.records.append(rec)
+        if rec.kind == "failed":
+            err = PublishError(f"publishing step {rec.step} to {self.location} failed: "
+                               f"{rec.error}")
+            self.last_error = err
+            logger.error("PublishError: %s; LATEST is unchanged; trying again at the next "
+                         "period", err)
+            return
+        if rec.kind == "superseded":
+            return
+        self.last_error = None
+        logger.info("published %s %s (step %d, window %s, %.2f MB) to %s in %.2f s; the loop "
+                    "was blocked %.1f ms", rec.kind, rec.ref, rec.step, rec.window,
+                    rec.bytes / 1e6, self.location, rec.seconds, 1e3 * rec.blocked_s)
+        if raw.get("rotation_error"):
+            logger.warning("PublishHook: rotating %s failed (%s); trying again after the next "
+                           "publish", self.location, raw["rotation_error"])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Rank 0: wait until every publish sent has been reported; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._poll()
+            if not self._inflight:
+                return True
+            if self._proc is None:
+                return not self._inflight
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("PublishHook: %d publish(es) still running after %.0f s",
+                               len(self._inflight), timeout)
+                return False
+            time.sleep(0.05)
+
+
+def _pump(stream: IO[bytes], out: queue.Queue[bytes | None]) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+__all__ = ["PublishError", "PublishHook", "PublishRecord"]
+
