@@ -413,7 +413,7 @@ def test_files_of_one_window_with_different_column_types_read_alike_on_one_rank_
 
 
 def test_rows_that_cannot_be_combined_name_both_files() -> None:
-    from recsys_trainer.data.parquet import _concat
+    from recsys_trainer.data.parquet_files import concat_rows as _concat
 
     ints, strs = pa.table({"item": pa.array([1, 2])}), pa.table({"item": pa.array(["a", "b"])})
     with pytest.raises(DataError, match=r"file b.parquet: its rows cannot be combined with those of a.parquet"):

@@ -148,6 +148,7 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "__init__", "base", "batch_check", "chunk", "churn_dataset", "columns",
             "criteo_synthetic", "decode", "errors", "features", "generated", "hashing",
             "id_stream", "inputs", "interactions_synthetic", "open_bandit", "parquet",
+            "parquet_files", "parquet_plan",
             "prefetch", "spec", "sync", "synthetic", "vocab", "vocab_build", "vocab_features",
             "vocab_lookup", "vocab_state", "windows")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "

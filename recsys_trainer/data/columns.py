@@ -1,10 +1,15 @@
-"""Arrow columns as numpy: type predicates, one contiguous array, floats with nulls filled."""
+"""Arrow columns as numpy: type predicates, one contiguous array, floats with nulls filled; id
+columns conformed to the kind of ids (integer / string) training read."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from recsys_trainer.data.errors import DataError
 
 
 def _is_list(t: pa.DataType) -> bool:
@@ -96,3 +101,41 @@ def _as_id_kind(col: pa.ChunkedArray | pa.Array, kind: str) -> tuple[pa.Array | 
     lens = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False)
     offsets = pa.array(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     return pa.ListArray.from_arrays(offsets, out, mask=arr.is_null()), None, ""
+
+
+class IdKindError(DataError):
+    """An id value ``conform_id_kinds`` refused: ``column`` held ``want`` ids where they were
+    first read (training), this table holds ``got`` ids, and ``value`` (its ``repr``) at table
+    row ``row`` does not convert losslessly. Callers catch it to say where the rows came from
+    (a file and row group, the rows to score) and what to do; uncaught it is still a
+    ``DataError`` naming the column and row."""
+
+    column: str  # always set here (``DataError``'s may be None)
+    row: int
+
+    def __init__(self, *, column: str, row: int, value: str, want: str, got: str) -> None:
+        self.value, self.want, self.got = value, want, got
+        super().__init__(
+            f"the id column holds {got} ids, but held {want} ids where it was first read, and "
+            f"value {value} does not convert to a {want} id losslessly (integer and string ids "
+            "map to different rows).", column=column, row=row)
+
+
+def conform_id_kinds(table: pa.Table, kinds: Mapping[str, str]) -> pa.Table:
+    """``table`` with each id column (a column of integers or strings, or lists of them) named
+    in ``kinds`` whose kind differs from ``kinds[name]`` (``"integer"`` / ``"string"``)
+    converted to it by ``_as_id_kind``: integers written as strings (``str(int)``'s form)
+    become int64. Anything else is refused with ``IdKindError`` for the column's first value
+    refused: integer and string ids map to different rows, so a silent mismatch would read
+    another id. Columns not named, or not ids, are left as they are."""
+    for i, f in enumerate(table.schema):
+        want = kinds.get(f.name)
+        got = _id_kind(f.type)
+        if want is None or got is None or got == want:
+            continue
+        col, row, value = _as_id_kind(table.column(i), want)
+        if col is None:
+            assert row is not None
+            raise IdKindError(column=f.name, row=row, value=value, want=want, got=got)
+        table = table.set_column(i, f.name, col)
+    return table

@@ -23,32 +23,38 @@ world size, seed, batch size or source fails loudly instead of reading other row
 
 CSV files are read whole with ``pyarrow.csv`` when their window is planned (one "row group" per
 file); use parquet for large data.
+
+Where each part lives: this module holds the dataset (``ParquetWindowDataset``, its options and
+``WindowStats``), reading and decoding (``WindowIterator``); ``recsys_trainer.data.parquet_plan``
+plans a window (listing its units, sharding them into this rank's pieces);
+``recsys_trainer.data.parquet_files`` holds the units and pieces, file access and the piece
+arithmetic, without dataset state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import zlib
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from recsys_trainer import storage
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.columns import _as_id_kind, _id_kind
+from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import SparseFeature
+from recsys_trainer.data.parquet_files import OpenFiles, Piece, Unit, concat_rows, skip_rows
+from recsys_trainer.data.parquet_plan import WindowPlanner, shard_units, shuffle_rng
 from recsys_trainer.data.prefetch import Prefetcher
 from recsys_trainer.data.spec import FeatureSpec
-from recsys_trainer.data.vocab import Vocabulary, column_problem
+from recsys_trainer.data.vocab import Vocabulary
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_choice, check_int, check_type
@@ -60,72 +66,6 @@ _CHUNK_ROWS = 16384
 
 _READ_AHEAD_PIECES = 1
 """Pieces (row groups) read ahead of the one being decoded when prefetching is on."""
-
-
-@dataclass(frozen=True)
-class _Unit:
-    """One readable unit of a window: a row group of a parquet file, or a whole CSV file."""
-
-    file: str
-    row_group: int
-    num_rows: int
-    table: pa.Table | None = field(default=None, compare=False, repr=False)
-    """A CSV file's rows, read when the window was planned."""
-    metadata: pq.FileMetaData | None = field(default=None, compare=False, repr=False)
-    """A parquet file's footer, read when the window was planned (not fetched again to read)."""
-
-
-@dataclass(frozen=True)
-class _Piece:
-    """Rows ``[start, start + length)`` of a unit, permuted by ``shuffle_seed`` if set."""
-
-    unit: _Unit
-    start: int
-    length: int
-    shuffle_seed: int | None
-    skip: int = 0
-    """Rows already consumed at the front (in shuffled order; a resume inside the piece)."""
-
-    @property
-    def rows(self) -> int:
-        return self.length - self.skip
-
-
-def _open_parquet(path: str, filesystem: pafs.FileSystem | None,
-                  metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
-    """``path`` (a local path or URL) as a ``ParquetFile`` over a random-access handle of its
-    filesystem: reading a row group fetches only its byte ranges, never the whole file. On
-    remote storage the column chunks a read needs are fetched together (``pre_buffer``: a few
-    coalesced requests per row group instead of one per column)."""
-    loc = storage.resolve(path, filesystem)
-    handle = storage.open_input_file(loc)
-    try:
-        return pq.ParquetFile(handle, metadata=metadata, pre_buffer=not loc.is_local)
-    except BaseException:
-        handle.close()
-        raise
-
-
-class _OpenFiles:
-    """The last opened parquet file, kept open while consecutive pieces read from it (a fresh
-    ``ParquetFile`` per row group re-reads and re-parses the footer)."""
-
-    def __init__(self, filesystem: pafs.FileSystem | None = None) -> None:
-        self._filesystem = filesystem
-        self._path: str | None = None
-        self._file: pq.ParquetFile | None = None
-
-    def get(self, path: str, metadata: pq.FileMetaData | None = None) -> pq.ParquetFile:
-        if self._file is None or self._path != path:
-            self.close()
-            self._file = _open_parquet(path, self._filesystem, metadata)
-            self._path = path
-        return self._file
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close(force=True)  # also the handle it was given
-        self._file = self._path = None
 
 
 @dataclass
@@ -270,7 +210,7 @@ class ParquetWindowDataset(WindowedDataset):
             # k * batch_size rows, and only reading tells where. Re-read and discard k batches.
             replay, rows = skip_batches, total
         else:
-            pieces, rows = _skip(pieces, skip_batches * self.batch_size)
+            pieces, rows = skip_rows(pieces, skip_batches * self.batch_size)
         if total == 0:
             self.stats.empty_windows += 1
             # Not skipped: the window still takes its place (an eval window evaluates as 0 rows), so
@@ -371,108 +311,24 @@ class ParquetWindowDataset(WindowedDataset):
             raise KeyError(f"unknown window {window_id!r}; window_ids() does not list it.")
         return self._known[window_id]
 
-    def _format(self, path: str) -> str:
-        if self.file_format != "auto":
-            return self.file_format
-        return "csv" if path.endswith((".csv", ".csv.gz")) else "parquet"
-
-    def _units(self, window: Window) -> list[_Unit]:
-        """Every readable unit of the window, in file order; checks schemas on the way."""
-        units: list[_Unit] = []
-        for path in window.files:
-            try:
-                if self._format(path) == "csv":
-                    with storage.open_input_stream(storage.resolve(path, self.filesystem)) as f:
-                        table = pacsv.read_csv(f, convert_options=self.csv_convert_options)
-                    self.features.check_schema(table.schema, path)
-                    self._check_id_kinds(table.schema, window.id, path)
-                    self._check_ids_present(
-                        {c for c in self._id_columns if table.column(c).null_count == table.num_rows},
-                        table.schema, table.num_rows, path)
-                    units.append(_Unit(path, 0, table.num_rows, table))
-                    continue
-                pf = _open_parquet(path, self.filesystem)
-                try:
-                    md = pf.metadata
-                finally:
-                    pf.close(force=True)
-                schema = md.schema.to_arrow_schema()
-            except DataError:
-                raise
-            except (OSError, pa.ArrowException) as exc:
-                if self.on_corrupt == "skip" and not storage.is_access_failure(exc):
-                    self.stats.corrupt_files_skipped += 1
-                    logger.warning("window %s: skipping unreadable file %s (%s)", window.id, path, exc)
-                    continue
-                raise DataError(
-                    f"cannot read the file ({type(exc).__name__}: {exc}); fix or remove it, or set "
-                    "on_corrupt='skip' to skip unreadable files (they are counted).", file=path,
-                ) from exc
-            self.features.check_schema(schema, path)
-            self._check_id_kinds(schema, window.id, path)
-            self._check_ids_present(_valueless_columns(md, self._id_columns), schema, md.num_rows, path)
-            units.extend(_Unit(path, i, md.row_group(i).num_rows, metadata=md)
-                         for i in range(md.num_row_groups))
-        return units
-
-    def _check_ids_present(self, valueless: set[str], schema: pa.Schema, num_rows: int,
-                           path: str) -> None:
-        """An id column without a value in any row of the file: ``DataError``, or a warning
-        (``on_all_null``). Every rank plans every file, so every rank raises it alike."""
-        for warning in self.features.check_ids_present(valueless, schema, num_rows, path):
-            logger.warning("%s (on_all_null='warn': reading the file)", warning)
-
-    def _check_id_kinds(self, schema: pa.Schema, window_id: str, path: str) -> None:
-        """Record the kind of ids (integer / string) each sparse id column first holds, across
-        restarts too: integer ids index the table (or hash as integers), strings hash as text,
-        so a column that changes kind in a later file or window is read as the first kind
-        (``_as_first_kinds``: strings of integers converted losslessly, integers in a string
-        column or any other value refused, naming the value). Also refuses
-        a column a feature's vocabulary cannot map (or strings with ``hash=False`` and no
-        vocabulary)."""
-        # A column of the other kind than first read is read as that kind (``_as_first_kinds``
-        # converts it, or refuses it naming the value), so it is checked as that kind.
-        found = self.features.id_kinds(schema)
-        record = self._kinds()
-        kinds = {c: record[c]["kind"] if c in record else k for c, k in found.items()}
-        for s in self.features.id_features:
-            for c in s.sources:
-                problem = column_problem(s.vocab, s.hash, kinds[c], s.name) if c in kinds else None
-                if problem is not None:
-                    raise DataError(problem, file=path, column=c)
-        for c, k in found.items():
-            record.setdefault(c, {"kind": k, "window": window_id, "file": path})
-
-    def _plan(self, window: Window) -> tuple[list[_Piece], int]:
+    def _plan(self, window: Window) -> tuple[list[Piece], int]:
         """This rank's pieces of the window, in reading order, and their total rows."""
-        units = [u for u in self._units(window) if u.num_rows > 0]
-        w, r = self.world_size, self.rank
-        rng = np.random.default_rng(
-            [self.seed, self.epoch, zlib.crc32(window.id.encode()), r]) if self.shuffle else None
-        pieces: list[_Piece] = []
-        if self.sharding == "row_groups":
-            pieces = [_Piece(u, 0, u.num_rows, None) for i, u in enumerate(units) if i % w == r]
-        else:
-            total = sum(u.num_rows for u in units)
-            lo, hi = total * r // w, total * (r + 1) // w
-            pos = 0
-            for u in units:
-                a, b = max(lo, pos), min(hi, pos + u.num_rows)
-                if a < b:
-                    pieces.append(_Piece(u, a - pos, b - a, None))
-                pos += u.num_rows
-        if rng is not None:
-            order = rng.permutation(len(pieces))
-            seeds = rng.integers(0, 2**63 - 1, size=len(pieces))
-            pieces = [
-                _Piece(pieces[i].unit, pieces[i].start, pieces[i].length, int(seeds[k]))
-                for k, i in enumerate(order)
-            ]
+        planner = WindowPlanner(
+            self.features, self._id_columns, file_format=self.file_format,
+            on_corrupt=self.on_corrupt, csv_convert_options=self.csv_convert_options,
+            filesystem=self.filesystem, kinds=self._kinds())
+        try:
+            units = planner.units(window)
+        finally:
+            # Counted also when a later file of the window fails the planning.
+            self.stats.corrupt_files_skipped += planner.files_skipped
+        rng = shuffle_rng(self.seed, self.epoch, window.id, self.rank) if self.shuffle else None
+        pieces = shard_units(units, self.rank, self.world_size, self.sharding, rng)
         return pieces, sum(p.rows for p in pieces)
 
     # ------------------------------------------------------------------ reading
 
-    def _read_piece(self, piece: _Piece, files: _OpenFiles, use_threads: bool = True,
+    def _read_piece(self, piece: Piece, files: OpenFiles, use_threads: bool = True,
                     columns: list[str] | None = None) -> tuple[pa.Table, np.ndarray] | None:
         """The piece's rows (projected on ``columns``, default the spec's) and their row numbers
         in the unit (``use_threads``: decode the row group's columns on pyarrow's thread pool)."""
@@ -499,55 +355,51 @@ class ParquetWindowDataset(WindowedDataset):
             return self._as_first_kinds(table.take(pa.array(rows)), u, rows), rows
         return self._as_first_kinds(table.slice(piece.start, piece.length), u, rows), rows
 
-    def _as_first_kinds(self, table: pa.Table, unit: _Unit, rows: np.ndarray) -> pa.Table:
+    def _as_first_kinds(self, table: pa.Table, unit: Unit, rows: np.ndarray) -> pa.Table:
         """Id columns of the other kind than first read (``_id_kinds``) converted to it
-        losslessly, as the serving Scorer converts a request's: integers written as strings
-        (``str(int)``'s form) back to integers. Integer and string ids map to different rows, so
-        anything else is a ``DataError`` naming the file, row and value; integers in a column
-        first read as strings always are: ``str(int)`` cannot restore the leading zeros a reader
-        dropped (pyarrow's CSV reader reads an all-digit "02134" as 2134)."""
+        losslessly, as the serving Scorer converts a request's (both by
+        ``columns.conform_id_kinds``): integers written as strings (``str(int)``'s form) back to
+        integers. Integer and string ids map to different rows, so anything else is a
+        ``DataError`` naming the file, row and value; integers in a column first read as strings
+        always are: ``str(int)`` cannot restore the leading zeros a reader dropped (pyarrow's CSV
+        reader reads an all-digit "02134" as 2134)."""
         record = self._kinds()
-        for i, f in enumerate(table.schema):
-            first = record.get(f.name)
-            got = _id_kind(f.type)
-            if first is None or got is None or got == first["kind"] or f.name not in self._id_columns:
-                continue
-            col, bad, value = _as_id_kind(table.column(i), first["kind"])
-            if col is None:
-                assert bad is not None
-                where = f"in window {first['window']!r} (file {first['file']})"
-                if first["kind"] == "string":
-                    raise DataError(
-                        f"the sparse id column holds integer ids (value {value}), but held string "
-                        f"ids {where}: an integer cannot be turned back into the string it was "
-                        "read from (\"02134\" and \"2134\" are different ids, a CSV reader reads "
-                        "both as 2134), so it is refused rather than trained as another id. Write "
-                        "the ids as strings (for CSV set csv_convert_options.column_types = "
-                        f"{{{f.name!r}: pa.string()}} so the column stays a string), or start a new "
-                        "run, in a new output_dir, for integer ids.",
-                        file=unit.file, row_group=unit.row_group, row=int(rows[bad]), column=f.name)
+        try:
+            return conform_id_kinds(
+                table, {c: first["kind"] for c, first in record.items() if c in self._id_columns})
+        except IdKindError as exc:
+            first, name, row = record[exc.column], exc.column, int(rows[exc.row])
+            where = f"in window {first['window']!r} (file {first['file']})"
+            if exc.want == "string":
                 raise DataError(
-                    f"the sparse id column holds {got} ids, but held {first['kind']} ids {where}, "
-                    f"and value {value} is no integer written as str(int) writes it (no '+', "
-                    "'-0', leading zeros or spaces): integer and string ids map to different rows. "
-                    "Write the column with one type in every window (or start a new run, in a new "
-                    "output_dir, for the new type).",
-                    file=unit.file, row_group=unit.row_group, row=int(rows[bad]), column=f.name)
-            table = table.set_column(i, f.name, col)
-        return table
+                    f"the sparse id column holds integer ids (value {exc.value}), but held string "
+                    f"ids {where}: an integer cannot be turned back into the string it was "
+                    "read from (\"02134\" and \"2134\" are different ids, a CSV reader reads "
+                    "both as 2134), so it is refused rather than trained as another id. Write "
+                    "the ids as strings (for CSV set csv_convert_options.column_types = "
+                    f"{{{name!r}: pa.string()}} so the column stays a string), or start a new "
+                    "run, in a new output_dir, for integer ids.",
+                    file=unit.file, row_group=unit.row_group, row=row, column=name) from None
+            raise DataError(
+                f"the sparse id column holds {exc.got} ids, but held {exc.want} ids {where}, "
+                f"and value {exc.value} is no integer written as str(int) writes it (no '+', "
+                "'-0', leading zeros or spaces): integer and string ids map to different rows. "
+                "Write the column with one type in every window (or start a new run, in a new "
+                "output_dir, for the new type).",
+                file=unit.file, row_group=unit.row_group, row=row, column=name) from None
 
-    def _read_pieces(self, pieces: list[_Piece], use_threads: bool = True,
+    def _read_pieces(self, pieces: list[Piece], use_threads: bool = True,
                      columns: list[str] | None = None) -> Iterator[
-            tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]:
+            tuple[Piece, tuple[pa.Table, np.ndarray] | None]]:
         """Each piece with its rows (``_read_piece``), reusing the open file between pieces."""
-        files = _OpenFiles(self.filesystem)
+        files = OpenFiles(self.filesystem)
         try:
             for piece in pieces:
                 yield piece, self._read_piece(piece, files, use_threads, columns)
         finally:
             files.close()
 
-    def _batches(self, pieces: list[_Piece]) -> Iterator[tuple[Batch, int]]:
+    def _batches(self, pieces: list[Piece]) -> Iterator[tuple[Batch, int]]:
         """(batch, source rows it consumed) for the pieces, cut every ``batch_size`` rows.
 
         Rows are decoded in chunks of whole batches (about ``_CHUNK_ROWS`` rows): one decode per
@@ -561,11 +413,11 @@ class ParquetWindowDataset(WindowedDataset):
         bs = self.batch_size
         chunk = bs * max(1, _CHUNK_ROWS // bs)
         parts: list[pa.Table] = []
-        prov: list[tuple[_Unit, np.ndarray]] = []
+        prov: list[tuple[Unit, np.ndarray]] = []
         n = 0
         carried = 0  # source rows consumed without a batch (dropped or unreadable rows)
-        reader: Prefetcher[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]] | None = None
-        read: Iterator[tuple[_Piece, tuple[pa.Table, np.ndarray] | None]]
+        reader: Prefetcher[tuple[Piece, tuple[pa.Table, np.ndarray] | None]] | None = None
+        read: Iterator[tuple[Piece, tuple[pa.Table, np.ndarray] | None]]
         if self.prefetch_batches > 0 and len(pieces) > 1:
             read = reader = Prefetcher(lambda: self._read_pieces(pieces, use_threads=False),
                                        _READ_AHEAD_PIECES, name="read-ahead")
@@ -592,13 +444,13 @@ class ParquetWindowDataset(WindowedDataset):
             if reader is not None:
                 reader.close()
 
-    def _decode(self, parts: list[pa.Table], prov: list[tuple[_Unit, np.ndarray]],
+    def _decode(self, parts: list[pa.Table], prov: list[tuple[Unit, np.ndarray]],
                 n: int, carried: int = 0) -> Generator[tuple[Batch, int], None, int]:
         """Yield the chunk's batches; return the rows consumed since the last batch yielded
         (``carried`` in, plus this chunk's all-dropped batches at its end)."""
         if n == 0:
             return carried
-        table = parts[0] if len(parts) == 1 else _concat(
+        table = parts[0] if len(parts) == 1 else concat_rows(
             self.features.unify_columns(parts), [unit.file for unit, _ in prov])
         try:
             decoded = self.features.decode_chunk(table, self.batch_size)
@@ -622,44 +474,6 @@ class ParquetWindowDataset(WindowedDataset):
         return carried
 
 
-def _valueless_columns(md: pq.FileMetaData, columns: list[str]) -> set[str]:
-    """The ``columns`` without a value in any row of the file (a list column: without an
-    element), from the footer's statistics: no data is read. Null lists, empty lists and null
-    elements all count as nulls of a list's leaf column. A column whose statistics are missing
-    (a writer may omit them) or that is not one leaf (a struct) is not listed."""
-    if md.num_rows == 0:
-        return set()
-    paths = [md.schema.column(j).path for j in range(md.num_columns)]
-    out = set()
-    for c in columns:
-        leaves = [j for j, p in enumerate(paths) if p == c or p.startswith(c + ".")]
-        if len(leaves) != 1:
-            continue
-        j = leaves[0]
-        for i in range(md.num_row_groups):
-            chunk = md.row_group(i).column(j)
-            stats = chunk.statistics
-            if stats is None or not stats.has_null_count or stats.null_count != chunk.num_values:
-                break
-        else:
-            out.add(c)
-    return out
-
-
-def _concat(parts: list[pa.Table], files: list[str]) -> pa.Table:
-    """Rows of several files (``FeatureSpec.unify_columns`` applied) as one table; integer
-    widths and string kinds are promoted to a common type. Types with none left (e.g. integer
-    ids beside strings, which planning refuses first) are an error naming both files."""
-    try:
-        return pa.concat_tables(parts, promote_options="permissive")
-    except pa.ArrowException as exc:
-        other = next(f for f, p in zip(files, parts, strict=True) if not p.schema.equals(parts[0].schema))
-        raise DataError(
-            f"its rows cannot be combined with those of {files[0]} ({exc}); write each column "
-            "with one type in every file of a window.", file=other,
-        ) from None
-
-
 def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Batch, int]]:
     """``batches`` without the first ``k`` (their rows are added to the next one's count)."""
     skipped = 0
@@ -676,22 +490,6 @@ def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Bat
             close()
 
 
-def _skip(pieces: list[_Piece], rows: int) -> tuple[list[_Piece], int]:
-    """Drop the first ``rows`` rows of the piece stream (counts only, nothing is read)."""
-    out: list[_Piece] = []
-    for p in pieces:
-        if rows >= p.rows:
-            rows -= p.rows
-            continue
-        if rows and p.shuffle_seed is None:
-            p = _Piece(p.unit, p.start + rows, p.length - rows, None)
-        elif rows:
-            p = _Piece(p.unit, p.start, p.length, p.shuffle_seed, skip=rows)
-        out.append(p)
-        rows = 0
-    return out, sum(p.rows for p in out)
-
-
 class WindowIterator(Iterator[Batch]):
     """This rank's batches of one window; reading runs ahead on a bounded background thread.
 
@@ -700,7 +498,7 @@ class WindowIterator(Iterator[Batch]):
     background thread; so does dropping the iterator.
     """
 
-    def __init__(self, ds: ParquetWindowDataset, pieces: list[_Piece], rows: int, window_id: str,
+    def __init__(self, ds: ParquetWindowDataset, pieces: list[Piece], rows: int, window_id: str,
                  discard: int = 0, error: Exception | None = None) -> None:
         self.window_id = window_id
         self._rows_left = rows
