@@ -37,7 +37,7 @@ class Chain:
         shutil.copytree(self.pub, where)
         return where
 
-    def point(self, location: str, sequence: int, base: str, deltas: tuple[str, ...], step: int,
+    def point(self, location: str | storage.Location, sequence: int, base: str, deltas: tuple[str, ...], step: int,
               *, check: bool = True, window: str | None = None) -> pub.Pointer:
         """Write ``LATEST`` naming ``base`` + ``deltas`` (whose end state is ``step``'s)."""
         p = pub.Pointer(sequence=sequence, base=base, deltas=deltas, step=step,

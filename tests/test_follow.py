@@ -216,3 +216,28 @@ def test_a_scorer_copy_takes_a_delta_while_the_original_is_unchanged(chain: fu.C
     assert np.array_equal(copy.score(chain.rows).reshape(n, -1), chain.expected[3])
     assert np.array_equal(original.score(chain.rows).reshape(n, -1), chain.expected[1])
     assert original.step == 1 and original.applied_deltas == [] and len(copy.applied_deltas) == 1
+
+
+@pytest.mark.timeout(90)
+def test_the_follower_follows_a_location_on_the_s3_server(chain: fu.Chain, request) -> None:
+    from s3_server import upload_dir
+
+    from recsys_trainer import storage
+
+    server = request.getfixturevalue("s3_server")
+    fs = server.filesystem()
+    prefix = f"follow/{request.node.name}"
+    upload_dir(fs, chain.pub, f"{server.bucket}/{prefix}")
+    url = server.url(prefix)
+    loc = storage.resolve(url, fs)
+    chain.point(loc, 1, "bases/b0", (), 1)
+    f = Follower(url, filesystem=fs, poll_s=60)
+    assert f.poll_once() and f.served is not None and f.served.step == 1
+    chain.point(loc, 2, "bases/b0", ("deltas/d1",), 3)
+    assert f.poll_once() and f.served.step == 3 and f.served.deltas == ("deltas/d1",)
+    assert np.array_equal(f.score(chain.rows).reshape(len(chain.rows), -1), chain.expected[3])
+    # Credentials the store refuses: a named storage error, no model.
+    denied = Follower(url, filesystem=server.filesystem("nobody", "wrong"), poll_s=60)
+    assert not denied.poll_once() and denied.served is None
+    assert denied.last_error is not None and denied.last_error.kind == "storage"
+    assert url in str(denied.last_error)

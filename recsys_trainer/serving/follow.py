@@ -17,7 +17,7 @@ Failures never make it serve a wrong model:
   job publishes a new base, which is loaded then;
 - a base that cannot be read, a pointer that is corrupt or cannot be read, a store that cannot
   be reached: the last good model stays, with a ``FollowError`` naming what failed (kinds
-  ``"base"``, ``"pointer"``, ``"unreachable"``), and the next poll tries again;
+  ``"base"``, ``"pointer"``, ``"storage"``), and the next poll tries again;
 - a chain whose end is not the state the pointer names (kind ``"mismatch"``): not served.
 
 ``last_error`` is cleared by a poll that brings the served model to the pointer's state.
@@ -44,12 +44,13 @@ from recsys_trainer.serving.scorer import Rows, Scorer
 
 logger = logging.getLogger(__name__)
 
-ErrorKind = Literal["pointer", "unreachable", "base", "delta", "mismatch", "internal"]
+ErrorKind = Literal["pointer", "storage", "base", "delta", "mismatch", "internal"]
 
 
 class FollowError(ArtifactError):
     """Why the served model is not the one the published pointer names. ``kind``: ``"pointer"``
-    (``LATEST`` corrupt or of another format), ``"unreachable"`` (the store cannot be read),
+    (``LATEST`` corrupt or of another format), ``"storage"`` (the store cannot be read:
+    unreachable, access denied, no such bucket),
     ``"base"`` (the pointer's base cannot be read or loaded), ``"delta"`` (a delta of the
     pointer's chain is missing, corrupt or out of order), ``"mismatch"`` (the chain does not
     end at the pointer's content hash), ``"internal"`` (anything else). ``sequence``: the
@@ -210,7 +211,7 @@ class Follower:
             return self._fail(f"the published pointer cannot be followed: {e}", "pointer", None)
         except (storage.StorageError, OSError) as e:
             return self._fail(f"the published pointer of {self.location!r} cannot be read: "
-                              f"{_describe(e)}", "unreachable", None)
+                              f"{_describe(e)}", "storage", None)
         if pointer is None:
             self.last_error = None  # nothing published yet: nothing wrong
             return False

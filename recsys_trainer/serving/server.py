@@ -188,8 +188,14 @@ def app_from_env() -> Starlette:
     """The app factory each worker process of ``--workers N`` calls (options in
     ``RECSYS_SERVE_OPTIONS``)."""
     opts = json.loads(os.environ[OPTIONS_ENV])
+    _setup_logging(opts["log_level"])  # a worker is a fresh interpreter
     return create_app(Follower(opts["location"], poll_s=opts["poll_s"], verify=opts["verify"]),
                       max_body_bytes=opts["max_body_bytes"])
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s [%(process)d] "
+                        "%(name)s: %(message)s")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -226,8 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _setup_logging(args.log_level)
     # uvicorn handles SIGTERM (stop accepting, finish in-flight requests, run the shutdown) and
     # then re-raises it to the handler that was there before it: this one, so that a graceful
     # stop exits 0 rather than dying of the signal.
@@ -245,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         os.environ[OPTIONS_ENV] = json.dumps({
             "location": args.location, "poll_s": args.poll_s, "verify": args.verify,
-            "max_body_bytes": max_body})
+            "max_body_bytes": max_body, "log_level": args.log_level})
         uvicorn.run("recsys_trainer.serving.server:app_from_env", factory=True,
                     workers=args.workers, **common)
     return 0
