@@ -121,6 +121,11 @@ def test_recsys_serve_scores_follows_the_pointer_and_stops_gracefully_on_sigterm
         assert status == 200 and table.column_names == ["label"]
         assert np.array_equal(table.column("label").to_numpy(), refs[1].score(batch))
 
+        status, got = _json(f"{url}/score", {"rows": []})
+        assert status == 200 and got["scores"] == [] and got["step"] == 1
+        status, _, data = _request(f"{url}/score", _arrow(batch.slice(0, 0)), ARROW_STREAM)
+        assert status == 200 and json.loads(data)["scores"] == []
+
         # Named 400s: the scorer's DataError (column and row), a body it cannot read.
         status, err = _json(f"{url}/score", {"rows": [{**rows[0], "I1": "abc"}]})
         assert status == 400 and err["error"] == "DataError" and err["column"] == "I1"

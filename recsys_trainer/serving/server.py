@@ -97,7 +97,7 @@ def _score(follower: Follower, body: bytes, content_type: str, activation: str |
     """Decode and score (in the threadpool: both can take a while)."""
     rows, act = _rows_of(body, content_type, activation)
     scores, served = follower.score_with_model(rows, activation=act)
-    return scores.reshape(len(scores), -1), served
+    return scores.reshape(len(scores), len(served.scorer.output_names)), served
 
 
 def _finite_lists(scores: np.ndarray) -> list[list[float | None]]:
