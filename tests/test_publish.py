@@ -190,3 +190,17 @@ def test_publishing_to_s3_in_the_background_survives_a_store_outage(
     finally:
         state["server"].stop()
         server.stop()
+
+
+@pytest.mark.timeout(30)
+def test_the_hook_refuses_a_missing_period_and_bad_numbers_naming_them() -> None:
+    with pytest.raises(ValueError, match="needs a period"):
+        PublishHook("/tmp/x")
+    for name, value in (("every_n_windows", 0), ("every_n_steps", -1), ("every_n_seconds", 0.0),
+                        ("full_every", 0), ("keep_bases", 0), ("max_delta_fraction", 0),
+                        ("every_n_steps", True)):
+        kw: dict[str, Any] = {"every_n_windows": 1, name: value}
+        with pytest.raises(ValueError, match=f"`{name}` must be a positive number"):
+            PublishHook("/tmp/x", **kw)
+    with pytest.raises(ValueError, match="`location`"):
+        PublishHook("", every_n_windows=1)

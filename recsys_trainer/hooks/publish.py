@@ -289,7 +289,13 @@ def _worker_main(init_path: str) -> None:
     published (the others are answered ``superseded``). Ends at EOF."""
     results = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s:publisher:%(name)s:%(message)s")
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(levelname)s:publisher:%(name)s:%(message)s")
+    logging.getLogger("recsys_trainer").setLevel(logging.INFO)
+    # Background work: one thread, and a lower priority than the training process it serves.
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError):
+        os.nice(10)
     init = torch.load(init_path, weights_only=False)
     publisher = _Publisher(**init)
     buffer, eof = b"", False
@@ -540,6 +546,7 @@ class PublishHook(Hook):
         self._results = queue.Queue()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["OMP_NUM_THREADS"] = "1"
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "recsys_trainer.hooks._publish_worker", self._init_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
