@@ -148,6 +148,14 @@ def test_recsys_serve_scores_follows_the_pointer_and_stops_gracefully_on_sigterm
         assert got["step"] == 3 and np.array_equal(np.asarray(got["scores"], dtype=np.float32),
                                                     refs[3].score(rows).reshape(-1, 1))
 
+        # A pointer to a base that cannot be read: the last good model stays, /health says why.
+        chain.point(loc, 3, "bases/gone", (), 5, check=False)
+        _wait(lambda: _json(f"{url}/health")[1]["last_error"] is not None, "the error", proc, log)
+        status, health = _json(f"{url}/health")
+        assert status == 200 and health["step"] == 3 and health["sequence"] == 2
+        assert health["last_error"]["kind"] == "base" and "bases/gone" in health["last_error"]["message"]
+        assert _json(f"{url}/score", {"rows": rows})[1]["step"] == 3
+
         # Steady requests while the model swaps: none fails, each scored by the model it names.
         expected = {s: refs[s].score(rows).reshape(-1, 1) for s in refs}
         states = [("bases/b0", ("deltas/d1", "deltas/d2"), 5), ("bases/b0", (), 1),
@@ -155,7 +163,7 @@ def test_recsys_serve_scores_follows_the_pointer_and_stops_gracefully_on_sigterm
         done = threading.Event()
 
         def publish() -> None:
-            seq = 2
+            seq = 3
             while not done.is_set():
                 for base, deltas, step in states:
                     seq += 1
