@@ -204,3 +204,36 @@ def test_the_hook_refuses_a_missing_period_and_bad_numbers_naming_them() -> None
             PublishHook("/tmp/x", **kw)
     with pytest.raises(ValueError, match="`location`"):
         PublishHook("", every_n_windows=1)
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_job_continues_the_sequence_with_a_new_base_and_rotates_the_old_chain(
+        tmp_path: Any) -> None:
+    """The job trains 3 windows and stops; restarted (resuming its checkpoint) on 2 more
+    windows, it reads LATEST, continues the sequence with a new base (the state after the last
+    delta is nowhere as a full export) and then a delta; keep_bases=1 rotates the first run's
+    chain away by its names; the new chain scores as the full export."""
+    root = str(tmp_path)
+    data = os.path.join(root, "data")
+    files = su.write_data(data, "dlrm", hours=6)
+    held_out = files[-1]
+
+    def land(hours: range) -> StreamingWindows:
+        for h in hours:
+            open(os.path.join(os.path.dirname(files[h]), "_SUCCESS"), "w").close()
+        open(os.path.join(data, "_END"), "w").close()
+        return StreamingWindows(lambda: partitioned_windows(data, ready_marker="_SUCCESS"),
+                                end_marker=os.path.join(data, "_END"), poll_interval_s=0.05,
+                                timeout_s=60)
+
+    location = os.path.join(root, "published")
+    first = PublishHook(location, every_n_windows=1, keep_bases=1, background=False)
+    _trainer(root, land(range(3)), [first]).train()
+    assert [(r.kind, r.sequence) for r in first.records] == [("base", 1), ("delta", 2),
+                                                            ("delta", 3)]
+    again = PublishHook(location, every_n_windows=1, keep_bases=1, background=False)
+    _trainer(root, land(range(5)), [again]).train()
+    assert [(r.kind, r.sequence, r.window) for r in again.records] == [
+        ("base", 4, "hour=03"), ("delta", 5, "hour=04")]
+    pointer = _check_pointer_scores_as_a_full_export(root, location, None, held_out)
+    assert pub.list_artifacts(location) == sorted([pointer.base, *pointer.deltas])
