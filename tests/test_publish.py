@@ -237,3 +237,34 @@ def test_a_restarted_job_continues_the_sequence_with_a_new_base_and_rotates_the_
         ("base", 4, "hour=03"), ("delta", 5, "hour=04")]
     pointer = _check_pointer_scores_as_a_full_export(root, location, None, held_out)
     assert pub.list_artifacts(location) == sorted([pointer.base, *pointer.deltas])
+
+
+def _train_two_ranks(root: str) -> list[tuple[str, int, int]]:
+    """One rank of a 2-rank streaming run with a PublishHook (every window)."""
+    stream = StreamingWindows(lambda: partitioned_windows(os.path.join(root, "data"),
+                                                          ready_marker="_SUCCESS"),
+                              end_marker=os.path.join(root, "data", "_END"),
+                              poll_interval_s=0.05, timeout_s=60)
+    hook = PublishHook(os.path.join(root, "published"), every_n_windows=1, full_every=2)
+    _trainer(root, stream, [hook]).train()
+    return [(r.kind, r.sequence, r.step) for r in hook.records]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_two_ranks_publish_from_rank_zero_and_the_chain_scores_as_the_full_export(
+        tmp_path: Any) -> None:
+    """2 ranks: both take part in the saves, rank 0's publisher publishes (a window's publish
+    may be superseded while the publisher starts); training's end publishes its last step,
+    and the chain scores as the full export of that 2-rank checkpoint."""
+    from dist_utils import run_distributed
+
+    root = str(tmp_path)
+    _, held_out = _stream(root, 4)
+    r0, r1 = run_distributed(_train_two_ranks, 2, 380, args=(root,))
+    assert r1 == []  # only rank 0 publishes
+    published = [r for r in r0 if r[0] in ("base", "delta")]
+    assert published and all(r[0] != "failed" for r in r0), r0
+    pointer = _check_pointer_scores_as_a_full_export(root, os.path.join(root, "published"),
+                                                     None, held_out)
+    assert pointer.step == published[-1][2] == max(r[2] for r in r0)
