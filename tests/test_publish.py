@@ -268,3 +268,13 @@ def test_two_ranks_publish_from_rank_zero_and_the_chain_scores_as_the_full_expor
     pointer = _check_pointer_scores_as_a_full_export(root, os.path.join(root, "published"),
                                                      None, held_out)
     assert pointer.step == published[-1][2] == max(r[2] for r in r0)
+
+
+@pytest.mark.timeout(120)
+def test_every_n_steps_publishes_at_those_steps_and_the_end_publishes_the_last_one(
+        tmp_path: Any) -> None:
+    root = str(tmp_path)
+    stream, _ = _stream(root, 2)  # 5 steps per window
+    hook = PublishHook(os.path.join(root, "published"), every_n_steps=4, background=False)
+    _trainer(root, stream, [hook]).train()
+    assert [(r.kind, r.step) for r in hook.records] == [("base", 4), ("delta", 8), ("delta", 10)]
