@@ -35,7 +35,7 @@ from safetensors.torch import load as load_safetensors
 
 from recsys_trainer import storage
 from recsys_trainer.data.chunk import DecodedChunk
-from recsys_trainer.data.columns import _as_id_kind, _id_kind
+from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
@@ -302,30 +302,25 @@ class Scorer:
     def _conform_id_kinds(self, table: pa.Table) -> pa.Table:
         """Id columns sent as the other kind than training read: integers and strings hash to
         different rows, so ``"79"`` for an id trained as ``79`` would score another row silently.
-        Integers written as strings (``str(int)``'s form) become integers; anything else is a
-        ``DataError`` naming the column, row and value. Integers for ids trained as strings are
-        always refused: 7 cannot say whether it meant "7" or "007"."""
-        for i, f in enumerate(table.schema):
-            want = self.id_kinds.get(f.name)
-            got = _id_kind(f.type)
-            if want is None or got is None or got == want:
-                continue
-            col, row, value = _as_id_kind(table.column(i), want)
-            if col is None:
-                if want == "string":
-                    raise DataError(
-                        f"the id column held string ids in training, but value {value} is an "
-                        "integer: it cannot be turned back into the string it came from (7 may "
-                        "have been \"7\" or \"007\", different ids), so it is refused rather "
-                        "than scored as another row; send the ids as strings, as trained.",
-                        column=f.name, row=row, file="the rows to score")
+        Integers written as strings (``str(int)``'s form) become integers (``conform_id_kinds``, as
+        the training reader converts a later window's); anything else is a ``DataError`` naming the
+        column, row and value. Integers for ids trained as strings are always refused: 7 cannot say
+        whether it meant "7" or "007"."""
+        try:
+            return conform_id_kinds(table, self.id_kinds)
+        except IdKindError as exc:
+            if exc.want == "string":
                 raise DataError(
-                    f"the id column held {want} ids in training, but value {value} is a string "
-                    "that is no integer written as str(int) writes it (no '+', '-0', leading "
-                    "zeros or spaces); send the integer id, as trained (a string would hash to "
-                    "another row).", column=f.name, row=row, file="the rows to score")
-            table = table.set_column(i, f.name, col)
-        return table
+                    f"the id column held string ids in training, but value {exc.value} is an "
+                    "integer: it cannot be turned back into the string it came from (7 may "
+                    "have been \"7\" or \"007\", different ids), so it is refused rather "
+                    "than scored as another row; send the ids as strings, as trained.",
+                    column=exc.column, row=exc.row, file="the rows to score") from None
+            raise DataError(
+                f"the id column held {exc.want} ids in training, but value {exc.value} is a string "
+                "that is no integer written as str(int) writes it (no '+', '-0', leading "
+                "zeros or spaces); send the integer id, as trained (a string would hash to "
+                "another row).", column=exc.column, row=exc.row, file="the rows to score") from None
 
     def _from_pylist(self, rows: list[Mapping[str, Any]]) -> pa.Table:
         """Dicts -> a table (``_typed_nulls`` then types the columns without a typed value)."""
