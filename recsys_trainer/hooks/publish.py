@@ -90,11 +90,13 @@ class PublishError(RuntimeError):
 
 @dataclass(frozen=True)
 class PublishRecord:
-    """One publish: what it published (``kind``: ``"base"`` or ``"delta"``; ``ref``: its
-    name under the location), the pointer's sequence, the step and newest window, the bytes
-    uploaded, how long the publisher thread took (``seconds``), how long the loop was blocked
-    on every rank's part of it (``blocked_s``: the save's snapshot and rank 0's lease), and
-    ``error`` (None when it succeeded)."""
+    """One publish, as rank 0 saw it reported: ``kind`` is ``"base"`` or ``"delta"`` (what it
+    published, ``ref`` its name under the location), ``"failed"`` (``error`` says why) or
+    ``"superseded"`` (a newer checkpoint was handed over before this one was started); the
+    pointer's ``sequence`` (-1 when none was taken), the ``step`` and newest train ``window``,
+    the ``bytes`` uploaded, how long the publisher took (``seconds``), and how long the training
+    loop was blocked for it (``blocked_s``: the save's snapshot, rank 0's read lease and the
+    hand-over; with ``background=False`` the whole publish)."""
 
     sequence: int
     kind: str
