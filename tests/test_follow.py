@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from recsys_trainer.serving import Scorer
-from recsys_trainer.serving.follow import Follower, FollowError, NoModelError
+from recsys_trainer.serving.follow import Follower, FollowError, NoModelError, follow
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +185,11 @@ def test_an_unreadable_base_or_a_corrupt_pointer_keeps_the_last_good_model_with_
 
 
 @pytest.mark.timeout(60)
-def test_scorer_follow_polls_in_a_background_thread_until_stopped(chain: fu.Chain,
+def test_follow_polls_in_a_background_thread_until_stopped(chain: fu.Chain,
                                                                    tmp_path) -> None:
     loc = chain.fresh_location(str(tmp_path / "pub"))
     chain.point(loc, 1, "bases/b0", (), 1)
-    f = Scorer.follow(loc, poll_s=0.05)
+    f = follow(loc, poll_s=0.05)
     try:
         assert f.served is not None and f.served.step == 1  # polled once before returning
         chain.point(loc, 2, "bases/b0", ("deltas/d1",), 3)

@@ -316,6 +316,19 @@ class Follower:
             self.on_swap(served)
 
 
+def follow(location: str | os.PathLike[str], *, poll_s: float = 2.0, start: bool = True,
+           **kwargs: Any) -> Follower:
+    """A ``Follower`` of the published location ``location`` (a path or URL a training job
+    publishes to): it has polled once (a model is loaded when one was published and readable),
+    and with ``start`` polls every ``poll_s`` seconds in a background thread (``stop()`` ends
+    it). ``kwargs``: ``Follower``'s (``filesystem``, ``verify``, ...)."""
+    follower = Follower(location, poll_s=poll_s, **kwargs)
+    follower.poll_once()
+    if start:
+        follower.start()
+    return follower
+
+
 def _served(scorer: Scorer, pointer: Pointer, loaded_at: float | None = None) -> Served:
     return Served(scorer=scorer, sequence=pointer.sequence, base=pointer.base,
                   deltas=tuple(pointer.deltas), step=scorer.step,
@@ -324,4 +337,4 @@ def _served(scorer: Scorer, pointer: Pointer, loaded_at: float | None = None) ->
                   loaded_at=time.time() if loaded_at is None else loaded_at)
 
 
-__all__ = ["FollowError", "Follower", "NoModelError", "Served"]
+__all__ = ["FollowError", "Follower", "NoModelError", "Served", "follow"]

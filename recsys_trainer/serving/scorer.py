@@ -26,7 +26,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping, Sized
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -41,9 +41,6 @@ from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.delta import apply_table_delta, read_delta
 from recsys_trainer.serving.tables import DynamicRows, FusedLookup, Table
-
-if TYPE_CHECKING:
-    from recsys_trainer.serving.follow import Follower
 
 logger = logging.getLogger(__name__)
 
@@ -380,21 +377,6 @@ class Scorer:
         new.applied_deltas = list(self.applied_deltas)
         new._index_tables()
         return new
-
-    @staticmethod
-    def follow(location: str | os.PathLike[str], *, poll_s: float = 2.0, start: bool = True,
-               **kwargs: Any) -> Follower:
-        """A ``Follower`` of the published location ``location`` (a path or URL a training job
-        publishes to): it has polled once (a model is loaded when one was published and
-        readable), and with ``start`` polls every ``poll_s`` seconds in a background thread
-        (``stop()`` ends it). ``kwargs``: ``Follower``'s (``filesystem``, ``verify``, ...)."""
-        from recsys_trainer.serving.follow import Follower
-
-        follower = Follower(location, poll_s=poll_s, **kwargs)
-        follower.poll_once()
-        if start:
-            follower.start()
-        return follower
 
     def apply_delta(self, path: str | os.PathLike[str], *, filesystem: Any = None) -> None:
         """Bring the scorer to the state of a delta export (``export_delta``): changed rows of
