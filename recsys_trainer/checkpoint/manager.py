@@ -40,20 +40,16 @@ configuration and the run's state and composes them:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow.fs as pafs
 import torch.distributed as dist
 
-from recsys_trainer.args import (
-    ModelBankSource,
-    ReshardDataPosition,
-    TrainingArguments,
-    model_bank_sources,
-)
+from recsys_trainer.args import CheckpointArguments, TrainingArguments, model_bank_sources
 from recsys_trainer.checkpoint import contents, layout, loading, resume, rotation, writer
 from recsys_trainer.checkpoint.lock import claim_output_dir, lock_for
 from recsys_trainer.checkpoint.model_bank import warm_start
@@ -90,21 +86,14 @@ class CheckpointManager:
         output_dir: where ``step_<N>/`` directories and ``checkpoints.json`` live: a local path
             or a URL (``s3://bucket/prefix``, ``gs://``, ``hdfs://``...; see docs/checkpoint.md,
             "Object storage").
-        save_steps / save_every_n_rows / save_every_n_windows / save_every_n_epochs: periodic
-            triggers (rows: the ``rows_seen`` counter, the same on every rank).
-        save_end: save when training ends (once: not again if that step was just saved).
-        max_to_keep: committed checkpoints kept by rotation (plus the protected ones, see
-            ``rotation.RetentionPolicy``).
-        save_concurrency_per_rank: DCP ``FileSystemWriter`` threads (and files) per rank.
-        async_save: snapshot on the main thread, write in a background thread.
-        resume_from: ``"auto"`` (newest committed checkpoint in ``output_dir``), a checkpoint
-            directory, an output directory (its newest), or None (fresh start).
-        model_bank: warm-start sources, applied only when nothing is resumed.
-        params_not_save / save_filter_fn: parameters left out of checkpoints.
-        keep_every_n_hours / keep_best_metric / keep_best_mode: extra retention.
+        settings: the ``CheckpointArguments`` section (``TrainingArguments.checkpoint``): the
+            save triggers, retention (``max_to_keep``, ``keep_every_n_hours``,
+            ``keep_best_metric``), ``async_save``, ``save_concurrency_per_rank``, what is left
+            out (``params_not_save``, ``save_filter_fn``), ``resume_from``, ``model_bank`` and
+            ``reshard_data_position``; each documented there. Default: the section's defaults.
+        **fields: those settings by name instead (``CheckpointManager(out, save_steps=2)``),
+            over ``settings``'s; checked as the section checks them.
         verify_checksums: check every file's CRC32 before loading (sizes are always checked).
-        reshard_data_position: what to do with a mid-window data position when the world size
-            changed (``"error"``, ``"restart_window"``, ``"next_window"``).
         gang: the control collectives of saves and loads; by default (at ``attach``) a new gloo
             group over all ranks, or a ``FakeGang`` without ``torch.distributed``.
         collective_timeout_s: how long the default gang's collectives wait for other ranks.
@@ -121,46 +110,38 @@ class CheckpointManager:
     def __init__(
         self,
         output_dir: str,
+        settings: CheckpointArguments | None = None,
         *,
-        save_steps: int | None = None,
-        save_every_n_rows: int | None = None,
-        save_every_n_windows: int | None = None,
-        save_every_n_epochs: int | None = None,
-        save_end: bool = False,
-        max_to_keep: int = 5,
-        save_concurrency_per_rank: int = 4,
-        async_save: bool = True,
-        resume_from: str | None = "auto",
-        model_bank: Sequence[ModelBankSource | dict[str, Any]] | None = None,
-        params_not_save: Sequence[str] | None = None,
-        save_filter_fn: Callable[[str], bool] | None = None,
-        keep_every_n_hours: float | None = None,
-        keep_best_metric: str | None = None,
-        keep_best_mode: Literal["min", "max"] = "min",
         verify_checksums: bool = True,
-        reshard_data_position: ReshardDataPosition = "error",
         gang: Gang | None = None,
         collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
         filesystem: pafs.FileSystem | None = None,
         lease_ttl_s: float = 60.0,
+        **fields: Any,
     ) -> None:
+        # The settings are the section whole (one declaration of their defaults and checks);
+        # `fields` (save_steps=..., max_to_keep=...) are a shorthand for a section of them.
+        s = settings if settings is not None else CheckpointArguments()
+        self.settings: CheckpointArguments = dataclasses.replace(s, **fields) if fields else s
+        """What, when and how this manager saves (``TrainingArguments.checkpoint``)."""
+        s = self.settings
         self.output_dir = output_dir
         self._filesystem = filesystem
         self._out = self._locate(output_dir)
-        self.save_steps = save_steps
-        self.save_every_n_rows = save_every_n_rows
-        self.save_every_n_windows = save_every_n_windows
-        self.save_every_n_epochs = save_every_n_epochs
-        self.save_end = save_end
-        self.save_concurrency_per_rank = save_concurrency_per_rank
-        self.async_save = async_save
-        self.resume_from = resume_from
-        self.model_bank = model_bank_sources(model_bank)
-        self.key_filter = contents.KeyFilter(params_not_save, save_filter_fn)
-        self.policy = rotation.RetentionPolicy(max_to_keep, keep_every_n_hours, keep_best_metric,
-                                               keep_best_mode)
+        self.save_steps = s.save_steps
+        self.save_every_n_rows = s.save_every_n_rows
+        self.save_every_n_windows = s.save_every_n_windows
+        self.save_every_n_epochs = s.save_every_n_epochs
+        self.save_end = s.save_end
+        self.save_concurrency_per_rank = s.save_concurrency_per_rank
+        self.async_save = s.async_save
+        self.resume_from = s.resume_from
+        self.model_bank = model_bank_sources(s.model_bank)
+        self.key_filter = contents.KeyFilter(s.params_not_save, s.save_filter_fn)
+        self.policy = rotation.RetentionPolicy(s.max_to_keep, s.keep_every_n_hours,
+                                               s.keep_best_metric, s.keep_best_mode)
         self.verify_checksums = verify_checksums
-        self.reshard_data_position = reshard_data_position
+        self.reshard_data_position = s.reshard_data_position
         self._gang = gang
         self.collective_timeout_s = collective_timeout_s
         self._lock = lock_for(self._out, lease_ttl_s)
@@ -180,28 +161,10 @@ class CheckpointManager:
 
     @classmethod
     def from_args(cls, args: TrainingArguments, gang: Gang | None = None) -> CheckpointManager:
-        """Build from ``TrainingArguments`` (fields of the same names)."""
-        return cls(
-            args.output_dir,
-            save_steps=args.save_steps,
-            save_every_n_rows=args.save_every_n_rows,
-            save_every_n_windows=args.save_every_n_windows,
-            save_every_n_epochs=args.save_every_n_epochs,
-            save_end=args.save_end,
-            max_to_keep=args.max_to_keep,
-            save_concurrency_per_rank=args.save_concurrency_per_rank,
-            async_save=args.async_save,
-            resume_from=args.resume_from,
-            model_bank=args.model_bank,
-            params_not_save=args.params_not_save,
-            save_filter_fn=args.save_filter_fn,
-            keep_every_n_hours=args.keep_every_n_hours,
-            keep_best_metric=args.keep_best_metric,
-            keep_best_mode=args.keep_best_mode,
-            reshard_data_position=args.reshard_data_position,
-            gang=gang,
-            collective_timeout_s=args.collective_timeout_s,
-        )
+        """Build from ``TrainingArguments``: its ``checkpoint`` section whole, its
+        ``output_dir`` and ``collective_timeout_s``."""
+        return cls(args.output_dir, args.checkpoint, gang=gang,
+                   collective_timeout_s=args.collective_timeout_s)
 
     def attach(self, components: contents.Components, *,
                run_args: dict[str, Any] | None = None,
