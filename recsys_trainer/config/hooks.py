@@ -21,6 +21,7 @@ from recsys_trainer.hooks import (
     ProgressHook,
     TensorBoardHook,
 )
+from recsys_trainer.hooks.publish import PublishHook
 
 # Built-in hooks by config name.
 BUILTIN_HOOKS: dict[str, type[Hook]] = {
@@ -32,6 +33,7 @@ BUILTIN_HOOKS: dict[str, type[Hook]] = {
     "profiler": ProfilerHook,
     "early_stopping": EarlyStoppingHook,
     "non_finite_loss": NonFiniteLossHook,
+    "publish": PublishHook,
 }
 
 
