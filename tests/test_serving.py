@@ -709,7 +709,7 @@ def test_the_exports_host_copy_takes_the_checkpoints_values_in_the_models_dtypes
     """``_on_host`` is where the export crosses to the host: a dense part on another device
     (``meta`` here, a GPU in training) comes back on the CPU with the checkpoint's values, and a
     model built in another precision keeps it (a copy into its tensors would)."""
-    from recsys_trainer.serving.export import _on_host
+    from recsys_trainer.serving.model_parts import on_host as _on_host
 
     state = {k: v.float() for k, v in torch.nn.Linear(3, 2).state_dict().items()}
     double = _on_host(torch.nn.Linear(3, 2).to(torch.float64), state)

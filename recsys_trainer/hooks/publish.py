@@ -51,6 +51,9 @@ clock decides and is broadcast at every step (one small broadcast per step).
 
 The package exposes no event for dynamic tables' eviction passes, so the hook publishes on its
 periods only.
+
+This module is the hook's side (when a publish is due, the hand-over, the publisher process's
+life); the publisher itself (build, upload, point, rotate) is ``hooks/publisher.py``.
 """
 
 from __future__ import annotations
@@ -60,7 +63,6 @@ import json
 import logging
 import os
 import queue
-import select
 import shutil
 import subprocess
 import sys
@@ -74,9 +76,8 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
-from recsys_trainer import storage
 from recsys_trainer.hooks.base import Hook, ResumePoint
-from recsys_trainer.serving import published as pub
+from recsys_trainer.hooks.publisher import Publisher
 
 if TYPE_CHECKING:
     from recsys_trainer.trainer import Trainer
@@ -117,152 +118,12 @@ def _positive(name: str, value: Any, kind: type | tuple[type, ...] = int) -> Non
         raise ValueError(f"`{name}` must be a positive number, but is {value!r}.")
 
 
-# ---------------------------------------------------------------------- the publisher
-
-class _Publisher:
-    """Builds, uploads and points: one publish per ``publish(job)``. Holds the chain (the
-    current pointer, the full export of its state in ``stage``). Runs in the publisher process
-    (or in the training process with ``background=False``)."""
-
-    def __init__(self, *, location: str, filesystem: pafs.FileSystem | None, stage: str,
-                 model: nn.Module, spec: Any, window_filesystem: pafs.FileSystem | None,
-                 full_every: int, max_delta_fraction: float, keep_bases: int,
-                 quantize: str | None, activation: str, output_names: list[str] | None) -> None:
-        self.location, self.filesystem, self.stage = location, filesystem, stage
-        self.model, self.spec, self.window_filesystem = model, spec, window_filesystem
-        self.full_every, self.max_delta_fraction = full_every, max_delta_fraction
-        self.keep_bases = keep_bases
-        self.opts: dict[str, Any] = {"model": model, "features": spec, "quantize": quantize,
-                                     "activation": activation, "output_names": output_names}
-        self.pointer: pub.Pointer | None = None
-        self.history: list[pub.Pointer] = []
-        self.sequence: int | None = None
-        self.prev_full: str | None = None
-        self.base_bytes = 0
-
-    def publish(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Publish ``job`` (``checkpoint``, ``step``, ``window``, ``window_files``,
-        ``blocked_s``); the record as a dict (``PublishRecord``'s fields). Never raises."""
-        t0 = time.perf_counter()
-        made: list[str] = []
-        base = {"step": job["step"], "window": job["window"], "blocked_s": job["blocked_s"],
-                "checkpoint": job["checkpoint"]}
-        try:
-            from recsys_trainer.checkpoint import layout
-
-            with layout.reading(job["checkpoint"]):
-                rec = self._publish(job, made)
-        except Exception as e:  # noqa: BLE001 - reported; a publish never stops training
-            for d in made:
-                shutil.rmtree(d, ignore_errors=True)
-            return {**base, "sequence": self.sequence if self.sequence is not None else -1,
-                    "kind": "failed", "ref": None, "bytes": 0,
-                    "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
-        rec.update(base, seconds=time.perf_counter() - t0, error=None)
-        try:
-            root = storage.resolve(self.location, self.filesystem)
-            assert self.pointer is not None
-            rec["rotated"] = pub.rotate(root, self.keep_bases, self.pointer, history=self.history)
-            kept = set(pub.list_artifacts(root))
-            self.history = [p for p in self.history if p.base in kept]
-        except Exception as e:  # noqa: BLE001 - rotation is tried again after the next publish
-            rec["rotation_error"] = f"{type(e).__name__}: {e}"
-        return rec
-
-    def _window_time(self, files: list[str]) -> float | None:
-        if not files:
-            return None
-        folder = files[0].rsplit("/", 1)[0]
-        try:
-            info = storage.file_info(storage.resolve(f"{folder}/_SUCCESS", self.window_filesystem))
-        except (OSError, ValueError):
-            return None
-        if info.type != pafs.FileType.File or info.mtime is None:
-            return None
-        return float(info.mtime.timestamp())
-
-    def _publish(self, job: dict[str, Any], made: list[str]) -> dict[str, Any]:
-        from recsys_trainer.serving.export import export_delta, export_for_serving
-
-        root = storage.resolve(self.location, self.filesystem)
-        if self.sequence is None:
-            existing = pub.read_pointer(root)
-            self.sequence = existing.sequence if existing is not None else 0
-        self.sequence += 1  # never reused, even when this publish fails
-        seq, step, window = self.sequence, int(job["step"]), job["window"]
-        window_time = self._window_time(job["window_files"])
-        prev = self.pointer
-        full_dir: str | None = None
-        if prev is not None and self.prev_full is not None and len(prev.deltas) < self.full_every:
-            name = pub.artifact_name(seq, step, prev.base.partition("/")[2])
-            local_delta = os.path.join(self.stage, f"delta-{name}")
-            full_dir = os.path.join(self.stage, f"full-{name}")
-            made += [local_delta, full_dir]
-            summary = export_delta(job["checkpoint"], self.prev_full, local_delta,
-                                   full_out_dir=full_dir, **self.opts)
-            if summary.bytes <= self.max_delta_fraction * self.base_bytes:
-                ref = f"{pub.DELTAS}/{name}"
-                n = self._upload(local_delta, root, ref)
-                shutil.rmtree(local_delta, ignore_errors=True)
-                pointer = pub.Pointer(seq, prev.base, (*prev.deltas, ref), step,
-                                      _content_hash(full_dir), window, window_time, time.time())
-                pub.write_pointer(root, pointer)
-                self._commit(pointer, full_dir, None)
-                return {"sequence": seq, "kind": "delta", "ref": ref, "bytes": n}
-            logger.info("the delta of step %d is %d bytes, over %.0f%% of the base's %d: "
-                        "publishing a new base", step, summary.bytes,
-                        100 * self.max_delta_fraction, self.base_bytes)
-            shutil.rmtree(local_delta, ignore_errors=True)
-        name = pub.artifact_name(seq, step)
-        if full_dir is None:
-            full_dir = os.path.join(self.stage, f"full-{name}")
-            made.append(full_dir)
-            export_for_serving(job["checkpoint"], full_dir, **self.opts)
-        ref = f"{pub.BASES}/{name}"
-        n = self._upload(full_dir, root, ref)
-        pointer = pub.Pointer(seq, ref, (), step, _content_hash(full_dir), window, window_time,
-                              time.time())
-        pub.write_pointer(root, pointer)
-        self._commit(pointer, full_dir, n)
-        return {"sequence": seq, "kind": "base", "ref": ref, "bytes": n}
-
-    def _commit(self, pointer: pub.Pointer, full_dir: str, base_bytes: int | None) -> None:
-        """The publish is visible: its full state becomes the next delta's base."""
-        if self.prev_full is not None and self.prev_full != full_dir:
-            shutil.rmtree(self.prev_full, ignore_errors=True)
-        self.prev_full = full_dir
-        self.pointer = pointer
-        self.history.append(pointer)
-        if base_bytes is not None:
-            self.base_bytes = base_bytes
-
-    def _upload(self, local_dir: str, root: storage.Location, ref: str) -> int:
-        """Copy the committed artifact ``local_dir`` to ``ref`` under the location with the
-        artifacts' commit protocol (manifest, files, ``COMMITTED`` last); returns its bytes."""
-        from recsys_trainer.serving import manifest as mf
-        from recsys_trainer.serving.export import write_artifact
-
-        with open(os.path.join(local_dir, mf.MANIFEST), "rb") as f:
-            manifest = json.loads(f.read())
-        files = {}
-        for name in manifest["files"]:
-            with open(os.path.join(local_dir, *name.split("/")), "rb") as f:
-                files[name] = f.read()
-        return write_artifact(pub.artifact_location(root, ref).url, manifest, files,
-                              self.filesystem)
-
-
-def _content_hash(full_dir: str) -> str:
-    with open(os.path.join(full_dir, "manifest.json"), "rb") as f:
-        return str(json.loads(f.read())["content_hash"])
-
-
 def _skeleton(live: nn.Module) -> nn.Module:
     """An unsharded stand-in of ``live`` for exports from its checkpoints: a CPU copy of its
     dense part, and its embedding collections rebuilt on ``meta`` from their configurations."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-    from recsys_trainer.serving.export import _dense_copy, _weighted, table_modules
+    from recsys_trainer.serving.model_parts import dense_copy, table_modules, weighted
 
     modules = table_modules(live)
     dynamic = [tm.owner for tm in modules if tm.dynamic]
@@ -271,57 +132,18 @@ def _skeleton(live: nn.Module) -> nn.Module:
             f"PublishHook cannot rebuild the dynamic or managed-collision tables {dynamic} "
             "from their sharded form; pass PublishHook(model=...): an unsharded instance of "
             "the trained architecture (its tables may be on the meta device).")
-    shell = _dense_copy(live, modules).to("cpu")
+    shell = dense_copy(live, modules).to("cpu")
     meta = torch.device("meta")
     for tm in modules:
         stand_in: nn.Module
         if tm.kind == "pooled":
             stand_in = EmbeddingBagCollection(tables=list(tm.configs),
-                                              is_weighted=_weighted(tm.module), device=meta)
+                                              is_weighted=weighted(tm.module), device=meta)
         else:
             stand_in = EmbeddingCollection(tables=list(tm.configs), device=meta)
         parent, _, name = tm.owner.rpartition(".")
         setattr(shell.get_submodule(parent), name, stand_in)
     return shell
-
-
-def _worker_main(init_path: str) -> None:
-    """The publisher process: jobs are JSON lines on stdin, records JSON lines on the original
-    stdout (everything else it prints goes to stderr). When jobs queue up, only the newest is
-    published (the others are answered ``superseded``). Ends at EOF."""
-    results = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(levelname)s:publisher:%(name)s:%(message)s")
-    logging.getLogger("recsys_trainer").setLevel(logging.INFO)
-    # Background work: one thread, and a lower priority than the training process it serves.
-    torch.set_num_threads(1)
-    with contextlib.suppress(OSError):
-        os.nice(10)
-    init = torch.load(init_path, weights_only=False)
-    publisher = _Publisher(**init)
-    buffer, eof = b"", False
-    while not eof:
-        if b"\n" not in buffer:
-            data = os.read(0, 1 << 16)
-            if not data:
-                break
-            buffer += data
-        while select.select([0], [], [], 0)[0]:
-            data = os.read(0, 1 << 16)
-            if not data:
-                eof = True
-                break
-            buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        jobs = [json.loads(line) for line in lines if line.strip()]
-        for old in jobs[:-1]:
-            print(json.dumps({"sequence": -1, "kind": "superseded", "ref": None, "bytes": 0,
-                              "seconds": 0.0, "step": old["step"], "window": old["window"],
-                              "blocked_s": old["blocked_s"], "checkpoint": old["checkpoint"],
-                              "error": None}), file=results, flush=True)
-        if jobs:
-            print(json.dumps(publisher.publish(jobs[-1])), file=results, flush=True)
 
 
 # ---------------------------------------------------------------------- the hook
@@ -405,7 +227,7 @@ class PublishHook(Hook):
         self._init_path: str | None = None
         self._stage: str | None = None
         self._own_stage = False
-        self._local: _Publisher | None = None
+        self._local: Publisher | None = None
         self._trained = False
 
     # ------------------------------------------------------------------ events
@@ -438,7 +260,7 @@ class PublishHook(Hook):
                 "keep_bases": self.keep_bases, "quantize": self.quantize,
                 "activation": self.activation, "output_names": self.output_names}
         if not self.background:
-            self._local = _Publisher(**init)
+            self._local = Publisher(**init)
             return
         self._init_path = os.path.join(self._stage, "publisher-init.pt")
         torch.save(init, self._init_path)

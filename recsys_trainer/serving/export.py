@@ -11,10 +11,11 @@ saves, blocking, so that the export is of a committed step):
    and its routing rule (``routing.py``);
 3. the rest of the model (a copy without its embedding modules, loaded with the checkpoint's
    dense state) is exported with ``torch.export`` around its ``serving_logits`` method (the
-   serving contract below), and with AOTInductor when asked;
+   serving contract below), and with AOTInductor when asked (``model_parts.py``);
 4. the ``FeatureSpec`` (every transform) and its vocabularies are written as JSON;
-5. every file is written, then ``manifest.json`` (sizes, sha256s, content hash), then
-   ``COMMITTED`` **last**, as checkpoints commit; a directory without it is never loaded.
+5. ``manifest.json`` (sizes, sha256s, content hash) is written, then every file, then
+   ``COMMITTED`` **last**, as checkpoints commit; a directory without it is never loaded
+   (``artifact.py``).
 
 **The serving contract** a model implements (the bundled ``DLRMClassifier``,
 ``DINClassifier`` and ``MMoEClassifier`` do)::
@@ -32,9 +33,7 @@ saves, blocking, so that the export is of a committed step):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -49,14 +48,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
-from torchrec.distributed.embedding import ShardedEmbeddingCollection
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.mc_embedding_modules import (
-    BaseShardedManagedCollisionEmbeddingCollection,
-)
-from torchrec.modules.embedding_configs import PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
 
 import recsys_trainer
 from recsys_trainer import storage
@@ -64,14 +55,22 @@ from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData
-from recsys_trainer.dynamic import (
-    EMPTY_SLOT,
-    DynamicEmbeddingBagCollection,
-    rows_key,
-    unmix_ids,
-)
+from recsys_trainer.dynamic import EMPTY_SLOT, rows_key, unmix_ids
 from recsys_trainer.serving import delta as dl
 from recsys_trainer.serving import manifest as mf
+from recsys_trainer.serving.artifact import write_artifact
+from recsys_trainer.serving.model_parts import (
+    TableModule,
+    aot_package,
+    check_contract,
+    dense_copy,
+    example_inputs,
+    export_program,
+    on_host,
+    program_bytes,
+    table_modules,
+    weighted,
+)
 from recsys_trainer.serving.quantize import QUANTIZATIONS, quantize
 from recsys_trainer.serving.routing import RULE, Routing
 from recsys_trainer.validation import check_choice, check_type
@@ -126,139 +125,6 @@ class ExportSummary:
     aot_inductor_error: str | None = None
 
 
-@dataclass
-class _TableModule:
-    path: str
-    """The state-dict prefix of the tables (the collection's name in the model)."""
-    owner: str
-    """The module an export copy replaces (a ``DynamicEmbeddingBagCollection`` for its tables)."""
-    kind: str
-    """``pooled`` / ``sequence``."""
-    configs: list[Any]
-    dynamic: bool
-    pooling: dict[str, str]
-    """Per table: ``sum`` / ``mean`` / ``none``."""
-    module: nn.Module
-
-
-def _is_table_module(m: nn.Module) -> bool:
-    return isinstance(m, EmbeddingBagCollection | ShardedEmbeddingBagCollection | EmbeddingCollection
-                      | ShardedEmbeddingCollection | DynamicEmbeddingBagCollection
-                      | ManagedCollisionEmbeddingCollection
-                      | BaseShardedManagedCollisionEmbeddingCollection)
-
-
-def _weighted(m: nn.Module) -> bool:
-    f = getattr(m, "is_weighted", None)
-    return bool(f()) if callable(f) else bool(getattr(m, "_is_weighted", False))
-
-
-def _pooling(config: Any) -> str:
-    return "mean" if config.pooling == PoolingType.MEAN else "sum"
-
-
-def table_modules(model: nn.Module) -> list[_TableModule]:
-    """The embedding modules of ``model`` (unsharded or sharded), outermost only."""
-    out: list[_TableModule] = []
-    skip: list[str] = []
-    for path, m in model.named_modules():
-        if any(path.startswith(p + ".") for p in skip) or not _is_table_module(m):
-            continue
-        skip.append(path)
-        if isinstance(m, DynamicEmbeddingBagCollection):
-            cfgs = m.embedding_bag_configs()
-            inner = m.collection_name
-            out.append(_TableModule(f"{path}.{inner}" if path else inner, path, "pooled", cfgs,
-                                    True, {c.name: _pooling(c) for c in cfgs},
-                                    getattr(m, inner)))
-        elif isinstance(m, ManagedCollisionEmbeddingCollection):
-            cfgs = m._embedding_module.embedding_configs()  # type: ignore[operator]
-            out.append(_TableModule(path, path, "sequence", cfgs, True,
-                                    {c.name: "none" for c in cfgs}, m))
-        elif isinstance(m, BaseShardedManagedCollisionEmbeddingCollection):
-            cfgs = m._embedding_module._embedding_configs  # type: ignore[union-attr]
-            out.append(_TableModule(path, path, "sequence", list(cfgs), True,  # type: ignore[arg-type]
-                                    {c.name: "none" for c in cfgs}, m))  # type: ignore[union-attr]
-        elif isinstance(m, EmbeddingBagCollection | ShardedEmbeddingBagCollection):
-            cfgs = m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) \
-                else m._embedding_bag_configs
-            out.append(_TableModule(path, path, "pooled", list(cfgs), False,
-                                    {c.name: _pooling(c) for c in cfgs}, m))
-        else:
-            cfgs = m.embedding_configs() if isinstance(m, EmbeddingCollection) \
-                else m._embedding_configs  # type: ignore[union-attr]
-            out.append(_TableModule(path, path, "sequence", list(cfgs), False,  # type: ignore[arg-type]
-                                    {c.name: "none" for c in cfgs}, m))  # type: ignore[union-attr]
-    return out
-
-
-def _dense_copy(model: nn.Module, modules: list[_TableModule]) -> nn.Module:
-    """A copy of ``model`` without its embedding modules (each replaced by an empty module
-    while copying): the dense part, small whatever the tables' size, sharded or not."""
-    swapped: list[tuple[nn.Module, str, nn.Module]] = []
-    for tm in modules:
-        if not tm.owner:
-            raise ValueError("the model is itself an embedding collection: nothing dense to export.")
-        parent_path, _, name = tm.owner.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        swapped.append((parent, name, getattr(parent, name)))
-    try:
-        for parent, name, _ in swapped:
-            setattr(parent, name, nn.Module())
-        return copy.deepcopy(model)
-    finally:
-        for parent, name, original in swapped:
-            setattr(parent, name, original)
-
-
-def _on_host(dense_model: nn.Module, dense_state: Mapping[str, torch.Tensor]) -> nn.Module:
-    """``dense_model`` with the checkpoint's ``dense_state`` and every tensor on the CPU.
-
-    The export crosses from the model's device to the host here: a serving artifact is traced
-    and scored on the CPU whatever the model trained on, so a copy of a model on CUDA (or on
-    ``meta``, for a model built only to name the architecture) must not keep its device.
-    ``assign=True`` takes the checkpoint's host tensors as the parameters and buffers instead of
-    copying them into the device ones; what the checkpoint does not hold (non-persistent
-    buffers, e.g. position indices) is then moved. Values keep the model's dtypes, as a copy into
-    its tensors would (a model built in another precision for serving exports in that one).
-    """
-    dtypes = {k: t.dtype for k, t in dense_model.state_dict(keep_vars=True).items()}
-    dense_model.load_state_dict(
-        {k: v.to(dtypes[k]) if k in dtypes and v.dtype != dtypes[k] else v
-         for k, v in dense_state.items()}, strict=True, assign=True)
-    left = [n for n, t in [*dense_model.named_parameters(), *dense_model.named_buffers()]
-            if t.device.type == "meta"]
-    if left:
-        raise ValueError(
-            f"{type(dense_model).__name__} holds {left[:5]} on the meta device and the checkpoint "
-            "does not hold them (non-persistent buffers), so the export cannot give them values; "
-            "build the model with its dense part on the CPU (only tables may be on meta).")
-    return dense_model.to("cpu")
-
-
-class _Program(nn.Module):
-    """What is exported: the model's ``serving_logits``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
-                sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model.serving_logits(dense, pooled, sequences, lengths)  # type: ignore[operator]
-
-
-def _check_contract(model: nn.Module, has_sequences: bool) -> None:
-    if not callable(getattr(model, "serving_logits", None)):
-        raise TypeError(
-            f"{type(model).__name__} has no `serving_logits(dense, pooled, sequences, lengths)` "
-            "method, which an export needs (the dense part without the embedding lookups); see "
-            "recsys_trainer.serving.export and docs/serving.md for the contract.")
-    if has_sequences and not callable(getattr(model, "serving_sequence_lengths", None)):
-        raise TypeError(f"{type(model).__name__} reads sequence features but has no "
-                        "`serving_sequence_lengths()` (the padded length per feature).")
-
-
 # ------------------------------------------------------------------------ building
 
 @dataclass
@@ -269,7 +135,7 @@ class _Built:
     aot_error: str | None
 
 
-def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: str | None,
+def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: str | None,
                    fallback_per_shard: Mapping[str, int]) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     entries: list[dict[str, Any]] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -282,7 +148,7 @@ def _table_tensors(tm: _TableModule, state: Mapping[str, torch.Tensor], quant: s
         name = c.name
         entry: dict[str, Any] = {
             "name": name, "kind": tm.kind, "rows": int(c.num_embeddings), "dim": int(c.embedding_dim),
-            "pooling": tm.pooling[name], "weighted": _weighted(tm.module),
+            "pooling": tm.pooling[name], "weighted": weighted(tm.module),
             "features": list(c.feature_names), "quantization": quant, "tensor": None, "dynamic": None,
         }
         if not tm.dynamic:
@@ -324,54 +190,6 @@ def fallback_rows_per_shard(ckpt: layout.Where) -> dict[str, int]:
     extra = contents.load_extra(info.where.join(contents.extra_file_name(0)), info.step)
     tables = (extra.get("dynamic_tables") or {}).get("tables", {})
     return {t: int(st.get("fallback_per_shard", 1)) for t, st in tables.items()}
-
-
-def _example_inputs(model: nn.Module, spec: FeatureSpec, modules: list[_TableModule],
-                    lengths: Mapping[str, int]) -> tuple[Any, ...]:
-    b = 2  # not 0 or 1: torch.export specialises those sizes
-    pooled = {f: torch.zeros(b, c.embedding_dim) for tm in modules if tm.kind == "pooled"
-              for c in tm.configs for f in c.feature_names}
-    dims = {f: c.embedding_dim for tm in modules if tm.kind == "sequence" for c in tm.configs
-            for f in c.feature_names}
-    missing = sorted(set(lengths) - set(dims))
-    if missing:
-        raise ValueError(f"serving_sequence_lengths() names {missing}, which no sequence table of "
-                         f"the model reads (they read {sorted(dims)}).")
-    sequences = {f: torch.zeros(b, n, dims[f]) for f, n in lengths.items()}
-    lens = {f: torch.full((b,), n, dtype=torch.int64) for f, n in lengths.items()}
-    return (torch.zeros(b, spec.num_dense), pooled, sequences, lens)
-
-
-def _export_program(dense_model: nn.Module, example: tuple[Any, ...]) -> Any:
-    batch = torch.export.Dim("batch", min=1)
-    shapes = ({0: batch}, {f: {0: batch} for f in example[1]}, {f: {0: batch} for f in example[2]},
-              {f: {0: batch} for f in example[3]})
-    program = _Program(dense_model).eval()
-    with torch.no_grad():
-        return torch.export.export(program, example, dynamic_shapes=shapes)
-
-
-def _program_bytes(ep: Any) -> bytes:
-    # No example inputs in the archive: they are its only pickled member (see
-    # scorer.check_program_archive).
-    example = ep._example_inputs
-    ep._example_inputs = None
-    try:
-        buf = io.BytesIO()
-        torch.export.save(ep, buf)
-    finally:
-        ep._example_inputs = example  # AOTInductor compiles from them
-    return buf.getvalue()
-
-
-def _aot_package(ep: Any, tmp_dir: str) -> tuple[bytes | None, str | None]:
-    path = os.path.join(tmp_dir, mf.AOTI_PROGRAM)
-    try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=path)  # type: ignore[attr-defined]
-        with open(path, "rb") as f:
-            return f.read(), None
-    except Exception as e:  # noqa: BLE001 - reported in the manifest and the summary
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
 
 
 def _resolve_vocabs(spec: FeatureSpec, ckpt: str) -> FeatureSpec:
@@ -436,7 +254,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
         raise ValueError(f"{type(model).__name__} has no embedding tables to export.")
     lengths = dict(model.serving_sequence_lengths()) if any(  # type: ignore[operator]
         tm.kind == "sequence" for tm in modules) else {}
-    _check_contract(model, bool(lengths))
+    check_contract(model, bool(lengths))
     spec = _resolve_vocabs(features, info.path)
 
     tables: list[dict[str, Any]] = []
@@ -450,7 +268,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
     if len(set(names)) != len(names):
         raise ValueError(f"table names must be unique across the model's collections: {names}.")
 
-    dense_model = _dense_copy(model, modules)
+    dense_model = dense_copy(model, modules)
     table_prefixes = tuple(f"{tm.owner}." for tm in modules)
     dense_state = {k: v for k, v in state.items() if not k.startswith(table_prefixes)}
     expected = set(dense_model.state_dict())
@@ -459,9 +277,9 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
         raise ValueError(f"the checkpoint does not fit the model's dense part: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}; pass the model the checkpoint was trained "
                          "with.")
-    dense_model = _on_host(dense_model, dense_state)
-    example = _example_inputs(dense_model, spec, modules, lengths)
-    ep = _export_program(dense_model.eval(), example)
+    dense_model = on_host(dense_model, dense_state)
+    example = example_inputs(dense_model, spec, modules, lengths)
+    ep = export_program(dense_model.eval(), example)
     with torch.no_grad():
         width = ep.module()(*example)
     outputs = _output_names(spec, 1 if width.dim() == 1 else int(width.shape[1]), output_names)
@@ -469,11 +287,11 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
     features_json, files = mf.spec_to_json(spec)
     features_json["id_kinds"] = _trained_id_kinds(info, spec)
     files[mf.TABLES] = save_safetensors(tensors)
-    files[mf.PROGRAM] = _program_bytes(ep)
+    files[mf.PROGRAM] = program_bytes(ep)
     aot_error: str | None = None
     if aot_inductor:
         with tempfile.TemporaryDirectory() as tmp:
-            data, aot_error = _aot_package(ep, tmp)
+            data, aot_error = aot_package(ep, tmp)
         if data is not None:
             files[mf.AOTI_PROGRAM] = data
     features_canon = json.dumps(features_json, sort_keys=True).encode()
@@ -511,80 +329,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
     return _Built(manifest=manifest, files=files, tensors=tensors, aot_error=aot_error)
 
 
-# ------------------------------------------------------------------------ writing
-
-def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, bytes],
-                   filesystem: Any = None) -> int:
-    """Write ``manifest.json``, then ``files``, then ``COMMITTED`` (the manifest's sha256) last.
-    An existing committed artifact there is refused (artifacts are immutable); an export that
-    never committed is removed first, but only one provably ours (``_uncommitted_export``).
-    Returns the bytes written."""
-    root = storage.resolve(out_dir, filesystem)
-    if layout.exists(root.join(mf.MARKER)):
-        raise FileExistsError(f"{root.url!r} already holds a committed serving artifact; export "
-                              "into a new directory (artifacts are never overwritten).")
-    if layout.is_dir(root):
-        refusal = _uncommitted_export(root)
-        if refusal is not None:
-            raise FileExistsError(
-                f"{root.url!r} exists and {refusal}; export into a new or empty directory (it "
-                "is not cleared: it may hold your checkpoints, other artifacts or other files), "
-                "or remove what is there yourself if it is an export that died.")
-        layout.remove_tree(root)  # an export of ours that died before its marker
-    body = dl.dumps(manifest)
-    # A full or read-only disk: name the artifact (the OS error names no file, or a temporary
-    # one); what was written stays uncommitted, and the next export clears it.
-    with storage.errors_named(root.url, "write"):
-        layout.make_dir(root)
-        # The manifest first: a directory an export dies in then holds the manifest that lists
-        # every file it may have written, which is what lets the next export clear it.
-        layout.write_bytes(root.join(mf.MANIFEST), body)
-        if any("/" in n for n in files):
-            layout.make_dir(root.join(mf.VOCAB_DIR))
-        total = 0
-        for name, data in sorted(files.items()):
-            layout.write_bytes(root.join(name), data)
-            total += len(data)
-        layout.write_bytes(root.join(mf.MARKER), json.dumps(
-            {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
-    return total + len(body)
-
-
-def _uncommitted_export(root: storage.Location) -> str | None:
-    """None when the directory ``root`` (no marker) is empty or provably an export of ours that
-    did not commit: its ``manifest.json`` parses as one (``schema_version``, ``kind``,
-    ``files``) and every name there is the manifest or a file it lists (or their temporary
-    files). Else what is there and why it is not cleared: names alone prove nothing (a user's
-    ``manifest.json`` or ``vocab/words.json`` has the names an export writes)."""
-    def final(name: str) -> str:  # the name a temporary file is renamed to
-        return name.split(".tmp.", 1)[0]
-
-    names = sorted(layout.list_names(root))
-    if not names:
-        return None
-    found = list(names)
-    if mf.VOCAB_DIR in names and layout.is_dir(root.join(mf.VOCAB_DIR)):
-        found.remove(mf.VOCAB_DIR)
-        found += [f"{mf.VOCAB_DIR}/{n}" for n in sorted(layout.list_names(root.join(mf.VOCAB_DIR)))]
-    data = layout.read_bytes(root.join(mf.MANIFEST)) if mf.MANIFEST in names else None
-    try:
-        manifest = json.loads(data.decode()) if data is not None else None
-    except (UnicodeDecodeError, ValueError):
-        manifest = None
-    ours = (isinstance(manifest, dict) and isinstance(manifest.get("schema_version"), int)
-            and manifest.get("kind") in ("full", "delta") and isinstance(manifest.get("files"), dict))
-    if not ours:
-        why = ("no manifest.json" if data is None else
-               "a manifest.json that is not a serving export's (no schema_version, kind, files)")
-        return f"holds {found[:5]} with {why}, so it is not an unfinished serving export"
-    assert isinstance(manifest, dict)
-    listed = {mf.MANIFEST, *manifest["files"]}
-    foreign = [n for n in found if final(n) not in listed]
-    if foreign:
-        return (f"holds {foreign[:5]}, which its manifest.json does not list, so it is not (only) "
-                "an unfinished serving export")
-    return None
-
+# ------------------------------------------------------------------------ entry points
 
 def _on_rank_zero(trainer: Any, work: Any) -> Any:
     """Run ``work()`` on rank 0; every rank gets its result, or raises its error."""
