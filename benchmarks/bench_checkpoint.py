@@ -112,7 +112,7 @@ def bench(rows: int, dim: int, root: str, threads: list[int], repeats: int,
         nonlocal step
         step += 1
         trainer.state.global_step = step
-        mgr.save_concurrency_per_rank = n_threads
+        mgr.settings.save_concurrency_per_rank = n_threads
         if dist.is_initialized():
             dist.barrier()
         mgr.save(blocking=blocking)

@@ -788,7 +788,7 @@ def c_leg(role: str, out: str, device: str, async_save: bool, info_file: str) ->
                 json.dump({"step": trainer.state.global_step, "committed": committed_steps(out),
                            "save_in_flight": bool(manager.in_flight),
                            "save_pending_uncollected": pending is not None,
-                           "async_mode": bool(manager.async_save),
+                           "async_mode": bool(manager.settings.async_save),
                            "staged_saves": list(staged_steps),
                            "staged_bytes": int(staging.nbytes) if staging is not None else 0,
                            "device": str(trainer.device), "pid": os.getpid()}, f)

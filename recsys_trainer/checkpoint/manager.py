@@ -120,28 +120,20 @@ class CheckpointManager:
         **fields: Any,
     ) -> None:
         # The settings are the section whole (one declaration of their defaults and checks);
-        # `fields` (save_steps=..., max_to_keep=...) are a shorthand for a section of them.
+        # `fields` (save_steps=..., max_to_keep=...) are a shorthand for a section of them. A
+        # copy: changing the run's arguments afterwards does not change a built manager.
         s = settings if settings is not None else CheckpointArguments()
-        self.settings: CheckpointArguments = dataclasses.replace(s, **fields) if fields else s
+        self.settings: CheckpointArguments = dataclasses.replace(s, **fields)
         """What, when and how this manager saves (``TrainingArguments.checkpoint``)."""
         s = self.settings
         self.output_dir = output_dir
         self._filesystem = filesystem
         self._out = self._locate(output_dir)
-        self.save_steps = s.save_steps
-        self.save_every_n_rows = s.save_every_n_rows
-        self.save_every_n_windows = s.save_every_n_windows
-        self.save_every_n_epochs = s.save_every_n_epochs
-        self.save_end = s.save_end
-        self.save_concurrency_per_rank = s.save_concurrency_per_rank
-        self.async_save = s.async_save
-        self.resume_from = s.resume_from
         self.model_bank = model_bank_sources(s.model_bank)
         self.key_filter = contents.KeyFilter(s.params_not_save, s.save_filter_fn)
         self.policy = rotation.RetentionPolicy(s.max_to_keep, s.keep_every_n_hours,
                                                s.keep_best_metric, s.keep_best_mode)
         self.verify_checksums = verify_checksums
-        self.reshard_data_position = s.reshard_data_position
         self._gang = gang
         self.collective_timeout_s = collective_timeout_s
         self._lock = lock_for(self._out, lease_ttl_s)
@@ -250,7 +242,7 @@ class CheckpointManager:
                 logger.info("loading the model of %s (step %d) for scoring", source.path,
                             source.step)
                 self._load_and_notify(source, mode="scoring",
-                                      verified=self.resume_from == "auto")
+                                      verified=self.settings.resume_from == "auto")
             elif self.model_bank:
                 warm_start(self._components, self.model_bank, gang)
             return source
@@ -266,35 +258,35 @@ class CheckpointManager:
         source = self._choose_source(may_quarantine=self.will_save())
         if source is not None:
             logger.info("resuming from %s (step %d)", source.path, source.step)
-            self._load_and_notify(source, mode="training", verified=self.resume_from == "auto")
+            self._load_and_notify(source, mode="training", verified=self.settings.resume_from == "auto")
             self._resumed_step = source.step
         elif self.model_bank:
             warm_start(self._components, self.model_bank, gang)
         if self.will_save():
             resume.check_no_foreign_checkpoints(
                 contents.counters(self._components)["global_step"], source, out=self._out,
-                output_dir=self.output_dir, resume_from=self.resume_from)
+                output_dir=self.output_dir, resume_from=self.settings.resume_from)
         self._prepare_staging()
         self._rows_at_last_step = contents.counters(self._components).get("rows_seen", 0)
         return source
 
     def _choose_source(self, may_quarantine: bool) -> layout.CheckpointInfo | None:
         return resume.choose_source(
-            self.gang, resume_from=self.resume_from, out=self._out, output_dir=self.output_dir,
+            self.gang, resume_from=self.settings.resume_from, out=self._out, output_dir=self.output_dir,
             verify_checksums=self.verify_checksums, may_quarantine=may_quarantine,
             locate=self._locate)
 
     def will_save(self) -> bool:
         """Whether this run saves checkpoints (any save trigger is set)."""
-        triggers = (self.save_steps, self.save_every_n_rows, self.save_every_n_windows,
-                    self.save_every_n_epochs)
-        return self.save_end or any(t is not None for t in triggers)
+        triggers = (self.settings.save_steps, self.settings.save_every_n_rows, self.settings.save_every_n_windows,
+                    self.settings.save_every_n_epochs)
+        return self.settings.save_end or any(t is not None for t in triggers)
 
     def _prepare_staging(self) -> None:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes
         seconds for big tables, so do it now, on a helper thread, while the loop trains, instead
         of inside the first save. Only when this run will save asynchronously."""
-        if not self.async_save or not self.will_save():
+        if not self.settings.async_save or not self.will_save():
             return
         try:
             self._stager.prepare(contents.tensor_state(self._components, self.key_filter))
@@ -305,32 +297,32 @@ class CheckpointManager:
         """After each optimizer step: commit a finished async save; ``save_steps`` or
         ``save_every_n_rows``."""
         self._poll()
-        if self.save_steps is None and self.save_every_n_rows is None:
+        if self.settings.save_steps is None and self.settings.save_every_n_rows is None:
             return  # no step or row trigger: skip reading the counters after every step
         counters = contents.counters(self._components)
         rows, rows_before = counters.get("rows_seen", 0), self._rows_at_last_step
         self._rows_at_last_step = rows
-        n = self.save_every_n_rows
-        if (self.save_steps is not None and counters["global_step"] % self.save_steps == 0) or (
+        n = self.settings.save_every_n_rows
+        if (self.settings.save_steps is not None and counters["global_step"] % self.settings.save_steps == 0) or (
                 n is not None and rows // n > rows_before // n):
             self.save()
 
     def on_window_end(self) -> None:
         """After a train window is finished (its resume position moved on)."""
         self.windows_done += 1
-        n = self.save_every_n_windows
+        n = self.settings.save_every_n_windows
         if n is not None and self.windows_done % n == 0:
             self.save()
 
     def on_epoch_end(self) -> None:
         """After an epoch is finished (the epoch counter moved on)."""
-        n = self.save_every_n_epochs
+        n = self.settings.save_every_n_epochs
         if n is not None and contents.counters(self._components)["epoch"] % n == 0:
             self.save()
 
     def on_train_end(self) -> None:
         """When training ends normally: ``save_end``, then wait for the save to commit."""
-        if self.save_end:
+        if self.settings.save_end:
             self.save()
         self.wait()
         self._lock.release()
@@ -365,7 +357,7 @@ class CheckpointManager:
         if layout.is_committed(loc):
             logger.info("checkpoint %s is already committed; not saving step %d again", path, step)
             return path
-        blocking = (not self.async_save) if blocking is None else blocking
+        blocking = (not self.settings.async_save) if blocking is None else blocking
         self._save(step, loc, blocking)
         return path
 
@@ -460,7 +452,7 @@ class CheckpointManager:
         wrap ``CheckpointManager._write`` to slow writes down."""
         manifest = write_checkpoint(loc, tensors, extra, base, gang=self.gang, lock=self._lock,
                                     output_dir=self.output_dir,
-                                    threads=self.save_concurrency_per_rank)
+                                    threads=self.settings.save_concurrency_per_rank)
         if self.gang.rank == 0 and layout.same_place(layout.parent(loc), self._out):
             self._rotate(just_committed=base["step"])
         return manifest
@@ -507,7 +499,7 @@ class CheckpointManager:
                     resume.raise_verification_failure(info, failures, self.gang.world_size)
             windows_done = loading.load_checkpoint(
                 self._components, info, gang=self.gang, strict=strict, mode=mode,
-                key_filter=self.key_filter, reshard_data_position=self.reshard_data_position)
+                key_filter=self.key_filter, reshard_data_position=self.settings.reshard_data_position)
             if windows_done is not None:
                 self.windows_done = windows_done
         self._listener("after_load_checkpoint", path if path is not None else info.path)
