@@ -87,8 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _die_with_parent() -> None:
-    """In the writer before exec: SIGTERM it when this process dies (Linux)."""
+def _writer_preexec() -> None:
+    """In the writer before exec: ignore SIGINT, and get SIGTERM when this process dies (Linux).
+
+    torchrun and a terminal's Ctrl-C signal the whole process group, the writer included. The
+    Trainer acts on a preemption signal at its next batch, and a job waiting for the next
+    window has none: the writer keeps landing windows, so that the job reaches that batch,
+    saves and exits (130); then ``stop_writer`` ends the writer."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -106,7 +112,7 @@ def start_writer(a: argparse.Namespace) -> subprocess.Popen[bytes]:
               "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     log.info("starting the stream writer: %s", " ".join(cmd))
-    return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, env=env, preexec_fn=_writer_preexec)
 
 
 def stop_writer(proc: subprocess.Popen[bytes] | None) -> None:
@@ -134,8 +140,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(a: argparse.Namespace) -> None:
+    # Checkpoints after every window (the PublishHook's saves are these) and at a preemption
+    # (SIGTERM / Ctrl-C: the step every rank stopped after); a rerun resumes the newest.
     args = TrainingArguments(output_dir=a.output, log_steps=a.log_steps, resume_from="auto",
-                             max_to_keep=3)
+                             save_every_n_windows=a.publish_every, max_to_keep=3)
     seed_everything(args.seed)
     model = DLRMClassifier(SPARSE_COLUMNS, NUM_DENSE, a.num_embeddings, a.embedding_dim,
                            dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1))
