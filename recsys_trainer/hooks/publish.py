@@ -375,7 +375,7 @@ class PublishHook(Hook):
             [sys.executable, "-m", "recsys_trainer.hooks._publish_worker", self._init_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         assert self._proc.stdout is not None
-        threading.Thread(target=_pump, args=(self._proc.stdout, self._results),
+        threading.Thread(target=_pump, args=(self._proc.stdout, self._results, self.location),
                          name="recsys-publish-results", daemon=True).start()
 
     def _stop_worker(self, timeout: float) -> None:
@@ -425,11 +425,10 @@ class PublishHook(Hook):
         rec = PublishRecord(**fields)  # type: ignore[arg-type]
         self.records.append(rec)
         if rec.kind == "failed":
-            err = PublishError(f"publishing step {rec.step} to {self.location} failed: "
-                               f"{rec.error}")
+            err = _failure(self.location, raw)
             self.last_error = err
-            logger.error("PublishError: %s; LATEST is unchanged; trying again at the next "
-                         "period", err)
+            if not raw.get("logged"):  # the publisher's failures are logged as they arrive
+                _log_failure(err)
             return
         if rec.kind == "superseded":
             return
@@ -457,8 +456,25 @@ class PublishHook(Hook):
             time.sleep(0.05)
 
 
-def _pump(stream: IO[bytes], out: queue.Queue[bytes | None]) -> None:
+def _failure(location: str, raw: dict[str, Any]) -> PublishError:
+    return PublishError(f"publishing step {raw.get('step')} to {location} failed: "
+                        f"{raw.get('error')}")
+
+
+def _log_failure(err: PublishError) -> None:
+    logger.error("PublishError: %s; LATEST is unchanged; trying again at the next period", err)
+
+
+def _pump(stream: IO[bytes], out: queue.Queue[bytes | None], location: str) -> None:
+    """The publisher's reports, for ``_poll``. A failure is logged here, as it arrives: the
+    training thread takes reports in only at its resume points, which a stream waiting for its
+    next window does not reach (an outage would go unlogged until the next window)."""
     for line in stream:
+        with contextlib.suppress(ValueError, AttributeError):
+            raw = json.loads(line)
+            if raw.get("kind") == "failed":
+                _log_failure(_failure(location, raw))
+                line = json.dumps({**raw, "logged": True}).encode()
         out.put(line)
     out.put(None)
 
