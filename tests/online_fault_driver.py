@@ -17,12 +17,6 @@ itself (a machine dying mid-publish). What it saw is written to ``killed.json`` 
 already committed when first seen (the poller was descheduled) is let be, and the next train
 window's delta is caught instead.
 
-``pace`` (rank 0): at the resume point of every train window, wait until the publisher has
-reported that window's publish (``PublishHook.wait``), so that a failed publish is logged
-(``PublishError``) before the next window is trained, not at the next resume point, which a
-stream waiting for its next window does not reach; tests/test_publish.py paces its outage
-test the same way.
-
 At the end of training rank 0 writes its publish records to ``records.<attempt>.json``.
 """
 
@@ -92,17 +86,6 @@ class KillMidPublish(Hook):
         raise RuntimeError(f"no delta appeared under {self.deltas} in 120 s")
 
 
-class Pace(Hook):
-    """Rank 0: each train window's publish is reported before training goes on."""
-
-    def __init__(self, publish: PublishHook) -> None:
-        self.publish = publish
-
-    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
-        if point == "window":
-            assert self.publish.wait(120), "the publish was not reported in 120 s"
-
-
 def main() -> None:
     cfg: dict[str, Any] = json.load(open(sys.argv[1]))
     rank = int(os.environ.get("RANK", "0"))
@@ -124,8 +107,6 @@ def main() -> None:
     publish = PublishHook(cfg["location"], every_n_windows=1, full_every=10, filesystem=fs,
                           staging_dir=os.path.join(cfg["root"], f"stage{attempt}"))
     hooks: list[Hook] = [publish]
-    if cfg.get("pace") and rank == 0:
-        hooks.append(Pace(publish))
     if cfg.get("kill_window") and attempt == 0 and rank == 0:
         hooks.append(KillMidPublish(cfg["location"], publish, cfg["kill_window"],
                                     os.path.join(cfg["root"], "killed.json")))

@@ -368,7 +368,7 @@ def test_an_object_store_outage_is_named_on_both_sides_and_both_recover(tmp_path
         location = s3.url("online/faults")
         job = Job(tmp_path, {"data": data, "location": location, "s3": {
             "access_key": s3.access_key, "secret_key": s3.secret_key,
-            "host_port": s3.host_port}, "pace": True})
+            "host_port": s3.host_port}})
         (port,) = free_ports(1)
         server = Serve(location, port, tmp_path / "serve.log", env=s3.env())
         watch = PointerWatch(location, fs, every=0.1)
@@ -377,6 +377,8 @@ def test_an_object_store_outage_is_named_on_both_sides_and_both_recover(tmp_path
         server.wait_for(lambda: server.serves(p1), "the server at sequence 1")  # type: ignore[union-attr]
 
         s3.stop()  # the store is down for the next two windows' publishes
+        # Each failure is logged as the publisher reports it, while the job waits for the next
+        # window (not at the job's next resume point, which needs that window).
         errors_before = watch.store_errors
         for hour, n in ((1, 1), (2, 2)):
             _land(data, hour)
