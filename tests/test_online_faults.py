@@ -170,11 +170,12 @@ class PointerWatch:
         while not self._stop.is_set():
             try:
                 p = pub.read_pointer(self.root)
-                for ref in () if p is None else (p.base, *p.deltas):
-                    marker = pub.artifact_location(self.root, ref).join(mf.MARKER)
-                    if storage.file_info(marker).type != pafs.FileType.File:
-                        self.violations.append(f"sequence {p.sequence} names {ref}: no marker")
                 if p is not None:
+                    for ref in (p.base, *p.deltas):
+                        marker = pub.artifact_location(self.root, ref).join(mf.MARKER)
+                        if storage.file_info(marker).type != pafs.FileType.File:
+                            self.violations.append(f"sequence {p.sequence} names {ref}: "
+                                                   "no marker")
                     self.seen[p.sequence] = p
                 self.reads += 1
             except (storage.StorageError, OSError):
