@@ -1,7 +1,7 @@
 """Freshness of online learning, end to end: how long a landed window takes to reach the scores.
 
-    python benchmarks/bench_freshness.py [--windows 10] [--every-s 10] [--shift-at 4] [--ranks 2]
-                                         [--json OUT]
+    python benchmarks/bench_freshness.py [--windows 12] [--every-s 10] [--shift-at 5] [--ranks 2]
+                                         [--commit-wait] [--quick] [--json OUT]
 
 Real processes on 127.0.0.1 (issue 37, item 4):
 
@@ -10,8 +10,8 @@ Real processes on 127.0.0.1 (issue 37, item 4):
   ``_SUCCESS``) under ``s3://recsys-data/freshness/stream/window=NNN/`` every ``--every-s``
   seconds. **The planted effect**: a value of column ``C20`` ("the item") is rare and unpopular
   (in 1% of the rows, -1 on their click logit) up to window ``--shift-at`` - 1; from window
-  ``--shift-at`` on it is in 30% of the rows and strongly clicked (+2.5 on the logit). A model that keeps
-  learning picks that up; one frozen before the shift ranks those rows low;
+  ``--shift-at`` on it is in 30% of the rows and strongly clicked (+2.5 on the logit). A model
+  that keeps learning picks that up; one frozen before the shift ranks those rows low;
 * a **training job** under ``torchrun --nproc_per_node=--ranks`` (this file with ``--worker``):
   ``StreamingWindows`` over the S3 stream (polling every ``--stream-poll-s``), the example DLRM
   (26 hashed tables of ``--num-embeddings`` x 16), ``PublishHook(every_n_windows=1)`` to
@@ -22,14 +22,16 @@ Real processes on 127.0.0.1 (issue 37, item 4):
   GIL): ``--rate`` requests/s of ``--request-rows`` JSON rows each to ``POST /score``, from
   ``--concurrency`` keep-alive connections, all along the timed windows.
 
-Window 0 is landed first and is the **warm-up**: it includes starting the training job, the
-publisher and the server; its publish is the first base, which this process loads in its own
-``Scorer``: the **frozen** model. Windows 1..``--windows`` then land every ``--every-s`` s.
+The training job and the server are started first; once the job is ready (its
+``before_train``), windows 0..``--windows``-1 land every ``--every-s`` s. Once a model is
+served, the base of that first served state (the first published base, window 0's) is loaded in
+this process's own ``Scorer``: the **frozen** model; the load starts then.
 
-Definitions (what is reported per timed window W):
+Definitions (what is reported per window W):
 
 * **landed**: the unix time the writer's PUT of W's ``_SUCCESS`` returned (the pointer's
-  ``window_time`` is that object's mtime on the server; both are reported);
+  ``window_time`` is that object's mtime on the server: 0.03-0.13 s earlier in the runs in
+  docs/benchmarks.md; the JSON has the difference per window, ``window_time_skew_s``);
 * **freshness(W)** = the first ``loaded_at`` (the server's unix time of the swap, from
   ``GET /model``) of a served state whose ``window`` (the newest train window the published
   model reflects, from the ``LATEST`` pointer) is W or a later window, minus landed(W). "Or a
@@ -192,6 +194,7 @@ def worker(a: argparse.Namespace) -> None:
     hook = PublishHook(a.published, every_n_windows=1, full_every=a.full_every, keep_bases=2)
     ended: dict[str, float] = {}
     started: dict[str, float] = {}
+    commit_wait: dict[str, float] = {}
 
     class CommitWait(Hook):
         """``--commit-wait``: after the PublishHook's save at a window's end, wait for the
@@ -200,7 +203,10 @@ def worker(a: argparse.Namespace) -> None:
 
         def on_resume_point(self, trainer: Trainer, point: Any) -> None:
             if point == "window":
+                t = time.perf_counter()
                 trainer.checkpointer.wait()
+                commit_wait[trainer.state.window_id or str(len(commit_wait))] = \
+                    time.perf_counter() - t
 
     def ready(trainer: Trainer) -> None:
         if trainer.rank == 0:
@@ -226,7 +232,8 @@ def worker(a: argparse.Namespace) -> None:
     if trainer.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"records": [r.__dict__ for r in hook.records], "window_end": ended,
-                       "window_start": started, "steps": trainer.state.global_step}, f)
+                       "window_start": started, "commit_wait_s": commit_wait,
+                       "steps": trainer.state.global_step}, f)
     from recsys_trainer.distributed import shutdown
 
     shutdown()
@@ -574,6 +581,8 @@ def summarize(a: argparse.Namespace, landed: dict[int, float], monitor: Monitor,
             row["train_s"] = end - landed[w]
             if first is not None and first.get("window") == window_id(w):
                 row["to_publish_s"] = first["published_at"] - end
+        if window_id(w) in train.get("commit_wait_s", {}):
+            row["commit_wait_s"] = train["commit_wait_s"][window_id(w)]
         rec = records.get(window_id(w))
         if rec is not None:
             row.update(publish_kind=rec["kind"], export_upload_s=rec["seconds"],
@@ -640,6 +649,11 @@ def report(out: dict[str, Any]) -> None:
     sys.path.insert(0, HERE)
     from common import markdown_table
 
+    c = out["config"]
+    print(f"## Freshness: a window's landing to the served scores ({c['windows']} windows every "
+          f"{c['every_s']:g} s, effect from window {c['shift_at']}, {c['ranks']} ranks"
+          f"{', --commit-wait' if c['commit_wait'] else ''})")
+    print()
     header = ["window", "effect", "freshness s", "served as", "train s", "to publish s",
               "waiting s", "export+upload s", "follow s", "AUC served (model's window)",
               "AUC frozen"]
@@ -662,6 +676,13 @@ def report(out: dict[str, Any]) -> None:
          ["between swaps", q["between_swaps"]["n"], _f(q["between_swaps"]["p50_ms"]),
           _f(q["between_swaps"]["p99_ms"])]]))
     print()
+    waits = [r["commit_wait_s"] for r in out["windows"] if "commit_wait_s" in r]
+    blocked = [r["blocked_ms"] for r in out["windows"] if "blocked_ms" in r]
+    print(f"training loop blocked per publish (the save's snapshot and hand-over): median "
+          f"{_f(float(np.median(blocked)) if blocked else None)} ms, max "
+          f"{_f(max(blocked) if blocked else None)} ms"
+          + (f"; --commit-wait's wait for the commit: median {float(np.median(waits)):.2f} s, "
+             f"max {max(waits):.2f} s" if waits else ""))
     print(f"summary: freshness median {_f(out['freshness_median_s'])} s, max "
           f"{_f(out['freshness_max_s'])} s over {out['windows_served']} windows "
           f"({out['config']['every_s']:g} s windows, {out['config']['ranks']} ranks); AUC before the shift served "
@@ -700,6 +721,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drain-timeout-s", type=float, default=180.0)
     p.add_argument("--workdir", default=None, help="keep logs and data here")
     p.add_argument("--keep", action="store_true", help="keep the temporary work dir")
+    p.add_argument("--quick", action="store_true", help="6 windows, the effect from window 3")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
     # internal modes
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -716,6 +738,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.quick:
+        a.windows, a.shift_at = min(a.windows, 6), min(a.shift_at, 3)
     if a.worker:
         worker(a)
         return
