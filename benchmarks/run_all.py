@@ -56,6 +56,7 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
     "recovery": ("bench_recovery.py", ("faults",)),
     "retrieval": ("bench_retrieval.py", ()),
+    "freshness": ("bench_freshness.py", ()),
 }
 """Name (for ``--only``) -> (script in benchmarks/, the arguments that select its mode)."""
 
