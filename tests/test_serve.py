@@ -227,3 +227,46 @@ def test_recsys_serve_options_and_console_script() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=25, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def _asgi_post(app: Any, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> tuple[int, dict[str, Any]]:
+    """POST /score to the ASGI app in this process, the body in ``chunks`` (as a client streams
+    it); returns the status and the JSON body of the answer."""
+    import asyncio
+
+    sent: list[dict[str, Any]] = []
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+               for i, c in enumerate(chunks)]
+
+    async def receive() -> dict[str, Any]:
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/score", "raw_path": b"/score", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), *headers],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], json.loads(body)
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_body_is_refused_without_being_held_whole(tmp_path) -> None:
+    from recsys_trainer.serving.follow import Follower
+    from recsys_trainer.serving.server import create_app
+
+    app = create_app(Follower(str(tmp_path / "nothing-published")), start_follower=False,
+                     max_body_bytes=100)
+    # A declared size over the limit: refused from the header, before the body is read.
+    status, err = _asgi_post(app, [b"x" * 10], [(b"content-length", b"1000")])
+    assert status == 413 and err["error"] == "TooLarge" and "1000 bytes" in err["message"]
+    # No declared size (chunked): refused as soon as the pieces pass the limit.
+    status, err = _asgi_post(app, [b"x" * 60, b"x" * 60, b"x" * 60], [])
+    assert status == 413 and "over 100 bytes" in err["message"]
+    # Under the limit it is read and answered (nothing published yet: 503 NoModel).
+    status, err = _asgi_post(app, [b'{"rows": []}'], [])
+    assert status == 503 and err["error"] == "NoModel"

@@ -128,10 +128,20 @@ def create_app(follower: Follower, *, start_follower: bool = True,
 
     async def score(request: Request) -> Response:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        body = await request.body()
-        if len(body) > max_body_bytes:
-            return _error(413, "TooLarge", f"the body is {len(body)} bytes; at most "
+        # Refused before it is read where the client says its size; a body without one (chunked)
+        # is read in pieces and refused once it passes the limit, never held whole first.
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            return _error(413, "TooLarge", f"the body is {declared} bytes; at most "
                           f"{max_body_bytes} are read (--max-body-mb).")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                return _error(413, "TooLarge", f"the body is over {max_body_bytes} bytes; at "
+                              f"most {max_body_bytes} are read (--max-body-mb).")
+            chunks.append(chunk)
+        body = b"".join(chunks)
         try:
             scores, served = await run_in_threadpool(
                 _score, follower, body, content_type, request.query_params.get("activation"))
