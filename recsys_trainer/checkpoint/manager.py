@@ -151,6 +151,18 @@ class CheckpointManager:
         """The latest evaluation metrics (recorded in the next checkpoint's manifest)."""
         self._warned_best_missing = False
 
+    # The settings by their names, read-only: they live in ``settings`` (a copy of the run's
+    # section); assigning one of these would otherwise silently change nothing.
+    save_steps = property(lambda self: self.settings.save_steps)
+    save_every_n_rows = property(lambda self: self.settings.save_every_n_rows)
+    save_every_n_windows = property(lambda self: self.settings.save_every_n_windows)
+    save_every_n_epochs = property(lambda self: self.settings.save_every_n_epochs)
+    save_end = property(lambda self: self.settings.save_end)
+    save_concurrency_per_rank = property(lambda self: self.settings.save_concurrency_per_rank)
+    async_save = property(lambda self: self.settings.async_save)
+    resume_from = property(lambda self: self.settings.resume_from)
+    reshard_data_position = property(lambda self: self.settings.reshard_data_position)
+
     @classmethod
     def from_args(cls, args: TrainingArguments, gang: Gang | None = None) -> CheckpointManager:
         """Build from ``TrainingArguments``: its ``checkpoint`` section whole, its
