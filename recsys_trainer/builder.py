@@ -4,7 +4,9 @@
 (before its datasets and model exist) and hands the ``Placement`` in; a Python user who wants
 to inspect or replace a component calls the builder and then ``Trainer.from_parts(parts)``.
 Every component receives the one ``Placement``; nothing here starts a group, resolves the
-device, seeds or resolves the table optimizers a second time.
+device or resolves the table optimizers a second time. (The one deliberate re-seed: where the
+caller placed the job first and built things in between, the tables still materialise from
+``args.seed``, so a seed gives the same tables from Python and from ``recsys-train``.)
 
 The order matters and is the order below: the placement (group, device, seed) before the
 tables are materialised by sharding; the test-mode settings (``args.smoke_test``) before
@@ -45,6 +47,7 @@ from recsys_trainer.optimizers import (
 )
 from recsys_trainer.placement import Placement, place
 from recsys_trainer.precision import Precision
+from recsys_trainer.rng import seed_everything
 from recsys_trainer.sharding import check_data_fits_model, feature_tables, shard_model, table_names
 from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings
@@ -99,6 +102,7 @@ def build_trainer_parts(
     args = args if args is not None else TrainingArguments()
     if not isinstance(args, TrainingArguments):
         raise TypeError(f"`args` must be a TrainingArguments, got {type(args).__name__}.")
+    given = placement is not None
     if placement is None:
         placement = place(args, gang)
     smoke = None
@@ -115,6 +119,11 @@ def build_trainer_parts(
                          row_id_features=getattr(model, "row_id_features", ()))
     precision = Precision(args.mixed_precision, cuda=placement.is_cuda,
                           gradient_accumulation_steps=args.gradient_accumulation_steps)
+    if given:
+        # The tables materialise from args.seed whatever the caller drew since place() (the CLI
+        # builds its datasets and model in between): the same seed gives the same tables from
+        # Python and from recsys-train, as before the placement existed.
+        seed_everything(args.seed)
     sharded = shard_model(
         model, sparse_spec, placement.device, process_group=placement.process_group,
         sharding_types=args.sharding_types, local_world_size=placement.local_world_size,
