@@ -67,6 +67,9 @@ class Preemption:
     """From the signal to the commit."""
     error: str | None = None
     """Why no checkpoint was committed, when none was."""
+    signalled_at: float | None = None
+    """``time.monotonic()`` when this rank got the signal (when it agreed to stop, on a rank that
+    got none): the grace period counts from it."""
     save_still_running: bool = False
     """The save missed the grace period and its writer thread still holds collectives: the
     process must end at once (an interpreter exit would wait for that thread)."""

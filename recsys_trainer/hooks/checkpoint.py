@@ -54,14 +54,17 @@ class CheckpointHook(Hook):
 
     def _save_for_preemption(self, p: Preemption, grace_s: float | None) -> None:
         assert grace_s is not None, "no preemption without preemption_grace_s"
-        started = time.monotonic()
+        # The grace period counts from the signal: what the stop, the other hooks and the
+        # agreement took since then is not the save's to spend.
+        signalled_at = p.signalled_at if p.signalled_at is not None else \
+            time.monotonic() - p.seconds_to_stop
         if not self.manager.will_save():
             p.error = "this run saves no checkpoints (no save trigger is set)"
             return
         try:
-            p.checkpoint = self.manager.save_within(grace_s - p.seconds_to_stop)
+            p.checkpoint = self.manager.save_within(grace_s - (time.monotonic() - signalled_at))
             p.committed = True
-            p.seconds_to_commit = p.seconds_to_stop + (time.monotonic() - started)
+            p.seconds_to_commit = time.monotonic() - signalled_at
         except CheckpointError as e:
             p.error = str(e)
             p.save_still_running = e.kind == "deadline"
