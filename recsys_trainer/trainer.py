@@ -270,6 +270,8 @@ class Trainer:
         self._stop_local = False
         self._non_finite_local = False
         self._preemption_watcher = PreemptionWatcher()
+        for ds in (d for d in (self.train_dataset, self.eval_dataset) if d is not None):
+            ds.set_stop_check(lambda: self._preemption_watcher.requested)  # ends a stream's wait
         self._exit_now = False
         self.preemption: Preemption | None = None
         """What the last preemption did (``recsys_trainer.preemption``); None: none."""
@@ -459,10 +461,12 @@ class Trainer:
         grace = self.args.preemption_grace_s
         watch = self._preemption_watcher.watching(logger.warning) if grace is not None \
             else contextlib.nullcontext()
+        from recsys_trainer.data.windows import WaitInterrupted
+
         with watch:
             try:
                 self._train_loop(with_eval)
-            except _PreemptionStop:
+            except (_PreemptionStop, WaitInterrupted):  # a signal at a fetch, or while waiting
                 self._stop_for_preemption()
 
     def _stop_flag(self) -> int:

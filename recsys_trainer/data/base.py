@@ -43,6 +43,13 @@ class WindowedDataset(ABC):
         dataset whose listing can differ between ranks (files on shared storage) lists on rank
         0 and hands the listing to the others through it. Default: not needed."""
 
+    def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
+        """Called by the Trainer with ``stop()``: whether a stop (a preemption signal) was
+        requested on this rank. A dataset that waits for data (a stream waiting for its next
+        window) asks it while waiting and, when any rank's says True, ends the wait on every
+        rank with ``WaitInterrupted`` (``windows.agreed_windows``); the Trainer then stops as
+        for a signal at a batch fetch. None: no check. Default: ignored (nothing waits)."""
+
     def set_epoch(self, epoch: int) -> None:
         """Called by the Trainer before each epoch's windows (e.g. to reseed a shuffle)."""
 

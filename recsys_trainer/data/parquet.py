@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -164,6 +164,7 @@ class ParquetWindowDataset(WindowedDataset):
         self._known: dict[str, Window] = {}
         self._pending_state: dict[str, Any] | None = None
         self._gang: Gang | None = None
+        self._stop: Callable[[], bool] | None = None
         self._id_kinds: dict[str, dict[str, str]] = {}
         """Per sparse id column: the kind of ids first read ("integer"/"string"), and the window
         and file it was first read from (saved in ``state_dict``)."""
@@ -184,11 +185,14 @@ class ParquetWindowDataset(WindowedDataset):
     def set_gang(self, gang: Gang) -> None:
         self._gang = gang
 
+    def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
+        self._stop = stop
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def window_ids(self) -> Iterator[str]:
-        for w in agreed_windows(self.windows, self._gang, self.filesystem):
+        for w in agreed_windows(self.windows, self._gang, self.filesystem, stop=self._stop):
             self._known[w.id] = w
             yield w.id
 

@@ -10,7 +10,8 @@ Roots, globs and markers may be local paths or URLs (``s3://``, ``gs://``, ``hdf
 ``file://``, fsspec schemes): listing goes through ``recsys_trainer.storage`` (pyarrow.fs), and
 every function takes ``filesystem=`` for an explicitly configured one.
 * any callable returning windows (e.g. ``lambda: partitioned_windows(root)[1:]``).
-* ``StreamingWindows(discover, ...)``: waits for windows that appear later.
+* ``StreamingWindows(discover, ...)``: waits for windows that appear later. A wait can be ended
+  by a stop request (``stop=``, a preemption signal under the Trainer): ``WaitInterrupted``.
 
 A glob matching nothing, or a partition with no data files and no ``_SUCCESS`` (or ready
 marker), is skipped with a warning; a partition marked complete but empty is a window of 0 rows.
@@ -38,6 +39,15 @@ logger = logging.getLogger("recsys_trainer.data")
 DATA_SUFFIXES = (".parquet", ".pq", ".csv", ".csv.gz")
 SUCCESS_MARKER = "_SUCCESS"
 """The file Spark and Hadoop jobs write into a partition they have committed."""
+
+STOP_CHECK_INTERVAL_S = 0.2
+"""While a stream sleeps between polls, how often it asks whether a stop was requested."""
+
+
+class WaitInterrupted(Exception):
+    """A stop was requested (under the Trainer: a preemption signal on some rank) while a stream
+    waited for its next window. Raised on every rank of the gang at the same heartbeat (see
+    ``agreed_windows``), so the Trainer stops every rank as for a signal at a batch fetch."""
 
 
 @dataclass(frozen=True)
@@ -230,10 +240,16 @@ class StreamingWindows:
     def __iter__(self) -> Iterator[Window]:
         return (w for w in self.polls() if w is not None)
 
-    def polls(self) -> Iterator[Window | None]:
+    def polls(self, stop: Callable[[], bool] | None = None) -> Iterator[Window | None]:
         """Like iterating, plus a ``None`` after every discovery that found nothing new (just
         before sleeping ``poll_interval_s``): a heartbeat that lets rank 0 tell the other ranks,
-        which wait for its listing, that the stream is still waiting."""
+        which wait for its listing, that the stream is still waiting.
+
+        ``stop``: asked every ``STOP_CHECK_INTERVAL_S`` while sleeping; when it says True the
+        sleep ends and another heartbeat follows at once, for the consumer to end the iteration
+        (``resolve_windows`` / ``agreed_windows`` raise ``WaitInterrupted``). Only the first
+        such stop cuts a sleep short."""
+        interrupted = False
         yielded: list[str] = []
         seen: set[str] = set()
         last_new = time.monotonic()
@@ -261,7 +277,23 @@ class StreamingWindows:
                     "when the stream ends, or raise StreamingWindows(timeout_s=...)."
                 )
             yield None
-            time.sleep(self.poll_interval_s)
+            if _sleep(self.poll_interval_s, None if interrupted else stop):
+                interrupted = True
+                yield None  # at once: the consumer acts on the stop now, not a poll later
+
+
+def _sleep(seconds: float, stop: Callable[[], bool] | None) -> bool:
+    """Sleep ``seconds``, in slices that ask ``stop``; True when a stop cut it short."""
+    if stop is None:
+        time.sleep(seconds)
+        return False
+    deadline = time.monotonic() + seconds
+    while not stop():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(STOP_CHECK_INTERVAL_S, left))
+    return True
 
 
 WindowSource = str | Sequence[str] | Sequence[Window] | Callable[[], Iterable[Window]] | StreamingWindows
@@ -270,17 +302,24 @@ WindowSource = str | Sequence[str] | Sequence[Window] | Callable[[], Iterable[Wi
 
 
 def resolve_windows(source: WindowSource, *, heartbeats: bool = False,
-                    filesystem: pafs.FileSystem | None = None) -> Iterator[Window | None]:
+                    filesystem: pafs.FileSystem | None = None,
+                    stop: Callable[[], bool] | None = None) -> Iterator[Window | None]:
     """Iterate the windows of any ``WindowSource`` (lazily for streams and callables).
 
     ``heartbeats=True``: a stream also yields ``None`` each time it polls without finding a
     new window (see ``StreamingWindows.polls``); no other source yields ``None``.
     ``filesystem``: where a root or glob strings are listed (default: as their URLs select).
+    ``stop``: asked while a stream waits (``StreamingWindows.polls``); without heartbeats a
+    stop seen at a heartbeat raises ``WaitInterrupted`` here (with them, the consumer decides).
     """
     if isinstance(source, str):
         yield from partitioned_windows(source, filesystem=filesystem)
     elif isinstance(source, StreamingWindows):
-        yield from (source.polls() if heartbeats else source)
+        for w in source.polls(stop):
+            if w is not None or heartbeats:
+                yield w
+            elif stop is not None and stop():
+                raise WaitInterrupted(_interrupted(source))
     elif callable(source):
         yield from source()
     else:
@@ -303,8 +342,14 @@ def describe_source(source: WindowSource) -> str:
     return ",".join(x.id if isinstance(x, Window) else str(x) for x in items)
 
 
+def _interrupted(source: WindowSource) -> str:
+    return (f"a stop was requested while {describe_source(source)!r} waited for its next "
+            "window")
+
+
 def agreed_windows(source: WindowSource, gang: Gang | None,
-                   filesystem: pafs.FileSystem | None = None) -> Iterator[Window]:
+                   filesystem: pafs.FileSystem | None = None,
+                   stop: Callable[[], bool] | None = None) -> Iterator[Window]:
     """The windows of ``source`` *as rank 0 lists them*, on every rank of ``gang``.
 
     Listings of shared storage can differ between ranks (a lagging NFS or object-store
@@ -317,12 +362,22 @@ def agreed_windows(source: WindowSource, gang: Gang | None,
     heartbeat after every poll (``StreamingWindows.poll_interval_s`` must stay below the
     process group's collective timeout).
 
-    Without a gang, or with one rank, this is ``resolve_windows(source, filesystem=...)``.
+    ``stop`` (the Trainer's "a preemption signal arrived on this rank"): at every heartbeat all
+    ranks, which all reach it together, take the max of their ``stop()`` in one all-reduce;
+    if any rank is stopping, every rank raises ``WaitInterrupted``. Rank 0 asks its own
+    ``stop`` while it sleeps between polls and heartbeats at once when it says True, so a
+    signal on rank 0 ends the wait within ``STOP_CHECK_INTERVAL_S``, one on another rank at
+    the next heartbeat (within ``poll_interval_s``).
+
+    Without a gang, or with one rank, this is ``resolve_windows(source, filesystem=...,
+    stop=...)``.
     """
     if gang is None or gang.world_size == 1:
-        yield from (w for w in resolve_windows(source, filesystem=filesystem) if w is not None)
+        yield from (w for w in resolve_windows(source, filesystem=filesystem, stop=stop)
+                    if w is not None)
         return
-    listing = resolve_windows(source, heartbeats=True, filesystem=filesystem) if gang.rank == 0 else None
+    listing = resolve_windows(source, heartbeats=True, filesystem=filesystem, stop=stop) \
+        if gang.rank == 0 else None
     failure: Exception | None = None
     while True:
         message: tuple[str, Any] = ("end", None)
@@ -336,6 +391,11 @@ def agreed_windows(source: WindowSource, gang: Gang | None,
         kind, payload = gang.broadcast_object(message, src=0)
         if kind == "window":
             yield payload
+        elif kind == "wait":
+            # Every rank is here (the heartbeat reaches all): the collective is matched. It
+            # runs with no ``stop`` too, so ranks never disagree on whether it runs.
+            if gang.all_reduce_max([int(stop is not None and bool(stop()))])[0]:
+                raise WaitInterrupted(_interrupted(source))
         elif kind == "end":
             return
         elif kind == "error":

@@ -41,6 +41,13 @@ it). Sequence numbers of failed publishes are not reused, so a pointer's ``seque
 one per publish or more. When publishes fall behind, the publisher skips to the newest
 checkpoint sent (the skipped ones are recorded as ``superseded``).
 
+A preemption (SIGTERM/SIGINT, ``recsys_trainer.preemption``) publishes the step saved for it:
+rank 0 hands that checkpoint over at ``on_preempt`` and waits for its report until
+``PREEMPT_EXIT_MARGIN_S`` before the end of ``preemption_grace_s`` (the other ranks wait with it).
+The publisher runs in a session of its own, so the signal a terminal or torchrun's agent sends to
+the job's process group does not end it; it ends when the training process does (its stdin
+closes, or its parent is gone).
+
 After a restart (of the job or of the publisher) the publisher reads the location's pointer,
 continues its sequence, and publishes a new base first (the state after the last delta is
 not stored anywhere as a full export).
@@ -80,9 +87,14 @@ from recsys_trainer.hooks.base import Hook, ResumePoint
 from recsys_trainer.hooks.publisher import Publisher
 
 if TYPE_CHECKING:
+    from recsys_trainer.preemption import Preemption
     from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
+
+PREEMPT_EXIT_MARGIN_S = 2.0
+"""At a preemption, the publish of the stopped step must be reported this long before the end of
+``preemption_grace_s`` (the rest is the exit's, before the launcher's SIGKILL)."""
 
 
 class PublishError(RuntimeError):
@@ -154,7 +166,8 @@ class PublishHook(Hook):
     Args:
         location: where to publish: a local path or a URL (``s3://bucket/prefix``).
         every_n_windows / every_n_steps / every_n_seconds: the periods (at least one); a
-            publish is due when any of them is. Training's end always publishes its last step.
+            publish is due when any of them is. Training's end always publishes its last step,
+            and so does a stop for a preemption (within the grace period).
         full_every: a new base after this many deltas on one base.
         max_delta_fraction: a new base instead of a delta whose bytes exceed this fraction of
             the base's.
@@ -229,6 +242,7 @@ class PublishHook(Hook):
         self._own_stage = False
         self._local: Publisher | None = None
         self._trained = False
+        self._preempt_deadline: float | None = None  # monotonic; set at a "preempt" point
 
     # ------------------------------------------------------------------ events
 
@@ -275,7 +289,10 @@ class PublishHook(Hook):
         if trainer.rank == 0:
             self._poll()
         step = trainer.state.global_step
-        if point == "preempt" or step == self._last_requested_step:
+        if point == "preempt":  # the CheckpointHook saves this step; on_preempt publishes it
+            self._note_grace(trainer)
+            return
+        if step == self._last_requested_step:
             return
         due = False
         if point == "end":
@@ -300,12 +317,48 @@ class PublishHook(Hook):
         if trainer.rank == 0:
             self.wait(self.final_timeout_s)
 
+    def _note_grace(self, trainer: Trainer) -> None:
+        """Every rank, at the "preempt" point: when the grace period ends (from the first
+        signal on any rank: the ranks agree on the longest time since one)."""
+        p, grace = trainer.preemption, trainer.args.preemption_grace_s
+        if p is None or grace is None:
+            return
+        since_ms = int(1000 * p.seconds_to_stop)
+        if trainer.world_size > 1:
+            since_ms = trainer.gang.all_reduce_max([since_ms])[0]
+        self._preempt_deadline = time.monotonic() + grace - since_ms / 1000
+
+    def on_preempt(self, trainer: Trainer, preemption: Preemption) -> None:
+        """Publish the step saved for the preemption, waiting for it within what is left of
+        the grace period; the other ranks wait with rank 0 (one of them exiting first makes
+        torchrun stop the job, rank 0 and its publish with it)."""
+        if preemption.save_still_running or self._preempt_deadline is None:
+            return  # the process ends at once
+        if trainer.rank == 0:
+            self._publish_preempted(trainer, preemption)
+        if trainer.world_size > 1:
+            trainer.gang.barrier()
+
+    def _publish_preempted(self, trainer: Trainer, p: Preemption) -> None:
+        assert self._preempt_deadline is not None
+        if p.committed and p.checkpoint is not None and p.step != self._last_requested_step:
+            path = p.checkpoint.rstrip("/")
+            self._last_requested_step = p.step
+            self._wanted[path] = (p.step, 0.0, self._last_window)
+            self._submit(trainer, path)
+        budget = min(self.final_timeout_s,
+                     self._preempt_deadline - PREEMPT_EXIT_MARGIN_S - time.monotonic())
+        if self._inflight and not self.wait(max(budget, 0.0)):
+            logger.warning("PublishHook: the publish of step %d was not reported within the "
+                           "preemption grace period; LATEST still names an earlier one", p.step)
+
     def end(self, trainer: Trainer) -> None:
         if trainer.rank != 0:
             return
         # After an exception nothing waits: a publisher stopped mid-publish leaves no pointer
-        # naming a partial artifact.
-        self._stop_worker(self.final_timeout_s if self._trained else 0.0)
+        # naming a partial artifact. After a preemption on_preempt has waited already.
+        preempted, self._preempt_deadline = self._preempt_deadline is not None, None
+        self._stop_worker(0.5 if preempted else self.final_timeout_s if self._trained else 0.0)
         for lease in self._inflight.values():
             lease.close()
         self._inflight.clear()
@@ -371,9 +424,14 @@ class PublishHook(Hook):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["OMP_NUM_THREADS"] = "1"
+        env["RECSYS_PUBLISH_PARENT"] = str(os.getpid())
+        # A session of its own: the SIGINT/SIGTERM a terminal or torchrun's agent sends to the
+        # training process's group is the job's to handle (its preemption path then hands the
+        # publisher the stopped step); the publisher ends when this process does (its stdin
+        # closes, or its parent is gone: ``worker_main``).
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "recsys_trainer.hooks._publish_worker", self._init_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         assert self._proc.stdout is not None
         threading.Thread(target=_pump, args=(self._proc.stdout, self._results, self.location),
                          name="recsys-publish-results", daemon=True).start()

@@ -15,6 +15,7 @@ import logging
 import os
 import select
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -166,10 +167,27 @@ def _content_hash(full_dir: str) -> str:
         return str(json.loads(f.read())["content_hash"])
 
 
+PARENT_CHECK_S = 0.5
+"""How often the publisher process checks that the training process that started it lives."""
+
+
+def _exit_with_parent(parent: int) -> None:
+    """End this process when ``parent`` is gone (reparented), even mid-publish: the publisher
+    runs in a session of its own, out of reach of the signals that end the job, so it must not
+    outlive it (a publish cut short leaves no pointer naming a partial artifact)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
+
+
 def worker_main(init_path: str) -> None:
     """The publisher process: jobs are JSON lines on stdin, records JSON lines on the original
     stdout (everything else it prints goes to stderr). When jobs queue up, only the newest is
-    published (the others are answered ``superseded``). Ends at EOF."""
+    published (the others are answered ``superseded``). Ends at EOF, or when the training
+    process that started it is gone."""
+    parent = int(os.environ.get("RECSYS_PUBLISH_PARENT", os.getppid()))
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True,
+                     name="recsys-publisher-parent").start()
     results = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     logging.basicConfig(level=logging.WARNING,
