@@ -32,7 +32,6 @@ from recsys_trainer.data.spec import apply_model_to_specs
 from recsys_trainer.data.vocab import Vocabularies
 from recsys_trainer.distributed import Gang
 from recsys_trainer.hooks.base import Hook, HookList
-from recsys_trainer.hooks.checkpoint import CheckpointHook
 from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
 from recsys_trainer.hooks.logger import LoggerHook
 from recsys_trainer.optimizers import (
@@ -163,16 +162,15 @@ def build_trainer_parts(
         dense_params=dense_params, precision=precision, dense_step=dense_step, timings=timings,
         non_finite=NonFiniteGuard(args.non_finite_loss, args.max_non_finite_skips),
         batch_check=batch_check, train_dataset=train_ds, eval_dataset=eval_ds,
-        vocabularies=vocabularies, hooks=_hook_list(sharded, hooks, add_logger_hook, manager),
+        vocabularies=vocabularies, hooks=_hook_list(sharded, hooks, add_logger_hook),
         checkpointer=manager, smoke=smoke,
     )
 
 
-def _hook_list(model: nn.Module, hooks: Sequence[Hook] | None, add_logger_hook: bool,
-               manager: CheckpointManager) -> HookList:
-    """The user's hooks, a ``LoggerHook`` first unless there is one or it is turned off, the
-    dynamic tables' report first of all where the model has such tables, and the
-    ``CheckpointHook`` after every hook (also those added later)."""
+def _hook_list(model: nn.Module, hooks: Sequence[Hook] | None, add_logger_hook: bool) -> HookList:
+    """The user's hooks, a ``LoggerHook`` first unless there is one or it is turned off, and the
+    dynamic tables' report first of all where the model has such tables. (The Trainer pins the
+    ``CheckpointHook`` of whatever ``checkpointer`` it is given after all of them.)"""
     user_hooks = list(hooks or [])
     if add_logger_hook and not any(isinstance(h, LoggerHook) for h in user_hooks):
         user_hooks.insert(0, LoggerHook())
@@ -181,7 +179,7 @@ def _hook_list(model: nn.Module, hooks: Sequence[Hook] | None, add_logger_hook: 
     ):
         # Placed first so reporting hooks after it see its window report.
         user_hooks.insert(0, DynamicTableStatsHook())
-    return HookList(user_hooks, last=[CheckpointHook(manager)])
+    return HookList(user_hooks)
 
 
 __all__ = ["TrainerParts", "build_trainer_parts"]

@@ -91,6 +91,7 @@ from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import Gang, peer_lost_error
 from recsys_trainer.eval_schedule import EvalPlan, EvalSchedule
 from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.checkpoint import CheckpointHook
 from recsys_trainer.logs import setup_logging
 from recsys_trainer.optimizers import (
     DenseOptimizerArg,
@@ -255,6 +256,9 @@ class Trainer:
         training starts (``VocabFromData``), restored on resume; a checkpoint component."""
         self.hooks = parts.hooks
         self.checkpointer = parts.checkpointer
+        # Saving is this hook, bound to the manager the Trainer uses (a replaced
+        # parts.checkpointer too), after every other hook, also those added later.
+        self.hooks.set_last([CheckpointHook(self.checkpointer)])
         self.non_finite: NonFiniteGuard = parts.non_finite
         """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
         self.timings = parts.timings

@@ -66,6 +66,22 @@ def test_from_parts_trains_the_components_the_builder_made_without_building_them
 
 
 @pytest.mark.timeout(120)
+def test_from_parts_saves_through_a_replaced_checkpointer_and_a_replaced_hook_list(tmp_path) -> None:
+    from recsys_trainer.checkpoint.manager import CheckpointManager
+
+    parts = build_trainer_parts(train_dataset=_windows(1, 4),
+                                **_kwargs(output_dir=str(tmp_path / "built"), save_steps=2))
+    parts.checkpointer = CheckpointManager(str(tmp_path / "mine"), save_steps=2, async_save=False)
+    parts.hooks = HookList([_Points()])
+    trainer = Trainer.from_parts(parts)
+    assert isinstance(list(trainer.hooks)[-1], CheckpointHook)
+    trainer.train()
+    assert {"step_00000002", "step_00000004"} <= set(os.listdir(tmp_path / "mine"))
+    built = tmp_path / "built"
+    assert not built.exists() or not any(n.startswith("step_") for n in os.listdir(built))
+
+
+@pytest.mark.timeout(120)
 def test_a_given_placement_is_used_as_is_and_the_tables_come_from_the_seed_alone(tmp_path) -> None:
     args = TrainingArguments(output_dir=str(tmp_path), seed=5, log_steps=1000)
     gang = FakeGang(rank=0, world_size=1)

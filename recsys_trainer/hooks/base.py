@@ -276,6 +276,13 @@ class HookList:
             for e in overridden_events(h):
                 self._by_event[e].append(h)
 
+    def set_last(self, hooks: Sequence[Hook]) -> None:
+        """Make ``hooks`` the ``last`` hooks (replacing those there were)."""
+        for h in hooks:
+            self._check(h)
+        self._last = list(hooks)
+        self._index()
+
     def add(self, hook: Hook) -> None:
         """Append ``hook`` (before the ``last`` hooks)."""
         self._check(hook)
