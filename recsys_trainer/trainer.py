@@ -88,6 +88,7 @@ from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import Lookahead, WindowedDataset, as_windowed, nothing_to_train_error
 from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import Gang, peer_lost_error
 from recsys_trainer.eval_schedule import EvalPlan, EvalSchedule
 from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
@@ -465,8 +466,6 @@ class Trainer:
         grace = self.args.preemption_grace_s
         watch = self._preemption_watcher.watching(logger.warning) if grace is not None \
             else contextlib.nullcontext()
-        from recsys_trainer.data.windows import WaitInterrupted
-
         with watch:
             try:
                 self._train_loop(with_eval)
@@ -486,7 +485,8 @@ class Trainer:
         # The signal may have reached some ranks only: every rank names the same one.
         signum = self.gang.all_reduce_max([watcher.signum or 0])[0]
         p = self.preemption = Preemption(signal=signal.Signals(signum).name, step=st.global_step,
-                                         seconds_to_stop=agreed_at - signalled_at)
+                                         seconds_to_stop=agreed_at - signalled_at,
+                                         signalled_at=signalled_at)
         st.stop_reason = f"preempted by {p.signal}"
         if self.is_rank_zero:
             logger.warning("%s: every rank stopped after step %d (%.2f s after the signal); "
