@@ -109,6 +109,8 @@ def build_trainer_parts(
         smoke = SmokeTest(smoke_directory(placement.gang, args.output_dir))
         args = smoke_arguments(args, smoke.output_dir, smoke.logging_dir)
         checkpointer = None  # a given one saves into its own output_dir: never in test mode
+        for h in (h for h in hooks or [] if isinstance(h, Hook)):
+            h.in_smoke_test(smoke.output_dir)  # e.g. a PublishHook: never the real location
 
     sparse_spec = sparse_optimizer or SparseOptimizer()
     chosen = resolve_table_optimizers(table_names(model), sparse_spec, table_optimizers)

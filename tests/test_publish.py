@@ -278,3 +278,21 @@ def test_every_n_steps_publishes_at_those_steps_and_the_end_publishes_the_last_o
     hook = PublishHook(os.path.join(root, "published"), every_n_steps=4, background=False)
     _trainer(root, stream, [hook]).train()
     assert [(r.kind, r.step) for r in hook.records] == [("base", 4), ("delta", 8), ("delta", 10)]
+
+
+@pytest.mark.timeout(120)
+def test_the_smoke_test_never_publishes_to_the_real_location(tmp_path) -> None:
+    stream, _ = _stream(str(tmp_path), 2)
+    spec, model = su.spec_and_model("dlrm")
+    loc = str(tmp_path / "published")
+    hook = PublishHook(loc, every_n_windows=1, background=False)
+    t = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "ckpt"),
+                                                    smoke_test=True, log_steps=1000),
+                train_dataset=ParquetWindowDataset(stream, spec, batch_size=32),
+                sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+                add_logger_hook=False, hooks=[hook])
+    t.train()
+    assert t.smoke is not None and t.smoke.report["steps"] == 3
+    # It published, into the smoke test's own directory (removed with it), never to `loc`.
+    assert hook.records and hook.location != loc and hook.location.endswith("/published")
+    assert not os.path.exists(loc) and pub.read_pointer(loc) is None

@@ -199,6 +199,12 @@ class Hook:
         """Exactly once per top-level call (``train``, ``evaluate``, ``train_and_evaluate``),
         last, whether it ended normally or by an exception."""
 
+    def in_smoke_test(self, directory: str) -> None:
+        """Called once, when the Trainer is built in test mode (``args.smoke_test``): a hook that
+        writes somewhere other than ``args.logging_dir`` (a serving location, a table) points
+        itself under ``directory``, the smoke test's own, which is removed afterwards; the test
+        mode must never touch what the real job writes. Default: nothing."""
+
     def handled_events(self) -> set[str] | None:
         """Which events this hook handles; None (the default) means: those its class overrides."""
         return None

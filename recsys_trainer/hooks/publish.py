@@ -227,6 +227,13 @@ class PublishHook(Hook):
         self._proc: subprocess.Popen[bytes] | None = None
         self._reset()
 
+    def in_smoke_test(self, directory: str) -> None:
+        # The smoke test's publishes must not reach the followers of the real location.
+        smoke_location = f"{directory.rstrip('/')}/published"
+        logger.info("smoke test: PublishHook publishes to %s instead of %s", smoke_location,
+                    self.location)
+        self.location, self.filesystem = smoke_location, None
+
     def _reset(self) -> None:
         self._windows_trained = 0
         self._windows_at_request = 0
