@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from recsys_trainer.serving import Scorer
+from recsys_trainer.serving import published as pub
 from recsys_trainer.serving.follow import Follower, FollowError, NoModelError, follow
 
 
@@ -241,3 +242,22 @@ def test_the_follower_follows_a_location_on_the_s3_server(chain: fu.Chain, reque
     assert not denied.poll_once() and denied.served is None
     assert denied.last_error is not None and denied.last_error.kind == "storage"
     assert url in str(denied.last_error)
+
+
+@pytest.mark.timeout(60)
+def test_an_older_pointer_is_never_followed_back_but_a_location_started_over_is(
+        chain: fu.Chain, tmp_path) -> None:
+    loc = chain.fresh_location(str(tmp_path / "pub"))
+    chain.point(loc, 5, "bases/b0", ("deltas/d1",), 3)
+    f = Follower(loc)
+    assert f.poll_once() and f.served is not None and f.served.sequence == 5
+    # A stale publisher (its job restarted meanwhile) writes an older sequence, published
+    # before the served one: the follower keeps the newer model.
+    stale = pub.Pointer(sequence=4, base="bases/b0", deltas=(), step=1,
+                        content_hash=chain.hashes[1], window="hour=01", window_time=1.7e9 + 1,
+                        published_at=f.served.published_at - 10)
+    pub.write_pointer(loc, stale)
+    assert not f.poll_once() and f.served.sequence == 5 and f.served.step == 3
+    # A location started over (sequence 1 again, published later): followed.
+    chain.point(loc, 1, "bases/b0", (), 1)
+    assert f.poll_once() and f.served.sequence == 1 and f.served.step == 1

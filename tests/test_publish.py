@@ -296,3 +296,34 @@ def test_the_smoke_test_never_publishes_to_the_real_location(tmp_path) -> None:
     # It published, into the smoke test's own directory (removed with it), never to `loc`.
     assert hook.records and hook.location != loc and hook.location.endswith("/published")
     assert not os.path.exists(loc) and pub.read_pointer(loc) is None
+
+
+@pytest.mark.timeout(180)
+def test_a_delta_deleted_by_hand_makes_the_next_publish_a_base_that_followers_can_load(tmp_path) -> None:
+    from recsys_trainer.serving.follow import Follower
+
+    root = str(tmp_path)
+    stream, _ = _stream(root, 5)
+    loc = os.path.join(root, "published")
+    hook = PublishHook(loc, every_n_windows=1, full_every=10, keep_bases=2, background=False)
+    deleted: list[str] = []
+
+    def delete_first_delta(trainer: Trainer, window_id: str) -> None:
+        p = pub.read_pointer(loc)
+        if p is not None and len(p.deltas) == 1 and not deleted:
+            deleted.append(p.deltas[0])  # an operator or a lifecycle rule removes it
+            shutil.rmtree(os.path.join(loc, p.deltas[0]))
+
+    t = _trainer(root, stream, [hook, LambdaHook(after_window=delete_first_delta)])
+    t.train()
+    kinds = [r.kind for r in hook.records]
+    assert deleted and "failed" not in kinds, kinds
+    # The publish after the deletion starts a new chain; the pointer never names what is gone.
+    first_delta = kinds.index("delta")
+    assert kinds[first_delta + 1] == "base", kinds
+    latest = pub.read_pointer(loc)
+    assert latest is not None and deleted[0] not in latest.deltas
+    assert latest.step == t.state.global_step
+    follower = Follower(loc)
+    assert follower.poll_once() and follower.served is not None
+    assert follower.served.content_hash == latest.content_hash and follower.last_error is None

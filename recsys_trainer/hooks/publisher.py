@@ -65,6 +65,10 @@ class Publisher:
         except Exception as e:  # noqa: BLE001 - reported; a publish never stops training
             for d in made:
                 shutil.rmtree(d, ignore_errors=True)
+            if isinstance(e, pub.PublishedError):
+                # The location refused the pointer (an artifact of the chain is gone, or a newer
+                # publisher wrote LATEST): no delta can continue this chain; the next is a base.
+                self.pointer = None
             return {**base, "sequence": self.sequence if self.sequence is not None else -1,
                     "kind": "failed", "ref": None, "bytes": 0,
                     "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
@@ -102,6 +106,13 @@ class Publisher:
         seq, step, window = self.sequence, int(job["step"]), job["window"]
         window_time = self._window_time(job["window_files"])
         prev = self.pointer
+        if prev is not None:
+            lost = [ref for ref in (prev.base, *prev.deltas) if not pub.is_committed(root, ref)]
+            if lost:
+                # Deleted by hand or by another process: a delta on this chain could never be
+                # followed (the pointer would name what is gone), so start a new one.
+                logger.warning("the published chain lost %s; publishing a new base", lost)
+                prev = None
         full_dir: str | None = None
         if prev is not None and self.prev_full is not None and len(prev.deltas) < self.full_every:
             name = pub.artifact_name(seq, step, prev.base.partition("/")[2])
@@ -116,7 +127,7 @@ class Publisher:
                 shutil.rmtree(local_delta, ignore_errors=True)
                 pointer = pub.Pointer(seq, prev.base, (*prev.deltas, ref), step,
                                       _content_hash(full_dir), window, window_time, time.time())
-                pub.write_pointer(root, pointer)
+                self._write_pointer(root, pointer)
                 self._commit(pointer, full_dir, None)
                 return {"sequence": seq, "kind": "delta", "ref": ref, "bytes": n}
             logger.info("the delta of step %d is %d bytes, over %.0f%% of the base's %d: "
@@ -132,9 +143,21 @@ class Publisher:
         n = self._upload(full_dir, root, ref)
         pointer = pub.Pointer(seq, ref, (), step, _content_hash(full_dir), window, window_time,
                               time.time())
-        pub.write_pointer(root, pointer)
+        self._write_pointer(root, pointer)
         self._commit(pointer, full_dir, n)
         return {"sequence": seq, "kind": "base", "ref": ref, "bytes": n}
+
+    def _write_pointer(self, root: storage.Location, pointer: pub.Pointer) -> None:
+        """``LATEST``, unless another publisher has written a newer one since (a job that
+        restarted while this publisher finished): then a ``PublishedError``, and this one
+        neither points nor rotates (its rotation would delete the newer chain)."""
+        current = pub.read_pointer(root)
+        if current is not None and current.sequence >= pointer.sequence:
+            raise pub.PublishedError(
+                f"{root.url!r} has a newer pointer (sequence {current.sequence}, step "
+                f"{current.step}) than this publish (sequence {pointer.sequence}, step "
+                f"{pointer.step}): another publisher writes there; this one stops pointing.")
+        pub.write_pointer(root, pointer)
 
     def _commit(self, pointer: pub.Pointer, full_dir: str, base_bytes: int | None) -> None:
         """The publish is visible: its full state becomes the next delta's base."""

@@ -136,6 +136,7 @@ class Follower:
         """The unix time the last poll finished."""
         self.swaps = 0
         self._failed: tuple[Pointer, float] | None = None  # a pointer that failed, and when
+        self._stale_seen: int | None = None  # the older pointer last warned about
         self._poll_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -216,6 +217,17 @@ class Follower:
             self.last_error = None  # nothing published yet: nothing wrong
             return False
         current = self._served
+        if current is not None and pointer.sequence < current.sequence \
+                and pointer.published_at <= current.published_at:
+            # An older pointer than the one served (a stale publisher that outlived its job
+            # wrote it): never go back. A location started over has newer publish times.
+            if self._stale_seen != pointer.sequence:
+                self._stale_seen = pointer.sequence
+                logger.warning("following %s: the pointer went back to sequence %d (published "
+                               "%.0f s before the served sequence %d); keeping the served model",
+                               self.location, pointer.sequence,
+                               current.published_at - pointer.published_at, current.sequence)
+            return False
         if current is not None and pointer.content_hash == current.content_hash:
             # The state served (a content hash names it exactly), perhaps republished under
             # another sequence or window, or as a base of its own: only what is said of it moves.

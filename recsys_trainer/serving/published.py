@@ -258,6 +258,14 @@ def read_pointer(location: str | os.PathLike[str] | storage.Location,
     return Pointer.from_json(data, loc.url)
 
 
+def is_committed(location: str | os.PathLike[str] | storage.Location, ref: str,
+                 filesystem: pafs.FileSystem | None = None) -> bool:
+    """Whether the artifact ``ref`` (``bases/<name>`` or ``deltas/<name>``) has its
+    ``COMMITTED`` marker under ``location``."""
+    marker = artifact_location(_root(location, filesystem), ref).join(mf.MARKER)
+    return storage.file_info(marker).type == pafs.FileType.File
+
+
 def write_pointer(location: str | os.PathLike[str] | storage.Location, pointer: Pointer,
                   filesystem: pafs.FileSystem | None = None, *, check: bool = True) -> None:
     """Write ``pointer`` as ``LATEST`` of ``location``, whole or not at all (local: a
@@ -267,8 +275,7 @@ def write_pointer(location: str | os.PathLike[str] | storage.Location, pointer: 
     root = _root(location, filesystem)
     if check:
         for ref in (pointer.base, *pointer.deltas):
-            marker = artifact_location(root, ref).join(mf.MARKER)
-            if storage.file_info(marker).type != pafs.FileType.File:
+            if not is_committed(root, ref):
                 raise PublishedError(f"the pointer would name {ref!r} of {root.url!r}, which is "
                                      "not a committed artifact (no COMMITTED marker); LATEST "
                                      "was not written.")
