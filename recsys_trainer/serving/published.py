@@ -281,6 +281,8 @@ def write_pointer(location: str | os.PathLike[str] | storage.Location, pointer: 
                                      "was not written.")
     data = pointer.to_json().encode()
     loc = root.join(LATEST)
+    # The same whole-or-nothing write as checkpoint.layout.write_bytes, written here because
+    # importing the checkpoint package would load torchrec into recsys-serve's process.
     with storage.errors_named(loc.url, "write"):
         if root.is_local:
             os.makedirs(root.path, exist_ok=True)
