@@ -327,3 +327,36 @@ def test_a_delta_deleted_by_hand_makes_the_next_publish_a_base_that_followers_ca
     follower = Follower(loc)
     assert follower.poll_once() and follower.served is not None
     assert follower.served.content_hash == latest.content_hash and follower.last_error is None
+
+
+@pytest.mark.timeout(180)
+def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp_path) -> None:
+    root = str(tmp_path)
+    stream, held_out = _stream(root, 2)
+    spec, model = su.spec_and_model("dynamic")  # every table dynamic, a pass every 2 steps
+    _, skeleton = su.spec_and_model("dynamic")
+    loc = os.path.join(root, "published")
+    hook = PublishHook(loc, every_eviction_pass=True, model=skeleton, full_every=100,
+                       background=False)
+    t = Trainer(model=model, args=TrainingArguments(output_dir=os.path.join(root, "ckpt"),
+                                                    log_steps=1000, train_steps=6),
+                train_dataset=ParquetWindowDataset(stream, spec, batch_size=32),
+                sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
+                add_logger_hook=False, hooks=[hook])
+    t.train()
+    # Passes ran at the ends of steps 2, 4 and 6 (eviction_interval=2): one publish after each,
+    # the last also the end of training's (bases or deltas: a pass on this tiny table changes
+    # most rows, so a delta may be over max_delta_fraction).
+    assert [r.step for r in hook.records] == [2, 4, 6]
+    assert [r.kind for r in hook.records][0] == "base" and not any(r.error for r in hook.records)
+    from recsys_trainer.serving.follow import Follower
+
+    follower = Follower(loc)
+    latest = pub.read_pointer(loc)
+    assert follower.poll_once() and latest is not None and follower.last_error is None
+    assert follower.served is not None and follower.served.step == 6
+    assert follower.served.content_hash == latest.content_hash
+    assert follower.score(pq.read_table(held_out)).shape[0] == pq.read_table(held_out).num_rows
+    with pytest.raises(ValueError, match="no dynamic tables"):
+        _trainer(os.path.join(root, "other"), stream,
+                 [PublishHook(os.path.join(root, "p2"), every_eviction_pass=True)]).train()

@@ -135,6 +135,7 @@ from recsys_trainer.dynamic.tables import (
     dynamic_table_names,
     end_window,
     mc_modules,
+    pass_steps,
     planner_constraints,
 )
 
@@ -166,6 +167,7 @@ __all__ = [
     "dynamic_embedding_collection",
     "dynamic_table_names",
     "end_window",
+    "pass_steps",
     "fallback_index",
     "install_cpu_eviction",
     "install_eviction_reset",

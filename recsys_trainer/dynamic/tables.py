@@ -112,6 +112,14 @@ class StepBoundaries:
             end_window(self._model)
 
 
+def pass_steps(model: nn.Module) -> tuple[int, ...]:
+    """The step of the last admission/eviction pass of each dynamic table (its id maps'), in a
+    fixed order: it changes exactly when a pass ran. Passes run at step ends on every rank
+    alike, so every rank reads the same."""
+    return tuple(int(m._last_pass_step) for m in mc_modules(model).values()
+                 if isinstance(m, DynamicMCHModule))
+
+
 def end_window(model: nn.Module) -> None:
     """Tell ``model``'s dynamic tables that a train window ended: with
     ``expire_after_windows`` they evict the ids unseen for that many windows now and reset their

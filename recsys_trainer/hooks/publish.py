@@ -56,8 +56,8 @@ All ranks take part in the save (its collectives); only rank 0 exports, uploads 
 (from the checkpoint: no collectives). With ``every_n_seconds`` and several ranks, rank 0's
 clock decides and is broadcast at every step (one small broadcast per step).
 
-The package exposes no event for dynamic tables' eviction passes, so the hook publishes on its
-periods only.
+With ``every_eviction_pass`` the hook also publishes after each admission/eviction pass of the
+model's dynamic tables: it reads the tables' last-pass step at every step's resume point.
 
 This module is the hook's side (when a publish is due, the hand-over, the publisher process's
 life); the publisher itself (build, upload, point, rotate) is ``hooks/publisher.py``.
@@ -83,6 +83,7 @@ import pyarrow.fs as pafs
 import torch
 from torch import nn
 
+from recsys_trainer import dynamic
 from recsys_trainer.hooks.base import Hook, ResumePoint
 from recsys_trainer.hooks.publisher import Publisher
 
@@ -165,8 +166,10 @@ class PublishHook(Hook):
 
     Args:
         location: where to publish: a local path or a URL (``s3://bucket/prefix``).
-        every_n_windows / every_n_steps / every_n_seconds: the periods (at least one); a
-            publish is due when any of them is. Training's end always publishes its last step,
+        every_n_windows / every_n_steps / every_n_seconds / every_eviction_pass: the periods
+            (at least one); a publish is due when any of them is. ``every_eviction_pass``: after
+            every admission/eviction pass of the model's dynamic tables (at the end of the step
+            that ran it), so serving drops the evicted ids and scores the admitted ones. Training's end always publishes its last step,
             and so does a stop for a preemption (within the grace period).
         full_every: a new base after this many deltas on one base.
         max_delta_fraction: a new base instead of a delta whose bytes exceed this fraction of
@@ -189,6 +192,7 @@ class PublishHook(Hook):
 
     def __init__(self, location: str, *, every_n_windows: int | None = None,
                  every_n_steps: int | None = None, every_n_seconds: float | None = None,
+                 every_eviction_pass: bool = False,
                  full_every: int = 10, max_delta_fraction: float = 0.5, keep_bases: int = 3,
                  background: bool = True, filesystem: pafs.FileSystem | None = None,
                  model: nn.Module | None = None, staging_dir: str | None = None,
@@ -196,9 +200,13 @@ class PublishHook(Hook):
                  output_names: list[str] | None = None, final_timeout_s: float = 600.0) -> None:
         if not isinstance(location, str | os.PathLike) or not os.fspath(location):
             raise ValueError(f"`location` must be a path or URL, but is {location!r}.")
-        if every_n_windows is None and every_n_steps is None and every_n_seconds is None:
-            raise ValueError("PublishHook needs a period: every_n_windows, every_n_steps or "
-                             "every_n_seconds.")
+        if every_n_windows is None and every_n_steps is None and every_n_seconds is None \
+                and not every_eviction_pass:
+            raise ValueError("PublishHook needs a period: every_n_windows, every_n_steps, "
+                             "every_n_seconds or every_eviction_pass.")
+        if not isinstance(every_eviction_pass, bool):
+            raise ValueError(f"`every_eviction_pass` must be true or false, but is "
+                             f"{every_eviction_pass!r}.")
         _positive("every_n_windows", every_n_windows)
         _positive("every_n_steps", every_n_steps)
         _positive("every_n_seconds", every_n_seconds, (int, float))
@@ -210,6 +218,8 @@ class PublishHook(Hook):
         self.every_n_windows = every_n_windows
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
+        self.every_eviction_pass = every_eviction_pass
+        self._pass_steps: tuple[int, ...] = ()
         self.full_every = full_every
         self.max_delta_fraction = float(max_delta_fraction)
         self.keep_bases = keep_bases
@@ -259,6 +269,11 @@ class PublishHook(Hook):
         if getattr(trainer, "checkpointer", None) is None:
             raise ValueError("PublishHook publishes exports of committed checkpoints: the "
                              "Trainer needs a checkpoint manager (args.output_dir).")
+        self._pass_steps = dynamic.pass_steps(trainer.model)
+        if self.every_eviction_pass and not self._pass_steps:
+            raise ValueError("PublishHook(every_eviction_pass=True): the model has no dynamic "
+                             "tables, so there are no eviction passes to publish after; use "
+                             "every_n_windows / every_n_steps / every_n_seconds.")
         if trainer.rank != 0:
             return
         live = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
@@ -308,6 +323,12 @@ class PublishHook(Hook):
             due = self._windows_trained - self._windows_at_request >= self.every_n_windows
         elif point == "step":
             due = self.every_n_steps is not None and step % self.every_n_steps == 0
+            if self.every_eviction_pass:
+                # A pass changed which ids have rows (the same on every rank: passes run at
+                # step ends): serving should drop the evicted ids and learn the admitted ones.
+                passes = dynamic.pass_steps(trainer.model)
+                due = due or passes != self._pass_steps
+                self._pass_steps = passes
         if not due and self.every_n_seconds is not None and point in ("step", "window"):
             due = time.monotonic() - self._last_request_time >= self.every_n_seconds
             if trainer.world_size > 1:
