@@ -360,3 +360,22 @@ def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp
     with pytest.raises(ValueError, match="no dynamic tables"):
         _trainer(os.path.join(root, "other"), stream,
                  [PublishHook(os.path.join(root, "p2"), every_eviction_pass=True)]).train()
+
+
+@pytest.mark.timeout(60)
+def test_a_required_setting_given_none_and_an_unusable_staging_dir_are_named(tmp_path) -> None:
+    from recsys_trainer.hooks.publish import PublishError
+
+    for name in ("full_every", "keep_bases", "max_delta_fraction"):
+        with pytest.raises(ValueError, match=f"`{name}` must be a positive number"):
+            PublishHook("/tmp/x", every_n_windows=1, **{name: None})
+    # The staging directory cannot be made (a file stands where a directory should go): a
+    # PublishError naming it when training starts, not a bare OSError, and nothing published.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    stream, _ = _stream(str(tmp_path), 1)
+    loc = str(tmp_path / "published")
+    hook = PublishHook(loc, every_n_windows=1, staging_dir=str(blocker / "stage"))
+    with pytest.raises(PublishError, match="staging directory"):
+        _trainer(str(tmp_path), stream, [hook]).train()
+    assert pub.read_pointer(loc) is None

@@ -89,7 +89,7 @@ class StepBoundaries:
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
-        self._maps = [m for m in mc_modules(model).values() if isinstance(m, DynamicMCHModule)]
+        self._maps = id_maps(model)
 
     @contextlib.contextmanager
     def micro_batch(self, closes_step: bool) -> Iterator[None]:
@@ -112,12 +112,17 @@ class StepBoundaries:
             end_window(self._model)
 
 
-def pass_steps(model: nn.Module) -> tuple[int, ...]:
-    """The step of the last admission/eviction pass of each dynamic table (its id maps'), in a
-    fixed order: it changes exactly when a pass ran. Passes run at step ends on every rank
-    alike, so every rank reads the same."""
-    return tuple(int(m._last_pass_step) for m in mc_modules(model).values()
-                 if isinstance(m, DynamicMCHModule))
+def id_maps(model: nn.Module) -> list[DynamicMCHModule]:
+    """The id maps of ``model``'s dynamic tables, in a fixed order (find them once: walking the
+    module tree is not for every step)."""
+    return [m for m in mc_modules(model).values() if isinstance(m, DynamicMCHModule)]
+
+
+def pass_steps(maps: list[DynamicMCHModule]) -> tuple[int, ...]:
+    """The step of the last admission/eviction pass of each of ``maps`` (``id_maps``): it
+    changes exactly when a pass ran. Passes run at step ends on every rank alike, so every
+    rank reads the same."""
+    return tuple(int(m._last_pass_step) for m in maps)
 
 
 def end_window(model: nn.Module) -> None:

@@ -53,8 +53,8 @@ continues its sequence, and publishes a new base first (the state after the last
 not stored anywhere as a full export).
 
 All ranks take part in the save (its collectives); only rank 0 exports, uploads and rotates
-(from the checkpoint: no collectives). With ``every_n_seconds`` and several ranks, rank 0's
-clock decides and is broadcast at every step (one small broadcast per step).
+(from the checkpoint: no collectives). With ``every_n_seconds`` and several ranks, the ranks
+agree at every step (one one-int all-reduce: due when any rank's clock says so).
 
 With ``every_eviction_pass`` the hook also publishes after each admission/eviction pass of the
 model's dynamic tables: it reads the tables' last-pass step at every step's resume point.
@@ -124,10 +124,11 @@ class PublishRecord:
 
 
 
-def _positive(name: str, value: Any, kind: type | tuple[type, ...] = int) -> None:
-    if value is None:
+def _positive(name: str, value: Any, kind: type | tuple[type, ...] = int, *,
+              allow_none: bool = False) -> None:
+    if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
+    if value is None or isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
         raise ValueError(f"`{name}` must be a positive number, but is {value!r}.")
 
 
@@ -207,9 +208,9 @@ class PublishHook(Hook):
         if not isinstance(every_eviction_pass, bool):
             raise ValueError(f"`every_eviction_pass` must be true or false, but is "
                              f"{every_eviction_pass!r}.")
-        _positive("every_n_windows", every_n_windows)
-        _positive("every_n_steps", every_n_steps)
-        _positive("every_n_seconds", every_n_seconds, (int, float))
+        _positive("every_n_windows", every_n_windows, allow_none=True)
+        _positive("every_n_steps", every_n_steps, allow_none=True)
+        _positive("every_n_seconds", every_n_seconds, (int, float), allow_none=True)
         _positive("full_every", full_every)
         _positive("keep_bases", keep_bases)
         _positive("max_delta_fraction", max_delta_fraction, (int, float))
@@ -219,6 +220,7 @@ class PublishHook(Hook):
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.every_eviction_pass = every_eviction_pass
+        self._id_maps: list[Any] = []
         self._pass_steps: tuple[int, ...] = ()
         self.full_every = full_every
         self.max_delta_fraction = float(max_delta_fraction)
@@ -269,7 +271,8 @@ class PublishHook(Hook):
         if getattr(trainer, "checkpointer", None) is None:
             raise ValueError("PublishHook publishes exports of committed checkpoints: the "
                              "Trainer needs a checkpoint manager (args.output_dir).")
-        self._pass_steps = dynamic.pass_steps(trainer.model)
+        self._id_maps = dynamic.id_maps(trainer.model)
+        self._pass_steps = dynamic.pass_steps(self._id_maps)
         if self.every_eviction_pass and not self._pass_steps:
             raise ValueError("PublishHook(every_eviction_pass=True): the model has no dynamic "
                              "tables, so there are no eviction passes to publish after; use "
@@ -284,11 +287,18 @@ class PublishHook(Hook):
         if spec is None:
             raise ValueError("PublishHook: the train dataset has no FeatureSpec (`features`), "
                              "which the serving artifact needs.")
-        if self.staging_dir is None:
-            self._stage, self._own_stage = tempfile.mkdtemp(prefix="recsys-publish-"), True
-        else:
-            os.makedirs(self.staging_dir, exist_ok=True)
-            self._stage = self.staging_dir
+        try:
+            if self.staging_dir is None:
+                self._stage, self._own_stage = tempfile.mkdtemp(prefix="recsys-publish-"), True
+            else:
+                os.makedirs(self.staging_dir, exist_ok=True)
+                self._stage = self.staging_dir
+        except OSError as e:
+            raise PublishError(
+                f"PublishHook cannot make its local staging directory "
+                f"({self.staging_dir or tempfile.gettempdir()!r}: {e}); it builds each export "
+                "there before the upload: give `staging_dir=` a writable directory with room "
+                "for two exports.") from e
         init = {"location": self.location, "filesystem": self.filesystem,
                 "stage": self._stage, "model": model, "spec": spec,
                 "window_filesystem": getattr(ds, "filesystem", None),
@@ -299,7 +309,12 @@ class PublishHook(Hook):
             self._local = Publisher(**init)
             return
         self._init_path = os.path.join(self._stage, "publisher-init.pt")
-        torch.save(init, self._init_path)
+        try:
+            torch.save(init, self._init_path)
+        except OSError as e:  # a full or read-only staging directory, named
+            raise PublishError(f"PublishHook cannot write {self._init_path!r}: {e}; give "
+                               "`staging_dir=` a writable directory with room for two "
+                               "exports.") from e
         self._start_worker()
 
     def after_window(self, trainer: Trainer, window_id: str) -> None:
@@ -326,13 +341,13 @@ class PublishHook(Hook):
             if self.every_eviction_pass:
                 # A pass changed which ids have rows (the same on every rank: passes run at
                 # step ends): serving should drop the evicted ids and learn the admitted ones.
-                passes = dynamic.pass_steps(trainer.model)
+                passes = dynamic.pass_steps(self._id_maps)
                 due = due or passes != self._pass_steps
                 self._pass_steps = passes
         if not due and self.every_n_seconds is not None and point in ("step", "window"):
             due = time.monotonic() - self._last_request_time >= self.every_n_seconds
             if trainer.world_size > 1:
-                due = bool(trainer.gang.broadcast_object(due))
+                due = bool(trainer.gang.all_reduce_max([int(due)])[0])
         if due:
             self._request(trainer, step, final=point == "end")
 
