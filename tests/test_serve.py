@@ -270,3 +270,46 @@ def test_an_oversized_body_is_refused_without_being_held_whole(tmp_path) -> None
     # Under the limit it is read and answered (nothing published yet: 503 NoModel).
     status, err = _asgi_post(app, [b'{"rows": []}'], [])
     assert status == 503 and err["error"] == "NoModel"
+
+
+@pytest.mark.timeout(60)
+def test_health_says_stalled_when_a_poll_hangs(tmp_path, monkeypatch) -> None:
+    import asyncio
+
+    from recsys_trainer.serving.follow import Follower
+    from recsys_trainer.serving.server import create_app
+
+    follower = Follower(str(tmp_path / "nothing-published"), poll_s=0.05)
+    release = threading.Event()
+    # A read of the store that never answers (a stalled mount): the poll thread blocks in it.
+    monkeypatch.setattr(follower, "_poll", lambda: release.wait(30) and False)
+    app = create_app(follower, start_follower=False)
+
+    def health() -> tuple[int, dict[str, Any]]:
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                 "method": "GET", "scheme": "http", "path": "/health", "raw_path": b"/health",
+                 "query_string": b"", "root_path": "", "headers": [],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        asyncio.run(app(scope, receive, send))
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        return start["status"], json.loads(b"".join(m.get("body", b"") for m in sent
+                                                     if m["type"] == "http.response.body"))
+
+    follower.start()
+    try:
+        assert follower.stalled_s() is None  # just started: on time
+        follower._started_at -= 120  # ... and two minutes later, still in that first poll
+        status, body = health()
+        assert status == 503 and body["status"] == "stalled" and body["stalled_s"] >= 60
+    finally:
+        release.set()
+        follower.stop()
+    assert follower.stalled_s() is None  # no thread polls: nothing to call stalled

@@ -133,6 +133,7 @@ class Follower:
         self._served: Served | None = None
         self.last_error: FollowError | None = None
         self.last_poll: float | None = None
+        self._started_at = 0.0  # when start() started the polling thread
         """The unix time the last poll finished."""
         self.swaps = 0
         self._failed: tuple[Pointer, float] | None = None  # a pointer that failed, and when
@@ -174,9 +175,20 @@ class Follower:
         if self._thread is not None and self._thread.is_alive():
             return self
         self._stop.clear()
+        self._started_at = time.time()
         self._thread = threading.Thread(target=self._run, name="recsys-follower", daemon=True)
         self._thread.start()
         return self
+
+    def stalled_s(self) -> float | None:
+        """Seconds since the polling thread last finished a poll (or started), when that is
+        over ``max(3 * poll_s, 60)``: a read of the store that hangs (a stalled mount, a store
+        that accepts and never answers) would otherwise leave ``last_error`` empty while the
+        model silently ages. None when polling is on time or no thread polls."""
+        if self._thread is None or not self._thread.is_alive():
+            return None
+        since = time.time() - max(self.last_poll or 0.0, self._started_at)
+        return since if since > max(3 * self.poll_s, 60.0) else None
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """End the polling thread (after the poll under way, if any)."""

@@ -173,13 +173,17 @@ def create_app(follower: Follower, *, start_follower: bool = True,
 
     async def health(request: Request) -> Response:
         served = follower.served
-        body: dict[str, Any] = {"status": "ok" if served is not None else "no model",
-                                **state()}
+        stalled = follower.stalled_s()
+        status = "stalled" if stalled is not None else "no model" if served is None else "ok"
+        body: dict[str, Any] = {"status": status, **state()}
+        if stalled is not None:
+            # /score still answers with the last model; health says it is no longer followed.
+            body["stalled_s"] = round(stalled, 1)
         if served is not None:
             body.update(step=served.step, content_hash=served.content_hash,
                         sequence=served.sequence, window=served.window,
                         window_time=served.window_time, loaded_at=served.loaded_at)
-        return JSONResponse(body, status_code=200 if served is not None else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def model(request: Request) -> Response:
         served = follower.served
