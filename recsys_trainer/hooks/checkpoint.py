@@ -56,8 +56,8 @@ class CheckpointHook(Hook):
         assert grace_s is not None, "no preemption without preemption_grace_s"
         # The grace period counts from the signal: what the stop, the other hooks and the
         # agreement took since then is not the save's to spend.
-        signalled_at = p.signalled_at if p.signalled_at is not None else \
-            time.monotonic() - p.seconds_to_stop
+        assert p.signalled_at is not None, "the Trainer names when the signal came"
+        signalled_at = p.signalled_at
         if not self.manager.will_save():
             p.error = "this run saves no checkpoints (no save trigger is set)"
             return
