@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 MixedPrecision = Literal["no", "bf16", "fp16"]
 NonFiniteLoss = Literal["ignore", "stop", "skip"]
-ReshardDataPosition = Literal["error", "restart_window", "next_window"]
+ReshardDataPosition = Literal["exact", "error", "restart_window", "next_window"]
+RESHARD_DATA_POSITIONS = ("exact", "error", "restart_window", "next_window")
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise",
                   "data_parallel")
 MODEL_BANK_COMPONENTS = ("tables", "dense", "optimizer", "counters", "data")
@@ -150,10 +151,13 @@ class CheckpointArguments:
     """Also keep the checkpoint with the best value of this evaluation metric (e.g. "loss")."""
     keep_best_mode: Literal["min", "max"] = "min"
     """Whether lower ("min") or higher ("max") ``keep_best_metric`` is better."""
-    reshard_data_position: ReshardDataPosition = "error"
-    """Resuming with another world size from a checkpoint taken mid-window: "error" (default,
-    says what to do), "restart_window" (re-read that window) or "next_window" (skip its rest).
-    Checkpoints at window boundaries resume exactly at any world size."""
+    reshard_data_position: ReshardDataPosition = "exact"
+    """Resuming with another world size (an elastic job that lost or gained a node) from a
+    checkpoint taken mid-window: "exact" (default: the new ranks train exactly the rows of the
+    window that no old rank consumed; needs a train dataset with ``exact_reshard``, as
+    ``ParquetWindowDataset``), "error" (refuse, saying what to do), "restart_window" (re-read
+    the whole window: some rows twice) or "next_window" (skip its rest: some rows never).
+    Checkpoints at window boundaries resume exactly at any world size whatever this says."""
 
     def __post_init__(self) -> None:
         for name in ("save_steps", "save_every_n_windows", "save_every_n_epochs"):
@@ -165,7 +169,7 @@ class CheckpointArguments:
         check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
         check_choice("keep_best_mode", self.keep_best_mode, ("min", "max"))
         check_choice("reshard_data_position", self.reshard_data_position,
-                     ("error", "restart_window", "next_window"))
+                     RESHARD_DATA_POSITIONS)
         if self.params_not_save is not None and (
             isinstance(self.params_not_save, str)
             or not all(isinstance(p, str) for p in self.params_not_save)

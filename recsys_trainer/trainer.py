@@ -12,6 +12,8 @@ Event order (every event fires exactly as written; ``end`` once per top-level ca
         for epoch in epochs (until train_epoch, train_steps or an agreed stop):
             before_epoch(epoch)
             for window in train windows (at most window_iter):
+                [a stream waits for it, after a window of this call: on_resume_point("wait")
+                 at each of its heartbeats, on every rank]   # CheckpointHook: commits the save
                 before_window(window_id)
                 loop:
                     batch = next()                   # one all-reduce: out of data / stop agreed
@@ -72,7 +74,7 @@ import math
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -86,7 +88,13 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.builder import TrainerParts, build_trainer_parts
 from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
-from recsys_trainer.data.base import Lookahead, WindowedDataset, as_windowed, nothing_to_train_error
+from recsys_trainer.data.base import (
+    Lookahead,
+    Segment,
+    WindowedDataset,
+    as_windowed,
+    nothing_to_train_error,
+)
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import Gang, peer_lost_error
@@ -127,7 +135,12 @@ class TrainerState:
     window_index: int = 0
     """Index of the current train window within the epoch."""
     batches_in_window: int = 0
-    """Micro-batches *trained* in the current train window (the resume position)."""
+    """Micro-batches *trained* in the current train window (the resume position); after a
+    change of world size inside the window, those of the part since the change."""
+    window_segments: list[list[int]] = field(default_factory=list)
+    """The current train window's parts trained before the job changed its world size, oldest
+    first, as ``[world_size, batches per rank]`` (``data.base.Segment``); empty unless an
+    elastic resume landed in the middle of the window."""
     window_id: str | None = None
     mode: Literal["idle", "train", "eval", "predict"] = "idle"
     rows_unread: int = 0
@@ -147,8 +160,8 @@ class TrainerState:
                 if k not in ("mode", "stop_reason", "last_step_rows")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Checkpoints from before rows_seen / eval_owed existed.
-        state = {"rows_seen": 0, "eval_owed": None, **state}
+        # Checkpoints from before rows_seen / eval_owed / window_segments existed.
+        state = {"rows_seen": 0, "eval_owed": None, "window_segments": [], **state}
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -157,6 +170,15 @@ class TrainerState:
             )
         for k, v in state.items():
             setattr(self, k, v)
+        self.window_segments = [list(map(int, s)) for s in self.window_segments]
+
+    def segments(self) -> list[Segment]:
+        """``window_segments`` as ``Segment``s (what the train dataset is handed)."""
+        return [Segment(w, b) for w, b in self.window_segments]
+
+    def next_window(self, index: int) -> None:
+        """The resume position moves to the start of train window ``index``."""
+        self.window_index, self.batches_in_window, self.window_segments = index, 0, []
 
 
 @dataclass
@@ -277,6 +299,7 @@ class Trainer:
         self._preemption_watcher = PreemptionWatcher()
         for ds in (d for d in (self.train_dataset, self.eval_dataset) if d is not None):
             ds.set_stop_check(lambda: self._preemption_watcher.requested)  # ends a stream's wait
+            ds.set_wait_hook(self._stream_waits)
         self._exit_now = False
         self.preemption: Preemption | None = None
         """What the last preemption did (``recsys_trainer.preemption``); None: none."""
@@ -472,6 +495,12 @@ class Trainer:
             except (_PreemptionStop, WaitInterrupted):  # a signal at a fetch, or while waiting
                 self._stop_for_preemption()
 
+    def _stream_waits(self) -> None:
+        """A dataset's heartbeat while it waits for data (every rank is at the same one): the
+        ``"wait"`` resume point, while training (the position is the last resume point's)."""
+        if self.state.mode == "train":
+            self.hooks.fire("on_resume_point", self, "wait")
+
     def _stop_flag(self) -> int:
         """This rank's stop flag for the next fetch: 2 preemption, 1 requested, 0 none."""
         return 2 if self._preemption_watcher.requested else int(self._stop_local)
@@ -555,7 +584,8 @@ class Trainer:
             self._evaluate(epoch_eval.dataset, None)
             st.eval_owed = None
         if not done:
-            st.epoch, st.window_index = st.epoch + 1, 0
+            st.epoch = st.epoch + 1
+            st.next_window(0)
             self.hooks.fire("on_resume_point", self, "epoch")
         return done
 
@@ -572,7 +602,7 @@ class Trainer:
             self._evaluate(after.dataset, after.windows)
         st.eval_owed, schedule.current = None, None
         if not done:  # the window is finished: the resume position moves to the next one
-            st.window_index, st.batches_in_window = index + 1, 0
+            st.next_window(index + 1)
             self.hooks.fire("on_resume_point", self, "window")
         return done
 
@@ -603,7 +633,8 @@ class Trainer:
         self.model.train()
         self.hooks.fire("before_window", self, window_id)
         it = self._train_it = SyncedIterator(
-            self._batch_check.batches(ds, window_id, skip_batches=st.batches_in_window),
+            self._batch_check.batches(ds, window_id, skip_batches=st.batches_in_window,
+                                      earlier=st.segments()),
             self.gang,
             pad=False,
             local_flags=lambda: (self._stop_flag(), self._non_finite_local),

@@ -170,7 +170,7 @@ def test_unknown_keys_are_named() -> None:
         ("save_steps", 0, "`save_steps` must be an int >= 1 or None, but is 0."),
         ("max_to_keep", 0, "`max_to_keep` must be an int >= 1, but is 0."),
         ("keep_best_mode", "best", "`keep_best_mode` must be one of 'min', 'max', but is 'best'."),
-        ("reshard_data_position", "x", "`reshard_data_position` must be one of 'error', "
+        ("reshard_data_position", "x", "`reshard_data_position` must be one of 'exact', 'error', "
                                        "'restart_window', 'next_window', but is 'x'."),
         ("params_not_save", "t_user", "`params_not_save` must be a list of name patterns"),
         ("save_filter_fn", 3, "`save_filter_fn` must be a callable name -> bool, but is 3."),

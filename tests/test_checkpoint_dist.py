@@ -200,11 +200,18 @@ def test_resharding_2_to_1_and_1_to_2_restores_model_and_both_optimizers(tmp_pat
     assert any(k.startswith("optim.state.dense.") for k in a)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 
-    # A mid-window position cannot be mapped to another world size: a clear error...
+    # A mid-window position maps to another world size as the part trained so far (the new
+    # ranks read the rows the old ones left: tests/test_elastic_plan.py) ...
+    state = _load_and_resave(os.path.join(two, "step_00000003"), str(tmp_path / "exact"))
+    assert (state["global_step"], state["window_index"], state["batches_in_window"],
+            state["window_segments"]) == (3, 0, 0, [[2, 3]])
+    # ... or, asked to refuse, is a clear error ...
     with pytest.raises(CheckpointError, match="restart_window") as e:
-        _load_and_resave(os.path.join(two, "step_00000003"), str(tmp_path / "bad"))
+        t = build(str(tmp_path / "bad"), RowWindows(), train_steps=100,
+                  resume_from=os.path.join(two, "step_00000003"), reshard_data_position="error")
+        t.resume()
     assert e.value.kind == "reshard"
-    # ... unless asked to restart that window.
+    # ... or restarts that window when asked to.
     t = build(str(tmp_path / "rw"), RowWindows(), resume_from=os.path.join(two, "step_00000003"),
               reshard_data_position="restart_window", train_steps=100)
     t.resume()

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -29,7 +29,7 @@ from recsys_trainer.checkpoint import (
     writer,
 )
 from recsys_trainer.checkpoint.export import read_full, saved_keys
-from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.base import Segment, WindowedDataset
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.models import DLRMClassifier
@@ -69,8 +69,16 @@ class RowWindows(WindowedDataset):
             b.dense[:, 0] = torch.arange(first, first + self.bs, dtype=torch.float32) * 1e-3
         return out
 
-    def iter_window(self, window_id: str, skip_batches: int = 0) -> Iterator[Batch]:
-        mine = self._global(window_id)[self.rank::self.world_size]
+    exact_reshard = True
+
+    def iter_window(self, window_id: str, skip_batches: int = 0, *,
+                    earlier: Sequence[Segment] = ()) -> Iterator[Batch]:
+        left = self._global(window_id)
+        for seg in earlier:  # what each earlier part's ranks did not train, in batch order
+            consumed = {i for r in range(seg.world_size)
+                        for i in list(range(len(left)))[r::seg.world_size][:seg.batches]}
+            left = [b for i, b in enumerate(left) if i not in consumed]
+        mine = left[self.rank::self.world_size]
         return iter(mine[skip_batches:])
 
 

@@ -58,7 +58,7 @@ _OPTIMIZERS = (("dense", DENSE_OPTIMIZER), ("sparse", SPARSE_OPTIMIZER))
 _TENSOR_COMPONENTS = (MODEL, DENSE_OPTIMIZER, SPARSE_OPTIMIZER)
 _DATASETS = ("train_dataset", "eval_dataset")
 COUNTER_KEYS = ("global_step", "epoch", "window_index", "batches_in_window", "window_id",
-                "rows_unread", "rows_seen")
+                "window_segments", "rows_unread", "rows_seen")
 """The ``trainer_state`` component's keys that checkpoints read (step naming, triggers, the
 model bank's counters/data, remapping the data position to another world size)."""
 
@@ -229,25 +229,37 @@ def apply_dense_param_groups(components: Components, groups: list[dict[str, Any]
     dense.load_state_dict({"state": {}, "param_groups": groups})
 
 
-def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bool) -> None:
+def load_resharded_dataset_state(dataset: Stateful, state: dict[str, Any],
+                                 world_size: int) -> None:
+    """Restore a dataset from rank 0's state saved at another ``world_size``: only what is the
+    same on every rank (``WindowedDataset.load_resharded_state_dict``)."""
+    load = getattr(dataset, "load_resharded_state_dict", None)
+    if load is not None:  # a WindowedDataset; another Stateful has no per-rank split to make
+        load(state, world_size)
+
+
+def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bool,
+                saved_world_size: int | None = None) -> None:
     """Restore every per-rank component from ``extra`` except the counters (the caller decides
     how to map the data position). Components the checkpoint has no state for (None, or empty)
     keep theirs: an lr scheduler or scaler added since, a component newer than the checkpoint,
     or a dataset the checkpoint was saved without (``extra_state`` writes ``{}`` for it: eval
-    data added to a project whose checkpoints had none). Dataset state is per rank, so it is
-    restored only at the same world size. The optimizers' tensors are not here: DCP loads them
-    in place."""
+    data added to a project whose checkpoints had none). Dataset state is per rank: at another
+    world size (``saved_world_size``; ``extra`` is then rank 0's) a dataset restores only what is
+    the same on every rank, through ``load_resharded_state_dict``. The optimizers' tensors are
+    not here: DCP loads them in place."""
     apply_dense_param_groups(components, extra["dense_param_groups"])
     for name, comp in components.items():
         if name in _TENSOR_COMPONENTS or name == COUNTERS:
-            continue
-        if name in _DATASETS and not same_world:
             continue
         state = extra.get(name)
         if not state:
             continue
         try:
-            comp.load_state_dict(state)
+            if name in _DATASETS and not same_world:
+                load_resharded_dataset_state(comp, state, saved_world_size or int(extra["world_size"]))
+            else:
+                comp.load_state_dict(state)
         except ValueError as e:
             if name not in _DATASETS:
                 raise

@@ -65,12 +65,9 @@ def load_checkpoint(components: contents.Components, info: layout.CheckpointInfo
                     path, ", ".join(sorted(comps)))
         return None
     if not same_world:
-        ts = remap_position(ts, info, world_size=gang.world_size, policy=reshard_data_position)
-        if extra["train_dataset"]:
-            logger.warning("world size changed (%d -> %d): the train dataset's own state is "
-                           "not restored; the data position comes from the trainer counters",
-                           info.world_size, gang.world_size)
-    contents.apply_extra(comps, extra, same_world=same_world)
+        ts = remap_position(ts, info, world_size=gang.world_size, policy=reshard_data_position,
+                            train_dataset=components.get("train_dataset"))
+    contents.apply_extra(comps, extra, same_world=same_world, saved_world_size=info.world_size)
     comps[contents.COUNTERS].load_state_dict(ts)
     logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
                 info.world_size)
@@ -121,30 +118,57 @@ def restrict_to_checkpoint(target: dict[str, Any], saved: set[str]) -> dict[str,
 
 
 def remap_position(ts: dict[str, Any], info: layout.CheckpointInfo, *, world_size: int,
-                   policy: ReshardDataPosition) -> dict[str, Any]:
+                   policy: ReshardDataPosition, train_dataset: Any = None) -> dict[str, Any]:
     """Map the data position of a checkpoint saved with another world size to ``world_size``.
 
     At a window boundary (no batch of the window trained) the position is the same for any
-    world size. Mid-window, each rank's batch count refers to its own shard of the window,
-    which does not exist at the new world size: follow ``policy`` (``reshard_data_position``).
+    world size. Mid-window, each rank's batch count refers to its own share of the window, which
+    does not exist at the new world size; ``policy`` (``reshard_data_position``) decides:
+
+    * ``"exact"``: the part trained so far becomes one more of the window's earlier segments
+      (``TrainerState.window_segments``: world size, batches per rank) and the new ranks start
+      on the rows no old rank consumed (``WindowedDataset.iter_window(earlier=...)``); needs a
+      ``train_dataset`` with ``exact_reshard`` (None, as for a bare ``resume()``, is allowed:
+      the position is only recorded);
+    * ``"error"``: refuse, naming the choices;
+    * ``"restart_window"`` / ``"next_window"``: the start of this window / of the next one.
     """
     ts = dict(ts)
     ts["rows_unread"] = 0
-    if ts["batches_in_window"] == 0:
+    segments = [list(s) for s in ts.get("window_segments", [])]
+    if ts["batches_in_window"] == 0 and not segments:
         return ts
-    if policy == "error":
+    where = (f"in the middle of train window {ts['window_index']} ({ts['window_id']!r}, after "
+             f"{_describe(segments, info.world_size, ts['batches_in_window'])})")
+    exact_ok = train_dataset is None or getattr(train_dataset, "exact_reshard", False) is True
+    if policy == "error" or (policy == "exact" and not exact_ok):
+        cannot = ("" if policy == "error" else
+                  f" The train dataset ({type(train_dataset).__name__}) cannot tell which rows "
+                  "the old ranks consumed (it has no exact_reshard; ParquetWindowDataset has).")
         raise CheckpointError(
-            f"checkpoint step {info.step} was saved with world size {info.world_size} in the "
-            f"middle of train window {ts['window_index']} ({ts['window_id']!r}, after "
-            f"{ts['batches_in_window']} batches per rank); this run has world size "
-            f"{world_size}, so that position does not exist. Either resume with "
+            f"checkpoint step {info.step} was saved with world size {info.world_size} {where}; "
+            f"this run has world size {world_size}, so that position does not exist "
+            f"(reshard_data_position={policy!r}).{cannot} Either resume with "
             f"{info.world_size} ranks, resume from a checkpoint taken at a window boundary "
             f"(save_every_n_windows), or set reshard_data_position='restart_window' (re-read "
             f"the window: some rows twice) or 'next_window' (skip the rest of it).",
             step=info.step, path=info.path, kind="reshard")
-    logger.warning("world size changed %d -> %d mid-window: %s", info.world_size,
-                   world_size, policy)
+    if policy == "exact":
+        if ts["batches_in_window"]:
+            segments.append([info.world_size, int(ts["batches_in_window"])])
+        logger.info("world size changed %d -> %d %s: resuming on the rows no old rank consumed",
+                    info.world_size, world_size, where)
+        ts["window_segments"], ts["batches_in_window"] = segments, 0
+        return ts
+    logger.warning("world size changed %d -> %d %s: %s", info.world_size, world_size, where,
+                   policy)
     if policy == "next_window":
         ts["window_index"] += 1
-    ts["batches_in_window"] = 0
+    ts["batches_in_window"], ts["window_segments"] = 0, []
     return ts
+
+
+def _describe(segments: list[list[int]], world_size: int, batches: int) -> str:
+    """The window's trained parts, e.g. "18 batches per rank at world size 2, then 5 at 1"."""
+    parts = [*segments, [world_size, batches]] if batches or not segments else segments
+    return ", then ".join(f"{b} batches per rank at world size {w}" for w, b in parts)

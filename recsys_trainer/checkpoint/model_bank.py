@@ -31,6 +31,7 @@ from recsys_trainer.args import ModelBankSource
 from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.export import read_full, saved_keys
+from recsys_trainer.checkpoint.loading import remap_position
 from recsys_trainer.distributed import Gang
 
 logger = logging.getLogger(__name__)
@@ -163,14 +164,20 @@ def _apply_extra(components: contents.Components, src: ModelBankSource,
         if scheduler is not None and extra["lr_scheduler"] is not None:
             scheduler.load_state_dict(extra["lr_scheduler"])
     if want_data:
-        if not same_world and ts["batches_in_window"]:
-            raise CheckpointError(
-                f"model bank: {info.path!r} was saved mid-window with world size "
-                f"{info.world_size}; its data position cannot be used with world size "
-                f"{gang.world_size}. Drop 'data' from include.", step=info.step,
-                path=info.path, kind="reshard")
-        contents.set_counters(components, {k: ts[k] for k in
-                                           ("window_index", "batches_in_window", "window_id")})
         train = components.get("train_dataset")
-        if same_world and train is not None:
-            train.load_state_dict(extra["train_dataset"])
+        position = {"window_segments": [], **{k: ts[k] for k in _POSITION if k in ts}}
+        if not same_world:
+            # Mid-window: the rows no rank of the source run consumed, as a resume would.
+            position = remap_position(position, info, world_size=gang.world_size,
+                                      policy="exact", train_dataset=train)
+        contents.set_counters(components, {k: position[k] for k in _POSITION})
+        if train is not None and extra["train_dataset"]:
+            if same_world:
+                train.load_state_dict(extra["train_dataset"])
+            else:
+                contents.load_resharded_dataset_state(train, extra["train_dataset"],
+                                                      info.world_size)
+
+
+_POSITION = ("window_index", "batches_in_window", "window_id", "window_segments")
+"""The counters that say where in the data a run is (what include "data" copies)."""

@@ -4,6 +4,12 @@ A *window* is an ordered unit of data (e.g. one hour of parquet). Training walks
 order; ``train_and_evaluate`` pairs train window ``i`` with eval window ``i`` and checks the
 pairs by id (``WindowPairing``). Any plain iterable of ``Batch`` also works: it is one window
 named ``"all"``, re-iterated every epoch.
+
+A window may be trained at more than one world size: an elastic job that loses or gains a node
+in the middle of a window resumes at the new size. The part trained before each change is a
+``Segment`` (world size, batches per rank); ``iter_window(..., earlier=segments)`` then yields
+this rank's share of the rows no earlier part consumed, for a dataset that can tell which rows
+those were (``exact_reshard``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,17 @@ from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A part of a train window trained at one world size, before the job changed size: each
+    of ``world_size`` ranks trained ``batches`` micro-batches of its share of the window (the
+    ranks agree at every fetch, so the count is the same on every rank). Saved in checkpoints
+    (``TrainerState.window_segments``)."""
+
+    world_size: int
+    batches: int
+
+
 class WindowedDataset(ABC):
     """Base class of windowed datasets.
 
@@ -34,6 +51,13 @@ class WindowedDataset(ABC):
     features: FeatureSpec | None = None
     """The spec the dataset decodes with, if any: the Trainer checks it against the model's
     tables when it is built (feature names, and id bounds against table sizes)."""
+
+    exact_reshard: bool = False
+    """Whether ``iter_window`` takes ``earlier`` segments: the rows each rank of another world
+    size consumed follow from the dataset's plan, so a checkpoint saved in the middle of a
+    window resumes at any world size with every row trained exactly once
+    (``reshard_data_position="exact"``, the default). A dataset without it gets a named error
+    at such a resume, or follows ``"restart_window"`` / ``"next_window"``."""
 
     def setup(self, rank: int, world_size: int) -> None:
         """Choose this rank's share of every window. Default: no sharding (rank reads all)."""
@@ -50,6 +74,21 @@ class WindowedDataset(ABC):
         rank with ``WaitInterrupted`` (``windows.agreed_windows``); the Trainer then stops as
         for a signal at a batch fetch. None: no check. Default: ignored (nothing waits)."""
 
+    def set_wait_hook(self, on_wait: Callable[[], None] | None) -> None:
+        """Called by the Trainer with ``on_wait()``: what to do while the dataset waits for
+        data. A dataset that waits (a stream waiting for its next window) calls it at points
+        every rank reaches together (its heartbeats, ``windows.agreed_windows``), on every
+        rank; the Trainer finishes a checkpoint in flight there (the ``"wait"`` resume point),
+        so a window's checkpoint commits and is published while the stream waits. None:
+        nothing. Default: ignored (nothing waits)."""
+
+    def landed_at(self, window_id: str) -> float | None:
+        """When window ``window_id`` landed (unix time), as its source records it, or None
+        when it does not (the default). ``PublishHook`` puts it in the published pointer
+        (``window_time``), from which freshness is measured: for a partitioned directory it is
+        the modification time of the partition's ready marker (``_SUCCESS``)."""
+        return None
+
     def set_epoch(self, epoch: int) -> None:
         """Called by the Trainer before each epoch's windows (e.g. to reseed a shuffle)."""
 
@@ -58,8 +97,14 @@ class WindowedDataset(ABC):
         """Window ids in training order (may block, for streaming sources)."""
 
     @abstractmethod
-    def iter_window(self, window_id: str, skip_batches: int = 0) -> Iterator[Batch]:
-        """This rank's batches of ``window_id``, starting after ``skip_batches`` batches."""
+    def iter_window(self, window_id: str, skip_batches: int = 0, *,
+                    earlier: Sequence[Segment] = ()) -> Iterator[Batch]:
+        """This rank's batches of ``window_id``, starting after ``skip_batches`` batches.
+
+        ``earlier`` (only passed to a dataset with ``exact_reshard``): the parts of the window
+        trained before the job changed its world size, oldest first. This rank's share is then
+        planned over the rows no rank of any earlier part consumed, and ``skip_batches`` counts
+        batches of that share."""
 
     def padding_batch(self) -> Batch | None:
         """A batch shaped like real ones, used (with zero weights) to pad exhausted ranks in
@@ -94,6 +139,11 @@ class WindowedDataset(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def load_resharded_state_dict(self, state: dict[str, Any], world_size: int) -> None:
+        """Restore from the state rank 0 saved at another world size (``world_size``; an
+        elastic resume): what is the same on every rank (e.g. the id kinds read so far), never
+        a per-rank position. Default: nothing."""
+
 
 class IterableAsWindow(WindowedDataset):
     """Any re-iterable of batches (a list, a DataLoader) or a factory of iterators, as one window
@@ -105,7 +155,8 @@ class IterableAsWindow(WindowedDataset):
     def window_ids(self) -> Iterator[str]:
         yield "all"
 
-    def iter_window(self, window_id: str, skip_batches: int = 0) -> Iterator[Batch]:
+    def iter_window(self, window_id: str, skip_batches: int = 0, *,
+                    earlier: Sequence[Segment] = ()) -> Iterator[Batch]:
         src = self._source() if callable(self._source) and not isinstance(self._source, Iterable) else self._source
         it = iter(src)  # type: ignore[arg-type]
         for _ in range(skip_batches):

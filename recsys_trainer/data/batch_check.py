@@ -13,14 +13,14 @@ raises it on every rank. Non-finite dense values are left to
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.base import Segment, WindowedDataset
 from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.dynamic.ids import ID_SPACE
@@ -55,11 +55,15 @@ class BatchCheck:
         self._pooled = _limits(pooled)
         self._sequence = _limits(sequence)
 
-    def batches(self, dataset: WindowedDataset, window_id: str,
-                skip_batches: int = 0) -> Iterator[Batch]:
-        """``dataset.iter_window(window_id, skip_batches)``, each batch checked as it is fetched
-        unless the dataset decodes through a ``FeatureSpec`` (the reader checked every id)."""
-        it = dataset.iter_window(window_id, skip_batches=skip_batches)
+    def batches(self, dataset: WindowedDataset, window_id: str, skip_batches: int = 0,
+                earlier: Sequence[Segment] = ()) -> Iterator[Batch]:
+        """``dataset.iter_window(window_id, skip_batches)`` (with ``earlier``, when there are
+        earlier parts of the window), each batch checked as it is fetched unless the dataset
+        decodes through a ``FeatureSpec`` (the reader checked every id)."""
+        # Only a resumed window's earlier parts are passed: a dataset without exact_reshard
+        # keeps the two-argument iter_window it was written with.
+        it = (dataset.iter_window(window_id, skip_batches=skip_batches, earlier=earlier)
+              if earlier else dataset.iter_window(window_id, skip_batches=skip_batches))
         if isinstance(dataset.features, FeatureSpec) or not (self._pooled or self._sequence):
             return it
         return _CheckedWindow(self, it, window_id, skip_batches)

@@ -21,6 +21,15 @@ from row counts without decoding the skipped rows. The position itself belongs t
 ``state_dict`` holds the epoch and a fingerprint of its configuration, so a resume with another
 world size, seed, batch size or source fails loudly instead of reading other rows.
 
+**At another world size** (an elastic job that lost or gained a node mid-window) the Trainer
+passes the window's earlier parts (``Segment``: world size, batches per rank) to
+``iter_window``. The rows each earlier rank consumed follow from that part's plan (its cut of the
+rows, its shuffle) and its batch count, so the dataset replays the cuts and plans this rank's
+share over exactly the rows no earlier rank consumed: every row of the window is trained once.
+The batch count maps to rows by arithmetic (``batch_size`` rows per batch), except with
+``on_nan_label="drop"`` or ``on_corrupt="skip"``, where a batch may stand for more rows: then the
+earlier ranks' batches are read again (not trained) to count them, once per resume.
+
 CSV files are read whole with ``pyarrow.csv`` when their window is planned (one "row group" per
 file); use parquet for large data.
 
@@ -33,6 +42,7 @@ arithmetic, without dataset state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -46,12 +56,19 @@ import pyarrow.fs as pafs
 
 from recsys_trainer import storage
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.base import WindowedDataset
+from recsys_trainer.data.base import Segment, WindowedDataset
 from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import SparseFeature
-from recsys_trainer.data.parquet_files import OpenFiles, Piece, Unit, concat_rows, skip_rows
-from recsys_trainer.data.parquet_plan import WindowPlanner, shard_units, shuffle_rng
+from recsys_trainer.data.parquet_files import (
+    OpenFiles,
+    Piece,
+    Unit,
+    concat_rows,
+    rows_left,
+    skip_rows,
+)
+from recsys_trainer.data.parquet_plan import WindowPlanner, shard_pieces, shuffle_rng, whole_units
 from recsys_trainer.data.prefetch import Prefetcher
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import Vocabulary
@@ -126,6 +143,7 @@ class ParquetWindowDataset(WindowedDataset):
     """
 
     features: FeatureSpec
+    exact_reshard = True
 
     def __init__(
         self,
@@ -165,6 +183,7 @@ class ParquetWindowDataset(WindowedDataset):
         self._pending_state: dict[str, Any] | None = None
         self._gang: Gang | None = None
         self._stop: Callable[[], bool] | None = None
+        self._on_wait: Callable[[], None] | None = None
         self._id_kinds: dict[str, dict[str, str]] = {}
         """Per sparse id column: the kind of ids first read ("integer"/"string"), and the window
         and file it was first read from (saved in ``state_dict``)."""
@@ -188,27 +207,40 @@ class ParquetWindowDataset(WindowedDataset):
     def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
         self._stop = stop
 
+    def set_wait_hook(self, on_wait: Callable[[], None] | None) -> None:
+        self._on_wait = on_wait
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def window_ids(self) -> Iterator[str]:
-        for w in agreed_windows(self.windows, self._gang, self.filesystem, stop=self._stop):
+        for w in agreed_windows(self.windows, self._gang, self.filesystem, stop=self._stop,
+                                on_wait=self._on_wait):
             self._known[w.id] = w
             yield w.id
 
-    def iter_window(self, window_id: str, skip_batches: int = 0) -> WindowIterator:
-        """This rank's batches of the window. Errors found while planning it (an unreadable
+    def landed_at(self, window_id: str) -> float | None:
+        """The modification time of the window's ready marker (``_SUCCESS``), from the listing
+        that found it (``Window.landed_at``); None for a window listed without one (globs, a
+        list of ``Window``) or not listed yet."""
+        w = self._known.get(window_id)
+        return w.landed_at if w is not None else None
+
+    def iter_window(self, window_id: str, skip_batches: int = 0, *,
+                    earlier: Sequence[Segment] = ()) -> WindowIterator:
+        """This rank's batches of the window (with ``earlier``: of the rows the window's earlier
+        parts left, see the module docstring). Errors found while planning it (an unreadable
         file, a mistyped column) are raised by the iterator's first ``next()``."""
         try:
             window = self._window(window_id)
-            pieces, total = self._plan(window)
+            pieces, total = self._plan(window, earlier)
         except Exception as exc:  # noqa: BLE001 - raised by the iterator's first next()
             # Planning reads every file's footer: a file this rank cannot open fails here. The
             # error surfaces at the first fetch, inside the ranks' agreement on it, so every
             # rank stops with it instead of the others waiting for this one.
             return WindowIterator(self, [], 0, window_id, error=exc)
         replay = 0
-        if skip_batches and (self.features.on_nan_label == "drop" or self.on_corrupt == "skip"):
+        if skip_batches and self._batches_may_skip_rows():
             # Dropped rows (NaN labels) and skipped unreadable row groups can empty whole
             # batches, which are never yielded nor trained: batch k then starts after more than
             # k * batch_size rows, and only reading tells where. Re-read and discard k batches.
@@ -268,6 +300,14 @@ class ParquetWindowDataset(WindowedDataset):
         """The record of id kinds this dataset reads as: the followed dataset's, else its own."""
         return self._kinds_of._id_kinds if self._kinds_of is not None else self._id_kinds
 
+    def load_resharded_state_dict(self, state: dict[str, Any], world_size: int) -> None:
+        """Restore rank 0's state saved at ``world_size`` ranks: the epoch and the id kinds
+        read so far (every rank plans every file, so they are the same on every rank); the
+        configuration must match but for the world size and rank. The corrupt-data counters
+        (``stats``) are per rank and start again at zero."""
+        self.load_state_dict({**state, "stats": {}, "fingerprint": {
+            **state["fingerprint"], "world_size": self.world_size, "rank": self.rank}})
+
     def state_dict(self) -> dict[str, Any]:
         return {"version": 2, "epoch": self.epoch, "fingerprint": self._fingerprint(),
                 "stats": dict(vars(self.stats)), "id_kinds": {k: dict(v) for k, v in self._id_kinds.items()}}
@@ -283,7 +323,7 @@ class ParquetWindowDataset(WindowedDataset):
             )
         self._check_fingerprint(state)
         self.epoch = int(state["epoch"])
-        self.stats = WindowStats(**state["stats"])
+        self.stats = WindowStats(**state["stats"])  # {} (a resharded resume): zeros
         self._id_kinds = {k: dict(v) for k, v in state.get("id_kinds", {}).items()}
 
     # ------------------------------------------------------------------ planning
@@ -315,20 +355,55 @@ class ParquetWindowDataset(WindowedDataset):
             raise KeyError(f"unknown window {window_id!r}; window_ids() does not list it.")
         return self._known[window_id]
 
-    def _plan(self, window: Window) -> tuple[list[Piece], int]:
-        """This rank's pieces of the window, in reading order, and their total rows."""
+    def _batches_may_skip_rows(self) -> bool:
+        """Whether a batch can stand for more than ``batch_size`` rows: dropped rows (NaN
+        labels) and skipped unreadable row groups are consumed without being batched, so only
+        reading tells where batch ``k`` starts."""
+        return self.features.on_nan_label == "drop" or self.on_corrupt == "skip"
+
+    def _rng(self, window_id: str, rank: int, part: int) -> np.random.Generator | None:
+        return shuffle_rng(self.seed, self.epoch, window_id, rank, part) if self.shuffle else None
+
+    def _plan(self, window: Window, earlier: Sequence[Segment] = ()) -> tuple[list[Piece], int]:
+        """This rank's pieces of the window, in reading order, and their total rows. With
+        ``earlier`` parts (an elastic resume), the rows they left: each part's cut is replayed
+        for every rank it had, that rank's consumed rows taken off, and the rest cut again."""
+        units = self._units(window)
+        parts = whole_units(units)
+        for i, segment in enumerate(earlier):
+            left = []
+            for r in range(segment.world_size):
+                theirs = shard_pieces(parts, r, segment.world_size, self.sharding,
+                                      self._rng(window.id, r, i))
+                left.append(skip_rows(theirs, self._rows_consumed(theirs, segment.batches))[0])
+            parts = rows_left(units, left)
+        pieces = shard_pieces(parts, self.rank, self.world_size, self.sharding,
+                              self._rng(window.id, self.rank, len(earlier)))
+        return pieces, sum(p.rows for p in pieces)
+
+    def _rows_consumed(self, pieces: list[Piece], batches: int) -> int:
+        """The rows of the piece stream ``pieces`` that its first ``batches`` batches consumed
+        (counted by reading them again when a batch can stand for more rows)."""
+        if not self._batches_may_skip_rows():
+            return min(batches * self.batch_size, sum(p.rows for p in pieces))
+        consumed = 0
+        # Closed by the with: its finally closes the open file and stops its read-ahead.
+        with contextlib.closing(self._batches(pieces)) as read:
+            for _, (_, rows) in zip(range(batches), read, strict=False):
+                consumed += rows
+        return consumed
+
+    def _units(self, window: Window) -> list[Unit]:
+        """The window's readable units, in file order (``WindowPlanner.units``)."""
         planner = WindowPlanner(
             self.features, self._id_columns, file_format=self.file_format,
             on_corrupt=self.on_corrupt, csv_convert_options=self.csv_convert_options,
             filesystem=self.filesystem, kinds=self._kinds())
         try:
-            units = planner.units(window)
+            return planner.units(window)
         finally:
             # Counted also when a later file of the window fails the planning.
             self.stats.corrupt_files_skipped += planner.files_skipped
-        rng = shuffle_rng(self.seed, self.epoch, window.id, self.rank) if self.shuffle else None
-        pieces = shard_units(units, self.rank, self.world_size, self.sharding, rng)
-        return pieces, sum(p.rows for p in pieces)
 
     # ------------------------------------------------------------------ reading
 
@@ -353,11 +428,11 @@ class ParquetWindowDataset(WindowedDataset):
                 f"cannot read the row group ({type(exc).__name__}: {exc}); fix or remove the file, "
                 "or set on_corrupt='skip'.", file=u.file, row_group=u.row_group,
             ) from exc
-        rows = np.arange(piece.start, piece.start + piece.length)
-        if piece.shuffle_seed is not None:
-            rows = np.random.default_rng(piece.shuffle_seed).permutation(rows)[piece.skip:]
-            return self._as_first_kinds(table.take(pa.array(rows)), u, rows), rows
-        return self._as_first_kinds(table.slice(piece.start, piece.length), u, rows), rows
+        rows = piece.row_numbers()
+        if piece.is_range:
+            return self._as_first_kinds(table.slice(piece.start + piece.skip, piece.rows), u,
+                                        rows), rows
+        return self._as_first_kinds(table.take(pa.array(rows)), u, rows), rows
 
     def _as_first_kinds(self, table: pa.Table, unit: Unit, rows: np.ndarray) -> pa.Table:
         """Id columns of the other kind than first read (``_id_kinds``) converted to it
@@ -403,7 +478,7 @@ class ParquetWindowDataset(WindowedDataset):
         finally:
             files.close()
 
-    def _batches(self, pieces: list[Piece]) -> Iterator[tuple[Batch, int]]:
+    def _batches(self, pieces: list[Piece]) -> Generator[tuple[Batch, int], None, None]:
         """(batch, source rows it consumed) for the pieces, cut every ``batch_size`` rows.
 
         Rows are decoded in chunks of whole batches (about ``_CHUNK_ROWS`` rows): one decode per

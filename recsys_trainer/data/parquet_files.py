@@ -7,12 +7,16 @@
 * ``valueless_columns``: columns without a value in a file, from its footer alone.
 * ``concat_rows``: rows of several files as one table (types promoted, or an error naming both).
 * ``skip_rows``: the piece stream without its first rows (a resume; counts only).
+* ``rows_left``: what several ranks' piece streams left unread, as pieces in window order (an
+  elastic resume re-plans those rows over the new ranks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
@@ -36,7 +40,10 @@ class Unit:
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[start, start + length)`` of a unit, permuted by ``shuffle_seed`` if set."""
+    """Rows ``[start, start + length)`` of a unit, permuted by ``shuffle_seed`` if set.
+
+    With ``selection`` the piece draws from those rows of the unit only (what ranks of an
+    earlier world size left of it): ``start`` and ``length`` then index into ``selection``."""
 
     unit: Unit
     start: int
@@ -44,11 +51,27 @@ class Piece:
     shuffle_seed: int | None
     skip: int = 0
     """Rows already consumed at the front (in shuffled order; a resume inside the piece)."""
+    selection: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Ascending row numbers of the unit this piece draws from; None: all of them."""
 
     @property
     def rows(self) -> int:
         """The rows still to read: ``length`` less the ``skip`` rows already consumed."""
         return self.length - self.skip
+
+    @property
+    def is_range(self) -> bool:
+        """Whether the piece reads a contiguous range of the unit in order (a slice)."""
+        return self.selection is None and self.shuffle_seed is None
+
+    def row_numbers(self) -> np.ndarray:
+        """The unit's row numbers this piece reads, in reading order (permuted by
+        ``shuffle_seed``, less the ``skip`` rows consumed)."""
+        rows = (np.arange(self.start, self.start + self.length) if self.selection is None
+                else self.selection[self.start:self.start + self.length])
+        if self.shuffle_seed is None:
+            return rows[self.skip:]
+        return np.random.default_rng(self.shuffle_seed).permutation(rows)[self.skip:]
 
 
 def open_parquet(path: str, filesystem: pafs.FileSystem | None,
@@ -138,9 +161,35 @@ def skip_rows(pieces: list[Piece], rows: int) -> tuple[list[Piece], int]:
             rows -= p.rows
             continue
         if rows and p.shuffle_seed is None:
-            p = Piece(p.unit, p.start + rows, p.length - rows, None)
+            p = dataclasses.replace(p, start=p.start + p.skip + rows,
+                                    length=p.length - p.skip - rows, skip=0)
         elif rows:
-            p = Piece(p.unit, p.start, p.length, p.shuffle_seed, skip=rows)
+            p = dataclasses.replace(p, skip=p.skip + rows)
         out.append(p)
         rows = 0
     return out, sum(p.rows for p in out)
+
+
+def rows_left(units: list[Unit], left: list[list[Piece]]) -> list[Piece]:
+    """The rows the ranks' piece streams ``left`` (one list per rank: what each had not read)
+    still hold, as unshuffled pieces in window order: by unit (``units``' order), then by row.
+    A contiguous range stays a range; the rest of a shuffled piece becomes a ``selection``.
+    Every row is in at most one rank's stream, so the pieces are disjoint."""
+    order = {u: i for i, u in enumerate(units)}
+    out: list[Piece] = []
+    for pieces in left:
+        for p in pieces:
+            if p.rows == 0:
+                continue
+            if p.is_range:
+                out.append(dataclasses.replace(p, start=p.start + p.skip,
+                                               length=p.length - p.skip, skip=0))
+            else:
+                rows = np.sort(p.row_numbers())
+                if int(rows[-1]) - int(rows[0]) + 1 == len(rows):  # contiguous after all
+                    out.append(Piece(p.unit, int(rows[0]), len(rows), None))
+                else:
+                    out.append(Piece(p.unit, 0, len(rows), None, selection=rows))
+    out.sort(key=lambda p: (order[p.unit], p.start if p.selection is None
+                            else int(p.selection[p.start])))
+    return out

@@ -7,11 +7,14 @@
 * ``shard_units`` cuts the units into this rank's pieces (``sharding="rows"``: contiguous row
   ranges; ``"row_groups"``: whole units round-robin), shuffled by ``shuffle_rng``'s generator
   when shuffling: a pure function of its arguments, so every rank computes its own share of one
-  agreed cut.
+  agreed cut. ``shard_pieces`` does the same for the rows left of a window by ranks of earlier
+  world sizes (an elastic resume: ``ParquetWindowDataset`` replays each earlier part's cut to
+  find them, ``parquet_files.rows_left``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from typing import Literal
@@ -138,39 +141,52 @@ class WindowPlanner:
             record.setdefault(c, {"kind": k, "window": window_id, "file": path})
 
 
-def shuffle_rng(seed: int, epoch: int, window_id: str, rank: int) -> np.random.Generator:
+def shuffle_rng(seed: int, epoch: int, window_id: str, rank: int,
+                part: int = 0) -> np.random.Generator:
     """The generator that shuffles a rank's pieces of a window: seeded from ``(seed, epoch,
-    window, rank)``, so a rerun (or a resume) shuffles alike."""
-    return np.random.default_rng([seed, epoch, zlib.crc32(window_id.encode()), rank])
+    window, rank)``, so a rerun (or a resume) shuffles alike. ``part`` > 0: the part of the
+    window trained after the ``part``-th change of world size (another cut, another shuffle)."""
+    key = [seed, epoch, zlib.crc32(window_id.encode()), rank] + ([part] if part else [])
+    return np.random.default_rng(key)
+
+
+def whole_units(units: list[Unit]) -> list[Piece]:
+    """Every row of the units that have rows, as one unshuffled piece per unit."""
+    return [Piece(u, 0, u.num_rows, None) for u in units if u.num_rows > 0]
 
 
 def shard_units(units: list[Unit], rank: int, world_size: int,
                 sharding: Literal["rows", "row_groups"],
                 rng: np.random.Generator | None) -> list[Piece]:
     """Rank ``rank``'s pieces of the window's ``units``, in reading order (units without rows
-    are left out first). ``sharding="rows"``: the units' rows, in order, cut into
-    ``world_size`` contiguous ranges whose sizes differ by at most one row; ``"row_groups"``:
-    unit ``i`` whole to rank ``i % world_size``. With ``rng`` the pieces' order is permuted and
-    each piece gets a seed for permuting its rows."""
-    units = [u for u in units if u.num_rows > 0]
+    are left out first): ``shard_pieces`` of every row of the window."""
+    return shard_pieces(whole_units(units), rank, world_size, sharding, rng)
+
+
+def shard_pieces(parts: list[Piece], rank: int, world_size: int,
+                 sharding: Literal["rows", "row_groups"],
+                 rng: np.random.Generator | None) -> list[Piece]:
+    """Rank ``rank``'s pieces of ``parts`` (unshuffled pieces in window order: whole units, or
+    what earlier world sizes left), in reading order. ``sharding="rows"``: the parts' rows, in
+    order, cut into ``world_size`` contiguous ranges whose sizes differ by at most one row;
+    ``"row_groups"``: part ``i`` whole to rank ``i % world_size``. With ``rng`` the pieces'
+    order is permuted and each piece gets a seed for permuting its rows."""
     w, r = world_size, rank
     pieces: list[Piece] = []
     if sharding == "row_groups":
-        pieces = [Piece(u, 0, u.num_rows, None) for i, u in enumerate(units) if i % w == r]
+        pieces = [p for i, p in enumerate(parts) if i % w == r]
     else:
-        total = sum(u.num_rows for u in units)
+        total = sum(p.length for p in parts)
         lo, hi = total * r // w, total * (r + 1) // w
         pos = 0
-        for u in units:
-            a, b = max(lo, pos), min(hi, pos + u.num_rows)
+        for p in parts:
+            a, b = max(lo, pos), min(hi, pos + p.length)
             if a < b:
-                pieces.append(Piece(u, a - pos, b - a, None))
-            pos += u.num_rows
+                pieces.append(dataclasses.replace(p, start=p.start + a - pos, length=b - a))
+            pos += p.length
     if rng is not None:
         order = rng.permutation(len(pieces))
         seeds = rng.integers(0, 2**63 - 1, size=len(pieces))
-        pieces = [
-            Piece(pieces[i].unit, pieces[i].start, pieces[i].length, int(seeds[k]))
-            for k, i in enumerate(order)
-        ]
+        pieces = [dataclasses.replace(pieces[i], shuffle_seed=int(seeds[k]))
+                  for k, i in enumerate(order)]
     return pieces
