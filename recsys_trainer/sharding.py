@@ -49,6 +49,7 @@ from recsys_trainer.optimizers import (
     supported_sparse_optimizers,
 )
 from recsys_trainer.precision import install_sparse_grad_unscaling, unscale_sparse_grad
+from recsys_trainer.torchrec_compat import quiet_fx_tracing_notice, quiet_stack_notices
 
 logger = logging.getLogger(__name__)
 
@@ -215,9 +216,10 @@ def plan_sharding(
                       ddr_cap_bytes=memory // ranks_here, hbm_cap_bytes=hbm),
         kernel_config=KernelConfig(compute_device=device.type),
     )
-    planner = EmbeddingShardingPlanner(
-        topology=topology, batch_size=batch_size, constraints=constraints, debug=False
-    )
+    with quiet_stack_notices():
+        planner = EmbeddingShardingPlanner(
+            topology=topology, batch_size=batch_size, constraints=constraints, debug=False
+        )
     sharders: Any = dynamic.sharders()
     memory_note = (f"each of the {ranks_here} rank(s) on this host may use "
                    f"{memory / ranks_here / 2**30:.2f} GiB of host memory ({source}: "
@@ -227,7 +229,8 @@ def plan_sharding(
 
     def plan() -> ShardingPlan | str:
         try:
-            return planner.plan(model, sharders)
+            with quiet_stack_notices():
+                return planner.plan(model, sharders)
         except PlannerError as e:
             if e.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
                 return f"{type(e).__name__}: {e}"
@@ -307,14 +310,16 @@ def shard_model(
     dynamic.check_buckets(model, env.world_size)
     if plan is None:
         plan = plan_sharding(model, env, device, sharding_types, local_world_size)
-    dmp = DistributedModelParallel(
-        module=model,
-        env=env,
-        device=device,
-        plan=plan,
-        sharders=dynamic.sharders(),
-        data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
-    )
+    with quiet_stack_notices():
+        dmp = DistributedModelParallel(
+            module=model,
+            env=env,
+            device=device,
+            plan=plan,
+            sharders=dynamic.sharders(),
+            data_parallel_wrapper=DefaultDataParallelWrapper(static_graph=static_graph),
+        )
+    quiet_fx_tracing_notice()  # the sharded model's first batch would print it
     # FBGEMM's row reset on eviction is CUDA-only and indexes features, not tables.
     dynamic.install_eviction_reset(dmp)
     return dmp

@@ -26,10 +26,14 @@ are imported on first use (PEP 562).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
+import re
 import sys
 import warnings
+from collections.abc import Iterator
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -211,6 +215,73 @@ def _load_input_dist_permute() -> Any:
     return found
 
 
+# Notices the supported stacks print, on every run, about calls this package makes, where the
+# advice does not apply to those calls; each is matched by the start of its text, so that a
+# reworded or a new notice still shows. `quiet_stack_notices` drops them around the calls.
+_NOTICE_WARNINGS = (
+    # torchrec 1.8+, whenever a planner is built with its default storage reservation: "We
+    # recommend passing a dense_tensor_estimate, or migrating to FixedPercentageStorageReservation".
+    # It is about planning a model whose modules are not materialised (a "dry run"); the
+    # package plans the real model, dense modules materialised (only the tables are on the meta
+    # device, and the planner sizes those apart), so the heuristic's estimate is from real sizes.
+    "HeuristicalStorageReservation is known to cause issues",
+    # torch 2.13+, when torchrec's DistributedModelParallel wraps the dense part in DDP with
+    # broadcast_buffers=False: torchrec's call, with nothing for a user of this package to change.
+    "`broadcast_buffers` is deprecated",
+)
+_NOTICE_RECORDS = (
+    # torchrec 1.8+, logged on every plan made without a dense_tensor_estimate: the same advice
+    # as the first warning above, for the same case.
+    ("torchrec.distributed.planner.storage_reservations",
+     "There is a known issue with TorchRec's dense tensor size calculation in dry run"),
+)
+# torch 2.13+ logs this once per process, the first time anything builds a torchrec
+# KeyedJaggedTensor (its metaclass, torch.fx's ProxyableClassMeta, asks is_fx_tracing()):
+# advice to torch.fx's callers, here torchrec's metaclass, with nothing for a user to change.
+_FX_TRACING_NOTICE = ("torch.fx._symbolic_trace", "is_fx_tracing will return true for both")
+
+
+class _DropNotice(logging.Filter):
+    """Drops a logger's records whose message starts with ``prefix``; lets every other through."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+_fx_tracing_filter = _DropNotice(_FX_TRACING_NOTICE[1])
+
+
+def quiet_fx_tracing_notice() -> None:
+    """Drop torch's once-per-process ``is_fx_tracing`` notice (``_FX_TRACING_NOTICE``) for the
+    rest of the process; every other record of its logger passes. Idempotent. The first
+    KeyedJaggedTensor of a run prints it, at no call of the package's own, hence not scoped."""
+    logging.getLogger(_FX_TRACING_NOTICE[0]).addFilter(_fx_tracing_filter)  # a no-op when there
+
+
+@contextlib.contextmanager
+def quiet_stack_notices() -> Iterator[None]:
+    """Within: drop the supported stacks' notices about the package's sharding calls whose
+    advice does not apply to them (the planner's storage-reservation advice, DDP's
+    ``broadcast_buffers`` deprecation met by torchrec's own call; see ``_NOTICE_WARNINGS``);
+    every other warning and log record passes. A newcomer's first run then shows no WARNING
+    that they must learn to ignore."""
+    filters = [(logging.getLogger(name), _DropNotice(prefix)) for name, prefix in _NOTICE_RECORDS]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            for prefix in _NOTICE_WARNINGS:
+                warnings.filterwarnings("ignore", message=re.escape(prefix), category=FutureWarning)
+            yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
 # name -> how to get it, on first read (PEP 562): importing this module stays torch-free.
 _LAZY: dict[str, Any] = {
     "input_dist_permute": _load_input_dist_permute,
@@ -241,6 +312,8 @@ __all__ = [
     "frees_features_storage_early",
     "input_dist_permute",
     "installed_stack",
+    "quiet_fx_tracing_notice",
+    "quiet_stack_notices",
     "stack_problem",
     "uses_2d_weights",
 ]

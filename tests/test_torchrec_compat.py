@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import logging
 import os
 import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -163,3 +165,50 @@ def test_setup_gpu_wheels_and_the_package_offer_the_same_pairs() -> None:
         r"^\s*(2\.\d+)\) fbgemm=([\d.]+) torchrec=([\d.]+) ;;", setup, re.M))
     assert cases == compat.SUPPORTED_STACKS
     assert _gpu_wheels_pairs() == compat.SUPPORTED_STACKS
+
+
+_PLANNER_LOG = "torchrec.distributed.planner.storage_reservations"
+
+
+def test_quiet_stack_notices_drops_the_listed_notices_within_and_nothing_else(caplog: Any) -> None:
+    caplog.set_level(logging.WARNING)
+    planner_log = logging.getLogger(_PLANNER_LOG)
+    reservation = "HeuristicalStorageReservation is known to cause issues, particularly during dry run"
+    dry_run = ("There is a known issue with TorchRec's dense tensor size calculation in dry run "
+               "scenarios, where tensors are not materialized.")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with compat.quiet_stack_notices():
+            warnings.warn(reservation, FutureWarning, stacklevel=1)
+            warnings.warn("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.",
+                          FutureWarning, stacklevel=1)
+            warnings.warn("another deprecation", FutureWarning, stacklevel=1)
+            planner_log.warning(dry_run)
+            planner_log.warning("another planner warning")
+        warnings.warn(reservation, FutureWarning, stacklevel=1)  # outside: shown as ever
+        planner_log.warning(dry_run)
+    assert [str(w.message) for w in seen] == ["another deprecation", reservation]
+    assert [r.getMessage() for r in caplog.records if r.name == _PLANNER_LOG] == [
+        "another planner warning", dry_run]
+
+
+def test_a_run_shows_none_of_the_stack_notices_whose_advice_does_not_apply(
+        tmp_path: Path, caplog: Any) -> None:
+    # What a newcomer's first run printed on torch 2.13 / torchrec 1.8: the planner's
+    # storage-reservation advice (a FutureWarning per rank, a log record on rank 0), DDP's
+    # `broadcast_buffers` deprecation per rank, and torch's is_fx_tracing notice per rank.
+    from helpers import batches, make_trainer
+
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        make_trainer(batches(2), output_dir=str(tmp_path)).train()
+        # Once per process, so possibly printed by an earlier test: asked for directly too.
+        fx_log = logging.getLogger(compat._FX_TRACING_NOTICE[0])
+        fx_log.warning("is_fx_tracing will return true for both fx.symbolic_trace and torch.export.")
+        fx_log.warning("another torch.fx warning")
+    notices = (*compat._NOTICE_WARNINGS, *(p for _, p in compat._NOTICE_RECORDS),
+               compat._FX_TRACING_NOTICE[1])
+    shown = [str(w.message) for w in seen] + [r.getMessage() for r in caplog.records]
+    assert [m for m in shown if m.startswith(notices)] == []
+    assert "another torch.fx warning" in shown
