@@ -96,7 +96,8 @@ def build_variants(a: argparse.Namespace, batches: list[Any], names: list[str],
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from recsys_trainer import SparseOptimizer
-    from recsys_trainer.sharding import dense_parameters, shard_model
+    from recsys_trainer.optimizers import dense_parameters
+    from recsys_trainer.sharding import shard_model
 
     sparse = SparseOptimizer(a.sparse_optimizer, lr=0.05)
     out: list[Variant] = []

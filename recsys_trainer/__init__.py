@@ -42,9 +42,9 @@ if TYPE_CHECKING:
     from recsys_trainer.hooks.lambda_hook import LambdaHook
     from recsys_trainer.hooks.logger import LoggerHook
     from recsys_trainer.logs import setup_logging
+    from recsys_trainer.optimizers import SparseOptimizer, supported_sparse_optimizers
     from recsys_trainer.preemption import Preempted, Preemption
     from recsys_trainer.rng import seed_everything
-    from recsys_trainer.sharding import SparseOptimizer, supported_sparse_optimizers
     from recsys_trainer.trainer import Trainer, TrainerState
 
 __version__ = "0.1.0"
@@ -64,7 +64,7 @@ _LAZY: dict[str, str] = {
     "Preemption": "recsys_trainer.preemption",
     "ProfilerHook": "recsys_trainer.hooks",
     "ProgressHook": "recsys_trainer.hooks",
-    "SparseOptimizer": "recsys_trainer.sharding",
+    "SparseOptimizer": "recsys_trainer.optimizers",
     "StepOutput": "recsys_trainer.hooks.base",
     "TensorBoardHook": "recsys_trainer.hooks",
     "Trainer": "recsys_trainer.trainer",
@@ -77,7 +77,7 @@ _LAZY: dict[str, str] = {
     "seed_everything": "recsys_trainer.rng",
     "setup_logging": "recsys_trainer.logs",
     "shutdown": "recsys_trainer.distributed",
-    "supported_sparse_optimizers": "recsys_trainer.sharding",
+    "supported_sparse_optimizers": "recsys_trainer.optimizers",
 }
 
 __all__ = [

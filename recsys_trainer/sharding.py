@@ -5,7 +5,7 @@ backward on the embedding tables *before* sharding (FBGEMM then fuses it into th
 backward), ``DistributedModelParallel`` shards the tables and wraps the remaining (dense) modules
 in DDP, and the dense optimizer gets exactly the parameters with no in-backward optimizer
 (``recsys_trainer.optimizers``). fp16 unscaling of the sparse gradients lives in
-``recsys_trainer.precision``; both are re-exported here for the import paths they had.
+``recsys_trainer.precision``.
 """
 
 from __future__ import annotations
@@ -37,18 +37,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from recsys_trainer import dynamic
 from recsys_trainer.data.spec import FeatureSpec, check_features_fit_tables
 from recsys_trainer.distributed import usable_memory_bytes
-from recsys_trainer.optimizers import (
-    DenseOptimizerArg,
-    SchedulerArg,
-    SparseDenseOptimizer,
-    SparseOptimizer,
-    TableOptimizers,
-    build_dense_optimizer,
-    dense_parameters,
-    resolve_table_optimizers,
-    supported_sparse_optimizers,
-)
-from recsys_trainer.precision import install_sparse_grad_unscaling, unscale_sparse_grad
+from recsys_trainer.optimizers import SparseOptimizer, TableOptimizers, resolve_table_optimizers
 from recsys_trainer.torchrec_compat import quiet_fx_tracing_notice, quiet_stack_notices
 
 logger = logging.getLogger(__name__)
@@ -336,20 +325,11 @@ def dense_no_sync(dmp: nn.Module, skip_sync: bool) -> contextlib.AbstractContext
 
 __all__ = [
     "CPU_SHARDING_TYPES",
-    "DenseOptimizerArg",
-    "SchedulerArg",
-    "SparseDenseOptimizer",
-    "SparseOptimizer",
     "apply_sparse_optimizer",
-    "build_dense_optimizer",
     "dense_no_sync",
-    "dense_parameters",
     "embedding_modules",
-    "install_sparse_grad_unscaling",
     "plan_sharding",
     "register_sparse_optimizers",
     "shard_model",
-    "supported_sparse_optimizers",
     "table_names",
-    "unscale_sparse_grad",
 ]

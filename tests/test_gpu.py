@@ -83,7 +83,7 @@ def _train_eval(cfg: dict[str, Any]) -> dict[str, Any]:
     tests check (losses, AUC, the fp16 scaler's scale, the plan, table updates)."""
     from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
     from recsys_trainer.hooks.metrics import weighted_auc
-    from recsys_trainer.sharding import dense_parameters
+    from recsys_trainer.optimizers import dense_parameters
 
     train, evals = _data()
     steps = cfg.get("steps", TRAIN_BATCHES)
