@@ -1,21 +1,46 @@
-"""How often something periodic happens (logging, evaluation, saving): every N steps, rows,
-windows or epochs.
+"""The one "is it due" rule for everything periodic: logging, evaluation, saving, publishing.
 
-A period in *rows* counts training rows of all ranks (``TrainerState.rows_seen``, agreed at
-each batch fetch, so it is the same number on every rank even when ranks read uneven batches).
-It falls due after the first step at which ``rows_seen`` reaches the next multiple of N, so
-every rank acts after the same step; a step that crosses two multiples acts once.
+A ``Period`` is every N ``steps``, ``rows``, ``windows``, ``epochs`` or ``seconds``; a
+``Trigger`` is any of several periods, kept by the component that acts on it (the
+``CheckpointHook``'s saves, the ``PublishHook``'s publishes). The rule:
+
+* **Counted units** (steps, rows, windows, epochs) count something that only grows and is the
+  same on every rank: ``global_step``; ``rows_seen`` (training rows of all ranks, agreed at each
+  batch fetch, so the same even when ranks read uneven batches); the train windows or epochs
+  finished. Such a period falls due at the point where its count reaches the next multiple of N;
+  a count that jumps past several multiples at once (a step of many rows) falls due once. The
+  counts survive a resume, so a resumed run acts at the same counts as one never stopped.
+* **Seconds** fall due at the first point N seconds after the trigger last fell due (or was
+  made). Clocks differ between ranks, so the ranks agree at that point, which they all reach
+  together, in one one-int all-reduce: due when any rank's clock says so. A period in seconds
+  never acts on one rank's timer.
+
+Where each unit is checked (``Trigger.due``'s ``point``, the Trainer's resume points): steps,
+rows and seconds after a step; windows and seconds after a train window; epochs after an epoch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from recsys_trainer.validation import check_int
+from recsys_trainer.validation import check_int, check_number
 
-Unit = Literal["steps", "rows", "windows", "epochs"]
+if TYPE_CHECKING:
+    from recsys_trainer.distributed import Gang
+
+Unit = Literal["steps", "rows", "windows", "epochs", "seconds"]
+
+Point = Literal["step", "window", "epoch"]
+"""Where a trigger is asked (``on_resume_point``'s points that move the counts)."""
+
+_CHECKED_AT: dict[Point, tuple[Unit, ...]] = {
+    "step": ("steps", "rows", "seconds"),
+    "window": ("windows", "seconds"),
+    "epoch": ("epochs",),
+}
 
 
 class Progress(Protocol):
@@ -28,27 +53,95 @@ class Progress(Protocol):
 
 @dataclass(frozen=True)
 class Period:
-    """Every ``every`` ``unit``."""
+    """Every ``every`` ``unit`` (see the module docstring for when that is)."""
 
-    every: int
+    every: float
     unit: Unit
+
+    def crossed(self, before: float, after: float) -> bool:
+        """The rule for a count: whether it moved from ``before`` to ``after`` past a multiple
+        of ``every`` (once, however many it passed)."""
+        return after // self.every > before // self.every
 
     def due_after_step(self, progress: Progress) -> bool:
         """After an optimizer step (steps and rows periods)."""
         if self.unit == "steps":
-            return progress.global_step % self.every == 0
+            return self.crossed(progress.global_step - 1, progress.global_step)
         if self.unit == "rows":
-            before = progress.rows_seen - progress.last_step_rows
-            return progress.rows_seen // self.every > before // self.every
+            return self.crossed(progress.rows_seen - progress.last_step_rows, progress.rows_seen)
         return False
 
     def due_after_window(self, windows_done: int) -> bool:
         """After a train window (windows periods); ``windows_done`` counts from 1."""
-        return self.unit == "windows" and windows_done % self.every == 0
+        return self.unit == "windows" and self.crossed(windows_done - 1, windows_done)
 
     def due_after_epoch(self, epochs_done: int) -> bool:
         """After an epoch (epochs periods); ``epochs_done`` counts from 1."""
-        return self.unit == "epochs" and epochs_done % self.every == 0
+        return self.unit == "epochs" and self.crossed(epochs_done - 1, epochs_done)
+
+
+def check_period(name: str, value: float | None, unit: Unit) -> Period | None:
+    """``Period(value, unit)`` for the field ``name``, None when unset; a ``ValueError`` naming
+    the field when the value is not a count >= 1 (counted units) or a number > 0 (seconds)."""
+    if unit == "seconds":
+        check_number(name, value, above=0, allow_none=True)
+    else:
+        check_int(name, value, allow_none=True)
+    return None if value is None else Period(value, unit)
+
+
+class Trigger:
+    """Due when any of ``periods`` is (the rule of the module docstring).
+
+    Args:
+        periods: the periods (None entries, unset fields, are left out).
+        clock: the seconds periods' clock (default ``time.monotonic``).
+    """
+
+    def __init__(self, periods: Iterable[Period | None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.periods: tuple[Period, ...] = tuple(p for p in periods if p is not None)
+        self._clock = clock
+        self._since = clock()
+
+    @classmethod
+    def of(cls, fields: Mapping[str, tuple[float | None, Unit]],
+           clock: Callable[[], float] = time.monotonic) -> Trigger:
+        """A trigger of the periods given by ``fields`` (name -> (value, unit)), each checked
+        by name (``check_period``)."""
+        return cls((check_period(name, value, unit) for name, (value, unit) in fields.items()),
+                   clock)
+
+    def __bool__(self) -> bool:
+        return bool(self.periods)
+
+    def due(self, point: Point, progress: Progress, *, windows_done: int = 0,
+            epochs_done: int = 0, gang: Gang | None = None) -> bool:
+        """Whether a period is due at ``point``: after a step (``progress``), a train window
+        (``windows_done``, counting from 1) or an epoch (``epochs_done``). With a seconds period
+        and a ``gang`` of several ranks, every rank must ask at the same point (the agreement is
+        a collective there). Falling due restarts the seconds clock."""
+        units = _CHECKED_AT[point]
+        due = any(
+            p.due_after_step(progress) if point == "step"
+            else p.due_after_window(windows_done) if point == "window"
+            else p.due_after_epoch(epochs_done)
+            for p in self.periods if p.unit in units)
+        seconds = [p for p in self.periods if p.unit == "seconds"] if "seconds" in units else []
+        # Counted periods are due on every rank alike, so skipping the agreement when one is due
+        # keeps the ranks' collectives matched.
+        if not due and seconds:
+            elapsed = self._clock() - self._since
+            due = any(elapsed >= p.every for p in seconds)
+            if gang is not None and gang.world_size > 1:
+                due = bool(gang.all_reduce_max([int(due)])[0])
+        if due:
+            self.restart_clock()
+        return due
+
+    def restart_clock(self) -> None:
+        """Count the seconds periods from now (the owner acted for another reason too)."""
+        self._since = self._clock()
 
 
 def report_due(every_steps: int | None, log_period: Period, progress: Progress) -> bool:
@@ -63,9 +156,9 @@ def one_period(what: str, fields: Mapping[str, tuple[int | None, Unit]]) -> Peri
     set. Raises ``ValueError`` naming the fields when a value is bad or more than one is set."""
     given = {}
     for name, (value, unit) in fields.items():
-        check_int(name, value, allow_none=True)
-        if value is not None:
-            given[name] = Period(value, unit)
+        period = check_period(name, value, unit)
+        if period is not None:
+            given[name] = period
     if len(given) > 1:
         raise ValueError(
             f"the {what} period is given {len(given)} ways: "
@@ -75,4 +168,5 @@ def one_period(what: str, fields: Mapping[str, tuple[int | None, Unit]]) -> Peri
     return next(iter(given.values()), None)
 
 
-__all__ = ["Period", "Progress", "Unit", "one_period", "report_due"]
+__all__ = ["Period", "Point", "Progress", "Trigger", "Unit", "check_period", "one_period",
+           "report_due"]

@@ -126,7 +126,7 @@ NOT_DEVICE_SIDE: dict[str, str] = {
          "config/__init__.py", "config/data.py", "config/factory.py", "config/hooks.py",
          "config/model.py", "config/optimizers.py", "config/run.py", "config/yaml_io.py",
          "builder.py", "eval_schedule.py", "hooks/checkpoint.py", "hooks/publish.py",
-         "hooks/_publish_worker.py", "hooks/publisher.py"),
+         "hooks/publisher.py"),
         "configuration, entry points and plumbing: Python values, makes no tensors"),
     "placement.py": "decides the model's device once (torch.device values); makes no tensors",
     "plot.py": "renders a run's metrics log (JSON lines) to PNG files on the host",
@@ -157,7 +157,8 @@ NOT_DEVICE_SIDE: dict[str, str] = {
     **dict.fromkeys(
         tuple(f"serving/{m}.py" for m in (
             "__init__", "delta", "export", "manifest", "quantize", "routing", "scorer",
-            "tables", "published", "follow", "server", "model_parts", "artifact")),
+            "tables", "published", "follow", "server", "model_parts", "artifact", "publisher",
+            "_publish_worker")),
         "serving runs on the host: the export copies the model to host tensors first and the "
         "Scorer scores on the CPU"),
 }

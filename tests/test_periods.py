@@ -15,7 +15,7 @@ from helpers import batches, make_trainer
 from recsys_trainer import TrainingArguments
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.hooks import LambdaHook, LoggerHook
-from recsys_trainer.periods import Period
+from recsys_trainer.periods import Period, Trigger
 
 
 @dataclass
@@ -37,6 +37,36 @@ def test_a_rows_period_falls_due_once_on_the_step_that_reaches_each_multiple() -
     assert p.due_after_step(_Progress(1, 250, 250))  # two multiples crossed: due (once)
     assert not Period(3, "steps").due_after_step(_Progress(4, 0, 0))
     assert Period(2, "windows").due_after_window(4) and not Period(2, "windows").due_after_step(_Progress(2, 0, 0))
+
+
+def test_a_trigger_is_due_when_any_period_is_and_seconds_count_from_its_last_due() -> None:
+    now = [0.0]
+    t = Trigger.of({"a": (4, "steps"), "b": (None, "rows"), "c": (2, "windows"),
+                    "d": (3, "epochs"), "e": (10.0, "seconds")}, clock=lambda: now[0])
+    assert [p.unit for p in t.periods] == ["steps", "windows", "epochs", "seconds"]
+    due_steps = [s for s in range(1, 13) if t.due("step", _Progress(s, 0, 0))]
+    assert due_steps == [4, 8, 12]  # the clock stands still: only the steps period
+    assert [w for w in range(1, 6) if t.due("window", _Progress(0, 0, 0), windows_done=w)] == [2, 4]
+    assert [e for e in range(1, 7) if t.due("epoch", _Progress(0, 0, 0), epochs_done=e)] == [3, 6]
+    now[0] = 9.9
+    assert not t.due("step", _Progress(13, 0, 0))
+    now[0] = 10.0  # 10 s since the trigger was made: due at a step or a window end, not an epoch
+    assert not t.due("epoch", _Progress(0, 0, 0), epochs_done=1)
+    assert t.due("window", _Progress(0, 0, 0), windows_done=1)
+    now[0] = 15.0  # 5 s since it fell due
+    assert not t.due("step", _Progress(13, 0, 0))
+    assert t.due("step", _Progress(16, 0, 0))  # the steps period; it restarts the clock too
+    now[0] = 24.0
+    assert not t.due("step", _Progress(17, 0, 0))
+    now[0] = 26.0
+    assert t.due("step", _Progress(17, 0, 0))
+    assert not Trigger([]) and not Trigger([]).due("step", _Progress(4, 0, 0))
+    for fields, message in [({"every_n_steps": (0, "steps")}, "`every_n_steps` must be an int >= 1"),
+                            ({"every_n_seconds": (-1.0, "seconds")},
+                             "`every_n_seconds` must be a number > 0 or None, but is -1.0."),
+                            ({"save_every_n_windows": (1.5, "windows")}, "an int >= 1 or None")]:
+        with pytest.raises(ValueError, match=message):
+            Trigger.of(fields)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -118,8 +148,14 @@ def _uneven_ranks(out: str) -> dict[str, Any]:
                            output_dir=out, log_steps=None, log_every_n_rows=100,
                            eval_every_n_rows=150, save_every_n_rows=200, max_to_keep=10)
     trainer.train_and_evaluate()
+    # A seconds period on the run's gang: only rank 1's clock says 5 s have passed, and both
+    # ranks agree it is due (one all-reduce); asked again at once, neither finds it due.
+    now = [0.0]
+    seconds = Trigger([Period(3, "seconds")], clock=lambda: now[0])
+    now[0] = 5.0 if rank == 1 else 1.0
+    agreed = [seconds.due("step", trainer.state, gang=trainer.gang) for _ in range(2)]
     return {"log": [int(r["step"]) for r in logger.records], "eval": evals,
-            "rows_seen": trainer.state.rows_seen}
+            "rows_seen": trainer.state.rows_seen, "seconds_due": agreed}
 
 
 @pytest.mark.distributed
@@ -128,6 +164,7 @@ def test_two_ranks_with_uneven_batches_act_on_rows_periods_after_the_same_step(t
     r0, r1 = run_distributed(_uneven_ranks, world_size=2, timeout_s=180, args=(out,))
     assert r0 == r1, (r0, r1)
     assert r0["rows_seen"] == 8 * 64
+    assert r0["seconds_due"] == [True, False]
     assert r0["log"] == crossings(64, 100, 8) == [2, 4, 5, 7, 8]
     assert r0["eval"] == crossings(64, 150, 8) == [3, 5, 8]
     assert [c.step for c in layout.list_committed(out)] == crossings(64, 200, 8) == [4, 7]

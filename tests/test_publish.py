@@ -11,6 +11,8 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -28,11 +30,12 @@ from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.publish import PublishHook
 from recsys_trainer.serving import Scorer, export_for_serving
 from recsys_trainer.serving import published as pub
+from recsys_trainer.serving.follow import Follower
 
 
-def _stream(root: str, windows: int) -> tuple[StreamingWindows, str]:
-    """``windows`` landed windows (with ``_SUCCESS``) of the DLRM example's data and the end
-    marker; returns the stream and a held-out window's file to score."""
+def _stream(root: str, windows: int, end: bool = True) -> tuple[StreamingWindows, str]:
+    """``windows`` landed windows (with ``_SUCCESS``) of the DLRM example's data and (``end``)
+    the end marker; returns the stream and a held-out window's file to score."""
     data = os.path.join(root, "data")
     files = su.write_data(data, "dlrm", hours=windows + 1)
     for f in files[:-1]:
@@ -40,10 +43,47 @@ def _stream(root: str, windows: int) -> tuple[StreamingWindows, str]:
     held_out = os.path.join(root, "held_out.parquet")
     shutil.move(files[-1], held_out)
     shutil.rmtree(os.path.dirname(files[-1]))
-    open(os.path.join(data, "_END"), "w").close()
+    if end:
+        open(os.path.join(data, "_END"), "w").close()
     return StreamingWindows(lambda: partitioned_windows(data, ready_marker="_SUCCESS"),
                             end_marker=os.path.join(data, "_END"), poll_interval_s=0.05,
                             timeout_s=60), held_out
+
+
+class _QuietStream(threading.Thread):
+    """The quiet stream: the last window has landed, no next one and no ``_END`` come. A
+    Follower of ``location`` (what ``recsys-serve`` runs) polls every 0.1 s; once it serves
+    ``last``, the stream ends (``_END``). ``served_at`` is that time (None: not within
+    ``limit_s``, when the stream is ended anyway); ``trained_at`` is set by ``hook``'s
+    ``after_window`` of ``last``."""
+
+    def __init__(self, location: str, data: str, last: str, limit_s: float = 60) -> None:
+        super().__init__(daemon=True)
+        self.location, self.data, self.last, self.limit_s = location, data, last, limit_s
+        self.served_at: float | None = None
+        self.trained_at: float | None = None
+        self.hook = LambdaHook(after_window=self._trained)
+
+    def _trained(self, trainer: Trainer, window_id: str) -> None:
+        if trainer.state.mode == "train" and window_id == self.last:
+            self.trained_at = time.time()
+
+    def run(self) -> None:
+        follower = Follower(self.location)
+        deadline = time.monotonic() + self.limit_s
+        while time.monotonic() < deadline:
+            follower.poll_once()
+            if follower.served is not None and follower.served.window == self.last:
+                self.served_at = time.time()
+                break
+            time.sleep(0.1)
+        open(os.path.join(self.data, "_END"), "w").close()
+
+    def seconds_to_serve(self) -> float:
+        """From the end of training the last window to the Follower serving it."""
+        assert self.served_at is not None and self.trained_at is not None, \
+            "the last window was not served while the stream waited"
+        return self.served_at - self.trained_at
 
 
 def _trainer(root: str, stream: StreamingWindows, hooks: list[Any]) -> Trainer:
@@ -86,12 +126,17 @@ def test_a_streaming_run_publishes_a_base_then_deltas_rotates_and_scores_as_a_fu
         tmp_path: Any) -> None:
     """In-process publishing (background=False, the same code as the publisher process):
     full_every=2 gives base, delta, delta, base, delta, delta over 6 windows; keep_bases=1
-    leaves the current chain only; the chain of two deltas scores as the full export."""
+    leaves the current chain only; the chain of two deltas scores as the full export. The stream
+    goes quiet after its last window (no ``_END``): that window is served while it waits."""
     root = str(tmp_path)
-    stream, held_out = _stream(root, 6)
+    stream, held_out = _stream(root, 6, end=False)
     location = os.path.join(root, "published")
     hook = PublishHook(location, every_n_windows=1, full_every=2, keep_bases=1, background=False)
-    _trainer(root, stream, [hook]).train()
+    quiet = _QuietStream(location, os.path.join(root, "data"), "hour=05")
+    quiet.start()
+    _trainer(root, stream, [hook, quiet.hook]).train()
+    quiet.join(10)
+    assert quiet.seconds_to_serve() < 20
     assert [r.kind for r in hook.records] == ["base", "delta", "delta", "base", "delta", "delta"]
     assert [r.sequence for r in hook.records] == [1, 2, 3, 4, 5, 6]
     assert [r.window for r in hook.records] == [f"hour={h:02d}" for h in range(6)]
@@ -196,11 +241,13 @@ def test_publishing_to_s3_in_the_background_survives_a_store_outage(
 def test_the_hook_refuses_a_missing_period_and_bad_numbers_naming_them() -> None:
     with pytest.raises(ValueError, match="needs a period"):
         PublishHook("/tmp/x")
-    for name, value in (("every_n_windows", 0), ("every_n_steps", -1), ("every_n_seconds", 0.0),
-                        ("full_every", 0), ("keep_bases", 0), ("max_delta_fraction", 0),
-                        ("every_n_steps", True)):
+    for name, value, allowed in (
+            ("every_n_windows", 0, "an int >= 1"), ("every_n_steps", -1, "an int >= 1"),
+            ("every_n_steps", True, "an int >= 1"), ("every_n_seconds", 0.0, "a number > 0"),
+            ("full_every", 0, "a positive number"), ("keep_bases", 0, "a positive number"),
+            ("max_delta_fraction", 0, "a positive number")):
         kw: dict[str, Any] = {"every_n_windows": 1, name: value}
-        with pytest.raises(ValueError, match=f"`{name}` must be a positive number"):
+        with pytest.raises(ValueError, match=f"`{name}` must be {allowed}"):
             PublishHook("/tmp/x", **kw)
     with pytest.raises(ValueError, match="`location`"):
         PublishHook("", every_n_windows=1)
@@ -239,15 +286,23 @@ def test_a_restarted_job_continues_the_sequence_with_a_new_base_and_rotates_the_
     assert pub.list_artifacts(location) == sorted([pointer.base, *pointer.deltas])
 
 
-def _train_two_ranks(root: str) -> list[tuple[str, int, int]]:
-    """One rank of a 2-rank streaming run with a PublishHook (every window)."""
-    stream = StreamingWindows(lambda: partitioned_windows(os.path.join(root, "data"),
-                                                          ready_marker="_SUCCESS"),
-                              end_marker=os.path.join(root, "data", "_END"),
-                              poll_interval_s=0.05, timeout_s=60)
-    hook = PublishHook(os.path.join(root, "published"), every_n_windows=1, full_every=2)
-    _trainer(root, stream, [hook]).train()
-    return [(r.kind, r.sequence, r.step) for r in hook.records]
+def _train_two_ranks(root: str) -> tuple[list[tuple[str, int, int]], float | None]:
+    """One rank of a 2-rank streaming run with a PublishHook (every window), on a stream that
+    goes quiet after its 4th window: rank 0 ends it once a Follower serves that window (the
+    seconds it took are returned; None on rank 1)."""
+    data, location = os.path.join(root, "data"), os.path.join(root, "published")
+    stream = StreamingWindows(lambda: partitioned_windows(data, ready_marker="_SUCCESS"),
+                              end_marker=os.path.join(data, "_END"),
+                              poll_interval_s=0.05, timeout_s=90)
+    hook = PublishHook(location, every_n_windows=1, full_every=2)
+    quiet = _QuietStream(location, data, "hour=03")
+    if int(os.environ["RANK"]) == 0:
+        quiet.start()
+    _trainer(root, stream, [hook, quiet.hook]).train()
+    if int(os.environ["RANK"]) != 0:
+        return [(r.kind, r.sequence, r.step) for r in hook.records], None
+    quiet.join(10)
+    return [(r.kind, r.sequence, r.step) for r in hook.records], quiet.seconds_to_serve()
 
 
 @pytest.mark.distributed
@@ -255,14 +310,16 @@ def _train_two_ranks(root: str) -> list[tuple[str, int, int]]:
 def test_two_ranks_publish_from_rank_zero_and_the_chain_scores_as_the_full_export(
         tmp_path: Any) -> None:
     """2 ranks: both take part in the saves, rank 0's publisher publishes (a window's publish
-    may be superseded while the publisher starts); training's end publishes its last step,
-    and the chain scores as the full export of that 2-rank checkpoint."""
+    may be superseded while the publisher starts); the last window is served while the stream
+    waits (quiet: no ``_END`` until it is), and the chain scores as the full export of that
+    2-rank checkpoint."""
     from dist_utils import run_distributed
 
     root = str(tmp_path)
-    _, held_out = _stream(root, 4)
-    r0, r1 = run_distributed(_train_two_ranks, 2, 380, args=(root,))
+    _, held_out = _stream(root, 4, end=False)
+    (r0, served_s), (r1, _) = run_distributed(_train_two_ranks, 2, 380, args=(root,))
     assert r1 == []  # only rank 0 publishes
+    assert served_s is not None and served_s < 30, served_s  # the publisher's start included
     published = [r for r in r0 if r[0] in ("base", "delta")]
     assert published and all(r[0] != "failed" for r in r0), r0
     pointer = _check_pointer_scores_as_a_full_export(root, os.path.join(root, "published"),

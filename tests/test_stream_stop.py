@@ -77,16 +77,74 @@ def test_a_local_stop_ends_the_wait_within_a_fraction_of_the_poll_interval() -> 
 
 
 @pytest.mark.timeout(30)
+def test_every_heartbeat_of_a_waiting_stream_runs_the_wait_hook_on_every_rank() -> None:
+    # One rank: each poll that finds nothing new is a heartbeat (3 before the end marker), and
+    # each runs the hook; a stop seen at a heartbeat ends the wait there instead.
+    polls, waits = iter(range(100)), []
+    stream = StreamingWindows(lambda: [Window("w0", ())], end_marker=lambda: next(polls) >= 3,
+                              poll_interval_s=0.01)
+    assert [w.id for w in agreed_windows(stream, None, on_wait=lambda: waits.append(1))] == ["w0"]
+    assert len(waits) == 3
+    waits.clear()
+    it = agreed_windows(_one_window_stream(0.01), None, stop=lambda: True,
+                        on_wait=lambda: waits.append(1))
+    assert next(it).id == "w0"
+    with pytest.raises(WaitInterrupted):
+        next(it)
+    assert waits == []
+    # Rank 1 of 2 runs it at each of rank 0's heartbeats (where both ranks are).
+    gang = FakeGang(1, 2, broadcasts=[("window", Window("w0", ())), ("wait", None),
+                                      ("wait", None), ("end", None)])
+    assert [w.id for w in agreed_windows("unused", gang, on_wait=lambda: waits.append(1))] == ["w0"]
+    assert len(waits) == 2
+
+
+class _EndsTheStreamOnCommit(Hook):
+    """Records each commit (checkpoint, the resume point it was seen at, whether the stream had
+    ended); a commit seen while the stream waits ends the stream (writes ``_END``)."""
+
+    def __init__(self, end: str) -> None:
+        self.end, self.point, self.commits = end, "", []  # type: ignore[var-annotated]
+
+    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+        self.point = point
+
+    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        self.commits.append((os.path.basename(path), self.point, os.path.exists(self.end)))
+        if self.point == "wait":
+            open(self.end, "w").close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trigger", [{"save_every_n_windows": 1}, {"save_steps": 1}])
+def test_a_quiet_stream_commits_its_last_windows_checkpoint_while_it_waits(
+        tmp_path: Path, trigger: dict[str, int]) -> None:
+    """No next window and no ``_END``: the asynchronous save of the last window's end commits at
+    the wait's first heartbeat (every rank is there), not at a next step that never comes."""
+    root = str(tmp_path)
+    land(os.path.join(root, "data"), hours=2)
+    hook = _EndsTheStreamOnCommit(os.path.join(root, "data", "_END"))
+    # A short stream timeout: without the commit while waiting, nothing ends the stream.
+    trainer = build(root, 0.05, [hook], timeout_s=20, **trigger)
+    trainer.train()
+    final = trainer.state.global_step
+    assert hook.commits[-1] == (f"step_{final:08d}", "wait", False), hook.commits
+    assert layout.is_committed(os.path.join(root, "ckpt", f"step_{final:08d}"))
+
+
+@pytest.mark.timeout(30)
 def test_another_ranks_stop_ends_the_wait_on_every_rank_at_the_next_heartbeat() -> None:
     # Rank 1 of 2, no signal of its own: rank 0 sends a window, then heartbeats; the all-reduce
     # at the second heartbeat says rank 0 is stopping.
     gang = FakeGang(1, 2, broadcasts=[("window", Window("w0", ())), ("wait", None), ("wait", None)],
                     peer_max=[[0], [1]])
-    it = agreed_windows("unused", gang, stop=lambda: False)
+    waits: list[int] = []
+    it = agreed_windows("unused", gang, stop=lambda: False, on_wait=lambda: waits.append(1))
     assert next(it).id == "w0"
     with pytest.raises(WaitInterrupted):
         next(it)
     assert gang._broadcasts == []  # both heartbeats taken, nothing more
+    assert waits == [1]  # the wait hook ran at the first heartbeat, not at the stopping one
     # Rank 0 of 2, no signal of its own: rank 1's stop ends rank 0's wait at its first heartbeat.
     gang0 = FakeGang(0, 2, peer_max=[[1]])
     it = agreed_windows(_one_window_stream(), gang0, stop=lambda: False)
@@ -135,17 +193,19 @@ def land(data: str, hours: int) -> None:
         open(os.path.join(os.path.dirname(f), "_SUCCESS"), "w").close()
 
 
-def build(root: str, poll_s: float, hooks: list[Hook]) -> Trainer:
+def build(root: str, poll_s: float, hooks: list[Hook], timeout_s: float = 600,
+          **args: Any) -> Trainer:
     data = os.path.join(root, "data")
     stream = StreamingWindows(lambda: partitioned_windows(data, ready_marker="_SUCCESS"),
                               end_marker=os.path.join(data, "_END"), poll_interval_s=poll_s,
-                              timeout_s=600)
+                              timeout_s=timeout_s)
     spec, model = su.spec_and_model("dlrm")
+    # save_steps: a save trigger (so the preemption saves) that never fires by itself.
+    args = {"save_steps": 10_000, **args}
     return Trainer(
         model=model,
-        # save_steps: a save trigger (so the preemption saves) that never fires by itself.
         args=TrainingArguments(output_dir=os.path.join(root, "ckpt"), log_steps=1000, seed=0,
-                               save_steps=10_000, preemption_grace_s=GRACE_S),
+                               preemption_grace_s=GRACE_S, **args),
         train_dataset=ParquetWindowDataset(stream, spec, batch_size=32),
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1),
@@ -169,7 +229,7 @@ def test_sigterm_while_a_trainer_waits_stops_commits_and_publishes_the_step(tmp_
     class SignalWhileWaiting(WaitingMarker):
         def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
             super().on_resume_point(trainer, point)
-            if os.path.exists(marker) and not signalled:
+            if point == "window" and os.path.exists(marker) and not signalled:
                 def fire() -> None:
                     signalled.append(time.monotonic())
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -200,7 +260,7 @@ def _rank_one_signalled(root: str, poll_s: float) -> dict[str, Any]:
     class SignalRankOne(WaitingMarker):
         def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
             super().on_resume_point(trainer, point)
-            if rank == 1 and os.path.exists(marker) and not signalled:
+            if point == "window" and rank == 1 and os.path.exists(marker) and not signalled:
                 def fire() -> None:
                     signalled.append(time.monotonic())
                     os.kill(os.getpid(), signal.SIGTERM)

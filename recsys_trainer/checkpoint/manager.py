@@ -1,5 +1,6 @@
-"""``CheckpointManager``: when to save, how to save (per-rank concurrent, async, atomic commit),
-which checkpoints to keep, and how to resume.
+"""``CheckpointManager``: how to save (per-rank concurrent, async, atomic commit), which
+checkpoints to keep, and how to resume. *When* to save is ``hooks.checkpoint.CheckpointHook``'s
+(the Trainer's resume points and the run's periods).
 
 It works on a mapping of named ``Stateful`` components (``attach``; what each holds:
 ``checkpoint.contents``) and a ``Gang`` for its control collectives; it never sees a Trainer.
@@ -19,8 +20,8 @@ A save, step by step (the only guarantee a reader relies on is the last line)::
                    (or of each rank's error)
                    rank 0 writes args.json, then COMMITTED (atomic rename), the index;
                    broadcast "committed"; rank 0 rotates old checkpoints
-    main thread:   (at the next step, the next save, the end, or an exception)
-                   after_save_checkpoint hooks
+    main thread:   (at the next step, while a stream waits, at the next save, the end, or an
+                   exception) after_save_checkpoint hooks
 
 All collectives of a save run on the manager's own gang (by default a dedicated gloo group), so
 the writer thread never interleaves with the training loop's collectives. A synchronous save (``async_save=False``) runs the same
@@ -144,9 +145,9 @@ class CheckpointManager:
         self._stager = Stager()
         self._resumed_step: int | None = None
         self._resume_done = False
-        self._rows_at_last_step = 0  # rows_seen after the previous step (set again by resume)
         self.windows_done = 0
-        """Train windows finished in this run (saved; drives ``save_every_n_windows``)."""
+        """Train windows finished in this run: recorded in every checkpoint and restored by
+        ``resume`` (``CheckpointHook`` counts them, for ``save_every_n_windows``)."""
         self.last_metrics: dict[str, float] = {}
         """The latest evaluation metrics (recorded in the next checkpoint's manifest)."""
         self._warned_best_missing = False
@@ -231,7 +232,7 @@ class CheckpointManager:
                 f"; with several tasks each metric is reported per task: use one of {per_task}"
                 if per_task else "")
 
-    # ------------------------------------------------------------------ triggers (the loop's)
+    # ------------------------------------------------------------------ the run's life
 
     def resume(self, *, mode: contents.RestoreMode = "training") -> layout.CheckpointInfo | None:
         """Restore the state ``resume_from`` names (by default the newest committed checkpoint
@@ -279,7 +280,6 @@ class CheckpointManager:
                 contents.counters(self._components)["global_step"], source, out=self._out,
                 output_dir=self.output_dir, resume_from=self.settings.resume_from)
         self._prepare_staging()
-        self._rows_at_last_step = contents.counters(self._components).get("rows_seen", 0)
         return source
 
     def _choose_source(self, may_quarantine: bool) -> layout.CheckpointInfo | None:
@@ -305,37 +305,16 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - an optimisation: the first save allocates
             logger.warning("could not pre-allocate checkpoint staging buffers: %s", e)
 
-    def on_step_end(self) -> None:
-        """After each optimizer step: commit a finished async save; ``save_steps`` or
-        ``save_every_n_rows``."""
-        self._poll()
-        if self.settings.save_steps is None and self.settings.save_every_n_rows is None:
-            return  # no step or row trigger: skip reading the counters after every step
-        counters = contents.counters(self._components)
-        rows, rows_before = counters.get("rows_seen", 0), self._rows_at_last_step
-        self._rows_at_last_step = rows
-        n = self.settings.save_every_n_rows
-        if (self.settings.save_steps is not None and counters["global_step"] % self.settings.save_steps == 0) or (
-                n is not None and rows // n > rows_before // n):
-            self.save()
+    def poll(self) -> None:
+        """Finish a completed async save without blocking: its ``after_save_checkpoint`` fires
+        on this thread. A failed one stays pending (``SaveQueue.committed_unseen`` says why):
+        it is raised by ``wait``, which the ranks call together."""
+        if self._saves.committed_unseen():
+            self.wait()
 
-    def on_window_end(self) -> None:
-        """After a train window is finished (its resume position moved on)."""
-        self.windows_done += 1
-        n = self.settings.save_every_n_windows
-        if n is not None and self.windows_done % n == 0:
-            self.save()
-
-    def on_epoch_end(self) -> None:
-        """After an epoch is finished (the epoch counter moved on)."""
-        n = self.settings.save_every_n_epochs
-        if n is not None and contents.counters(self._components)["epoch"] % n == 0:
-            self.save()
-
-    def on_train_end(self) -> None:
-        """When training ends normally: ``save_end``, then wait for the save to commit."""
-        if self.settings.save_end:
-            self.save()
+    def finish(self) -> None:
+        """When training ends normally: wait for the save in flight to commit, then release
+        ``output_dir``'s lock (a later ``resume`` claims it again)."""
         self.wait()
         self._lock.release()
 
@@ -491,12 +470,6 @@ class CheckpointManager:
                 layout.write_index(self._out, layout.list_committed(self._out))
             except OSError as e:
                 logger.warning("could not update the checkpoint index: %s", e)
-
-    def _poll(self) -> None:
-        """Finish a completed async save without blocking (fires its hooks on this thread).
-        A failed one stays pending (``SaveQueue.committed_unseen`` says why)."""
-        if self._saves.committed_unseen():
-            self.wait()
 
     # ------------------------------------------------------------------ internals: load
 

@@ -26,7 +26,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -56,6 +56,9 @@ class Window:
 
     id: str
     files: tuple[str, ...]
+    landed_at: float | None = field(default=None, compare=False)
+    """When the window landed (unix time), if its source records it: for a partition, the
+    modification time of its ready marker (``_SUCCESS``), from the same listing."""
 
 
 def _sort_key(rel: str) -> tuple[tuple[int, int | str], ...]:
@@ -96,6 +99,9 @@ def partitioned_windows(
     ``ready_marker`` (``_SUCCESS`` when none is set): an hour without traffic keeps its place,
     so train and eval listings of the same partitions pair up. Without the marker it is skipped
     with a warning (a writer may not have written its files yet).
+
+    A window's ``landed_at`` is its marker's modification time (``ready_marker``, else
+    ``_SUCCESS``), None when it has none.
     """
     loc = storage.resolve(root, filesystem)
     info = storage.file_info(loc)
@@ -104,6 +110,8 @@ def partitioned_windows(
         raise FileNotFoundError(f"window root {root!r} is not a directory.")
     base = loc.path.rstrip("/")
     files: dict[str, list[str]] = {}  # partition (relative) -> file names
+    marker = ready_marker or SUCCESS_MARKER
+    landed: dict[str, float] = {}  # partition (relative) -> its marker's mtime
     subdirs: set[str] = set()  # partitions that have a non-hidden sub-directory
     for entry in storage.list_tree(loc):
         parts = entry.path[len(base):].strip("/").split("/")
@@ -117,6 +125,8 @@ def partitioned_windows(
                 subdirs.add("/".join(parts[:i]))
         else:
             files.setdefault("/".join(parts[:-1]), []).append(parts[-1])
+            if parts[-1] == marker and entry.mtime_ns is not None:
+                landed["/".join(parts[:-1])] = entry.mtime_ns / 1e9
             for i in range(len(parts) - 1):
                 subdirs.add("/".join(parts[:i]))
     out: list[Window] = []
@@ -129,15 +139,16 @@ def partitioned_windows(
             # Marked complete but empty (an hour with no traffic): an empty window, so that
             # train and eval listings of the same partitions stay aligned. Unmarked, it may
             # still be being written: a stream must find it again later.
-            if (ready_marker or SUCCESS_MARKER) in names:
+            if marker in names:
                 logger.warning("window %s (%s) has no data files; it is a window of 0 rows",
                                rel, loc.join(rel).url)
-                out.append(Window(rel, ()))
+                out.append(Window(rel, (), landed.get(rel)))
             else:
                 logger.warning("window %s (%s) has no data files and no %s; skipping it", rel,
-                               loc.join(rel).url, ready_marker or SUCCESS_MARKER)
+                               loc.join(rel).url, marker)
             continue
-        out.append(Window(rel, tuple(loc.join(*rel.split("/"), n).url for n in data)))
+        out.append(Window(rel, tuple(loc.join(*rel.split("/"), n).url for n in data),
+                          landed.get(rel)))
     return out
 
 
@@ -349,7 +360,8 @@ def _interrupted(source: WindowSource) -> str:
 
 def agreed_windows(source: WindowSource, gang: Gang | None,
                    filesystem: pafs.FileSystem | None = None,
-                   stop: Callable[[], bool] | None = None) -> Iterator[Window]:
+                   stop: Callable[[], bool] | None = None,
+                   on_wait: Callable[[], None] | None = None) -> Iterator[Window]:
     """The windows of ``source`` *as rank 0 lists them*, on every rank of ``gang``.
 
     Listings of shared storage can differ between ranks (a lagging NFS or object-store
@@ -369,12 +381,21 @@ def agreed_windows(source: WindowSource, gang: Gang | None,
     signal on rank 0 ends the wait within ``STOP_CHECK_INTERVAL_S``, one on another rank at
     the next heartbeat (within ``poll_interval_s``).
 
-    Without a gang, or with one rank, this is ``resolve_windows(source, filesystem=...,
-    stop=...)``.
+    ``on_wait`` (the Trainer's "wait" resume point): run at every heartbeat after the stop
+    check, on every rank at the same heartbeat (with one rank too), while nothing is left to
+    train: the Trainer finishes the checkpoint in flight there. The next poll waits for it.
+
+    Without a gang, or with one rank, the windows are ``resolve_windows(source, filesystem=...,
+    stop=...)``'s, and each heartbeat runs ``on_wait``.
     """
     if gang is None or gang.world_size == 1:
-        yield from (w for w in resolve_windows(source, filesystem=filesystem, stop=stop)
-                    if w is not None)
+        for polled in resolve_windows(source, heartbeats=True, filesystem=filesystem, stop=stop):
+            if polled is not None:
+                yield polled
+            elif stop is not None and stop():
+                raise WaitInterrupted(_interrupted(source))
+            elif on_wait is not None:
+                on_wait()
         return
     listing = resolve_windows(source, heartbeats=True, filesystem=filesystem, stop=stop) \
         if gang.rank == 0 else None
@@ -396,6 +417,8 @@ def agreed_windows(source: WindowSource, gang: Gang | None,
             # runs with no ``stop`` too, so ranks never disagree on whether it runs.
             if gang.all_reduce_max([int(stop is not None and bool(stop()))])[0]:
                 raise WaitInterrupted(_interrupted(source))
+            if on_wait is not None:
+                on_wait()
         elif kind == "end":
             return
         elif kind == "error":

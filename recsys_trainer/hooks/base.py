@@ -100,7 +100,7 @@ EVENTS: tuple[str, ...] = (
 )
 
 
-ResumePoint = Literal["step", "window", "epoch", "end", "preempt"]
+ResumePoint = Literal["step", "window", "epoch", "wait", "end", "preempt"]
 """Where ``on_resume_point`` fires: a checkpoint taken there resumes exactly."""
 
 RESUME_POINT_EVENTS: tuple[str, ...] = ("on_resume_point",)
@@ -181,9 +181,12 @@ class Hook:
         """When training reaches a point a checkpoint resumes from exactly: ``"step"`` after
         each step (after an evaluation due then), ``"window"`` once a train window is finished
         (after its evaluation; the position is the next window), ``"epoch"`` once an epoch is
-        finished, ``"end"`` when training ends normally (before ``after_train``), ``"preempt"``
-        when every rank stopped for a preemption signal (``trainer.preemption``; before
-        ``on_preempt``). Not in ``EVENTS``: see ``RESUME_POINT_EVENTS``."""
+        finished, ``"wait"`` while training waits for a stream's next window (at each of the
+        stream's heartbeats, after every poll that found nothing new, which every rank reaches
+        together; the position is the last point's: no step ran since), ``"end"``
+        when training ends normally (before ``after_train``), ``"preempt"`` when every rank
+        stopped for a preemption signal (``trainer.preemption``; before ``on_preempt``). Not in
+        ``EVENTS``: see ``RESUME_POINT_EVENTS``."""
 
     def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         """When ``train``/``evaluate``/``train_and_evaluate`` raises; ``end`` still follows."""

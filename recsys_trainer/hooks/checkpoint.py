@@ -1,12 +1,14 @@
 """``CheckpointHook``: when the Trainer saves, decided in one hook.
 
 The training loop announces its resume points (``on_resume_point``: after a step, a finished
-window, a finished epoch, the end of training, a preemption stop) and never calls the checkpoint
-manager itself; this hook turns those points into saves on the configured triggers
-(``args.checkpoint``), records evaluation metrics for keep-best retention, and saves within the
-grace period on a preemption. The Trainer adds it after every other hook, so ``after_evaluate``
-records what the other hooks added to the metrics, and ``on_preempt`` closes the manager after
-the other hooks have seen the preemption.
+window, a finished epoch, while a stream waits, the end of training, a preemption stop) and never
+calls the checkpoint manager itself; this hook turns those points into saves on the configured
+periods (``args.checkpoint``, through the run's one period rule, ``recsys_trainer.periods``),
+finishes the save in flight while a stream waits for its next window, records evaluation
+metrics for keep-best retention, and saves within the grace period on a preemption. The manager
+only saves, resumes and rotates. The Trainer adds this hook after every other hook, so
+``after_evaluate`` records what the other hooks added to the metrics, and ``on_preempt`` closes
+the manager after the other hooks have seen the preemption.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.hooks.base import Hook, ResumePoint
+from recsys_trainer.periods import Trigger
 
 if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
@@ -29,6 +32,9 @@ class CheckpointHook(Hook):
     - ``"step"``: commits a finished asynchronous save; ``save_steps`` / ``save_every_n_rows``.
     - ``"window"`` / ``"epoch"``: ``save_every_n_windows`` / ``save_every_n_epochs`` (fired once
       the resume position has moved past the window or epoch, after its evaluation).
+    - ``"wait"``: a stream waits for its next window (every rank is at the same heartbeat):
+      waits for the save in flight to commit, so that its ``after_save_checkpoint`` (a
+      publisher's hand-over) happens now rather than at the next window's first step.
     - ``"end"``: ``save_end``, then waits for the save in flight to commit (before
       ``after_train``).
     - ``"preempt"``: saves the step every rank stopped after, within what is left of
@@ -37,17 +43,36 @@ class CheckpointHook(Hook):
 
     def __init__(self, manager: CheckpointManager) -> None:
         self.manager = manager
+        s = manager.settings
+        self.trigger = Trigger.of({
+            "save_steps": (s.save_steps, "steps"),
+            "save_every_n_rows": (s.save_every_n_rows, "rows"),
+            "save_every_n_windows": (s.save_every_n_windows, "windows"),
+            "save_every_n_epochs": (s.save_every_n_epochs, "epochs"),
+        })
+        """When this hook saves (the manager's ``settings``' periods)."""
 
     def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
         m = self.manager
         if point == "step":
-            m.on_step_end()
+            m.poll()
+            if self.trigger and self.trigger.due("step", trainer.state):
+                m.save()
         elif point == "window":
-            m.on_window_end()
+            m.windows_done += 1  # the manager records it in every checkpoint
+            if self.trigger.due("window", trainer.state, windows_done=m.windows_done):
+                m.save()
         elif point == "epoch":
-            m.on_epoch_end()
+            if self.trigger.due("epoch", trainer.state, epochs_done=trainer.state.epoch):
+                m.save()
+        elif point == "wait":
+            # Every rank is here together, and the stream has nothing to train: waiting costs no
+            # training time, and a failed save is raised on every rank at this same heartbeat.
+            m.wait()
         elif point == "end":
-            m.on_train_end()
+            if m.settings.save_end:
+                m.save()
+            m.finish()
         elif point == "preempt":
             assert trainer.preemption is not None, "the Trainer names the preemption first"
             self._save_for_preemption(trainer.preemption, trainer.args.preemption_grace_s)

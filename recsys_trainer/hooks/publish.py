@@ -2,7 +2,8 @@
 
 During ``train()`` the hook publishes to LOCATION (a path or URL; the format is
 ``recsys_trainer.serving.published``): a full artifact first, then a delta per period (every N
-train windows, N steps and/or N seconds), a new full artifact every ``full_every`` deltas or
+train windows, N steps and/or N seconds: the run's one period rule, ``recsys_trainer.periods``),
+a new full artifact every ``full_every`` deltas or
 when a delta would exceed ``max_delta_fraction`` of its base's bytes, and after each publish
 the ``LATEST`` pointer, written last; then old bases and deltas are rotated away
 (``keep_bases``).
@@ -12,9 +13,12 @@ How a publish runs, and what it costs the training loop::
     every rank, at a resume point where a period is due (``on_resume_point``):
         checkpointer.save()            the checkpoint manager's save of this step; with
                                        ``async_save`` (the default) only its snapshot blocks
-    rank 0, when that checkpoint commits (``after_save_checkpoint``):
+    rank 0, when that checkpoint commits (``after_save_checkpoint``: at the next step, or, on a
+    stream that waits for its next window, at the wait's first heartbeat, the ``"wait"`` resume
+    point where ``CheckpointHook`` waits for the commit):
         take a read lease on it        so checkpoint rotation keeps it while it is read
-        send its path to the publisher process (one line on a pipe)
+        send its path and its newest window's landing time (``WindowedDataset.landed_at``) to
+        the publisher process (one line on a pipe)
     rank 0's publisher process (``background=True``; started at ``before_train``):
         build the full export of the checkpoint, or the delta against the previous published
         state (kept as a full export in a local staging directory), locally; upload it under
@@ -54,13 +58,15 @@ not stored anywhere as a full export).
 
 All ranks take part in the save (its collectives); only rank 0 exports, uploads and rotates
 (from the checkpoint: no collectives). With ``every_n_seconds`` and several ranks, the ranks
-agree at every step (one one-int all-reduce: due when any rank's clock says so).
+agree at every step and window end (``periods.Trigger``: one one-int all-reduce, due when any
+rank's clock says so).
 
 With ``every_eviction_pass`` the hook also publishes after each admission/eviction pass of the
 model's dynamic tables: it reads the tables' last-pass step at every step's resume point.
 
 This module is the hook's side (when a publish is due, the hand-over, the publisher process's
-life); the publisher itself (build, upload, point, rotate) is ``hooks/publisher.py``.
+life); the publisher itself (build, upload, point, rotate) is serving code,
+``serving/publisher.py``.
 """
 
 from __future__ import annotations
@@ -84,8 +90,10 @@ import torch
 from torch import nn
 
 from recsys_trainer import dynamic
+from recsys_trainer.checkpoint import layout
 from recsys_trainer.hooks.base import Hook, ResumePoint
-from recsys_trainer.hooks.publisher import Publisher
+from recsys_trainer.periods import Trigger
+from recsys_trainer.serving.publisher import Publisher
 
 if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
@@ -168,7 +176,9 @@ class PublishHook(Hook):
     Args:
         location: where to publish: a local path or a URL (``s3://bucket/prefix``).
         every_n_windows / every_n_steps / every_n_seconds / every_eviction_pass: the periods
-            (at least one); a publish is due when any of them is. ``every_eviction_pass``: after
+            (at least one); a publish is due when any of them is: after every N-th train window
+            of this run, every N-th step, or the first step or window end N seconds after the
+            last publish (``recsys_trainer.periods``). ``every_eviction_pass``: after
             every admission/eviction pass of the model's dynamic tables (at the end of the step
             that ran it), so serving drops the evicted ids and scores the admitted ones. Training's end always publishes its last step,
             and so does a stop for a preemption (within the grace period).
@@ -208,9 +218,9 @@ class PublishHook(Hook):
         if not isinstance(every_eviction_pass, bool):
             raise ValueError(f"`every_eviction_pass` must be true or false, but is "
                              f"{every_eviction_pass!r}.")
-        _positive("every_n_windows", every_n_windows, allow_none=True)
-        _positive("every_n_steps", every_n_steps, allow_none=True)
-        _positive("every_n_seconds", every_n_seconds, (int, float), allow_none=True)
+        self._trigger = Trigger.of({"every_n_windows": (every_n_windows, "windows"),
+                                    "every_n_steps": (every_n_steps, "steps"),
+                                    "every_n_seconds": (every_n_seconds, "seconds")})
         _positive("full_every", full_every)
         _positive("keep_bases", keep_bases)
         _positive("max_delta_fraction", max_delta_fraction, (int, float))
@@ -248,12 +258,11 @@ class PublishHook(Hook):
 
     def _reset(self) -> None:
         self._windows_trained = 0
-        self._windows_at_request = 0
-        self._last_request_time = time.monotonic()
+        self._trigger.restart_clock()
         self._last_window: str | None = None
         self._last_requested_step = -1
-        # checkpoint -> (step, blocked s, newest train window)
-        self._wanted: dict[str, tuple[int, float, str | None]] = {}
+        # checkpoint -> (step, blocked s, newest train window, when it landed)
+        self._wanted: dict[str, tuple[int, float, str | None, float | None]] = {}
         self._inflight: dict[str, contextlib.ExitStack] = {}  # checkpoint -> its read lease
         self._results: queue.Queue[bytes | None] = queue.Queue()
         self._init_path: str | None = None
@@ -301,7 +310,6 @@ class PublishHook(Hook):
                 "for two exports.") from e
         init = {"location": self.location, "filesystem": self.filesystem,
                 "stage": self._stage, "model": model, "spec": spec,
-                "window_filesystem": getattr(ds, "filesystem", None),
                 "full_every": self.full_every, "max_delta_fraction": self.max_delta_fraction,
                 "keep_bases": self.keep_bases, "quantize": self.quantize,
                 "activation": self.activation, "output_names": self.output_names}
@@ -329,25 +337,19 @@ class PublishHook(Hook):
         if point == "preempt":  # the CheckpointHook saves this step; on_preempt publishes it
             self._note_grace(trainer)
             return
-        if step == self._last_requested_step:
-            return
-        due = False
+        if point not in ("step", "window", "epoch", "end") or step == self._last_requested_step:
+            return  # "wait": the CheckpointHook's commit hands the save over (after_save_...)
         if point == "end":
             due = True
-        elif point == "window" and self.every_n_windows is not None:
-            due = self._windows_trained - self._windows_at_request >= self.every_n_windows
-        elif point == "step":
-            due = self.every_n_steps is not None and step % self.every_n_steps == 0
-            if self.every_eviction_pass:
-                # A pass changed which ids have rows (the same on every rank: passes run at
-                # step ends): serving should drop the evicted ids and learn the admitted ones.
-                passes = dynamic.pass_steps(self._id_maps)
-                due = due or passes != self._pass_steps
-                self._pass_steps = passes
-        if not due and self.every_n_seconds is not None and point in ("step", "window"):
-            due = time.monotonic() - self._last_request_time >= self.every_n_seconds
-            if trainer.world_size > 1:
-                due = bool(trainer.gang.all_reduce_max([int(due)])[0])
+        else:
+            due = self._trigger.due(point, trainer.state, windows_done=self._windows_trained,
+                                    epochs_done=trainer.state.epoch, gang=trainer.gang)
+        if point == "step" and self.every_eviction_pass:
+            # A pass changed which ids have rows (the same on every rank: passes run at step
+            # ends): serving should drop the evicted ids and learn the admitted ones.
+            passes = dynamic.pass_steps(self._id_maps)
+            due = due or passes != self._pass_steps
+            self._pass_steps = passes
         if due:
             self._request(trainer, step, final=point == "end")
 
@@ -387,7 +389,8 @@ class PublishHook(Hook):
         if p.committed and p.checkpoint is not None and p.step != self._last_requested_step:
             path = p.checkpoint.rstrip("/")
             self._last_requested_step = p.step
-            self._wanted[path] = (p.step, 0.0, self._last_window)
+            self._wanted[path] = (p.step, 0.0, self._last_window,
+                                  self._landed_at(trainer, self._last_window))
             self._submit(trainer, path)
         budget = min(self.final_timeout_s,
                      self._preempt_deadline - PREEMPT_EXIT_MARGIN_S - time.monotonic())
@@ -414,26 +417,27 @@ class PublishHook(Hook):
         """Every rank: save this step (the manager's save; a no-op when it is saved already)."""
         t0 = time.perf_counter()
         self._last_requested_step = step
-        self._windows_at_request = self._windows_trained
-        self._last_request_time = time.monotonic()
+        self._trigger.restart_clock()  # every_n_seconds counts from the last publish
         path = trainer.checkpointer.save(blocking=True if final else None).rstrip("/")
         blocked = time.perf_counter() - t0
         if trainer.rank != 0:
             return
-        self._wanted[path] = (step, blocked, self._last_window)
-        if path not in self._inflight:
-            from recsys_trainer.checkpoint import layout
+        self._wanted[path] = (step, blocked, self._last_window,
+                              self._landed_at(trainer, self._last_window))
+        if path not in self._inflight and layout.is_committed(path):
+            self._submit(trainer, path)  # committed before: no commit event follows
 
-            if layout.is_committed(path):  # committed before: no commit event follows
-                self._submit(trainer, path)
+    @staticmethod
+    def _landed_at(trainer: Trainer, window: str | None) -> float | None:
+        """When the train dataset says ``window`` landed (the pointer's ``window_time``)."""
+        ds = trainer.train_dataset
+        return ds.landed_at(window) if ds is not None and window is not None else None
 
     def _submit(self, trainer: Trainer, path: str) -> None:
         if path in self._inflight or path not in self._wanted:
             return
-        from recsys_trainer.checkpoint import layout
-
         t0 = time.perf_counter()
-        step, blocked, window = self._wanted.pop(path)
+        step, blocked, window, window_time = self._wanted.pop(path)
         lease = contextlib.ExitStack()
         try:
             lease.enter_context(layout.reading(path))
@@ -442,9 +446,8 @@ class PublishHook(Hook):
                           "seconds": 0.0, "step": step, "window": window, "blocked_s": blocked,
                           "checkpoint": path, "error": f"{type(e).__name__}: {e}"})
             return
-        w = getattr(trainer.train_dataset, "_known", {}).get(window) if window else None
-        job = {"checkpoint": path, "step": step, "window": window,
-               "window_files": list(w.files) if w is not None else [], "blocked_s": 0.0}
+        job = {"checkpoint": path, "step": step, "window": window, "window_time": window_time,
+               "blocked_s": 0.0}
         self._inflight[path] = lease
         if self._local is not None:
             job["blocked_s"] = blocked + (time.perf_counter() - t0)
@@ -473,7 +476,7 @@ class PublishHook(Hook):
         # publisher the stopped step); the publisher ends when this process does (its stdin
         # closes, or its parent is gone: ``worker_main``).
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "recsys_trainer.hooks._publish_worker", self._init_path],
+            [sys.executable, "-m", "recsys_trainer.serving._publish_worker", self._init_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         assert self._proc.stdout is not None
         threading.Thread(target=_pump, args=(self._proc.stdout, self._results, self.location),

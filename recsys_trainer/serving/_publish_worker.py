@@ -1,9 +1,11 @@
-"""The publisher process of ``PublishHook`` (``python -m recsys_trainer.hooks._publish_worker
-INIT``); see ``recsys_trainer.hooks.publisher``."""
+"""The publisher process of ``PublishHook`` (``python -m recsys_trainer.serving._publish_worker
+INIT``): ``recsys_trainer.serving.publisher.worker_main``. A module of its own so that the
+publisher's module is imported under its name (its loggers are ``recsys_trainer``'s), not run
+as ``__main__``."""
 
 import sys
 
-from recsys_trainer.hooks.publisher import worker_main
+from recsys_trainer.serving.publisher import worker_main
 
 if __name__ == "__main__":
     worker_main(sys.argv[1])

@@ -1,10 +1,12 @@
-"""The publisher of ``PublishHook``: what builds, uploads and points, one publish per job.
+"""The publisher: builds, uploads and points, one publish per committed checkpoint.
 
-``Publisher`` holds the published chain (the pointer, and the full export of its state in a
-local staging directory) and runs one publish per checkpoint handed to it; ``worker_main`` is
-the publisher process's loop around it (``python -m recsys_trainer.hooks._publish_worker``).
-The hook's side, when a publish is due and how a checkpoint is handed over, is
-``recsys_trainer.hooks.publish``; the location's format is ``recsys_trainer.serving.published``.
+The serving side of online learning's write path: ``Publisher`` holds the published chain (the
+pointer, and the full export of its state in a local staging directory) and turns each
+checkpoint handed to it into a base or a delta at the location, then ``LATEST``; ``worker_main``
+is the publisher process's loop around it (``python -m recsys_trainer.serving._publish_worker``).
+The training side, when a publish is due and how a checkpoint is handed over, is
+``recsys_trainer.hooks.publish.PublishHook``; the location's format is
+``recsys_trainer.serving.published``; what a follower does with it, ``serving.follow``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ import torch
 from torch import nn
 
 from recsys_trainer import storage
+from recsys_trainer.checkpoint import layout
+from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving import published as pub
+from recsys_trainer.serving.artifact import write_artifact
+from recsys_trainer.serving.export import export_delta, export_for_serving
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +41,11 @@ class Publisher:
     (or in the training process with ``background=False``)."""
 
     def __init__(self, *, location: str, filesystem: pafs.FileSystem | None, stage: str,
-                 model: nn.Module, spec: Any, window_filesystem: pafs.FileSystem | None,
-                 full_every: int, max_delta_fraction: float, keep_bases: int,
-                 quantize: str | None, activation: str, output_names: list[str] | None) -> None:
+                 model: nn.Module, spec: Any, full_every: int, max_delta_fraction: float,
+                 keep_bases: int, quantize: str | None, activation: str,
+                 output_names: list[str] | None) -> None:
         self.location, self.filesystem, self.stage = location, filesystem, stage
-        self.model, self.spec, self.window_filesystem = model, spec, window_filesystem
+        self.model, self.spec = model, spec
         self.full_every, self.max_delta_fraction = full_every, max_delta_fraction
         self.keep_bases = keep_bases
         self.opts: dict[str, Any] = {"model": model, "features": spec, "quantize": quantize,
@@ -51,15 +57,14 @@ class Publisher:
         self.base_bytes = 0
 
     def publish(self, job: dict[str, Any]) -> dict[str, Any]:
-        """Publish ``job`` (``checkpoint``, ``step``, ``window``, ``window_files``,
-        ``blocked_s``); the record as a dict (``PublishRecord``'s fields). Never raises."""
+        """Publish ``job`` (``checkpoint``, ``step``, ``window``, ``window_time``: when that
+        window landed, or None; ``blocked_s``); the record as a dict (``PublishRecord``'s
+        fields). Never raises."""
         t0 = time.perf_counter()
         made: list[str] = []
         base = {"step": job["step"], "window": job["window"], "blocked_s": job["blocked_s"],
                 "checkpoint": job["checkpoint"]}
         try:
-            from recsys_trainer.checkpoint import layout
-
             with layout.reading(job["checkpoint"]):
                 rec = self._publish(job, made)
         except Exception as e:  # noqa: BLE001 - reported; a publish never stops training
@@ -83,28 +88,14 @@ class Publisher:
             rec["rotation_error"] = f"{type(e).__name__}: {e}"
         return rec
 
-    def _window_time(self, files: list[str]) -> float | None:
-        if not files:
-            return None
-        folder = files[0].rsplit("/", 1)[0]
-        try:
-            info = storage.file_info(storage.resolve(f"{folder}/_SUCCESS", self.window_filesystem))
-        except (OSError, ValueError):
-            return None
-        if info.type != pafs.FileType.File or info.mtime is None:
-            return None
-        return float(info.mtime.timestamp())
-
     def _publish(self, job: dict[str, Any], made: list[str]) -> dict[str, Any]:
-        from recsys_trainer.serving.export import export_delta, export_for_serving
-
         root = storage.resolve(self.location, self.filesystem)
         if self.sequence is None:
             existing = pub.read_pointer(root)
             self.sequence = existing.sequence if existing is not None else 0
         self.sequence += 1  # never reused, even when this publish fails
         seq, step, window = self.sequence, int(job["step"]), job["window"]
-        window_time = self._window_time(job["window_files"])
+        window_time = job.get("window_time")
         prev = self.pointer
         if prev is not None:
             lost = [ref for ref in (prev.base, *prev.deltas) if not pub.is_committed(root, ref)]
@@ -172,9 +163,6 @@ class Publisher:
     def _upload(self, local_dir: str, root: storage.Location, ref: str) -> int:
         """Copy the committed artifact ``local_dir`` to ``ref`` under the location with the
         artifacts' commit protocol (manifest, files, ``COMMITTED`` last); returns its bytes."""
-        from recsys_trainer.serving import manifest as mf
-        from recsys_trainer.serving.artifact import write_artifact
-
         with open(os.path.join(local_dir, mf.MANIFEST), "rb") as f:
             manifest = json.loads(f.read())
         files = {}
