@@ -329,6 +329,37 @@ def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_i
     assert all(torch.equal(x, y) for x, y in zip(grads[0][1], grads[1][1], strict=True))
 
 
+def test_both_models_take_each_shared_option_by_name_as_their_callers_and_configs_see_it() -> None:
+    import inspect
+
+    from recsys_trainer.component import ComponentSpec
+    from recsys_trainer.retrieval.base import RetrievalBase, RetrievalOptions
+
+    base = inspect.signature(RetrievalBase.__init__).parameters
+    for cls in (TwoTowerModel, SASRecModel):
+        params = inspect.signature(cls).parameters
+        assert not [p for p in params.values() if p.kind is p.VAR_KEYWORD]
+        for name, typed in RetrievalOptions.__annotations__.items():
+            # One declaration: the option's default is the base's, its type the TypedDict's.
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+            assert params[name].default == base[name].default
+            assert typed.__forward_arg__ == base[name].annotation == params[name].annotation
+    tt = TwoTowerModel(["u"], num_items=5, temperature=0.2, max_len=3, embedding_dim=8,
+                       loss="sampled", num_uniform_negatives=2, table_device="cpu")
+    assert (tt.temperature, tt.max_len, tt.loss_kind, tt.num_uniform_negatives) == (0.2, 3, "sampled", 2)
+    assert tt.user_tower[-1].out_features == 32 and tt.user_tower[0][0].in_features == 8 * 2
+    sas = SASRecModel(num_items=5, loss="full", embedding_dim=8, num_heads=4, table_device="cpu")
+    assert (sas.loss_kind, sas.num_uniform_negatives, sas.max_len) == ("full", 0, 50)
+    with pytest.raises(TypeError, match=r"^TwoTowerModel.__init__\(\) got an unexpected keyword argument 'tempreature'$"):
+        TwoTowerModel(["u"], num_items=5, tempreature=0.2)  # type: ignore[call-arg]
+    # A config's `model:` section: an option is a key the model takes, a misspelt one is named.
+    path = "recsys_trainer.retrieval.models.SASRecModel"
+    ComponentSpec.from_mapping("model", {"class": path, "num_items": 5, "temperature": 0.1}).check()
+    with pytest.raises(ValueError, match=r"unknown argument `model.tempreature` for .*SASRecModel .*"
+                                         r"its arguments: num_items, .*, temperature, "):
+        ComponentSpec.from_mapping("model", {"class": path, "num_items": 5, "tempreature": 0.1}).check()
+
+
 def test_sasrec_queries_see_only_the_past_and_padding_rows_cost_nothing() -> None:
     torch.manual_seed(0)
     model = SASRecModel(num_items=20, max_len=5, embedding_dim=8, num_uniform_negatives=3,

@@ -10,9 +10,11 @@ where they are defined.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypedDict, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -95,20 +97,47 @@ def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int
                                   device=torch.device(table_device))
 
 
+class RetrievalOptions(TypedDict, total=False):
+    """The keywords both retrieval models take as they are and hand on to ``RetrievalBase``
+    unchanged: a model's ``__init__`` takes them as ``**options: Unpack[RetrievalOptions]``, so
+    that each is written once here for type checkers (its default, and its check, are
+    ``RetrievalBase.__init__``'s; ``takes_retrieval_options`` lists them in the models'
+    runtime signatures). What they mean: ``TwoTowerModel``'s docstring and the module's."""
+
+    user_num_embeddings: int | Sequence[int]
+    item_feature: str
+    item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None
+    item_id_column: str
+    max_len: int
+    embedding_dim: int
+    normalize: bool
+    temperature: float
+    loss: LossKind
+    log_q_correction: bool
+    cross_rank_negatives: bool
+    frequency_buckets: int | None
+    frequency_hashes: int
+    frequency_half_life_steps: float | None
+    item_init_max: float | None
+    table_device: str
+
+
 class RetrievalBase(nn.Module):
     """What the two models share: the item (and side) tables, the user tables, the negatives,
-    the loss and the item embeddings of the corpus."""
+    the loss and the item embeddings of the corpus. The keywords after
+    ``num_uniform_negatives`` are ``RetrievalOptions``, with their defaults."""
 
-    def __init__(self, *, num_items: int, item_feature: str, history_feature: str | None,
-                 user_features: Sequence[str], user_num_embeddings: int | Sequence[int],
-                 max_len: int, embedding_dim: int, normalize: bool, side_tables: Mapping[str, int],
-                 history_side_features: Mapping[str, str],
-                 item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None, item_id_column: str,
-                 loss: LossKind, num_uniform_negatives: int, temperature: float,
-                 log_q_correction: bool, cross_rank_negatives: bool,
-                 frequency_buckets: int | None, frequency_hashes: int,
-                 frequency_half_life_steps: float | None, item_init_max: float | None,
-                 table_device: str) -> None:
+    def __init__(self, *, num_items: int, history_feature: str | None, user_features: Sequence[str],
+                 side_tables: Mapping[str, int], history_side_features: Mapping[str, str],
+                 num_uniform_negatives: int,
+                 user_num_embeddings: int | Sequence[int] = 10_000, item_feature: str = "item",
+                 item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+                 item_id_column: str = "item_id", max_len: int = 50, embedding_dim: int = 32,
+                 normalize: bool = True, temperature: float = 0.05, loss: LossKind = "in_batch",
+                 log_q_correction: bool = True, cross_rank_negatives: bool = False,
+                 frequency_buckets: int | None = None, frequency_hashes: int = 1,
+                 frequency_half_life_steps: float | None = 1000.0,
+                 item_init_max: float | None = None, table_device: str = "meta") -> None:
         super().__init__()
         if not isinstance(num_items, int) or num_items < 2:
             raise ValueError(f"`num_items` must be an int >= 2, but is {num_items!r}.")
@@ -188,6 +217,8 @@ class RetrievalBase(nn.Module):
         self.users = user_tables(user_features, user_num_embeddings, embedding_dim, table_device)
         self.user_features = list(user_features)
         self.normalize = normalize
+        self.embedding_dim = embedding_dim
+        """The width of every table (the models' towers and transformer are built from it)."""
 
     positions: torch.Tensor
 
@@ -342,4 +373,39 @@ class RetrievalBase(nn.Module):
             negative_ids=negative_ids, negative_log_q=neg_log_q)
 
 
-__all__ = ["LossKind", "RetrievalBase", "retrieval_step", "tower", "user_tables"]
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def takes_retrieval_options(init: _Init) -> _Init:
+    """Decorate a retrieval model's ``__init__`` (its own parameters, then ``**options:
+    Unpack[RetrievalOptions]``) so that at run time it reads as if it listed every option:
+
+    * its signature names each with ``RetrievalBase.__init__``'s default and annotation instead
+      of ``**options``: what ``inspect.signature``, ``help()`` and the config loader (which
+      checks a ``model:`` section's keys against it, and lists the allowed ones) see;
+    * a keyword it does not take is refused as Python refuses it, naming the model's
+      ``__init__`` (not ``RetrievalBase``'s, where ``**options`` would otherwise land).
+
+    Type checkers read ``Unpack[RetrievalOptions]``."""
+    base = inspect.signature(RetrievalBase.__init__).parameters
+    unknown = [name for name in RetrievalOptions.__annotations__ if name not in base]
+    if unknown:
+        raise TypeError(f"RetrievalOptions names {unknown}, which RetrievalBase.__init__ does not take.")
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    signature = inspect.Signature(own + [base[name] for name in RetrievalOptions.__annotations__])
+    accepted = {p.name for p in signature.parameters.values()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    @functools.wraps(init)
+    def checked(*args: Any, **kwargs: Any) -> None:
+        for name in kwargs:
+            if name not in accepted:
+                raise TypeError(f"{init.__qualname__}() got an unexpected keyword argument {name!r}")
+        init(*args, **kwargs)
+
+    checked.__signature__ = signature  # type: ignore[attr-defined]
+    return cast(_Init, checked)
+
+
+__all__ = ["LossKind", "RetrievalBase", "RetrievalOptions", "retrieval_step",
+           "takes_retrieval_options", "tower", "user_tables"]

@@ -42,7 +42,7 @@ importable from here.
 from __future__ import annotations
 
 import math
-import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -54,7 +54,9 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.retrieval.base import (
     LossKind,
     RetrievalBase,
+    RetrievalOptions,
     retrieval_step,
+    takes_retrieval_options,
     tower,
     user_tables,
 )
@@ -74,6 +76,11 @@ from recsys_trainer.retrieval.checks import (
 from recsys_trainer.retrieval.kjt import items_only_input, with_extra_row
 from recsys_trainer.retrieval.losses import sampled_softmax_loss
 from recsys_trainer.retrieval.protocol import RetrievalModel, find_retrieval_model
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # typing_extensions comes with torch
+    from typing_extensions import Unpack
 
 # ``torch.fx.wrap`` patches a function in the globals of the module that calls it: every leaf
 # named here is registered here too (as before the split, when they were defined here), so a
@@ -120,46 +127,29 @@ class TwoTowerModel(RetrievalBase):
         recent_items: how many of the most recent history items the user tower also sees
             individually (0: the mean only, an order-free user tower).
         tower_dims: hidden widths and the output width of both towers.
+
+    The other keywords (``embedding_dim``, ``max_len``, ``temperature``, ``loss``, ...) are
+    ``retrieval.base.RetrievalOptions``, which ``SASRecModel`` takes too, with the same defaults.
     """
 
+    @takes_retrieval_options
     def __init__(
         self,
         user_features: Sequence[str],
         *,
         num_items: int,
-        user_num_embeddings: int | Sequence[int] = 10_000,
-        item_feature: str = "item",
         history_feature: str | None = "hist_item",
         item_side_features: Mapping[str, int] | None = None,
-        item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-        item_id_column: str = "item_id",
-        max_len: int = 50,
         recent_items: int = 0,
-        embedding_dim: int = 32,
         tower_dims: Sequence[int] = (64, 32),
-        normalize: bool = True,
-        temperature: float = 0.05,
-        loss: LossKind = "in_batch",
         num_uniform_negatives: int = 0,
-        log_q_correction: bool = True,
-        cross_rank_negatives: bool = False,
-        frequency_buckets: int | None = None,
-        frequency_hashes: int = 1,
-        frequency_half_life_steps: float | None = 1000.0,
-        item_init_max: float | None = None,
-        table_device: str = "meta",
+        **options: Unpack[RetrievalOptions],
     ) -> None:
         side = dict(item_side_features or {})
-        super().__init__(
-            num_items=num_items, item_feature=item_feature, history_feature=history_feature,
-            user_features=user_features, user_num_embeddings=user_num_embeddings,
-            max_len=max_len, embedding_dim=embedding_dim, normalize=normalize, side_tables=side,
-            history_side_features={}, item_catalog=item_catalog, item_id_column=item_id_column, loss=loss,
-            num_uniform_negatives=num_uniform_negatives, temperature=temperature,
-            log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
-            frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
-            frequency_half_life_steps=frequency_half_life_steps, item_init_max=item_init_max,
-            table_device=table_device)
+        super().__init__(num_items=num_items, history_feature=history_feature,
+                         user_features=user_features, side_tables=side, history_side_features={},
+                         num_uniform_negatives=num_uniform_negatives, **options)
+        max_len, embedding_dim = self.max_len, self.embedding_dim
         if not self.user_features and history_feature is None:
             raise ValueError("the user tower needs user features, a history feature, or both.")
         if not isinstance(recent_items, int) or not 0 <= recent_items <= max_len or (
@@ -289,36 +279,22 @@ class SASRecModel(RetrievalBase):
             column per side feature, listing every item once; needed with side features.
     """
 
+    @takes_retrieval_options
     def __init__(
         self,
         *,
         num_items: int,
-        item_feature: str = "item",
         history_feature: str = "hist_item",
         user_features: Sequence[str] = (),
-        user_num_embeddings: int | Sequence[int] = 10_000,
         item_side_features: Mapping[str, int] | None = None,
         history_side_features: Mapping[str, str] | None = None,
-        item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
-        item_id_column: str = "item_id",
-        max_len: int = 50,
-        embedding_dim: int = 32,
         num_layers: int = 2,
         num_heads: int = 2,
         dropout: float = 0.1,
         train_positions: int | None = None,
         eval_positions: int | None = None,
-        normalize: bool = True,
-        temperature: float = 0.05,
-        loss: LossKind = "in_batch",
         num_uniform_negatives: int | None = None,
-        log_q_correction: bool = True,
-        cross_rank_negatives: bool = False,
-        frequency_buckets: int | None = None,
-        frequency_hashes: int = 1,
-        frequency_half_life_steps: float | None = 1000.0,
-        item_init_max: float | None = None,
-        table_device: str = "meta",
+        **options: Unpack[RetrievalOptions],
     ) -> None:
         side = dict(item_side_features or {})
         hist_side = ({name: f"hist_{name}" for name in side} if history_side_features is None
@@ -329,19 +305,14 @@ class SASRecModel(RetrievalBase):
                              f"`history_side_features` ({hist_side}): a sequential model adds them "
                              "to every history item, so the data must carry them per history item.")
         if num_uniform_negatives is None:
-            # The default sample, except with the full softmax, which takes none.
-            num_uniform_negatives = 0 if loss == "full" else 256
-        super().__init__(
-            num_items=num_items, item_feature=item_feature, history_feature=history_feature,
-            user_features=user_features, user_num_embeddings=user_num_embeddings,
-            max_len=max_len, embedding_dim=embedding_dim, normalize=normalize, side_tables=side,
-            history_side_features=hist_side, item_catalog=item_catalog,
-            item_id_column=item_id_column, loss=loss,
-            num_uniform_negatives=num_uniform_negatives, temperature=temperature,
-            log_q_correction=log_q_correction, cross_rank_negatives=cross_rank_negatives,
-            frequency_buckets=frequency_buckets, frequency_hashes=frequency_hashes,
-            frequency_half_life_steps=frequency_half_life_steps, item_init_max=item_init_max,
-            table_device=table_device)
+            # The default sample, except with the full softmax (never the default loss), which
+            # takes none.
+            num_uniform_negatives = 0 if options.get("loss") == "full" else 256
+        super().__init__(num_items=num_items, history_feature=history_feature,
+                         user_features=user_features, side_tables=side,
+                         history_side_features=hist_side,
+                         num_uniform_negatives=num_uniform_negatives, **options)
+        max_len, embedding_dim = self.max_len, self.embedding_dim
         if not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"`num_layers` must be an int >= 1, but is {num_layers!r}.")
         if not isinstance(num_heads, int) or num_heads < 1 or embedding_dim % num_heads:
@@ -486,6 +457,7 @@ class SASRecModel(RetrievalBase):
 
 __all__ = [
     "RetrievalModel",
+    "RetrievalOptions",
     "SASRecModel",
     "TwoTowerModel",
     "find_retrieval_model",
