@@ -1,7 +1,7 @@
 """Freshness of online learning, end to end: how long a landed window takes to reach the scores.
 
     python benchmarks/bench_freshness.py [--windows 12] [--every-s 10] [--shift-at 5] [--ranks 2]
-                                         [--commit-wait] [--quick] [--json OUT]
+                                         [--quick] [--json OUT]
 
 Real processes on 127.0.0.1 (issue 37, item 4):
 
@@ -45,15 +45,13 @@ Definitions (what is reported per window W):
   hand-over, waiting for a publish in flight, the export and the upload); **export+upload** =
   the publisher's own time for that publish (``PublishRecord.seconds``); **follow** =
   ``loaded_at`` minus ``published_at`` (the server's poll wait and loading the delta or base);
-* **the commit hand-over** (what ``--commit-wait`` changes): the PublishHook saves at a
-  window's end with the asynchronous save, and the checkpoint manager fires
-  ``after_save_checkpoint`` (where the hook hands the checkpoint to its publisher) only at the
-  next step, the next save or the end (checkpoint/manager.py). On a stream the next step comes
-  only once the *next* window has landed and been read, so window W is published only after
-  window W+1 lands: about one ``--every-s`` of waiting (the **waiting** column: to publish minus
-  export+upload). ``--commit-wait`` adds a hook (in this benchmark's job only) that waits for the
-  commit at each window's end (``trainer.checkpointer.wait()``, blocking the loop for the rest
-  of the checkpoint write), so the publish starts at once;
+* **hand-over** = when rank 0 handed window W's checkpoint to its publisher (its
+  ``after_save_checkpoint``) minus the end of W, and the resume point it happened at. The
+  PublishHook saves at a window's end with the asynchronous save; the commit is handed over at
+  the next step, or, when the stream waits for its next window, at the wait's first heartbeat
+  (the ``"wait"`` resume point, where ``CheckpointHook`` waits for the commit: every rank is
+  there and nothing is left to train). **waiting** = to publish minus export+upload: the
+  hand-over, the publisher's poll and a publish in flight;
 * **AUC (served / frozen)**: as W lands, its rows are scored through ``POST /score`` (Arrow IPC,
   by the model served at that moment, whose own window is reported: the served model's AUC on
   its *next* windows) and by the frozen ``Scorer``; AUC against W's labels;
@@ -194,27 +192,28 @@ def worker(a: argparse.Namespace) -> None:
     hook = PublishHook(a.published, every_n_windows=1, full_every=a.full_every, keep_bases=2)
     ended: dict[str, float] = {}
     started: dict[str, float] = {}
-    commit_wait: dict[str, float] = {}
+    end_step: dict[str, int] = {}  # window -> the step its training ended at
+    handed: dict[int, tuple[float, str]] = {}  # step -> (when its checkpoint was handed over,
+    # the resume point then)
 
-    class CommitWait(Hook):
-        """``--commit-wait``: after the PublishHook's save at a window's end, wait for the
-        checkpoint's commit, so that it is handed to the publisher now rather than at the next
-        step (which, on a stream, comes only once the next window has landed)."""
+    class HandOver(Hook):
+        point = "start"
 
         def on_resume_point(self, trainer: Trainer, point: Any) -> None:
-            if point == "window":
-                t = time.perf_counter()
-                trainer.checkpointer.wait()
-                commit_wait[trainer.state.window_id or str(len(commit_wait))] = \
-                    time.perf_counter() - t
+            self.point = point
+
+        def after_window(self, trainer: Trainer, window_id: str) -> None:
+            end_step[window_id] = trainer.state.global_step
+
+        def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+            step = int(path.rstrip("/").rsplit("_", 1)[-1])
+            handed.setdefault(step, (time.time(), self.point))
 
     def ready(trainer: Trainer) -> None:
         if trainer.rank == 0:
             open(a.out + ".ready", "w").close()
 
-    hooks: list[Any] = [hook]
-    if a.commit_wait:
-        hooks.append(CommitWait())
+    hooks: list[Any] = [hook, HandOver()]
     hooks.append(LambdaHook(
         before_train=ready,
         before_window=lambda t, w: started.setdefault(w, time.time()),
@@ -232,7 +231,8 @@ def worker(a: argparse.Namespace) -> None:
     if trainer.rank == 0:
         with open(a.out, "w") as f:
             json.dump({"records": [r.__dict__ for r in hook.records], "window_end": ended,
-                       "window_start": started, "commit_wait_s": commit_wait,
+                       "window_start": started, "end_step": end_step,
+                       "handed_over": {str(k): v for k, v in handed.items()},
                        "steps": trainer.state.global_step}, f)
     from recsys_trainer.distributed import shutdown
 
@@ -443,8 +443,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                         "--ckpt", os.path.join(work, "ckpt"), "--out", train_out,
                         "--num-embeddings", str(a.num_embeddings),
                         "--batch-size", str(a.batch_size), "--full-every", str(a.full_every),
-                        "--stream-poll-s", str(a.stream_poll_s)]
-              + (["--commit-wait"] if a.commit_wait else []))
+                        "--stream-poll-s", str(a.stream_poll_s)])
         start("serve", [os.path.join(os.path.dirname(sys.executable), "recsys-serve"),
                         published_url, "--port", str(port), "--poll-s", str(a.poll_s),
                         "--log-level", "info"])
@@ -581,8 +580,10 @@ def summarize(a: argparse.Namespace, landed: dict[int, float], monitor: Monitor,
             row["train_s"] = end - landed[w]
             if first is not None and first.get("window") == window_id(w):
                 row["to_publish_s"] = first["published_at"] - end
-        if window_id(w) in train.get("commit_wait_s", {}):
-            row["commit_wait_s"] = train["commit_wait_s"][window_id(w)]
+        step = train.get("end_step", {}).get(window_id(w))
+        handed = train.get("handed_over", {}).get(str(step))
+        if handed is not None and end is not None:
+            row["hand_over_s"], row["handed_at"] = handed[0] - end, handed[1]
         rec = records.get(window_id(w))
         if rec is not None:
             row.update(publish_kind=rec["kind"], export_upload_s=rec["seconds"],
@@ -651,16 +652,17 @@ def report(out: dict[str, Any]) -> None:
 
     c = out["config"]
     print(f"## Freshness: a window's landing to the served scores ({c['windows']} windows every "
-          f"{c['every_s']:g} s, effect from window {c['shift_at']}, {c['ranks']} ranks"
-          f"{', --commit-wait' if c['commit_wait'] else ''})")
+          f"{c['every_s']:g} s, effect from window {c['shift_at']}, {c['ranks']} ranks)")
     print()
-    header = ["window", "effect", "freshness s", "served as", "train s", "to publish s",
-              "waiting s", "export+upload s", "follow s", "AUC served (model's window)",
-              "AUC frozen"]
+    header = ["window", "effect", "freshness s", "served as", "train s", "hand-over s (at)",
+              "to publish s", "waiting s", "export+upload s", "follow s",
+              "AUC served (model's window)", "AUC frozen"]
     rows = []
     for r in out["windows"]:
         rows.append([r["window"], "yes" if r["effect"] else "no", _f(r.get("freshness_s")),
-                     r.get("served_as") or "-", _f(r.get("train_s")), _f(r.get("to_publish_s")),
+                     r.get("served_as") or "-", _f(r.get("train_s")),
+                     f"{_f(r.get('hand_over_s'), '.2f')} ({r.get('handed_at') or '-'})",
+                     _f(r.get("to_publish_s")),
                      _f(r["to_publish_s"] - r["export_upload_s"]
                         if "to_publish_s" in r and "export_upload_s" in r else None),
                      _f(r.get("export_upload_s")), _f(r.get("follow_s")),
@@ -676,13 +678,15 @@ def report(out: dict[str, Any]) -> None:
          ["between swaps", q["between_swaps"]["n"], _f(q["between_swaps"]["p50_ms"]),
           _f(q["between_swaps"]["p99_ms"])]]))
     print()
-    waits = [r["commit_wait_s"] for r in out["windows"] if "commit_wait_s" in r]
+    hand = [r["hand_over_s"] for r in out["windows"] if "hand_over_s" in r]
+    at_wait = sum(r.get("handed_at") == "wait" for r in out["windows"])
     blocked = [r["blocked_ms"] for r in out["windows"] if "blocked_ms" in r]
     print(f"training loop blocked per publish (the save's snapshot and hand-over): median "
           f"{_f(float(np.median(blocked)) if blocked else None)} ms, max "
-          f"{_f(max(blocked) if blocked else None)} ms"
-          + (f"; --commit-wait's wait for the commit: median {float(np.median(waits)):.2f} s, "
-             f"max {max(waits):.2f} s" if waits else ""))
+          f"{_f(max(blocked) if blocked else None)} ms; a window's checkpoint handed to the "
+          f"publisher a median {_f(float(np.median(hand)) if hand else None, '.2f')} s (max "
+          f"{_f(max(hand) if hand else None, '.2f')} s) after the window's end, {at_wait} of "
+          f"{len(hand)} while the stream waited")
     print(f"summary: freshness median {_f(out['freshness_median_s'])} s, max "
           f"{_f(out['freshness_max_s'])} s over {out['windows_served']} windows "
           f"({out['config']['every_s']:g} s windows, {out['config']['ranks']} ranks); AUC before the shift served "
@@ -714,9 +718,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=20.0, help="load: requests per second")
     p.add_argument("--request-rows", type=int, default=8, help="load: rows per request")
     p.add_argument("--concurrency", type=int, default=4, help="load: connections")
-    p.add_argument("--commit-wait", action="store_true",
-                   help="the job waits for each window's checkpoint commit at the window's end "
-                        "(hands it to the publisher at once; see the docstring)")
     p.add_argument("--warmup-timeout-s", type=float, default=300.0)
     p.add_argument("--drain-timeout-s", type=float, default=180.0)
     p.add_argument("--workdir", default=None, help="keep logs and data here")

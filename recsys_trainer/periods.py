@@ -60,8 +60,8 @@ class Period:
 
     def crossed(self, before: float, after: float) -> bool:
         """The rule for a count: whether it moved from ``before`` to ``after`` past a multiple
-        of ``every`` (once, however many it passed)."""
-        return after // self.every > before // self.every
+        of ``every`` (once, however many it passed; a count of 0 has reached none)."""
+        return after > 0 and after // self.every > before // self.every
 
     def due_after_step(self, progress: Progress) -> bool:
         """After an optimizer step (steps and rows periods)."""

@@ -61,6 +61,7 @@ def test_a_trigger_is_due_when_any_period_is_and_seconds_count_from_its_last_due
     now[0] = 26.0
     assert t.due("step", _Progress(17, 0, 0))
     assert not Trigger([]) and not Trigger([]).due("step", _Progress(4, 0, 0))
+    assert not Trigger([Period(2, "windows")]).due("window", _Progress(0, 0, 0))  # none done
     for fields, message in [({"every_n_steps": (0, "steps")}, "`every_n_steps` must be an int >= 1"),
                             ({"every_n_seconds": (-1.0, "seconds")},
                              "`every_n_seconds` must be a number > 0 or None, but is -1.0."),
