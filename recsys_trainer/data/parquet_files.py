@@ -184,6 +184,8 @@ def rows_left(units: list[Unit], left: list[list[Piece]]) -> list[Piece]:
             if p.is_range:
                 out.append(dataclasses.replace(p, start=p.start + p.skip,
                                                length=p.length - p.skip, skip=0))
+            elif p.skip == 0:  # untouched: all of its rows, whatever their order
+                out.append(dataclasses.replace(p, shuffle_seed=None))
             else:
                 rows = np.sort(p.row_numbers())
                 if int(rows[-1]) - int(rows[0]) + 1 == len(rows):  # contiguous after all
