@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -92,14 +93,8 @@ def node_loss(root: Path, rdzv_conf: str) -> dict[str, float]:
     failed = min(t for t in _glog_times(text, "E", r"failed \(exitcode") if t > killed)
     joined = min(t for t in _glog_times(text, "I", r".*Rendezvous complete for workers") if t > failed)
     restart = next(s for s in jsonl(root / "starts.jsonl") if s["world_size"] == 1)
-    return {
-        "detect": failed - killed,
-        "rendezvous": joined - failed,
-        "start_process": restart["process_started"] - joined,
-        "resume": restart["time"] - restart["process_started"],
-        "first_step": start["time"] - restart["time"],
-        "total": start["time"] - killed,
-    }
+    return {"detect": failed - killed, "rendezvous": joined - failed,
+            **_worker_phases(joined, restart, start), "total": start["time"] - killed}
 
 
 def node_join(root: Path, rdzv_conf: str) -> dict[str, float]:
@@ -129,14 +124,17 @@ def node_join(root: Path, rdzv_conf: str) -> dict[str, float]:
     formed = min(t for t in _glog_times(text, "I", r".*Rendezvous complete for workers") if t > stopped)
     restart = max((s for s in jsonl(root / "starts.jsonl") if s["world_size"] == 2),
                   key=lambda s: s["time"])
-    return {
-        "noticed": stopped - joined,
-        "rendezvous": formed - stopped,
-        "start_process": restart["process_started"] - formed,
-        "resume": restart["time"] - restart["process_started"],
-        "first_step": first["time"] - restart["time"],
-        "total": first["time"] - joined,
-    }
+    return {"noticed": stopped - joined, "rendezvous": formed - stopped,
+            **_worker_phases(formed, restart, first), "total": first["time"] - joined}
+
+
+def _worker_phases(formed: float, restart: dict[str, Any], first: dict[str, Any],
+                   ) -> dict[str, float]:
+    """From the rendezvous round's end to the new worker's first step: its process start, its
+    resume (imports, process group, model, checkpoint) and the step (the driver's records)."""
+    return {"start_process": restart["process_started"] - formed,
+            "resume": restart["time"] - restart["process_started"],
+            "first_step": first["time"] - restart["time"]}
 
 
 def _table(title: str, runs: list[dict[str, float]]) -> None:
