@@ -88,11 +88,13 @@ from typing import IO, TYPE_CHECKING, Any
 import pyarrow.fs as pafs
 import torch
 from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_trainer import dynamic
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.hooks.base import Hook, ResumePoint
 from recsys_trainer.periods import Trigger
+from recsys_trainer.serving.model_parts import dense_copy, table_modules, weighted
 from recsys_trainer.serving.publisher import Publisher
 
 if TYPE_CHECKING:
@@ -143,10 +145,6 @@ def _positive(name: str, value: Any, kind: type | tuple[type, ...] = int, *,
 def _skeleton(live: nn.Module) -> nn.Module:
     """An unsharded stand-in of ``live`` for exports from its checkpoints: a CPU copy of its
     dense part, and its embedding collections rebuilt on ``meta`` from their configurations."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
-    from recsys_trainer.serving.model_parts import dense_copy, table_modules, weighted
-
     modules = table_modules(live)
     dynamic = [tm.owner for tm in modules if tm.dynamic]
     if dynamic:
