@@ -373,13 +373,20 @@ class ParquetWindowDataset(WindowedDataset):
         for i, segment in enumerate(earlier):
             left = []
             for r in range(segment.world_size):
-                theirs = shard_pieces(parts, r, segment.world_size, self.sharding,
+                theirs = shard_pieces(parts, r, segment.world_size, self._sharding(i),
                                       self._rng(window.id, r, i))
                 left.append(skip_rows(theirs, self._rows_consumed(theirs, segment.batches))[0])
             parts = rows_left(units, left)
-        pieces = shard_pieces(parts, self.rank, self.world_size, self.sharding,
+        pieces = shard_pieces(parts, self.rank, self.world_size, self._sharding(len(earlier)),
                               self._rng(window.id, self.rank, len(earlier)))
         return pieces, sum(p.rows for p in pieces)
+
+    def _sharding(self, part: int) -> Literal["rows", "row_groups"]:
+        """How part ``part`` of a window is cut: as configured, but by rows after a change of
+        world size. What earlier ranks left is a few half-read pieces beside whole ones; dealt
+        whole (``"row_groups"``) they would give the new ranks very different row counts, and
+        the ranks stop together when the first runs out, dropping the others' rest."""
+        return self.sharding if part == 0 else "rows"
 
     def _rows_consumed(self, pieces: list[Piece], batches: int) -> int:
         """The rows of the piece stream ``pieces`` that its first ``batches`` batches consumed
@@ -494,7 +501,8 @@ class ParquetWindowDataset(WindowedDataset):
         parts: list[pa.Table] = []
         prov: list[tuple[Unit, np.ndarray]] = []
         n = 0
-        carried = 0  # source rows consumed without a batch (dropped or unreadable rows)
+        carried = 0  # source rows consumed without a batch before this chunk
+        skipped: list[tuple[int, int]] = []  # this chunk's unreadable pieces: (at row, rows)
         reader: Prefetcher[tuple[Piece, tuple[pa.Table, np.ndarray] | None]] | None = None
         read: Iterator[tuple[Piece, tuple[pa.Table, np.ndarray] | None]]
         if self.prefetch_batches > 0 and len(pieces) > 1:
@@ -505,7 +513,9 @@ class ParquetWindowDataset(WindowedDataset):
         try:
             for piece, got in read:
                 if got is None:
-                    carried += piece.rows
+                    # Counted with the batch that holds the chunk's next row (an elastic
+                    # remap sums batches' rows to find where a rank's reading stopped).
+                    skipped.append((n, piece.rows))
                     continue
                 table, rows = got
                 off = 0
@@ -516,19 +526,23 @@ class ParquetWindowDataset(WindowedDataset):
                     n += take
                     off += take
                     if n == chunk:
-                        carried = yield from self._decode(parts, prov, n, carried)
-                        parts, prov, n = [], [], 0
-            yield from self._decode(parts, prov, n, carried)
+                        carried = yield from self._decode(parts, prov, n, carried, skipped)
+                        parts, prov, n, skipped = [], [], 0, []
+            yield from self._decode(parts, prov, n, carried, skipped)
         finally:
             if reader is not None:
                 reader.close()
 
     def _decode(self, parts: list[pa.Table], prov: list[tuple[Unit, np.ndarray]],
-                n: int, carried: int = 0) -> Generator[tuple[Batch, int], None, int]:
-        """Yield the chunk's batches; return the rows consumed since the last batch yielded
-        (``carried`` in, plus this chunk's all-dropped batches at its end)."""
+                n: int, carried: int = 0, skipped: Sequence[tuple[int, int]] = (),
+                ) -> Generator[tuple[Batch, int], None, int]:
+        """Yield the chunk's batches, each with the source rows it consumed: its own (dropped
+        ones included), ``carried`` (rows consumed before the chunk) for the first, and the
+        rows of the unreadable pieces ``skipped`` met just before one of its rows (``(row of
+        the chunk, rows)``). Return the rows consumed since the last batch yielded (this
+        chunk's all-dropped batches and unreadable pieces at its end)."""
         if n == 0:
-            return carried
+            return carried + sum(rows for _, rows in skipped)
         table = parts[0] if len(parts) == 1 else concat_rows(
             self.features.unify_columns(parts), [unit.file for unit, _ in prov])
         try:
@@ -544,13 +558,14 @@ class ParquetWindowDataset(WindowedDataset):
         # Rows of all-dropped batches (on_nan_label="drop") still count as consumed.
         for lo in range(0, n, self.batch_size):
             hi = min(n, lo + self.batch_size)
+            carried += sum(rows for at, rows in skipped if lo <= at < hi)
             batch = decoded.batch(lo, hi)
             if batch.batch_size > 0:
                 yield batch, hi - lo + carried
                 carried = 0
             else:
                 carried += hi - lo
-        return carried
+        return carried + sum(rows for at, rows in skipped if at >= n)
 
 
 def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Batch, int]]:
