@@ -28,6 +28,11 @@ What the test reads afterwards:
 dies while it writes its files of step N's checkpoint (its agent and then the worker are
 SIGKILLed from the save's writer thread, after DCP wrote the shards and before the rank's
 extra-state file): a node lost during an asynchronous save. ``died.json`` says when.
+
+``hold`` (``{"window_index": W, "batches": B}``): at world size 1, after the step that reaches
+``B`` batches of train window ``W``, the worker waits (up to 120 s) for the stop signal its
+agent sends when a node joins: the join then lands in the middle of that window however slowly
+the new node starts.
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ import torch  # noqa: E402
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments  # noqa: E402
 from recsys_trainer.checkpoint import contents  # noqa: E402
+from recsys_trainer.checkpoint.manager import CheckpointManager  # noqa: E402
 from recsys_trainer.data.parquet import ParquetWindowDataset  # noqa: E402
 from recsys_trainer.data.windows import StreamingWindows, partitioned_windows  # noqa: E402
-from recsys_trainer.hooks.base import Hook, ResumePoint, StepOutput  # noqa: E402
+from recsys_trainer.hooks.base import Hook, StepOutput  # noqa: E402
 from recsys_trainer.hooks.publish import PublishHook  # noqa: E402
 
 
@@ -63,27 +69,45 @@ def _append(path: str, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-class DieDuringSave(Hook):
-    """Kills this node (agent, then this worker) from the writer thread of the save of step
-    ``step`` (see ``die`` in the module docstring)."""
+def die_during_save(root: str, step: int) -> None:
+    """Kill this node (agent, then this worker) from the writer thread of the save of ``step``,
+    between DCP's shards and this rank's extra-state file (see ``die``). Wraps
+    ``CheckpointManager._write``, the seam the manager keeps for tests, so that only that step's
+    save dies (an earlier save may still be in flight when the step is reached)."""
+    write, name = CheckpointManager._write, contents.extra_file_name
 
-    def __init__(self, root: str, step: int) -> None:
-        self.root, self.step = root, step
+    def die(rank: int) -> str:
+        with open(os.path.join(root, "died.json"), "w") as f:
+            json.dump({"time": time.time(), "step": step}, f)
+        os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
+        os.kill(os.getpid(), signal.SIGKILL)
+        return name(rank)
 
-    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
-        # Runs before the CheckpointHook (always last) submits this step's save.
-        if point != "step" or trainer.state.global_step != self.step:
+    def write_or_die(self: CheckpointManager, loc: Any, tensors: Any, extra: bytes,
+                     base: dict[str, Any]) -> dict[str, Any]:
+        if base["step"] == step:
+            contents.extra_file_name = die  # type: ignore[assignment]
+        return write(self, loc, tensors, extra, base)
+
+    CheckpointManager._write = write_or_die  # type: ignore[method-assign]
+
+
+class HoldForJoin(Hook):
+    """Waits for the agent's stop signal at a step in the middle of a window (see ``hold``)."""
+
+    def __init__(self, window_index: int, batches: int) -> None:
+        self.window_index, self.batches, self.held = window_index, batches, False
+
+    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+        st = trainer.state
+        if (self.held or trainer.world_size != 1 or st.window_index != self.window_index
+                or st.batches_in_window < self.batches):
             return
-        name = contents.extra_file_name
-
-        def die(rank: int) -> str:
-            with open(os.path.join(self.root, "died.json"), "w") as f:
-                json.dump({"time": time.time(), "step": self.step}, f)
-            os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
-            os.kill(os.getpid(), signal.SIGKILL)
-            return name(rank)
-
-        contents.extra_file_name = die  # type: ignore[assignment]
+        self.held = True
+        deadline = time.monotonic() + 120
+        # The signal handler only records the signal (acted on at the next fetch): ask it.
+        while not trainer._preemption_watcher.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class RowLog(Hook):
@@ -161,7 +185,9 @@ def main() -> None:
     die = cfg.get("die")
     if (die and int(os.environ["RANK"]) == die["rank"] and os.environ["WORLD_SIZE"] == "2"
             and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-        hooks.append(DieDuringSave(root, die["at_save_of_step"]))
+        die_during_save(root, die["at_save_of_step"])
+    if cfg.get("hold"):
+        hooks.append(HoldForJoin(cfg["hold"]["window_index"], cfg["hold"]["batches"]))
     if cfg.get("publish"):
         hooks.append(PublishHook(os.path.join(root, "published"), every_n_windows=1,
                                  staging_dir=os.path.join(root, f"stage{os.environ['RANK']}")))

@@ -24,6 +24,7 @@ from test_checkpoint_trainer import (
 from recsys_trainer import Hook, Trainer
 from recsys_trainer.checkpoint import CheckpointError, layout
 from recsys_trainer.checkpoint.export import read_full, saved_keys
+from recsys_trainer.data.base import IterableAsWindow
 
 TIMEOUT = 180
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
@@ -205,6 +206,16 @@ def test_resharding_2_to_1_and_1_to_2_restores_model_and_both_optimizers(tmp_pat
     state = _load_and_resave(os.path.join(two, "step_00000003"), str(tmp_path / "exact"))
     assert (state["global_step"], state["window_index"], state["batches_in_window"],
             state["window_segments"]) == (3, 0, 0, [[2, 3]])
+    # A model bank's include "data" maps it the same way (its source ignores the policy) ...
+    bank = [{"path": os.path.join(two, "step_00000003"), "include": {"counters": ["*"], "data": ["*"]}}]
+    t = build(str(tmp_path / "bank"), RowWindows(), model_bank=bank, train_steps=100)
+    t.resume()
+    assert (t.state.global_step, t.state.window_segments, t.state.batches_in_window) == (3, [[2, 3]], 0)
+    # ... and refuses a dataset that cannot tell which rows were consumed, saying what to drop.
+    with pytest.raises(CheckpointError, match="drop 'data' from its include") as e:
+        build(str(tmp_path / "bank2"), IterableAsWindow(lambda: iter(())), model_bank=bank,
+              train_steps=100).resume()
+    assert e.value.kind == "reshard"
     # ... or, asked to refuse, is a clear error ...
     with pytest.raises(CheckpointError, match="restart_window") as e:
         t = build(str(tmp_path / "bad"), RowWindows(), train_steps=100,

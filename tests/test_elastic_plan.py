@@ -23,6 +23,8 @@ from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.layout import CheckpointInfo
 from recsys_trainer.checkpoint.loading import remap_position
 from recsys_trainer.data.base import IterableAsWindow, Segment
+from recsys_trainer.data.batch_check import BatchCheck
+from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.parquet import ParquetWindowDataset
 
 
@@ -216,6 +218,20 @@ def test_remap_policies_other_than_exact(tmp_path: Any) -> None:
     assert (restart["window_index"], restart["batches_in_window"], restart["window_segments"]) == (0, 0, [])
     skip = remap_position(pos, _info(2), world_size=1, policy="next_window")
     assert (skip["window_index"], skip["batches_in_window"], skip["window_segments"]) == (1, 0, [])
+
+
+def test_a_malformed_segment_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"`Segment.world_size` must be an int >= 1, but is 0"):
+        Segment(0, 5)
+    with pytest.raises(ValueError, match=r"`Segment.batches` must be an int >= 0, but is -1"):
+        Segment(2, -1)
+
+
+def test_earlier_parts_reaching_a_dataset_without_exact_reshard_are_refused_by_name() -> None:
+    # A checkpoint's segments, resumed with a dataset class that cannot remap (changed since).
+    check = BatchCheck([])
+    with pytest.raises(DataError, match=r"\(IterableAsWindow\) cannot tell which rows"):
+        check.batches(IterableAsWindow([]), "all", 0, earlier=[Segment(2, 3)])
 
 
 def test_exact_remap_refuses_a_dataset_that_cannot_tell_which_rows_were_consumed() -> None:

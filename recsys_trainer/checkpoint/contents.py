@@ -238,15 +238,14 @@ def load_resharded_dataset_state(dataset: Stateful, state: dict[str, Any],
         load(state, world_size)
 
 
-def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bool,
-                saved_world_size: int | None = None) -> None:
+def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bool) -> None:
     """Restore every per-rank component from ``extra`` except the counters (the caller decides
     how to map the data position). Components the checkpoint has no state for (None, or empty)
     keep theirs: an lr scheduler or scaler added since, a component newer than the checkpoint,
     or a dataset the checkpoint was saved without (``extra_state`` writes ``{}`` for it: eval
     data added to a project whose checkpoints had none). Dataset state is per rank: at another
-    world size (``saved_world_size``; ``extra`` is then rank 0's) a dataset restores only what is
-    the same on every rank, through ``load_resharded_state_dict``. The optimizers' tensors are
+    world size (``extra`` is then rank 0's) a dataset restores only what is the same on every
+    rank, through ``load_resharded_state_dict``. The optimizers' tensors are
     not here: DCP loads them in place."""
     apply_dense_param_groups(components, extra["dense_param_groups"])
     for name, comp in components.items():
@@ -257,7 +256,7 @@ def apply_extra(components: Components, extra: dict[str, Any], *, same_world: bo
             continue
         try:
             if name in _DATASETS and not same_world:
-                load_resharded_dataset_state(comp, state, saved_world_size or int(extra["world_size"]))
+                load_resharded_dataset_state(comp, state, int(extra["world_size"]))
             else:
                 comp.load_state_dict(state)
         except ValueError as e:

@@ -67,7 +67,7 @@ def load_checkpoint(components: contents.Components, info: layout.CheckpointInfo
     if not same_world:
         ts = remap_position(ts, info, world_size=gang.world_size, policy=reshard_data_position,
                             train_dataset=components.get("train_dataset"))
-    contents.apply_extra(comps, extra, same_world=same_world, saved_world_size=info.world_size)
+    contents.apply_extra(comps, extra, same_world=same_world)
     comps[contents.COUNTERS].load_state_dict(ts)
     logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
                 info.world_size)

@@ -147,6 +147,10 @@ def _apply_read(components: contents.Components, src: ModelBankSource, gang: Gan
                 len(overlap), info.path)
 
 
+_POSITION = ("window_index", "batches_in_window", "window_id", "window_segments")
+"""The counters that say where in the data a run is (what include "data" copies)."""
+
+
 def _apply_extra(components: contents.Components, src: ModelBankSource,
                  info: layout.CheckpointInfo, gang: Gang) -> None:
     want_counters = bool(src.include.get("counters"))
@@ -168,8 +172,14 @@ def _apply_extra(components: contents.Components, src: ModelBankSource,
         position = {"window_segments": [], **{k: ts[k] for k in _POSITION if k in ts}}
         if not same_world:
             # Mid-window: the rows no rank of the source run consumed, as a resume would.
-            position = remap_position(position, info, world_size=gang.world_size,
-                                      policy="exact", train_dataset=train)
+            try:
+                position = remap_position(position, info, world_size=gang.world_size,
+                                          policy="exact", train_dataset=train)
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"model bank: {e} (A model bank source ignores reshard_data_position: "
+                    "drop 'data' from its include to start this run's data afresh.)",
+                    step=info.step, path=info.path, kind="reshard") from e
         contents.set_counters(components, {k: position[k] for k in _POSITION})
         if train is not None and extra["train_dataset"]:
             if same_world:
@@ -177,7 +187,3 @@ def _apply_extra(components: contents.Components, src: ModelBankSource,
             else:
                 contents.load_resharded_dataset_state(train, extra["train_dataset"],
                                                       info.world_size)
-
-
-_POSITION = ("window_index", "batches_in_window", "window_id", "window_segments")
-"""The counters that say where in the data a run is (what include "data" copies)."""

@@ -27,6 +27,7 @@ from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import Vocabulary
 from recsys_trainer.data.windows import describe_source
 from recsys_trainer.distributed import Gang
+from recsys_trainer.validation import check_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,11 @@ class Segment:
 
     world_size: int
     batches: int
+
+    def __post_init__(self) -> None:
+        # A checkpoint's counters come from a file: a malformed part must not plan nothing.
+        check_int("Segment.world_size", self.world_size)
+        check_int("Segment.batches", self.batches, minimum=0)
 
 
 class WindowedDataset(ABC):

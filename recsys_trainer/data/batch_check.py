@@ -62,6 +62,14 @@ class BatchCheck:
         decodes through a ``FeatureSpec`` (the reader checked every id)."""
         # Only a resumed window's earlier parts are passed: a dataset without exact_reshard
         # keeps the two-argument iter_window it was written with.
+        if earlier and not dataset.exact_reshard:
+            raise DataError(
+                f"train window {window_id!r} was partly trained at another world size "
+                f"({', '.join(f'{s.batches} batches per rank at {s.world_size}' for s in earlier)}"
+                f"), but the train dataset ({type(dataset).__name__}) cannot tell which rows "
+                "those were (it has no exact_reshard): resume with a dataset that has "
+                "(ParquetWindowDataset), or with reshard_data_position='restart_window' or "
+                "'next_window' from the checkpoint saved at the old world size.")
         it = (dataset.iter_window(window_id, skip_batches=skip_batches, earlier=earlier)
               if earlier else dataset.iter_window(window_id, skip_batches=skip_batches))
         if isinstance(dataset.features, FeatureSpec) or not (self._pooled or self._sequence):

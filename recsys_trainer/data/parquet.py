@@ -342,8 +342,8 @@ class ParquetWindowDataset(WindowedDataset):
             detail = "; ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in sorted(diff.items()))
             raise ValueError(
                 f"cannot resume this dataset from a state saved with another configuration ({detail}); "
-                "a resumed run must use the same world size, seed, batch size, sharding and data to "
-                "read every row exactly once."
+                "a resumed run must use the same seed, batch size, sharding and data to read every "
+                "row exactly once (the world size may change: an elastic resume)."
             )
 
     def _window(self, window_id: str) -> Window:
@@ -393,11 +393,14 @@ class ParquetWindowDataset(WindowedDataset):
         (counted by reading them again when a batch can stand for more rows)."""
         if not self._batches_may_skip_rows():
             return min(batches * self.batch_size, sum(p.rows for p in pieces))
+        # Re-reading another rank's rows is not reading them: its problems were counted then.
+        stats = dataclasses.replace(self.stats)
         consumed = 0
         # Closed by the with: its finally closes the open file and stops its read-ahead.
         with contextlib.closing(self._batches(pieces)) as read:
             for _, (_, rows) in zip(range(batches), read, strict=False):
                 consumed += rows
+        self.stats = stats
         return consumed
 
     def _units(self, window: Window) -> list[Unit]:
