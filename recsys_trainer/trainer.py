@@ -74,8 +74,8 @@ import math
 import signal
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,6 @@ from recsys_trainer.checkpoint.contents import RestoreMode
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     Lookahead,
-    Segment,
     WindowedDataset,
     as_windowed,
     nothing_to_train_error,
@@ -99,7 +98,7 @@ from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import Gang, peer_lost_error
 from recsys_trainer.eval_schedule import EvalPlan, EvalSchedule
-from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput, TrainerView
 from recsys_trainer.hooks.checkpoint import CheckpointHook
 from recsys_trainer.logs import setup_logging
 from recsys_trainer.optimizers import (
@@ -116,69 +115,13 @@ from recsys_trainer.rng import RNGState
 from recsys_trainer.sharding import dense_no_sync
 from recsys_trainer.smoke import Runs
 from recsys_trainer.step import NonFiniteGuard, split_output
+from recsys_trainer.trainer_state import TrainerState
 
 logger = logging.getLogger("recsys_trainer")
 
 
 class _PreemptionStop(Exception):
     """Every rank agreed, at a batch fetch, that a preemption signal arrived (internal)."""
-
-
-@dataclass
-class TrainerState:
-    """The counters the Trainer owns (saved in checkpoints, restored on resume)."""
-
-    global_step: int = 0
-    """Optimizer steps done."""
-    epoch: int = 0
-    """Current (0-based) epoch; after training, the number of epochs started."""
-    window_index: int = 0
-    """Index of the current train window within the epoch."""
-    batches_in_window: int = 0
-    """Micro-batches *trained* in the current train window (the resume position); after a
-    change of world size inside the window, those of the part since the change."""
-    window_segments: list[list[int]] = field(default_factory=list)
-    """The current train window's parts trained before the job changed its world size, oldest
-    first, as ``[world_size, batches per rank]`` (``data.base.Segment``); empty unless an
-    elastic resume landed in the middle of the window."""
-    window_id: str | None = None
-    mode: Literal["idle", "train", "eval", "predict"] = "idle"
-    rows_unread: int = 0
-    """Train rows dropped because another rank ran out of data first (whole run)."""
-    rows_seen: int = 0
-    """Training rows of all ranks in the steps done (the same on every rank; periods in rows)."""
-    last_step_rows: int = 0
-    """Rows of all ranks in the last step."""
-    eval_owed: list[str] | None = None
-    """The evaluation ``train_and_evaluate`` owes after the current train window: its eval
-    window ids (``[]``: all eval data), None when none is owed. Saved, so that a run stopped
-    after its last step but before that evaluation finished evaluates on resume."""
-    stop_reason: str | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items()
-                if k not in ("mode", "stop_reason", "last_step_rows")}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Checkpoints from before rows_seen / eval_owed / window_segments existed.
-        state = {"rows_seen": 0, "eval_owed": None, "window_segments": [], **state}
-        expected = set(self.state_dict())
-        if set(state) != expected:
-            raise ValueError(
-                f"trainer state keys differ: missing {sorted(expected - set(state))}, "
-                f"unexpected {sorted(set(state) - expected)}."
-            )
-        for k, v in state.items():
-            setattr(self, k, v)
-        self.window_segments = [list(map(int, s)) for s in self.window_segments]
-
-    def segments(self) -> list[Segment]:
-        """``window_segments`` as ``Segment``s (what the train dataset is handed)."""
-        return [Segment(w, b) for w, b in self.window_segments]
-
-    def next_window(self, index: int) -> None:
-        """The resume position moves to the start of train window ``index``."""
-        self.window_index, self.batches_in_window, self.window_segments = index, 0, []
 
 
 @dataclass
@@ -254,8 +197,9 @@ class Trainer:
         return trainer
 
     def _wire(self, parts: TrainerParts) -> None:
-        """Take the built components and connect them (no component is built here)."""
-        self.parts = parts
+        """Take the built components and connect them (no component is built here). Kept: what
+        ``hooks.base.TrainerView`` names (what hooks read), what the loop uses, and what users
+        read (``placement``, ``optimizer``, ``lr_scheduler``, ``dense_params``...)."""
         self.args = parts.args
         self.placement = parts.placement
         self.device = parts.placement.device
@@ -266,7 +210,6 @@ class Trainer:
         decisions run on ``gang``."""
         self.model = parts.model
         self.precision = parts.precision
-        self.sparse_optimizer_spec = parts.sparse_optimizer
         self.table_optimizers = parts.table_optimizers
         """``{table: SparseOptimizer}``: the fused optimizer each embedding table trains with."""
         self.optimizer = parts.optimizer
@@ -292,8 +235,6 @@ class Trainer:
         self._dynamic_steps = dynamic.StepBoundaries(self.model)  # step and window ends
         self.state = TrainerState()
         self._pipeline: SparseDistPipeline | None = None
-        self.last_step_skipped = False
-        """True when the last step had a micro-batch skipped for a non-finite loss."""
         self._stop_local = False
         self._non_finite_local = False
         self._preemption_watcher = PreemptionWatcher()
@@ -762,7 +703,6 @@ class Trainer:
     def _finish_step(self, micro: list[MicroBatchOutput], skipped: bool) -> None:
         """Count the step and fire ``after_step`` (both loops)."""
         st = self.state
-        self.last_step_skipped = skipped
         st.global_step += 1
         assert self._train_it is not None
         st.last_step_rows = self._train_it.take_rows(len(micro))
@@ -805,6 +745,14 @@ class Trainer:
                     loss, outputs = self._forward(batch)
                     steps += 1
                     if not is_pad:
+                        # Two host syncs per batch (device syncs on CUDA), on purpose:
+                        # `num_real_rows()` counts the rows with weight > 0, so that each batch's
+                        # loss counts by the rows that carry data; `.item()` brings the batch's
+                        # loss to the host, where the pass sums in float64 for the gang's
+                        # host-side all-reduce at the end. Acceptable in evaluation: there is no
+                        # backward or optimizer step to overlap with the next batch, and each
+                        # fetch already waits on an all-reduce across ranks. (A training step
+                        # keeps its loss on the device; hooks read it every log_steps.)
                         n = batch.num_real_rows()
                         loss_sum += float(loss.float().item()) * n
                         rows += n
@@ -875,6 +823,11 @@ class _DirectRuns:
             return predict(t._forward, ds, t.gang, t.device, options, filesystem,
                            max_windows=max_windows, max_batches=max_batches,
                            batch_check=t._batch_check)
+
+
+# The hooks' contract, checked: mypy holds ``Trainer`` to ``TrainerView`` structurally here, so a
+# member renamed or retyped on one side and not the other fails the type check, not a user's hook.
+_TRAINER_IS_A_VIEW: type[TrainerView] = Trainer
 
 
 __all__ = ["Trainer", "TrainerState", "setup_logging"]

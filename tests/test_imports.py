@@ -1,9 +1,9 @@
-"""The package's import graph, read from the source with ``ast``: no cycles, and the checkpoint
-package never names the Trainer.
+"""The package's import graph, read from the source with ``ast``: no cycles, and neither the
+checkpoint package nor the hooks name the Trainer (hooks see it as ``hooks.base.TrainerView``).
 
-Every import counts: module-level, inside functions, and under ``if TYPE_CHECKING:`` (an import
-deferred into a function to dodge a cycle is still a cycle). The one exception is ``hooks/``
-naming ``recsys_trainer.trainer`` under ``TYPE_CHECKING``, for annotations. An edge goes to the
+Every import counts, without exception: module-level, inside functions, and under
+``if TYPE_CHECKING:`` (an import deferred into a function to dodge a cycle is still a cycle; one
+under ``TYPE_CHECKING`` still ties the modules together for a reader). An edge goes to the
 module named (``from recsys_trainer.checkpoint import layout`` -> ``checkpoint.layout``;
 ``from recsys_trainer.checkpoint import CheckpointManager`` -> the ``checkpoint`` package's
 ``__init__``); executing parent packages' ``__init__`` first is not counted as an edge (every
@@ -85,11 +85,6 @@ def edges(modules: dict[str, Path]) -> list[Edge]:
     return out
 
 
-def allowed(e: Edge) -> bool:
-    return e.type_checking and e.source.startswith(f"{ROOT}.hooks.") and \
-        e.target == f"{ROOT}.trainer"
-
-
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -128,8 +123,7 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def graph_of(es: list[Edge]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for e in es:
-        if not allowed(e):
-            graph.setdefault(e.source, set()).add(e.target)
+        graph.setdefault(e.source, set()).add(e.target)
     return graph
 
 
@@ -139,7 +133,7 @@ def test_the_package_has_no_import_cycle() -> None:
     cycles = find_cycles(graph_of(es))
     detail = sorted({
         f"{e.source} -> {e.target} (line {e.line}{', TYPE_CHECKING' if e.type_checking else ''})"
-        for comp in cycles for e in es if e.source in comp and e.target in comp and not allowed(e)
+        for comp in cycles for e in es if e.source in comp and e.target in comp
     })
     assert not cycles, "import cycles:\n" + "\n".join(detail)
 
@@ -149,6 +143,15 @@ def test_the_checkpoint_package_never_imports_the_trainer_and_only_the_hook_base
     bad = [e for e in edges(modules) if e.source.startswith(f"{ROOT}.checkpoint")
            and (e.target == f"{ROOT}.trainer"
                 or (e.target.startswith(f"{ROOT}.hooks") and e.target != f"{ROOT}.hooks.base"))]
+    assert not bad, bad
+
+
+def test_no_hook_module_imports_the_trainer() -> None:
+    # The hook contract is hooks.base.TrainerView; the Trainer imports the default hooks to
+    # build itself, so a hook naming it (even for an annotation) would close a circle.
+    modules = module_names()
+    bad = [e for e in edges(modules) if e.source.startswith(f"{ROOT}.hooks")
+           and e.target == f"{ROOT}.trainer"]
     assert not bad, bad
 
 
@@ -163,9 +166,6 @@ def test_the_cycle_finder_sees_deferred_and_type_checking_imports() -> None:
     graph = graph_of([Edge("recsys_trainer.a", "recsys_trainer.b", 2, False),
                       Edge("recsys_trainer.b", "recsys_trainer.a", 3, True)])
     assert find_cycles(graph) == [["recsys_trainer.a", "recsys_trainer.b"]]
-    hooks_only = graph_of([Edge("recsys_trainer.hooks.x", "recsys_trainer.trainer", 1, True),
-                           Edge("recsys_trainer.trainer", "recsys_trainer.hooks.x", 1, False)])
-    assert find_cycles(hooks_only) == []
 
 
 def test_no_name_in_a_package_hides_one_of_its_modules() -> None:

@@ -7,6 +7,7 @@ from recsys_trainer.hooks.base import (
     MetricReport,
     MicroBatchOutput,
     StepOutput,
+    TrainerView,
 )
 from recsys_trainer.hooks.dynamic_tables import DynamicTableStatsHook
 from recsys_trainer.hooks.early_stopping import EarlyStoppingHook
@@ -45,6 +46,7 @@ __all__ = [
     "StepOutput",
     "StepTimings",
     "TensorBoardHook",
+    "TrainerView",
     "read_jsonl",
 ]
 

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-from recsys_trainer.hooks.base import Hook, StepOutput
+from recsys_trainer.hooks.base import Hook, StepOutput, TrainerView
 from recsys_trainer.periods import report_due
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
 
 
 class IntervalStats:
@@ -30,7 +26,7 @@ class IntervalStats:
         self._times = dict.fromkeys(self._times, 0.0)
         self._t0 = time.perf_counter()
 
-    def add(self, trainer: Trainer, output: StepOutput) -> None:
+    def add(self, trainer: TrainerView, output: StepOutput) -> None:
         # Keep the tensor: reading it now would be a device sync on every step.
         self._losses.append(output.loss)
         self._samples += output.num_samples
@@ -40,7 +36,7 @@ class IntervalStats:
     def __len__(self) -> int:
         return len(self._losses)
 
-    def flush(self, trainer: Trainer, across_ranks: bool) -> dict[str, float]:
+    def flush(self, trainer: TrainerView, across_ranks: bool) -> dict[str, float]:
         """Means since the last flush: ``loss`` (over ranks too when ``across_ranks``),
         ``samples_per_s`` (all ranks' samples over this rank's elapsed time), mean seconds per
         step of each ``StepTimings`` part (this rank's)."""
@@ -75,17 +71,17 @@ class IntervalReporter(Hook):
         self._every = every
         self._stats = IntervalStats()
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         self._stats.start()
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         self._stats.add(trainer, output)
         if report_due(self._every, trainer.args.log_period, trainer.state):
             self._report_interval(trainer, self._stats.flush(trainer, across_ranks=True))
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         if len(self._stats):  # same step count on every rank: the all-reduce stays matched
             self._report_interval(trainer, self._stats.flush(trainer, across_ranks=True))
 
-    def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
+    def _report_interval(self, trainer: TrainerView, vals: dict[str, float]) -> None:
         raise NotImplementedError

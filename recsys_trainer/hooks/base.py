@@ -3,6 +3,10 @@
 Every method is a no-op. Subclass and override the events you need; the Trainer works out once
 which events each hook overrides, so an event no hook overrides costs nothing per step.
 The event order is written out in ``Trainer``'s docstring and the README.
+
+Every event receives the Trainer as a ``TrainerView``: the members a hook may use, written down
+here so that hooks never import the Trainer (which imports the default hooks to build itself).
+``Trainer`` implements it; ``recsys_trainer.trainer`` has mypy check that it still does.
 """
 
 from __future__ import annotations
@@ -11,15 +15,23 @@ import difflib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
 from recsys_trainer.batch import Batch
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch import nn
+
+    from recsys_trainer.args import TrainingArguments
+    from recsys_trainer.checkpoint.manager import CheckpointManager
+    from recsys_trainer.data.base import WindowedDataset
+    from recsys_trainer.distributed import Gang
     from recsys_trainer.preemption import Preemption
-    from recsys_trainer.trainer import Trainer
+    from recsys_trainer.step import NonFiniteGuard, StepTimings
+    from recsys_trainer.trainer_state import TrainerState
 
 logger = logging.getLogger(__name__)
 
@@ -109,75 +121,164 @@ documented data order): they fire at the points a run can resume from. ``Checkpo
 there."""
 
 
+class TrainerView(Protocol):
+    """What a hook may use of the Trainer: every event receives one. ``Trainer`` implements it.
+
+    All members are read-only here (a hook may change what they hold, e.g. ``state``'s counters
+    or ``preemption``'s fields, but never rebind them). Anything else on the Trainer (its
+    optimizers, the loop's internals) is outside the contract.
+    """
+
+    @property
+    def state(self) -> TrainerState:
+        """The counters: ``global_step``, ``epoch``, ``mode``, ``window_id``, ``rows_seen``..."""
+
+    @property
+    def args(self) -> TrainingArguments:
+        """The run's settings (in test mode, the smoke test's)."""
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the job."""
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks train together."""
+
+    @property
+    def is_rank_zero(self) -> bool:
+        """Whether this is rank 0 (the one that logs and writes shared files)."""
+
+    @property
+    def gang(self) -> Gang:
+        """The control collectives (small host-side all-reduces and object gathers)."""
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the model's tensor collectives run on (metric syncs); None: the default."""
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (where batches are when a hook sees them)."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained, as sharded (a TorchRec ``DistributedModelParallel``)."""
+
+    @property
+    def accelerator(self) -> Any:
+        """The ``accelerate.Accelerator`` behind mixed precision (``.scaler``: the fp16 scale)."""
+
+    @property
+    def train_dataset(self) -> WindowedDataset | None:
+        """The training data (``features``: its ``FeatureSpec``); None when not given."""
+
+    @property
+    def eval_dataset(self) -> WindowedDataset | None:
+        """The evaluation data; None when not given."""
+
+    @property
+    def hooks(self) -> HookList:
+        """Every hook of the run, in order (``fire`` an event such as ``on_metrics`` on all)."""
+
+    @property
+    def timings(self) -> StepTimings:
+        """Where the last training step's wall time went (read it in ``after_step``)."""
+
+    @property
+    def non_finite(self) -> NonFiniteGuard:
+        """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
+
+    @property
+    def checkpointer(self) -> CheckpointManager:
+        """The checkpoint manager (``save``, ``wait``, ``in_flight``)."""
+
+    @property
+    def preemption(self) -> Preemption | None:
+        """What the preemption that stopped training did; None when none did."""
+
+    def request_stop(self, reason: str = "requested by a hook") -> None:
+        """Stop training after the current step, on every rank (agreed at the next fetch)."""
+
+    def dense_lr(self) -> float:
+        """The dense optimizer's current learning rate."""
+
+    def sparse_lr(self) -> float | None:
+        """The tables' current lr when they all share one, else None (see ``sparse_lrs``)."""
+
+    def sparse_lrs(self) -> dict[str, float]:
+        """``{table: lr}``: each embedding table's configured learning rate."""
+
+
 class Hook:
     """Base class: override any subset of the events below. All are no-ops here.
 
-    Every event receives the ``Trainer``; read counters from ``trainer.state`` (``global_step``,
-    ``epoch``, ``mode``, ``window_id``...). To stop a run, call ``trainer.request_stop(reason)``:
-    the request is agreed across ranks at the next batch fetch, so every rank stops after the
-    same step.
+    Every event receives the Trainer as a ``TrainerView`` (what a hook may use); read counters
+    from ``trainer.state`` (``global_step``, ``epoch``, ``mode``, ``window_id``...). To stop a
+    run, call ``trainer.request_stop(reason)``: the request is agreed across ranks at the next
+    batch fetch, so every rank stops after the same step.
     """
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         """Once, when ``train()`` (or ``train_and_evaluate()``) starts, before any data."""
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         """Once, when training ends normally (limit reached, data exhausted, or stop agreed)."""
 
-    def before_evaluate(self, trainer: Trainer) -> None:
+    def before_evaluate(self, trainer: TrainerView) -> None:
         """At the start of each evaluation pass."""
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         """At the end of each evaluation pass; ``metrics`` holds at least ``loss`` (averaged
         over all ranks' real rows) and ``num_samples``; hooks may add their own."""
 
-    def before_epoch(self, trainer: Trainer, epoch: int) -> None:
+    def before_epoch(self, trainer: TrainerView, epoch: int) -> None:
         """Before each training epoch (a pass over all train windows)."""
 
-    def after_epoch(self, trainer: Trainer, epoch: int) -> None:
+    def after_epoch(self, trainer: TrainerView, epoch: int) -> None:
         """After each training epoch that started."""
 
-    def before_window(self, trainer: Trainer, window_id: str) -> None:
+    def before_window(self, trainer: TrainerView, window_id: str) -> None:
         """Before the first batch of a window; ``trainer.state.mode`` says train or eval."""
 
-    def after_window(self, trainer: Trainer, window_id: str) -> None:
+    def after_window(self, trainer: TrainerView, window_id: str) -> None:
         """After a window ends (all ranks agreed it is exhausted, or a limit/stop cut it)."""
 
-    def after_data(self, trainer: Trainer, batch: Batch) -> None:
+    def after_data(self, trainer: TrainerView, batch: Batch) -> None:
         """After each batch is fetched (and moved to the device), before it is used."""
 
-    def out_of_data(self, trainer: Trainer, window_id: str, rows_unread: int) -> None:
+    def out_of_data(self, trainer: TrainerView, window_id: str, rows_unread: int) -> None:
         """When all ranks agreed the current window is exhausted. In training, ranks that
         still had data drop it (``rows_unread`` counts this rank's rows left in the batch it
         fetched); in evaluation nothing is dropped (exhausted ranks pad instead), so it is 0."""
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, trainer: TrainerView) -> None:
         """Before the first micro-batch of each optimizer step (``state.global_step`` is the
         number of steps done so far)."""
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         """After each optimizer step (``state.global_step`` already counts it)."""
 
-    def before_eval_step(self, trainer: Trainer) -> None:
+    def before_eval_step(self, trainer: TrainerView) -> None:
         """Before each evaluation batch's forward pass."""
 
-    def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_eval_step(self, trainer: TrainerView, output: StepOutput) -> None:
         """After each evaluation batch's forward pass; padding batches have ``is_padding``."""
 
-    def before_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+    def before_save_checkpoint(self, trainer: TrainerView, path: str) -> None:
         """Before a checkpoint snapshot is taken for ``path``."""
 
-    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+    def after_save_checkpoint(self, trainer: TrainerView, path: str) -> None:
         """After the checkpoint at ``path`` is committed (for async saves: when it commits)."""
 
-    def after_load_checkpoint(self, trainer: Trainer, path: str) -> None:
+    def after_load_checkpoint(self, trainer: TrainerView, path: str) -> None:
         """After the state was restored from ``path``."""
 
-    def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
+    def on_metrics(self, trainer: TrainerView, report: MetricReport) -> None:
         """When a ``MetricReportHook`` has computed metrics (on every rank, same values); fired
         by that hook, so only runs that include one see it."""
 
-    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+    def on_resume_point(self, trainer: TrainerView, point: ResumePoint) -> None:
         """When training reaches a point a checkpoint resumes from exactly: ``"step"`` after
         each step (after an evaluation due then), ``"window"`` once a train window is finished
         (after its evaluation; the position is the next window), ``"epoch"`` once an epoch is
@@ -188,17 +289,17 @@ class Hook:
         stopped for a preemption signal (``trainer.preemption``; before ``on_preempt``). Not in
         ``EVENTS``: see ``RESUME_POINT_EVENTS``."""
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         """When ``train``/``evaluate``/``train_and_evaluate`` raises; ``end`` still follows."""
 
-    def on_preempt(self, trainer: Trainer, preemption: Preemption) -> None:
+    def on_preempt(self, trainer: TrainerView, preemption: Preemption) -> None:
         """When a preemption signal (SIGTERM/SIGINT) stopped training on every rank after the
         same step, once that step's checkpoint was saved (or failed to be:
         ``preemption.committed``, ``preemption.error``). ``end`` follows, then ``train()``
         raises ``Preempted``. It runs inside the grace period before the launcher's SIGKILL:
         keep it short (flush, report), no collectives."""
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         """Exactly once per top-level call (``train``, ``evaluate``, ``train_and_evaluate``),
         last, whether it ended normally or by an exception."""
 

@@ -18,12 +18,11 @@ from typing import TYPE_CHECKING
 
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.manager import CheckpointManager
-from recsys_trainer.hooks.base import Hook, ResumePoint
+from recsys_trainer.hooks.base import Hook, ResumePoint, TrainerView
 from recsys_trainer.periods import Trigger
 
 if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
-    from recsys_trainer.trainer import Trainer
 
 
 class CheckpointHook(Hook):
@@ -52,7 +51,7 @@ class CheckpointHook(Hook):
         })
         """When this hook saves (the manager's ``settings``' periods)."""
 
-    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+    def on_resume_point(self, trainer: TrainerView, point: ResumePoint) -> None:
         m = self.manager
         if point == "step":
             m.poll()
@@ -94,11 +93,11 @@ class CheckpointHook(Hook):
             p.error = str(e)
             p.save_still_running = e.kind == "deadline"
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         # Last of the hooks: the record holds what the others added (keep_best_metric may name it).
         self.manager.record_metrics(metrics)
 
-    def on_preempt(self, trainer: Trainer, preemption: Preemption) -> None:
+    def on_preempt(self, trainer: TrainerView, preemption: Preemption) -> None:
         if not preemption.save_still_running:
             self.manager.close()  # releases output_dir's lock
 

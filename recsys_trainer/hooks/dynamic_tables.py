@@ -11,13 +11,10 @@ index, ``JsonlMetricsHook`` a ``metrics`` record.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from recsys_trainer import dynamic
-from recsys_trainer.hooks.base import Hook, MetricReport
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
+from recsys_trainer.hooks.base import Hook, MetricReport, TrainerView
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -45,7 +42,7 @@ class DynamicTableStatsHook(Hook):
         self._windows = 0
         self._epochs: dict[str, int] = {}
 
-    def after_window(self, trainer: Trainer, window_id: str) -> None:
+    def after_window(self, trainer: TrainerView, window_id: str) -> None:
         if trainer.state.mode != "train":
             return
         local = dynamic.table_stats(trainer.model)

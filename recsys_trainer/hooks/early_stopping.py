@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from recsys_trainer.hooks.base import Hook, overridden_events
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
+from recsys_trainer.hooks.base import Hook, TrainerView, overridden_events
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -45,7 +42,7 @@ class EarlyStoppingHook(Hook):
         self.num_bad = 0
         self.stopped_at_step: int | None = None
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         if self.metric in ("loss", "num_samples"):
             return
         hooks = list(trainer.hooks)
@@ -63,7 +60,7 @@ class EarlyStoppingHook(Hook):
             return value > self.best + self.min_delta
         return value < self.best - self.min_delta
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self.metric not in metrics:
             per_task = sorted(k for k in metrics if k.startswith(f"{self.metric}/"))
             fix = (f"with several tasks each metric is reported per task: monitor one of {per_task}"

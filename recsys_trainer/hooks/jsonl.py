@@ -6,13 +6,10 @@ import json
 import math
 import os
 import time
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from recsys_trainer.hooks._interval import IntervalReporter
-from recsys_trainer.hooks.base import MetricReport
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
+from recsys_trainer.hooks.base import MetricReport, TrainerView
 
 
 def _clean(v: Any) -> Any:
@@ -51,7 +48,7 @@ class JsonlMetricsHook(IntervalReporter):
     def path(self) -> str | None:
         return self._path
 
-    def _write(self, trainer: Trainer, record: dict[str, Any]) -> None:
+    def _write(self, trainer: TrainerView, record: dict[str, Any]) -> None:
         if not trainer.is_rank_zero:
             return
         if self._file is None:
@@ -63,21 +60,21 @@ class JsonlMetricsHook(IntervalReporter):
         self._file.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         self._file.flush()
 
-    def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
+    def _report_interval(self, trainer: TrainerView, vals: dict[str, float]) -> None:
         sparse_lr = trainer.sparse_lr()
         lrs = {} if sparse_lr is not None else {"sparse_lrs": trainer.sparse_lrs()}
         self._write(trainer, {"type": "train", "epoch": trainer.state.epoch, **vals,
                               "dense_lr": trainer.dense_lr(), "sparse_lr": sparse_lr, **lrs})
 
-    def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
+    def on_metrics(self, trainer: TrainerView, report: MetricReport) -> None:
         self._write(trainer, {"type": "metrics", "mode": report.mode, "scope": report.scope,
                               "window_id": report.window_id, "window_index": report.window_index,
                               **report.values})
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         self._write(trainer, {"type": "eval", **metrics})
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

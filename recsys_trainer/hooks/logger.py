@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from recsys_trainer.hooks._interval import IntervalStats
-from recsys_trainer.hooks.base import Hook, StepOutput
+from recsys_trainer.hooks.base import Hook, StepOutput, TrainerView
 from recsys_trainer.periods import report_due
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -48,10 +44,10 @@ class LoggerHook(Hook):
         self._stats = IntervalStats()
         self.records: list[dict[str, float]] = []
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         self._stats.start()
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         self._stats.add(trainer, output)
         if not report_due(self._every, trainer.args.log_period, trainer.state):
             return
@@ -81,7 +77,7 @@ class LoggerHook(Hook):
                 f"{sparse_lr:.3g}" if sparse_lr is not None else describe_lrs(trainer.sparse_lrs()),
             )
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if trainer.is_rank_zero:
             shown = " | ".join(f"{k} {v:.5g}" for k, v in sorted(metrics.items()))
             logger.info("eval @ step %d | %s", trainer.state.global_step, shown)

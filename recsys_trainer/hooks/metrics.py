@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from recsys_trainer.hooks.base import Hook, MetricReport, MicroBatchOutput, StepOutput
+from recsys_trainer.hooks.base import Hook, MetricReport, MicroBatchOutput, StepOutput, TrainerView
 
 # The metric math moved to recsys_trainer.metrics; these names stay importable from here too.
 from recsys_trainer.metrics import (
@@ -26,7 +26,6 @@ from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
     from recsys_trainer.batch import Batch
-    from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -57,7 +56,7 @@ def single_task_labels(batch: Batch) -> torch.Tensor:
     return labels.reshape(-1)
 
 
-def dataset_tasks(trainer: Trainer) -> tuple[str, ...] | None:
+def dataset_tasks(trainer: TrainerView) -> tuple[str, ...] | None:
     """The task names of a multi-task run: the train (else eval) dataset's
     ``FeatureSpec.labels`` when it has two or more; None for one task or no spec."""
     for ds in (getattr(trainer, "train_dataset", None), getattr(trainer, "eval_dataset", None)):
@@ -145,7 +144,7 @@ class MetricReportHook(Hook):
         self.reports: list[MetricReport] = []
 
     # -- events --
-    def _setup(self, trainer: Trainer) -> None:
+    def _setup(self, trainer: TrainerView) -> None:
         if self._stores:
             return
         given = self._given_tasks
@@ -162,18 +161,18 @@ class MetricReportHook(Hook):
             for key in ("train_interval", "train_window", "eval", "eval_window")
         }
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         self._setup(trainer)
         for m in self._stores["train_interval"]:
             m.reset()
         self._last_report_step = trainer.state.global_step
 
-    def before_window(self, trainer: Trainer, window_id: str) -> None:
+    def before_window(self, trainer: TrainerView, window_id: str) -> None:
         self._setup(trainer)
         for m in self._stores[f"{trainer.state.mode}_window"]:
             m.reset()
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if not self._train:
             return
         for mb in output.micro_batches:
@@ -182,13 +181,13 @@ class MetricReportHook(Hook):
             self._report(trainer, "train", "interval", "train_interval")
             self._last_report_step = trainer.state.global_step
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         # global_step is the same on every rank, so all ranks agree on this (collective) report.
         if self._train and trainer.state.global_step != self._last_report_step:
             self._report(trainer, "train", "interval", "train_interval")
             self._last_report_step = trainer.state.global_step
 
-    def after_window(self, trainer: Trainer, window_id: str) -> None:
+    def after_window(self, trainer: TrainerView, window_id: str) -> None:
         mode = trainer.state.mode
         if mode not in ("train", "eval") or not self._per_window:
             return
@@ -197,17 +196,17 @@ class MetricReportHook(Hook):
         self._report(trainer, mode, "window", f"{mode}_window", window_id, self._window_counts[mode])
         self._window_counts[mode] += 1
 
-    def before_evaluate(self, trainer: Trainer) -> None:
+    def before_evaluate(self, trainer: TrainerView) -> None:
         self._setup(trainer)
         for m in self._stores["eval"]:
             m.reset()
 
-    def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_eval_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if self._eval and not output.is_padding:
             for mb in output.micro_batches:
                 self._update(mb, ("eval", "eval_window"))
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if not self._eval:
             return
         report = self._report(trainer, "eval", "eval", "eval")
@@ -240,7 +239,7 @@ class MetricReportHook(Hook):
 
     def _report(
         self,
-        trainer: Trainer,
+        trainer: TrainerView,
         mode: str,
         scope: str,
         store: str,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from recsys_trainer.hooks.base import Hook
+from recsys_trainer.hooks.base import Hook, TrainerView
 
 if TYPE_CHECKING:
     from recsys_trainer.step import NonFiniteGuard
-    from recsys_trainer.trainer import Trainer
 
 
 class NonFiniteLossHook(Hook):
@@ -29,7 +28,7 @@ class NonFiniteLossHook(Hook):
         self.max_skips = max_skips
         self._guard: NonFiniteGuard | None = None
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         self._guard = trainer.non_finite
         self._guard.configure(self.action, self.max_skips)
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from recsys_trainer.hooks.base import Hook, StepOutput
+from recsys_trainer.hooks.base import Hook, StepOutput, TrainerView
 from recsys_trainer.hooks.tensorboard import default_tensorboard_dir
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -65,7 +62,7 @@ class ProfilerHook(Hook):
         return sorted(os.path.join(self._trace_dir, f) for f in os.listdir(self._trace_dir)
                       if f.endswith(".pt.trace.json") or f.endswith(".pt.trace.json.gz"))
 
-    def before_step(self, trainer: Trainer) -> None:
+    def before_step(self, trainer: TrainerView) -> None:
         if self._done or self._prof is not None:
             return
         if trainer.state.global_step + 1 != self.start_step:
@@ -88,17 +85,17 @@ class ProfilerHook(Hook):
         )
         self._prof.start()
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if self._prof is not None and trainer.state.global_step >= self.start_step + self.num_steps - 1:
             self._stop(trainer)
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         self._stop(trainer)  # training ended inside the range: keep what was recorded
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self._stop(trainer)
 
-    def _stop(self, trainer: Trainer) -> None:
+    def _stop(self, trainer: TrainerView) -> None:
         if self._prof is None:
             return
         self._prof.stop()  # runs on_trace_ready: writes the trace

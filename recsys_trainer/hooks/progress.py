@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
-from recsys_trainer.hooks.base import Hook, StepOutput
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
+from recsys_trainer.hooks.base import Hook, StepOutput, TrainerView
 
 
 class ProgressHook(Hook):
@@ -35,7 +32,7 @@ class ProgressHook(Hook):
         self._samples = 0
         self._t0 = 0.0
 
-    def active(self, trainer: Trainer) -> bool:
+    def active(self, trainer: TrainerView) -> bool:
         """Whether bars are drawn in this process."""
         if not trainer.is_rank_zero:
             return False
@@ -54,12 +51,12 @@ class ProgressHook(Hook):
         return tqdm(total=total, initial=initial, desc=desc, file=self.stream, dynamic_ncols=True,
                     leave=desc == "train", unit="step")
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         if self.active(trainer):
             self.train_bar = self._bar("train", trainer.args.train_steps, trainer.state.global_step)
         self._samples, self._t0 = 0, time.perf_counter()
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if self.train_bar is None:
             return
         self._samples += output.num_samples
@@ -71,24 +68,24 @@ class ProgressHook(Hook):
                                        refresh=False)
             self._samples, self._t0 = 0, now
 
-    def before_evaluate(self, trainer: Trainer) -> None:
+    def before_evaluate(self, trainer: TrainerView) -> None:
         if self.active(trainer):
             self.eval_bar = self._bar("eval", trainer.args.eval_steps)
 
-    def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_eval_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if self.eval_bar is not None:
             self.eval_bar.update(1)
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         if self.eval_bar is not None:
             self.eval_bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}")
             self.eval_bar.close()
             self.eval_bar = None
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         self._close()
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         self._close()
 
     def _close(self) -> None:

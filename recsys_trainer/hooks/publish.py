@@ -92,14 +92,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from recsys_trainer import dynamic
 from recsys_trainer.checkpoint import layout
-from recsys_trainer.hooks.base import Hook, ResumePoint
+from recsys_trainer.hooks.base import Hook, ResumePoint, TrainerView
 from recsys_trainer.periods import Trigger
 from recsys_trainer.serving.model_parts import dense_copy, table_modules, weighted
 from recsys_trainer.serving.publisher import Publisher
 
 if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
-    from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +271,7 @@ class PublishHook(Hook):
 
     # ------------------------------------------------------------------ events
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, trainer: TrainerView) -> None:
         self._stop_worker(0.0)
         self._reset()
         if getattr(trainer, "checkpointer", None) is None:
@@ -323,12 +322,12 @@ class PublishHook(Hook):
                                "exports.") from e
         self._start_worker()
 
-    def after_window(self, trainer: Trainer, window_id: str) -> None:
+    def after_window(self, trainer: TrainerView, window_id: str) -> None:
         if trainer.state.mode == "train":
             self._windows_trained += 1
             self._last_window = window_id
 
-    def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
+    def on_resume_point(self, trainer: TrainerView, point: ResumePoint) -> None:
         if trainer.rank == 0:
             self._poll()
         step = trainer.state.global_step
@@ -351,16 +350,16 @@ class PublishHook(Hook):
         if due:
             self._request(trainer, step, final=point == "end")
 
-    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+    def after_save_checkpoint(self, trainer: TrainerView, path: str) -> None:
         if trainer.rank == 0 and path.rstrip("/") in self._wanted:
             self._submit(trainer, path.rstrip("/"))
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         self._trained = True
         if trainer.rank == 0:
             self.wait(self.final_timeout_s)
 
-    def _note_grace(self, trainer: Trainer) -> None:
+    def _note_grace(self, trainer: TrainerView) -> None:
         """Every rank, at the "preempt" point: when the grace period ends (from the first
         signal on any rank: the ranks agree on the longest time since one)."""
         p, grace = trainer.preemption, trainer.args.preemption_grace_s
@@ -371,7 +370,7 @@ class PublishHook(Hook):
             since_ms = trainer.gang.all_reduce_max([since_ms])[0]
         self._preempt_deadline = time.monotonic() + grace - since_ms / 1000
 
-    def on_preempt(self, trainer: Trainer, preemption: Preemption) -> None:
+    def on_preempt(self, trainer: TrainerView, preemption: Preemption) -> None:
         """Publish the step saved for the preemption, waiting for it within what is left of
         the grace period; the other ranks wait with rank 0 (one of them exiting first makes
         torchrun stop the job, rank 0 and its publish with it)."""
@@ -382,7 +381,7 @@ class PublishHook(Hook):
         if trainer.world_size > 1:
             trainer.gang.barrier()
 
-    def _publish_preempted(self, trainer: Trainer, p: Preemption) -> None:
+    def _publish_preempted(self, trainer: TrainerView, p: Preemption) -> None:
         assert self._preempt_deadline is not None
         if p.committed and p.checkpoint is not None and p.step != self._last_requested_step:
             path = p.checkpoint.rstrip("/")
@@ -396,7 +395,7 @@ class PublishHook(Hook):
             logger.warning("PublishHook: the publish of step %d was not reported within the "
                            "preemption grace period; LATEST still names an earlier one", p.step)
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         if trainer.rank != 0:
             return
         # After an exception nothing waits: a publisher stopped mid-publish leaves no pointer
@@ -411,7 +410,7 @@ class PublishHook(Hook):
 
     # ------------------------------------------------------------------ rank 0's side
 
-    def _request(self, trainer: Trainer, step: int, final: bool) -> None:
+    def _request(self, trainer: TrainerView, step: int, final: bool) -> None:
         """Every rank: save this step (the manager's save; a no-op when it is saved already)."""
         t0 = time.perf_counter()
         self._last_requested_step = step
@@ -426,12 +425,12 @@ class PublishHook(Hook):
             self._submit(trainer, path)  # committed before: no commit event follows
 
     @staticmethod
-    def _landed_at(trainer: Trainer, window: str | None) -> float | None:
+    def _landed_at(trainer: TrainerView, window: str | None) -> float | None:
         """When the train dataset says ``window`` landed (the pointer's ``window_time``)."""
         ds = trainer.train_dataset
         return ds.landed_at(window) if ds is not None and window is not None else None
 
-    def _submit(self, trainer: Trainer, path: str) -> None:
+    def _submit(self, trainer: TrainerView, path: str) -> None:
         if path in self._inflight or path not in self._wanted:
             return
         t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput
+from recsys_trainer.hooks.base import Hook, MetricReport, StepOutput, TrainerView
 from recsys_trainer.retrieval.metrics import (
     METRICS,
     Jagged,
@@ -23,7 +23,6 @@ from recsys_trainer.retrieval.models import find_retrieval_model
 
 if TYPE_CHECKING:
     from recsys_trainer.batch import Batch
-    from recsys_trainer.trainer import Trainer
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -156,7 +155,7 @@ class RetrievalMetricHook(Hook):
         events = {"before_evaluate", "after_eval_step", "after_evaluate"}
         return events | {"after_step"} if self.exclude == "seen" else events
 
-    def after_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if self.exclude != "seen":
             return
         if self._seen_from_step is None:
@@ -199,7 +198,7 @@ class RetrievalMetricHook(Hook):
         rows), after merging what is pending."""
         return len(self._compact_seen()["user"])
 
-    def before_evaluate(self, trainer: Trainer) -> None:
+    def before_evaluate(self, trainer: TrainerView) -> None:
         # A model without an item tower, or a K the corpus cannot fill: say so before the pass.
         check_k_fits_corpus(self.ks, find_retrieval_model(trainer.model).num_items)
         self._rows = []
@@ -213,7 +212,7 @@ class RetrievalMetricHook(Hook):
                 "step %d (a resume from a checkpoint that held none): it restarts there, so "
                 "items seen in the steps before are not excluded.", start)
 
-    def after_eval_step(self, trainer: Trainer, output: StepOutput) -> None:
+    def after_eval_step(self, trainer: TrainerView, output: StepOutput) -> None:
         if output.is_padding:
             return
         for mb in output.micro_batches:
@@ -274,7 +273,7 @@ class RetrievalMetricHook(Hook):
                                   np.asarray(hist.lengths.cpu()), np.asarray(hist.values.cpu()))
         return row
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         model = find_retrieval_model(trainer.model)
         dim = None
         if self._rows:
@@ -321,7 +320,7 @@ class RetrievalMetricHook(Hook):
                         model.num_items, report.step, shown)
         trainer.hooks.fire("on_metrics", trainer, report)
 
-    def _seen(self, trainer: Trainer, rows: list[dict[str, Any]], users: np.ndarray,
+    def _seen(self, trainer: TrainerView, rows: list[dict[str, Any]], users: np.ndarray,
               times: np.ndarray, sets: list[np.ndarray], device: torch.device) -> Jagged:
         """This rank's queries' exclusions under ``exclude="seen"``: from every rank's training
         seen-record and evaluation rows (one object gather of the compact records), per query
@@ -336,7 +335,7 @@ class RetrievalMetricHook(Hook):
                       torch.as_tensor(np.concatenate(excl) if excl else np.zeros(0, np.int64),
                                       dtype=torch.int64, device=device))
 
-    def _per_user(self, trainer: Trainer, rows: list[dict[str, Any]], query: torch.Tensor,
+    def _per_user(self, trainer: TrainerView, rows: list[dict[str, Any]], query: torch.Tensor,
                   target: Jagged, history: Jagged | None,
                   ) -> tuple[torch.Tensor, Jagged, Jagged | None, np.ndarray, np.ndarray, list[np.ndarray]]:
         """One query per user: its earliest row's embedding, history, user and time; all its

@@ -5,16 +5,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from recsys_trainer.hooks._interval import IntervalReporter
-from recsys_trainer.hooks.base import MetricReport
-
-if TYPE_CHECKING:
-    from recsys_trainer.trainer import Trainer
+from recsys_trainer.hooks.base import MetricReport, TrainerView
 
 
-def default_tensorboard_dir(trainer: Trainer) -> str:
+def default_tensorboard_dir(trainer: TrainerView) -> str:
     """``<output_dir>/tensorboard``: where ``TensorBoardHook`` and ``ProfilerHook`` write (under
     ``args.logging_dir`` instead when ``output_dir`` is on object storage)."""
     return os.path.join(trainer.args.local_log_dir, "tensorboard")
@@ -49,7 +46,7 @@ class TensorBoardHook(IntervalReporter):
     def log_dir(self) -> str | None:
         return self._log_dir
 
-    def _w(self, trainer: Trainer) -> Any:
+    def _w(self, trainer: TrainerView) -> Any:
         if not trainer.is_rank_zero:
             return None
         if self._writer is None:
@@ -60,17 +57,17 @@ class TensorBoardHook(IntervalReporter):
             self._writer = SummaryWriter(log_dir=self._log_dir)
         return self._writer
 
-    def _scalar(self, trainer: Trainer, tag: str, value: float, step: int) -> None:
+    def _scalar(self, trainer: TrainerView, tag: str, value: float, step: int) -> None:
         w = self._w(trainer)
         if w is not None and value is not None and not (isinstance(value, float) and math.isnan(value)):
             w.add_scalar(tag, value, step)
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, trainer: TrainerView) -> None:
         super().after_train(trainer)
         if self._writer is not None:
             self._writer.flush()
 
-    def _report_interval(self, trainer: Trainer, vals: dict[str, float]) -> None:
+    def _report_interval(self, trainer: TrainerView, vals: dict[str, float]) -> None:
         step = trainer.state.global_step
         self._scalar(trainer, "train/loss", vals["loss"], step)
         self._scalar(trainer, "perf/samples_per_s", vals["samples_per_s"], step)
@@ -84,7 +81,7 @@ class TensorBoardHook(IntervalReporter):
         for k in ("data_wait_s", "forward_backward_s", "optimizer_s"):
             self._scalar(trainer, f"time/{k}", vals[k], step)
 
-    def on_metrics(self, trainer: Trainer, report: MetricReport) -> None:
+    def on_metrics(self, trainer: TrainerView, report: MetricReport) -> None:
         if report.scope == "window":
             group, x = f"{report.mode}_window", report.window_index or 0
         else:
@@ -94,25 +91,25 @@ class TensorBoardHook(IntervalReporter):
             if report.scope == "eval":
                 self._eval_written.add(k)
 
-    def before_evaluate(self, trainer: Trainer) -> None:
+    def before_evaluate(self, trainer: TrainerView) -> None:
         self._eval_written = set()
 
-    def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def after_evaluate(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
             if k not in self._eval_written:
                 self._scalar(trainer, f"eval/{k}", float(v), trainer.state.global_step)
         if self._writer is not None:
             self._writer.flush()
 
-    def before_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+    def before_save_checkpoint(self, trainer: TrainerView, path: str) -> None:
         self._save_t0[path] = time.perf_counter()
 
-    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+    def after_save_checkpoint(self, trainer: TrainerView, path: str) -> None:
         t0 = self._save_t0.pop(path, None)
         if t0 is not None:
             self._scalar(trainer, "checkpoint/save_s", time.perf_counter() - t0, trainer.state.global_step)
 
-    def end(self, trainer: Trainer) -> None:
+    def end(self, trainer: TrainerView) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
