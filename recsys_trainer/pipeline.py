@@ -25,7 +25,8 @@ class SparseDistPipeline:
     """Trains windows of a sharded model with ``TrainPipelineSparseDist``.
 
     Args:
-        model: the ``DistributedModelParallel`` model (fx-traceable; see the README).
+        model: the ``DistributedModelParallel`` model (fx-traceable: docs/models.md, "The model
+            contract").
         dense_step: the dense update the pipeline runs after each backward.
         device: the model's device.
         forward: ``batch -> (loss, outputs)``, called once per trained batch, in order.

@@ -326,7 +326,7 @@ def precision_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[s
     ]
     results = run_distributed(_run_configs, 1, TIMEOUT, args=(configs,))[0]
     runs = dict(zip(names, results, strict=True))
-    for name, r in runs.items():  # the figures the README quotes, in the -s / -rA output
+    for name, r in runs.items():  # the figures docs/gpu.md quotes, in the -s / -rA output
         print(f"[gpu] {name}: auc={r['auc']:.4f} eval_loss={r['eval_loss']:.4f} "
               f"first/last loss={r['losses'][0]:.4f}/{r['losses'][-1]:.4f} "
               f"scale min/max/last={min(r['scales'], default=0):.0f}/{max(r['scales'], default=0):.0f}/"

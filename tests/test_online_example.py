@@ -1,4 +1,4 @@
-"""The newcomer's online loop (README "Online learning: train, publish, serve"): the stream
+"""The newcomer's online loop (docs/online.md "Try it: train, publish, serve"): the stream
 writer (recsys_trainer/data/stream_writer.py) lands windows, ``_SUCCESS`` last, with its
 planted change; examples/train_online.py --land trains on them on 2 ranks under torchrun and
 publishes; a Follower of the location serves the job's final step."""
@@ -108,7 +108,7 @@ def test_the_writer_lands_windows_on_s3(s3_server: Any) -> None:
 @pytest.mark.timeout(150)
 def test_train_online_lands_trains_on_2_ranks_publishes_and_a_follower_serves_its_last_step(
         tmp_path: Path) -> None:
-    """The README's first command, small: --land starts the writer (3 windows), 2 ranks train
+    """docs/online.md's first command, small: --land starts the writer (3 windows), 2 ranks train
     on them as they land and publish each; the location's LATEST chain loads in a Follower,
     whose step is the job's final step, and it scores the stream's rows."""
     stream, location = tmp_path / "stream", tmp_path / "published"

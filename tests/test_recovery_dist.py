@@ -43,9 +43,9 @@ JOB_TIMEOUT_S = 240
 
 
 def config(tmp_path: Path, out: Path, pace_s: float, **replace: Any) -> Path:
-    """The example's YAML (``examples/configs/dlrm_synthetic.yaml``, as the README's production
-    command runs it) with a smaller model and data, a save period and a pacing hook; sections in
-    ``replace`` replace the example's whole."""
+    """The example's YAML (``examples/configs/dlrm_synthetic.yaml``, as the production command of
+    docs/failure-modes.md runs it) with a smaller model and data, a save period and a pacing
+    hook; sections in ``replace`` replace the example's whole."""
     raw: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
     for section, values in {**_small(out, pace_s), **replace}.items():
         if isinstance(values, dict) and section not in replace:

@@ -2,7 +2,7 @@
 
 Every method is a no-op. Subclass and override the events you need; the Trainer works out once
 which events each hook overrides, so an event no hook overrides costs nothing per step.
-The event order is written out in ``Trainer``'s docstring and the README.
+The event order is written out in ``Trainer``'s docstring and docs/hooks.md.
 
 Every event receives the Trainer as a ``TrainerView``: the members a hook may use, written down
 here so that hooks never import the Trainer (which imports the default hooks to build itself).

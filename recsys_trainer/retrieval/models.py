@@ -1,6 +1,6 @@
 """Retrieval (candidate generation) models: a two-tower model and a SASRec-style sequential one.
 
-Both follow the model contract (README): ``forward(batch)`` returns ``(loss, outputs)`` with a
+Both follow the model contract (docs/models.md): ``forward(batch)`` returns ``(loss, outputs)`` with a
 functional, padding-safe loss (``retrieval.losses``), and take their ids from
 ``batch.sequence`` (an ``EmbeddingCollection``) and ``batch.sparse`` (an
 ``EmbeddingBagCollection``). Each has **one item table** (``t_<item_feature>``) read by the
