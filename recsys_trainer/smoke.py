@@ -47,7 +47,7 @@ from recsys_trainer.args import (
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.distributed import Gang
-from recsys_trainer.storage import resolve
+from recsys_trainer.storage import probe_writable, resolve
 
 logger = logging.getLogger("recsys_trainer")
 
@@ -205,7 +205,7 @@ class SmokeTest:
             # The real job probes output_dir at its start; here no periodic save is set, so the
             # manager skips that probe: run it (an object store may create a mistyped bucket on
             # the first upload, which would let the save pass).
-            problems = trainer.gang.all_gather_object(layout.probe_writable(self.output_dir))
+            problems = trainer.gang.all_gather_object(probe_writable(self.output_dir))
             failed = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
             if failed:
                 raise RuntimeError(f"{self.output_dir!r} is not writable ({'; '.join(failed)})")

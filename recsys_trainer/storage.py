@@ -19,16 +19,29 @@ endpoint fails in ~2 s. Other schemes keep their filesystem's own defaults.
 
 Failures of listing and opening are raised as ``StorageError`` naming the URL and the cause:
 missing bucket, access denied, unreachable endpoint.
+
+Files and directories at a location (``locate``, ``exists``, ``read_bytes``, ``write_bytes``,
+``make_dir``, ``remove_tree``, ``digest``, ``probe_writable`` ...) are here too, for every
+writer: checkpoints, serving artifacts, the published pointer, vocabularies and the generated
+datasets. Every whole-file write goes through ``write_bytes`` (or, for a writer that streams a
+local file, ``atomic_write``): locally a temporary file renamed into place, on object storage
+one upload under the final name; a reader never sees half a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import posixpath
+import secrets
+import shutil
+import socket
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, BinaryIO, Literal
 from urllib.parse import urlparse
 
 import fsspec
@@ -217,9 +230,6 @@ def file_info(loc: Location) -> pafs.FileInfo:
         return loc.filesystem.get_file_info(loc.path)
 
 
-def exists(url: str, filesystem: pafs.FileSystem | None = None) -> bool:
-    """Whether a file or directory exists at ``url``."""
-    return file_info(resolve(url, filesystem)).type != pafs.FileType.NotFound
 
 
 def list_tree(loc: Location) -> list[pafs.FileInfo]:
@@ -238,3 +248,190 @@ def open_input_stream(loc: Location) -> pa.NativeFile:
     """A sequential handle on the file, decompressed by its extension (``.gz`` ...)."""
     with errors_named(loc.url, "open"):
         return loc.filesystem.open_input_stream(loc.path, compression="detect")
+
+
+# ---------------------------------------------------------------------- files and directories
+
+Where = str | os.PathLike[str] | Location
+"""A local path, a URL (``s3://bucket/prefix``), or a resolved ``Location``."""
+
+_DIGEST_CHUNK = 8 << 20
+
+
+def locate(where: Where) -> Location:
+    """``where`` as a ``Location`` (paths and URLs are resolved with ``resolve``)."""
+    if isinstance(where, Location):
+        return where
+    return resolve(where)  # resolve caches the S3 clients it builds
+
+
+def parent(loc: Location) -> Location:
+    """The directory that holds ``loc``."""
+    return Location(loc.filesystem, posixpath.dirname(loc.path.rstrip("/")),
+                    loc.url.rstrip("/").rsplit("/", 1)[0])
+
+
+def basename(loc: Location) -> str:
+    """The last component of ``loc``'s path."""
+    return posixpath.basename(loc.path.rstrip("/"))
+
+
+def same_place(a: Location, b: Location) -> bool:
+    """Whether two locations name the same directory (same filesystem type, same path)."""
+    return a.filesystem.type_name == b.filesystem.type_name and \
+        a.path.rstrip("/") == b.path.rstrip("/")
+
+
+def is_dir(where: Where) -> bool:
+    """Whether ``where`` is a directory."""
+    loc = locate(where)
+    return loc.filesystem.get_file_info(loc.path).type == pafs.FileType.Directory
+
+
+def exists(where: Where, filesystem: pafs.FileSystem | None = None) -> bool:
+    """Whether a file or directory exists at ``where`` (``filesystem``: as for ``resolve``, for
+    a path or URL); a failure to ask raises ``StorageError`` naming it."""
+    loc = where if isinstance(where, Location) else resolve(where, filesystem)
+    return file_info(loc).type != pafs.FileType.NotFound
+
+
+def list_names(where: Where) -> list[str]:
+    """Names of the entries directly under ``where`` (empty if it does not exist)."""
+    loc = locate(where)
+    sel = pafs.FileSelector(loc.path, allow_not_found=True, recursive=False)
+    return sorted(posixpath.basename(i.path.rstrip("/")) for i in loc.filesystem.get_file_info(sel))
+
+
+def read_bytes(where: Where) -> bytes | None:
+    """The content of a file, or None if there is none."""
+    loc = locate(where)
+    try:
+        with loc.filesystem.open_input_stream(loc.path) as f:
+            return bytes(f.read())
+    except FileNotFoundError:
+        return None
+
+
+@contextmanager
+def atomic_write(path: str, *, durable: bool = True, tmp: str | None = None) -> Iterator[BinaryIO]:
+    """Write the local file ``path`` whole or not at all: the block writes to the file it is
+    given (a temporary file beside ``path``); when the block returns, the file is fsynced (if
+    ``durable``), renamed onto ``path`` (atomic) and the directory fsynced (if ``durable``).
+    When the block raises, the temporary file is removed and ``path`` is left as it was.
+    ``tmp``: the temporary file's name (default ``<path>.tmp.<pid>.<6 hex>``, which concurrent
+    writers of one file never share)."""
+    tmp = tmp if tmp is not None else f"{path}.tmp.{os.getpid()}.{secrets.token_hex(3)}"
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # A full disk: the partial temporary file would keep its space and stay behind.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_bytes(where: Where, data: bytes, durable: bool = True) -> None:
+    """Publish ``data`` at ``where`` whole or not at all. Locally: ``atomic_write`` (a temporary
+    file, fsync if ``durable``, atomic rename, directory fsync). On object storage: one upload
+    under the final name (an object becomes visible only once its upload completes)."""
+    loc = locate(where)
+    if loc.is_local:
+        with atomic_write(loc.path, durable=durable) as f:
+            f.write(data)
+        return
+    with loc.filesystem.open_output_stream(loc.path) as out:
+        out.write(data)
+
+
+def make_dir(where: Where) -> None:
+    """Create a directory (locally; object stores have none to create)."""
+    loc = locate(where)
+    if loc.is_local:
+        os.makedirs(loc.path, exist_ok=True)
+
+
+def remove_tree(where: Where) -> None:
+    """Delete a directory and everything under it (missing is fine)."""
+    loc = locate(where)
+    if loc.is_local:
+        shutil.rmtree(loc.path, ignore_errors=True)
+    elif exists(loc):
+        loc.filesystem.delete_dir(loc.path)
+
+
+def file_digest(path: str) -> tuple[int, int]:
+    """``(size, crc32)`` of a local file. zlib releases the GIL on large buffers, so several
+    files can be hashed in parallel threads."""
+    with open(path, "rb") as f:
+        return _digest_stream(f)
+
+
+def digest(where: Where) -> tuple[int, int]:
+    """``(size, crc32)`` of a file on any filesystem (read in 8 MiB pieces)."""
+    loc = locate(where)
+    if loc.is_local:
+        return file_digest(loc.path)
+    with loc.filesystem.open_input_stream(loc.path) as f:
+        return _digest_stream(f)
+
+
+def _digest_stream(f: Any) -> tuple[int, int]:
+    crc = 0
+    size = 0
+    while True:
+        buf = f.read(_DIGEST_CHUNK)
+        if not buf:
+            break
+        crc = zlib.crc32(buf, crc)
+        size += len(buf)
+    return size, crc
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename/creation in ``path`` durable (best effort: not every FS supports it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def probe_writable(where: Where) -> str | None:
+    """None if this process can create ``where`` and write, (fsync) and remove a file in it;
+    else what failed (e.g. "OSError: [Errno 30] Read-only file system: '...'"). Run at the start
+    of a job, so a directory that cannot take its output fails the job before any work is
+    lost rather than at the first write. On object storage the bucket must already exist (some
+    servers create a bucket on the first upload, which would hide a mistyped name)."""
+    loc = locate(where)
+    name = f".write_probe.{socket.gethostname()}.{os.getpid()}"
+    try:
+        if not loc.is_local:
+            bucket = loc.path.strip("/").split("/", 1)[0]
+            if loc.filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
+                return (f"the bucket {bucket!r} of {loc.url!r} does not exist (or these "
+                        "credentials cannot see it); create it or fix the URL")
+            write_bytes(loc.join(name), b"probe\n")
+            loc.filesystem.delete_file(loc.join(name).path)
+            return None
+        os.makedirs(loc.path, exist_ok=True)
+        probe = os.path.join(loc.path, name)
+        with open(probe, "wb") as f:
+            f.write(b"probe\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -40,7 +40,7 @@ from recsys_trainer.checkpoint import (
     layout,
 )
 from recsys_trainer.checkpoint.lock import LeaseLock
-from recsys_trainer.storage import resolve
+from recsys_trainer.storage import read_bytes, resolve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,7 +81,7 @@ def test_a_checkpoint_in_a_bucket_resumes_bitwise_rotates_and_exports(
     assert not [f for f in files if f.startswith("step_00000003")]
     assert {"COMMITTED", ".metadata", "args.json", "rank_00000.pt", "__0_0.distcp"} <= \
         {f.split("/", 1)[1] for f in files if f.startswith("step_00000009/")}
-    index = json.loads(layout.read_bytes(out + "/checkpoints.json") or b"{}")
+    index = json.loads(read_bytes(out + "/checkpoints.json") or b"{}")
     assert index["latest"] == "step_00000009"
     assert "LOCK" not in files  # the lease ends with the run
     # The hooks' files: local, under ./logs/<bucket>/<prefix>, not in the bucket.

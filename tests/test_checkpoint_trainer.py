@@ -33,6 +33,7 @@ from recsys_trainer.data.base import Segment, WindowedDataset
 from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.storage import file_digest
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -667,7 +668,7 @@ def test_manifest_crc32s_computed_while_writing_match_the_files_on_disk(tmp_path
         on_disk = {n for n in os.listdir(ckpt) if n not in ("COMMITTED", "args.json")}
         assert set(files) == on_disk
         for name, meta in files.items():
-            assert layout.file_digest(os.path.join(ckpt, name)) == (meta["size"], meta["crc32"]), name
+            assert file_digest(os.path.join(ckpt, name)) == (meta["size"], meta["crc32"]), name
 
 
 def test_async_staging_buffers_are_allocated_at_train_start_and_reused_by_every_save(

@@ -37,6 +37,7 @@ from recsys_trainer.checkpoint import layout
 from recsys_trainer.hooks.base import StepOutput
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.preemption import DUPLICATE_WINDOW_S, PreemptionWatcher
+from recsys_trainer.storage import locate
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -171,7 +172,7 @@ def test_sigint_during_an_evaluation_abandons_it_and_the_rerun_evaluates_that_wi
     # position is still window w1 (its train batches done), so its evaluation comes again.
     assert preempted.preemption.step == 16 and committed_steps(out) == [8, 16]
     assert events.events == ["on_preempt", "end:preempted by SIGINT"]
-    manifest = layout.read_manifest(layout.locate(os.path.join(out, "step_00000016")))
+    manifest = layout.read_manifest(locate(os.path.join(out, "step_00000016")))
     assert manifest is not None
     position = manifest["trainer_state"]
     assert (position["window_index"], position["batches_in_window"], position["window_id"]) == \
@@ -284,7 +285,7 @@ def test_a_save_that_misses_the_grace_period_ends_the_process_and_keeps_the_prev
     assert time.monotonic() - t0 < 60
     out = str(tmp_path / "out")
     assert committed_steps(out) == [4]
-    assert not layout.is_committed(layout.locate(os.path.join(out, "step_00000005")))
+    assert not layout.is_committed(locate(os.path.join(out, "step_00000005")))
 
 
 def test_a_second_signal_is_the_same_preemption_when_it_comes_at_once_and_ends_the_process_later(

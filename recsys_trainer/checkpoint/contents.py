@@ -45,9 +45,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.stateful import Stateful
 
 from recsys_trainer.args import name_matches
-from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.errors import CheckpointError
-from recsys_trainer.storage import Location
+from recsys_trainer.storage import Location, read_bytes
 
 EXTRA_FORMAT_VERSION = 1
 MODEL = "model"
@@ -200,7 +199,7 @@ def load_extra(where: Location, step: int | None = None) -> dict[str, Any]:
     """Read a per-rank extra-state file; a clear ``CheckpointError`` naming it if unreadable."""
     path = where.url
     try:
-        raw = layout.read_bytes(where)
+        raw = read_bytes(where)
         if raw is None:
             raise FileNotFoundError(f"no such file: {path!r}")
         # Our own file (plain Python containers, numpy RNG state): weights_only would reject

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from recsys_trainer.checkpoint import contents, layout
+from recsys_trainer import storage
+from recsys_trainer.checkpoint import contents
 from recsys_trainer.checkpoint.export import export_model_state_dict, save_file
 from recsys_trainer.dynamic import EMPTY_SLOT, fallback_index, mix_ids, rows_key, unmix_ids
 
@@ -130,7 +131,7 @@ def export_dynamic(ckpt_dir: str, out_file: str | None = None, *, verify: bool =
 def _fallback_per_shard(ckpt_dir: str) -> dict[str, int]:
     """``{table: fallback rows per shard}`` from the checkpoint's dynamic-tables state (rank 0's
     file; every rank has the same layout). Checkpoints from before fallback rows had one."""
-    loc = layout.locate(ckpt_dir)
+    loc = storage.locate(ckpt_dir)
     extra = contents.load_extra(loc.join(contents.extra_file_name(0)))
     tables = (extra.get("dynamic_tables") or {}).get("tables", {})
     return {t: int(st.get("fallback_per_shard", 1)) for t, st in tables.items()}

@@ -7,7 +7,6 @@ sharding plan wrote it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -21,10 +20,10 @@ from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.data.vocab import Vocabulary, saved_vocabulary
 
 
-def saved_keys(ckpt_dir: layout.Where) -> dict[str, Any]:
+def saved_keys(ckpt_dir: storage.Where) -> dict[str, Any]:
     """The checkpoint's flattened keys (``model.<param>``, ``optim.state.<param>.<state>``)
     with their DCP metadata (global ``size`` for tensors)."""
-    loc = layout.locate(ckpt_dir)
+    loc = storage.locate(ckpt_dir)
     try:
         return dict(writer.storage_reader(loc).read_metadata().state_dict_metadata)
     except Exception as e:  # noqa: BLE001 - unreadable metadata: name the file
@@ -43,10 +42,10 @@ def _flatten(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def read_full(ckpt_dir: layout.Where, keys: set[str]) -> dict[str, Any]:
+def read_full(ckpt_dir: storage.Where, keys: set[str]) -> dict[str, Any]:
     """Load the given flattened keys whole, in this process only (no collectives, no process
     group needed). Returns ``{flattened key: tensor or object}``."""
-    loc = layout.locate(ckpt_dir)
+    loc = storage.locate(ckpt_dir)
     sd: dict[str, Any] = {}
     try:
         _load_state_dict(sd, storage_reader=writer.storage_reader(loc),
@@ -58,7 +57,7 @@ def read_full(ckpt_dir: layout.Where, keys: set[str]) -> dict[str, Any]:
     return {k: flat[k] for k in keys if k in flat}
 
 
-def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None, *,
+def export_model_state_dict(ckpt_dir: storage.Where, out_file: str | None = None, *,
                             verify: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict from a committed checkpoint, merged into whole tensors.
 
@@ -70,7 +69,7 @@ def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None,
     ``torch.distributed`` needed; with ``out_file`` it is also written with ``torch.save``
     (``torch.load(out_file, weights_only=True)`` reads it back), for serving and inspection.
     """
-    loc = layout.locate(ckpt_dir)
+    loc = storage.locate(ckpt_dir)
     manifest = layout.read_manifest(loc)
     if manifest is None:
         layout.info_of(loc)  # raises the precise error (missing / not committed)
@@ -87,27 +86,20 @@ def export_model_state_dict(ckpt_dir: layout.Where, out_file: str | None = None,
 
 
 def save_file(obj: Any, out_file: str) -> None:
-    """``torch.save`` ``obj`` to the local file ``out_file``, whole or not at all (a temporary
-    file, fsynced, renamed into place; the directory fsynced, as ``layout.write_bytes`` does).
-    A failed write (full or read-only disk) is a ``StorageError`` naming ``out_file`` and
-    leaves no temporary file: torch's own error names neither."""
-    tmp = out_file + ".tmp"
-    directory = os.path.dirname(os.path.abspath(out_file))
+    """``torch.save`` ``obj`` to the local file ``out_file``, whole or not at all
+    (``storage.atomic_write``: a temporary file, fsynced, renamed into place; the directory
+    fsynced). A failed write (full or read-only disk) is a ``StorageError`` naming ``out_file``
+    and leaves no temporary file: torch's own error names neither."""
     try:
-        os.makedirs(directory, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out_file)), exist_ok=True)
         # Streamed to the file (an export may be large): not serialised into memory first.
-        with open(tmp, "wb") as f:
+        # The fsync matters: without it a power loss after the rename may leave an empty file
+        # in place of the previous one (which a delta may name as its base). One temporary
+        # name per file: an export that died leaves at most one, which the next overwrites.
+        with storage.atomic_write(out_file, tmp=out_file + ".tmp") as f:
             torch.save(obj, f)
-            f.flush()
-            # Without it a power loss after the rename may leave an empty file in place of the
-            # previous one (which a delta may name as its base).
-            os.fsync(f.fileno())
-        os.replace(tmp, out_file)
     except (OSError, RuntimeError) as exc:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         raise storage.storage_error(exc, out_file, "write") from exc
-    layout.fsync_dir(directory)
 
 
 def export_vocabularies(checkpoint: str | os.PathLike[str], out_dir: str | None = None

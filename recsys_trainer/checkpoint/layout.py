@@ -17,16 +17,16 @@ A directory without ``COMMITTED`` is incomplete: it is never loaded, and rank 0 
 Everything here is computed from what is on disk, so it survives restarts.
 
 Where a checkpoint lives is a ``storage.Location`` (any function here also takes a path or URL
-and resolves it). On a local filesystem files are made durable with fsync and published with an
-atomic rename. On object storage (``s3://``...) there is no rename, but an object appears whole
-or not at all when its upload completes: each file is written once under its final name, and
-``COMMITTED`` is the last object written, so the protocol is the same.
+and resolves it). Files are written with ``storage.write_bytes``: on a local filesystem they
+are made durable with fsync and published with an atomic rename. On object storage (``s3://``...)
+there is no rename, but an object appears whole or not at all when its upload completes: each
+file is written once under its final name, and ``COMMITTED`` is the last object written, so the
+protocol is the same.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import json
 import logging
 import os
@@ -36,7 +36,6 @@ import shutil
 import socket
 import time
 import uuid
-import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,7 +50,19 @@ from recsys_trainer.checkpoint.rotation import (  # re-exported: their home befo
 from recsys_trainer.checkpoint.rotation import (
     select_to_delete as select_to_delete,
 )
-from recsys_trainer.storage import Location, resolve
+from recsys_trainer.storage import (
+    Location,
+    Where,
+    basename,
+    digest,
+    exists,
+    is_dir,
+    list_names,
+    locate,
+    parent,
+    read_bytes,
+    write_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +71,6 @@ KEEP_FILE = "KEEP"
 INDEX = "checkpoints.json"
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_CHUNK = 8 << 20
 
 
 def step_dir_name(step: int) -> str:
@@ -91,174 +101,6 @@ class CheckpointInfo:
     @property
     def where(self) -> Location:
         return self.location if self.location is not None else locate(self.path)
-
-
-Where = str | Location
-"""A local path, a URL (``s3://bucket/prefix``), or a resolved ``Location``."""
-
-
-def locate(where: Where) -> Location:
-    """``where`` as a ``Location`` (paths and URLs are resolved with ``storage.resolve``)."""
-    if isinstance(where, Location):
-        return where
-    return resolve(where)  # storage caches the S3 clients it builds
-
-
-def parent(loc: Location) -> Location:
-    return Location(loc.filesystem, posixpath.dirname(loc.path.rstrip("/")),
-                    loc.url.rstrip("/").rsplit("/", 1)[0])
-
-
-def basename(loc: Location) -> str:
-    return posixpath.basename(loc.path.rstrip("/"))
-
-
-def same_place(a: Location, b: Location) -> bool:
-    """Whether two locations name the same directory (same filesystem type, same path)."""
-    return a.filesystem.type_name == b.filesystem.type_name and \
-        a.path.rstrip("/") == b.path.rstrip("/")
-
-
-def _info_of(loc: Location) -> pafs.FileInfo:
-    return loc.filesystem.get_file_info(loc.path)
-
-
-def is_dir(where: Where) -> bool:
-    return _info_of(locate(where)).type == pafs.FileType.Directory
-
-
-def exists(where: Where) -> bool:
-    return _info_of(locate(where)).type != pafs.FileType.NotFound
-
-
-def list_names(where: Where) -> list[str]:
-    """Names of the entries directly under ``where`` (empty if it does not exist)."""
-    loc = locate(where)
-    sel = pafs.FileSelector(loc.path, allow_not_found=True, recursive=False)
-    return sorted(posixpath.basename(i.path.rstrip("/")) for i in loc.filesystem.get_file_info(sel))
-
-
-def read_bytes(where: Where) -> bytes | None:
-    """The content of a file, or None if there is none."""
-    loc = locate(where)
-    try:
-        with loc.filesystem.open_input_stream(loc.path) as f:
-            return bytes(f.read())
-    except FileNotFoundError:
-        return None
-
-
-def write_bytes(where: Where, data: bytes, durable: bool = True) -> None:
-    """Publish ``data`` at ``where`` whole or not at all. Locally: a temporary file, fsync (if
-    ``durable``), atomic rename and directory fsync. On object storage: one upload under the
-    final name (an object becomes visible only once its upload completes)."""
-    loc = locate(where)
-    if loc.is_local:
-        tmp = f"{loc.path}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, loc.path)
-        except BaseException:
-            # A full disk: the partial temporary file would keep its space and stay behind.
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-        if durable:
-            fsync_dir(os.path.dirname(loc.path) or ".")
-        return
-    with loc.filesystem.open_output_stream(loc.path) as out:
-        out.write(data)
-
-
-def make_dir(where: Where) -> None:
-    """Create a directory (locally; object stores have none to create)."""
-    loc = locate(where)
-    if loc.is_local:
-        os.makedirs(loc.path, exist_ok=True)
-
-
-def remove_tree(where: Where) -> None:
-    """Delete a directory and everything under it (missing is fine)."""
-    loc = locate(where)
-    if loc.is_local:
-        shutil.rmtree(loc.path, ignore_errors=True)
-    elif exists(loc):
-        loc.filesystem.delete_dir(loc.path)
-
-
-def file_digest(path: str) -> tuple[int, int]:
-    """``(size, crc32)`` of a local file. zlib releases the GIL on large buffers, so several
-    files can be hashed in parallel threads."""
-    with open(path, "rb") as f:
-        return _digest_stream(f)
-
-
-def digest(where: Where) -> tuple[int, int]:
-    """``(size, crc32)`` of a file on any filesystem (read in 8 MiB pieces)."""
-    loc = locate(where)
-    if loc.is_local:
-        return file_digest(loc.path)
-    with loc.filesystem.open_input_stream(loc.path) as f:
-        return _digest_stream(f)
-
-
-def _digest_stream(f: Any) -> tuple[int, int]:
-    crc = 0
-    size = 0
-    while True:
-        buf = f.read(_CHUNK)
-        if not buf:
-            break
-        crc = zlib.crc32(buf, crc)
-        size += len(buf)
-    return size, crc
-
-
-def fsync_dir(path: str) -> None:
-    """Make a rename/creation in ``path`` durable (best effort: not every FS supports it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def probe_writable(where: Where) -> str | None:
-    """None if this process can create ``where`` and write, (fsync) and remove a file in it;
-    else what failed (e.g. "OSError: [Errno 30] Read-only file system: '...'"). Run at the start
-    of training, so a directory that cannot take checkpoints fails the job before any work is
-    lost rather than at the first save. On object storage the bucket must already exist (some
-    servers create a bucket on the first upload, which would hide a mistyped name)."""
-    loc = locate(where)
-    name = f".write_probe.{socket.gethostname()}.{os.getpid()}"
-    try:
-        if not loc.is_local:
-            bucket = loc.path.strip("/").split("/", 1)[0]
-            if loc.filesystem.get_file_info(bucket).type == pafs.FileType.NotFound:
-                return (f"the bucket {bucket!r} of {loc.url!r} does not exist (or these "
-                        "credentials cannot see it); create it or fix the URL")
-            write_bytes(loc.join(name), b"probe\n")
-            loc.filesystem.delete_file(loc.join(name).path)
-            return None
-        os.makedirs(loc.path, exist_ok=True)
-        probe = os.path.join(loc.path, name)
-        with open(probe, "wb") as f:
-            f.write(b"probe\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def read_manifest(ckpt_dir: Where) -> dict[str, Any] | None:

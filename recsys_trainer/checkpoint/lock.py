@@ -36,10 +36,9 @@ import threading
 import time
 import uuid
 
-from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.distributed import Gang
-from recsys_trainer.storage import Location
+from recsys_trainer.storage import Location, probe_writable
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ def claim_output_dir(lock: OutputDirLock | LeaseLock, out: Location, output_dir:
     (a probe file) and not in use by another job (rank 0 takes ``lock``; the caller releases it
     when training ends). Every rank learns the outcome, so all stop together before anything is
     trained instead of failing at the first save. ``output_dir`` is the name messages use."""
-    problem = layout.probe_writable(out)
+    problem = probe_writable(out)
     holder = None
     if problem is None and gang.rank == 0:
         try:

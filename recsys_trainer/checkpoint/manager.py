@@ -69,7 +69,7 @@ from recsys_trainer.distributed import (
     ProcessGroupGang,
     new_gloo_group,
 )
-from recsys_trainer.storage import Location, resolve
+from recsys_trainer.storage import Location, locate, parent, resolve, same_place
 
 __all__ = ["CheckpointListener", "CheckpointManager", "SaveStats"]
 
@@ -191,7 +191,7 @@ class CheckpointManager:
         if isinstance(path, Location):
             return path
         return resolve(path, self._filesystem) if self._filesystem is not None \
-            else layout.locate(path)
+            else locate(path)
 
     @property
     def gang(self) -> Gang:
@@ -444,7 +444,7 @@ class CheckpointManager:
         manifest = write_checkpoint(loc, tensors, extra, base, gang=self.gang, lock=self._lock,
                                     output_dir=self.output_dir,
                                     threads=self.settings.save_concurrency_per_rank)
-        if self.gang.rank == 0 and layout.same_place(layout.parent(loc), self._out):
+        if self.gang.rank == 0 and same_place(parent(loc), self._out):
             self._rotate(just_committed=base["step"])
         return manifest
 

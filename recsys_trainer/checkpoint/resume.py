@@ -19,7 +19,7 @@ from collections.abc import Callable
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.distributed import Gang
-from recsys_trainer.storage import Location
+from recsys_trainer.storage import Location, remove_tree, same_place
 
 # The manager's logger: users filter and read these messages under that name
 # (docs/checkpoint.md quotes them).
@@ -47,7 +47,7 @@ def remove_incomplete(out: Location) -> None:
     for loc in layout.list_incomplete(out):
         logger.warning("removing incomplete checkpoint %s (its save never committed)", loc.url)
         try:
-            layout.remove_tree(loc)
+            remove_tree(loc)
         except OSError as e:  # it is never loaded anyway; try again at the next start
             logger.warning("could not remove %s: %s", loc.url, e)
 
@@ -183,7 +183,7 @@ def check_no_foreign_checkpoints(start: int, source: layout.CheckpointInfo | Non
     the ranks agreed on ``source`` and read the same directory. Only for a run that saves."""
     foreign = [i.step for i in layout.list_committed(out)
                if i.step >= start and not (source is not None and
-                                           layout.same_place(i.where, source.where))]
+                                           same_place(i.where, source.where))]
     if foreign:
         # Under torchrun --max-restarts a restarted attempt meets its own earlier attempt's
         # checkpoints here, and every restart would fail the same way.

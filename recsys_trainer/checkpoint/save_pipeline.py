@@ -30,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
+from recsys_trainer import storage
 from recsys_trainer.checkpoint import contents, layout, writer
 from recsys_trainer.checkpoint.errors import CheckpointError, describe_failure, only_os_errors
 from recsys_trainer.checkpoint.lock import LeaseLock, OutputDirLock
@@ -158,9 +159,9 @@ def write_checkpoint(loc: Location, tensors: dict[str, Any], extra: bytes, base:
                     f"{lock.lost}: another job is saving into {output_dir!r}; "
                     "this job stops saving there. Use one output_dir per job.",
                     path=output_dir, kind="locked")
-            if layout.is_dir(loc) and not layout.is_committed(loc):
-                layout.remove_tree(loc)  # a crashed earlier attempt at this step
-            layout.make_dir(loc)
+            if storage.is_dir(loc) and not layout.is_committed(loc):
+                storage.remove_tree(loc)  # a crashed earlier attempt at this step
+            storage.make_dir(loc)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             local_error = f"{type(e).__name__}: {e}"
     # Instead of a barrier: the directory exists (or every rank learns it does not).
@@ -169,24 +170,24 @@ def write_checkpoint(loc: Location, tensors: dict[str, Any], extra: bytes, base:
     # CRC32s are computed while DCP writes (helper threads overlap them with the write
     # syscalls), so there is no read-back pass; each DCP thread fsyncs its own file once.
     with cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ckpt-crc") as crc:
-        storage = writer.HashingFileSystemWriter(loc, thread_count=threads, pool=crc,
+        dcp_writer = writer.HashingFileSystemWriter(loc, thread_count=threads, pool=crc,
                                                  sync_files=True)
-        dcp.save(tensors, storage_writer=storage, process_group=gang.group)
+        dcp.save(tensors, storage_writer=dcp_writer, process_group=gang.group)
     # dcp.save returned on every rank only after rank 0 wrote .metadata, i.e. after every
     # rank's shards were written and fsynced.
     files: dict[str, Any] = {}
     try:
         extra_name = contents.extra_file_name(rank)
-        layout.write_bytes(loc.join(extra_name), extra)
-        mine = [extra_name] + [n for n in layout.list_names(loc)
+        storage.write_bytes(loc.join(extra_name), extra)
+        mine = [extra_name] + [n for n in storage.list_names(loc)
                                if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
         if rank == 0:
             mine.append(".metadata")
-        digests = storage.digests
+        digests = dcp_writer.digests
         digests[extra_name] = (len(extra), zlib.crc32(extra))
         for n in mine:  # anything written other than through the writer: hash it from disk
             if n not in digests:
-                digests[n] = layout.digest(loc.join(n))
+                digests[n] = storage.digest(loc.join(n))
         files = {n: {"size": digests[n][0], "crc32": digests[n][1]} for n in mine}
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         local_error = f"{type(e).__name__}: {e}"
@@ -223,7 +224,7 @@ def commit(loc: Location, base: dict[str, Any], gathered: list[dict[str, Any]]) 
         files.update(part)
     # Locally, args.json's fsync of the directory also makes every rank's file entries
     # durable (their files were fsynced by the writers) before the marker exists.
-    layout.write_bytes(loc.join("args.json"),
+    storage.write_bytes(loc.join("args.json"),
                        (json.dumps(base["args"], indent=2, sort_keys=True) + "\n").encode())
     manifest = {
         "format_version": layout.FORMAT_VERSION,
@@ -231,13 +232,13 @@ def commit(loc: Location, base: dict[str, Any], gathered: list[dict[str, Any]]) 
         "commit_time": time.time(),
         "files": files,
     }
-    layout.write_bytes(loc.join(layout.MARKER),
+    storage.write_bytes(loc.join(layout.MARKER),
                        (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
-    parent = layout.parent(loc)
+    parent = storage.parent(loc)
     if parent.is_local:
         # The step directory's own entry in output_dir must be durable before rotation may
         # delete older checkpoints: otherwise a power loss could leave neither.
-        layout.fsync_dir(parent.path)
+        storage.fsync_dir(parent.path)
     try:
         layout.write_index(parent, layout.list_committed(parent))
     except OSError as e:  # the index is informational; the marker is what counts

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recsys_trainer.data.generated import SIGNAL_FILE, write_whole, written_once
+from recsys_trainer.data.generated import write_signal, write_whole, written_once
 from recsys_trainer.data.id_stream import ChurnStream
 from recsys_trainer.data.inputs import DenseFeature, SparseFeature
 from recsys_trainer.data.spec import FeatureSpec
@@ -91,7 +91,7 @@ def write_churn_dataset(out: str | os.PathLike[str], stream: ChurnStream,
         "num_users": stream.num_users, "num_items": stream.num_items, "seed": stream.seed,
         "oracle_auc": _auc(np.concatenate(logits), np.concatenate(labels)) if logits else None,
         "oracle_auc_per_window": per_window}
-    (root / SIGNAL_FILE).write_text(json.dumps(meta, indent=1))
+    write_signal(root, meta)
     return meta
 
 

@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recsys_trainer.data.generated import SIGNAL_FILE, write_whole, written_once
+from recsys_trainer.data.generated import write_signal, write_whole, written_once
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.metrics import weighted_auc
@@ -243,7 +243,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: i
         meta.update(oracle_auc_per_label=oracle,
                     like_rate=float(np.concatenate(labels["like"]).mean()),
                     num_items=behaviour.num_items, max_len=behaviour.max_len)
-    (root / SIGNAL_FILE).write_text(json.dumps(meta, indent=1))
+    write_signal(root, meta)
     return meta
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -14,6 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
+from recsys_trainer import storage
+
 log = logging.getLogger(__name__)
 
 SIGNAL_FILE = "_signal.json"
@@ -22,17 +23,18 @@ dataset is complete."""
 
 
 def write_whole(path: Path, table: pa.Table, row_group_size: int | None = None) -> None:
-    """Write ``table`` to the parquet file ``path`` through a temporary file renamed into place:
-    a reader never sees a half-written file, and a failed write (a full or read-only disk)
-    leaves no temporary file behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        pq.write_table(table, tmp, row_group_size=row_group_size)
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    """Write ``table`` to the parquet file ``path`` through a temporary file renamed into place
+    (``storage.atomic_write``): a reader never sees a half-written file, and a failed write (a
+    full or read-only disk) leaves no temporary file behind."""
+    with storage.atomic_write(os.fspath(path), durable=False) as f:
+        pq.write_table(table, f, row_group_size=row_group_size)
+
+
+def write_signal(root: Path, meta: dict[str, Any]) -> None:
+    """Write ``root/SIGNAL_FILE``, whole or not at all: its presence says the dataset is
+    complete, so a reader must never find half of it."""
+    storage.write_bytes(os.fspath(root / SIGNAL_FILE), json.dumps(meta, indent=1).encode(),
+                        durable=False)
 
 
 def written_once(root: str | os.PathLike[str], write: Callable[[], Any], what: str) -> dict[str, Any]:

@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
-from recsys_trainer.data.generated import SIGNAL_FILE, write_whole, written_once
+from recsys_trainer.data.generated import write_signal, write_whole, written_once
 
 INTEREST_WEIGHTS = (0.6, 0.3)
 """The weights of a user's two interest categories; the rest (0.1) is any category."""
@@ -311,7 +311,7 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 8, rows_per_hour: in
         "num_segments": sig.num_segments, "max_len": sig.max_len, "stickiness": sig.stickiness,
         "session_length": session_length, "oracle": last["oracle"],
         "oracle_exclude_history": last["oracle_exclude_history"], "per_window": per_window}
-    (root / SIGNAL_FILE).write_text(json.dumps(meta, indent=1))
+    write_signal(root, meta)
     return meta
 
 

@@ -215,16 +215,9 @@ class StreamWriter:
         self._put(self.root.join(END_MARKER), b"")
 
     def _put(self, loc: storage.Location, data: bytes) -> None:
-        if loc.is_local:
-            path = Path(loc.path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_bytes(data)
-            tmp.replace(path)
-            return
-        with storage.errors_named(loc.url, "write"), \
-                loc.filesystem.open_output_stream(loc.path) as f:
-            f.write(data)
+        with storage.errors_named(loc.url, "write"):
+            storage.make_dir(storage.parent(loc))
+            storage.write_bytes(loc, data, durable=False)
 
     def run(self, windows: int, every_s: float, *,
             sleep: Any = time.sleep, clock: Any = time.monotonic) -> Iterator[dict[str, Any]]:

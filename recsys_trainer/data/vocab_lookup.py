@@ -154,12 +154,8 @@ class Vocabulary:
                              "which a vocabulary file cannot hold.")
         data = "".join(f"{v}\n" for v in self.values).encode()
         loc = storage.resolve(url)
-        tmp = loc.path + ".tmp" if loc.is_local else loc.path
         with storage.errors_named(loc.url, "write"):
-            with loc.filesystem.open_output_stream(tmp) as f:
-                f.write(data)
-            if tmp != loc.path:
-                loc.filesystem.move(tmp, loc.path)
+            storage.write_bytes(loc, data, durable=False)
 
     # ------------------------------------------------------------------ mapping
 

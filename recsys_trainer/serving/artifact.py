@@ -11,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from recsys_trainer import storage
-from recsys_trainer.checkpoint import layout
 from recsys_trainer.serving import delta as dl
 from recsys_trainer.serving import manifest as mf
 
@@ -23,32 +22,32 @@ def write_artifact(out_dir: str, manifest: dict[str, Any], files: Mapping[str, b
     never committed is removed first, but only one provably ours (``_uncommitted_export``).
     Returns the bytes written."""
     root = storage.resolve(out_dir, filesystem)
-    if layout.exists(root.join(mf.MARKER)):
+    if storage.exists(root.join(mf.MARKER)):
         raise FileExistsError(f"{root.url!r} already holds a committed serving artifact; export "
                               "into a new directory (artifacts are never overwritten).")
-    if layout.is_dir(root):
+    if storage.is_dir(root):
         refusal = _uncommitted_export(root)
         if refusal is not None:
             raise FileExistsError(
                 f"{root.url!r} exists and {refusal}; export into a new or empty directory (it "
                 "is not cleared: it may hold your checkpoints, other artifacts or other files), "
                 "or remove what is there yourself if it is an export that died.")
-        layout.remove_tree(root)  # an export of ours that died before its marker
+        storage.remove_tree(root)  # an export of ours that died before its marker
     body = dl.dumps(manifest)
     # A full or read-only disk: name the artifact (the OS error names no file, or a temporary
     # one); what was written stays uncommitted, and the next export clears it.
     with storage.errors_named(root.url, "write"):
-        layout.make_dir(root)
+        storage.make_dir(root)
         # The manifest first: a directory an export dies in then holds the manifest that lists
         # every file it may have written, which is what lets the next export clear it.
-        layout.write_bytes(root.join(mf.MANIFEST), body)
+        storage.write_bytes(root.join(mf.MANIFEST), body)
         if any("/" in n for n in files):
-            layout.make_dir(root.join(mf.VOCAB_DIR))
+            storage.make_dir(root.join(mf.VOCAB_DIR))
         total = 0
         for name, data in sorted(files.items()):
-            layout.write_bytes(root.join(name), data)
+            storage.write_bytes(root.join(name), data)
             total += len(data)
-        layout.write_bytes(root.join(mf.MARKER), json.dumps(
+        storage.write_bytes(root.join(mf.MARKER), json.dumps(
             {"manifest_sha256": mf.sha256_bytes(body), "time": time.time()}).encode())
     return total + len(body)
 
@@ -62,14 +61,14 @@ def _uncommitted_export(root: storage.Location) -> str | None:
     def final(name: str) -> str:  # the name a temporary file is renamed to
         return name.split(".tmp.", 1)[0]
 
-    names = sorted(layout.list_names(root))
+    names = sorted(storage.list_names(root))
     if not names:
         return None
     found = list(names)
-    if mf.VOCAB_DIR in names and layout.is_dir(root.join(mf.VOCAB_DIR)):
+    if mf.VOCAB_DIR in names and storage.is_dir(root.join(mf.VOCAB_DIR)):
         found.remove(mf.VOCAB_DIR)
-        found += [f"{mf.VOCAB_DIR}/{n}" for n in sorted(layout.list_names(root.join(mf.VOCAB_DIR)))]
-    data = layout.read_bytes(root.join(mf.MANIFEST)) if mf.MANIFEST in names else None
+        found += [f"{mf.VOCAB_DIR}/{n}" for n in sorted(storage.list_names(root.join(mf.VOCAB_DIR)))]
+    data = storage.read_bytes(root.join(mf.MANIFEST)) if mf.MANIFEST in names else None
     try:
         manifest = json.loads(data.decode()) if data is not None else None
     except (UnicodeDecodeError, ValueError):

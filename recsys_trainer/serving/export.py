@@ -183,7 +183,7 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
     return entries, tensors
 
 
-def fallback_rows_per_shard(ckpt: layout.Where) -> dict[str, int]:
+def fallback_rows_per_shard(ckpt: storage.Where) -> dict[str, int]:
     """``{table: fallback rows per shard}`` of a checkpoint's dynamic tables, from rank 0's
     ``dynamic_tables`` state (every rank has the same layout; before fallback rows: 1)."""
     info = layout.info_of(ckpt)

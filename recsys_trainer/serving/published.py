@@ -39,7 +39,6 @@ older pointer has time to finish: it is at most K-1 bases behind before its chai
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -279,34 +278,10 @@ def write_pointer(location: str | os.PathLike[str] | storage.Location, pointer: 
                 raise PublishedError(f"the pointer would name {ref!r} of {root.url!r}, which is "
                                      "not a committed artifact (no COMMITTED marker); LATEST "
                                      "was not written.")
-    data = pointer.to_json().encode()
     loc = root.join(LATEST)
-    # The same whole-or-nothing write as checkpoint.layout.write_bytes, written here because
-    # importing the checkpoint package would load torchrec into recsys-serve's process.
     with storage.errors_named(loc.url, "write"):
-        if root.is_local:
-            os.makedirs(root.path, exist_ok=True)
-            tmp = f"{loc.path}.tmp.{os.getpid()}.{secrets.token_hex(3)}"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, loc.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-                raise
-            with contextlib.suppress(OSError):  # not every filesystem fsyncs directories
-                fd = os.open(root.path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        else:
-            # One small object: a single PUT, visible whole once it completes.
-            with root.filesystem.open_output_stream(loc.path) as out:
-                out.write(data)
+        storage.make_dir(root)
+        storage.write_bytes(loc, pointer.to_json().encode())
 
 
 # ------------------------------------------------------------------------ rotation
