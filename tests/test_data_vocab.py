@@ -27,7 +27,6 @@ from vocab_data import (
 from recsys_trainer import LambdaHook, Trainer
 from recsys_trainer.checkpoint.export import export_vocabularies
 from recsys_trainer.config import ConfigError, load_config
-from recsys_trainer.data import vocab_lookup
 from recsys_trainer.data.features import (
     DataError,
     FeatureSpec,
@@ -36,6 +35,7 @@ from recsys_trainer.data.features import (
 )
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.vocab import VocabFromData, Vocabulary
+from recsys_trainer.data.vocab import lookup as vocab_lookup
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -150,8 +150,8 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "criteo_synthetic", "decode", "errors", "features", "generated", "hashing",
             "id_stream", "inputs", "interactions_synthetic", "open_bandit", "parquet",
             "parquet_files", "parquet_plan",
-            "prefetch", "spec", "sync", "synthetic", "vocab", "vocab_build", "vocab_features",
-            "vocab_lookup", "vocab_state", "windows", "stream_writer")),
+            "prefetch", "spec", "sync", "synthetic", "vocab/__init__", "vocab/build",
+            "vocab/features", "vocab/lookup", "vocab/state", "windows", "stream_writer")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(

@@ -28,19 +28,19 @@ larger) gives them a row of their own.
   dataset (train, eval, predict), and saves them, so a resumed run, ``evaluate`` and ``predict``
   use the same mapping; a resume with another vocabulary configuration is refused.
 
-Where each part lives (this module re-exports every public name, so import from here):
+Where each part lives (this package re-exports every public name, so import from here):
 
-* ``recsys_trainer.data.vocab_lookup``: ``Vocabulary``, ``VocabFromData`` and the lookup.
-* ``recsys_trainer.data.vocab_features``: ``VocabArg``, ``check_vocab`` and the decoder's and
+* ``recsys_trainer.data.vocab.lookup``: ``Vocabulary``, ``VocabFromData`` and the lookup.
+* ``recsys_trainer.data.vocab.features``: ``VocabArg``, ``check_vocab`` and the decoder's and
   planner's calls (``lookup_rows``, ``column_problem``, ``check_tables_share_vocabularies``).
-* ``recsys_trainer.data.vocab_build``: counting the first windows and merging the counts.
-* ``recsys_trainer.data.vocab_state``: ``Vocabularies`` and ``saved_vocabulary`` (the saved
+* ``recsys_trainer.data.vocab.build``: counting the first windows and merging the counts.
+* ``recsys_trainer.data.vocab.state``: ``Vocabularies`` and ``saved_vocabulary`` (the saved
   format, written and read).
 """
 
 from __future__ import annotations
 
-from recsys_trainer.data.vocab_features import (
+from recsys_trainer.data.vocab.features import (
     VocabArg,
     check_tables_share_vocabularies,
     check_vocab,
@@ -50,9 +50,9 @@ from recsys_trainer.data.vocab_features import (
 )
 
 # INDEX_IN_MAX_SIZE is read where the lookup is made: changing it (a test lowering it) means
-# setting recsys_trainer.data.vocab_lookup.INDEX_IN_MAX_SIZE, not this module's copy.
-from recsys_trainer.data.vocab_lookup import INDEX_IN_MAX_SIZE, OOV_ROW, VocabFromData, Vocabulary
-from recsys_trainer.data.vocab_state import VocabDataset, Vocabularies, saved_vocabulary
+# setting recsys_trainer.data.vocab.lookup.INDEX_IN_MAX_SIZE, not this module's copy.
+from recsys_trainer.data.vocab.lookup import INDEX_IN_MAX_SIZE, OOV_ROW, VocabFromData, Vocabulary
+from recsys_trainer.data.vocab.state import VocabDataset, Vocabularies, saved_vocabulary
 
 __all__ = [
     "INDEX_IN_MAX_SIZE",

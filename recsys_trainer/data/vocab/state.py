@@ -2,8 +2,8 @@
 of one feature's saved entry (``saved_vocabulary``, for exporting a checkpoint's vocabularies).
 
 Both sides of the saved format (``_Config.saved`` / ``_Config.from_saved``) live here, so the
-format a checkpoint holds is written and read in one place. Split out of
-``recsys_trainer.data.vocab``, which re-exports every public name.
+format a checkpoint holds is written and read in one place. ``recsys_trainer.data.vocab``
+re-exports every public name.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
-from recsys_trainer.data.vocab_build import count_windows, merge_and_freeze
-from recsys_trainer.data.vocab_features import vocabulary_capacity
-from recsys_trainer.data.vocab_lookup import VocabFromData, Vocabulary
+from recsys_trainer.data.vocab.build import count_windows, merge_and_freeze
+from recsys_trainer.data.vocab.features import vocabulary_capacity
+from recsys_trainer.data.vocab.lookup import VocabFromData, Vocabulary
 
 if TYPE_CHECKING:
     from recsys_trainer.distributed import Gang

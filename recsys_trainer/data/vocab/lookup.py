@@ -1,9 +1,9 @@
 """A vocabulary and its lookup: ``Vocabulary`` (ids -> table rows by a list) and
 ``VocabFromData`` (how one is built from the data).
 
-Split out of ``recsys_trainer.data.vocab`` (which re-exports every public name, and documents
-vocabularies as a whole): this module is the leaf the feature checks, the building and the
-checkpoint component import.
+A module of ``recsys_trainer.data.vocab`` (whose ``__init__`` re-exports every public name,
+and documents vocabularies as a whole): this module is the leaf the feature checks, the building
+and the checkpoint component import.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The feature side of vocabularies: what ``SparseFeature(vocab=...)`` takes, its validation at
 construction, and the decoder's and planner's calls (rows of a column, a column's kind).
 
-Split out of ``recsys_trainer.data.vocab``, which re-exports every public name.
+``recsys_trainer.data.vocab`` re-exports every public name.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from recsys_trainer import storage
-from recsys_trainer.data.vocab_lookup import OOV_ROW, VocabFromData, Vocabulary
+from recsys_trainer.data.vocab.lookup import OOV_ROW, VocabFromData, Vocabulary
 
 VocabArg: TypeAlias = (Sequence[str] | Sequence[int] | str | os.PathLike[str] | Mapping[str, Any]
                        | VocabFromData | Vocabulary | None)

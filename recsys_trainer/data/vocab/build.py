@@ -1,7 +1,7 @@
 """Building a ``VocabFromData`` vocabulary: one rank's value counts over its share of the
 first training windows, and the merge of every rank's counts into the frozen vocabulary.
 
-No gang and no state here: ``Vocabularies.build`` (``recsys_trainer.data.vocab_state``) calls
+No gang and no state here: ``Vocabularies.build`` (``recsys_trainer.data.vocab.state``) calls
 ``count_windows`` on every rank, all-gathers the counts and merges them with
 ``merge_and_freeze``, a pure function, so every rank gets the same vocabulary.
 """
@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recsys_trainer.data.columns import _is_str
-from recsys_trainer.data.vocab_lookup import Kind, VocabFromData, Vocabulary
+from recsys_trainer.data.vocab.lookup import Kind, VocabFromData, Vocabulary
 
 logger = logging.getLogger("recsys_trainer.data")
 
