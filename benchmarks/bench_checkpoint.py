@@ -54,7 +54,7 @@ from common import markdown_table, quiet_torchrec, torchrun, worker_result  # no
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments  # noqa: E402
 from recsys_trainer.checkpoint import CheckpointManager  # noqa: E402
 from recsys_trainer.checkpoint.writer import StagingBuffers  # noqa: E402
-from recsys_trainer.data.synthetic import synthetic_batches  # noqa: E402
+from recsys_trainer.data.generators.synthetic import synthetic_batches  # noqa: E402
 from recsys_trainer.models import DLRMClassifier  # noqa: E402
 
 

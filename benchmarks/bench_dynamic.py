@@ -3,7 +3,7 @@
     python benchmarks/bench_dynamic.py [--quick] [--seeds 0 1 2] [--slots 1600] [--dim 16]
         [--set eviction_interval=100 ...]   # DynamicTable fields (default: its defaults)
 
-Data (``recsys_trainer.data.id_stream.ChurnStream``): windows ("hours") of rows with a
+Data (``recsys_trainer.data.generators.id_stream.ChurnStream``): windows ("hours") of rows with a
 ``user`` id (20k ids, Zipf 1.05, stable) and an ``item`` id (20k ids that appear and fade:
 each is born at a random time and its popularity decays over about a window), all uniform
 random 63-bit ids, each with a planted effect on the click logit; the stream's seed draws
@@ -51,8 +51,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, shutdown
 from recsys_trainer.batch import Batch
+from recsys_trainer.data.generators.id_stream import ChurnStream
 from recsys_trainer.data.hashing import stable_hash_ints
-from recsys_trainer.data.id_stream import ChurnStream
 from recsys_trainer.dynamic import (
     DynamicTable,
     end_window,

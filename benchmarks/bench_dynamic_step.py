@@ -49,7 +49,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 import recsys_trainer.dynamic as dynamic
 from recsys_trainer import Trainer, shutdown
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.id_stream import ChurnStream
+from recsys_trainer.data.generators.id_stream import ChurnStream
 from recsys_trainer.dynamic.id_map import _resize_history
 
 DIM, SLOTS, HASHED_ROWS = 16, 1600, 2850

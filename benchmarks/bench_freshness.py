@@ -113,7 +113,7 @@ def make_window(w: int, rows: int, shift_at: int) -> Any:
     """Window ``w``'s rows: the Criteo-like generator's, with the planted effect."""
     import pyarrow as pa
 
-    from recsys_trainer.data.criteo_synthetic import generate_hour
+    from recsys_trainer.data.generators.criteo_synthetic import generate_hour
 
     signal_ = _signal()
     rng = np.random.default_rng([7, w])
@@ -136,7 +136,7 @@ _SIGNAL: Any = None
 def _signal() -> Any:
     global _SIGNAL
     if _SIGNAL is None:
-        from recsys_trainer.data.criteo_synthetic import CriteoSignal
+        from recsys_trainer.data.generators.criteo_synthetic import CriteoSignal
 
         _SIGNAL = CriteoSignal.make(max_vocab=5000)
     return _SIGNAL
@@ -169,7 +169,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch
 
     from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-    from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, criteo_features
+    from recsys_trainer.data.generators.criteo_synthetic import SPARSE_COLUMNS, criteo_features
     from recsys_trainer.data.parquet import ParquetWindowDataset
     from recsys_trainer.data.windows import StreamingWindows, partitioned_windows
     from recsys_trainer.hooks.base import Hook

@@ -42,8 +42,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, shutdown
 from recsys_trainer.batch import Batch
+from recsys_trainer.data.generators.id_stream import ChurnStream
 from recsys_trainer.data.hashing import stable_hash_ints
-from recsys_trainer.data.id_stream import ChurnStream
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable
 from recsys_trainer.dynamic.modules import _merge_keyed
 from recsys_trainer.models import DLRMClassifier, make_tables

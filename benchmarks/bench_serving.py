@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.criteo_synthetic import (
+from recsys_trainer.data.generators.criteo_synthetic import (
     SPARSE_COLUMNS,
     BehaviourSignal,
     CriteoSignal,

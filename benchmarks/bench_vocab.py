@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vocab.py [--quick] [--hours 6] [--rows-per-hour 30000] [--reps 5]
 
-Data: the Criteo-schema click log of ``recsys_trainer.data.criteo_synthetic`` (26 string
+Data: the Criteo-schema click log of ``recsys_trainer.data.generators.criteo_synthetic`` (26 string
 categoricals with 50 to 40,000 distinct values, Zipf popularity, a planted score per value), in
 a temporary directory.
 
@@ -33,13 +33,13 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.criteo_synthetic import (
+from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
+from recsys_trainer.data.generators.criteo_synthetic import (
     DENSE_COLUMNS,
     SPARSE_COLUMNS,
     CriteoSignal,
     write_dataset,
 )
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.vocab import VocabFromData
 from recsys_trainer.data.windows import partitioned_windows

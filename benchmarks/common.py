@@ -22,7 +22,7 @@ from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.distributed import shutdown
 from recsys_trainer.models import DLRMClassifier, weighted_bce_with_logits
 from recsys_trainer.ranking_models import DINClassifier

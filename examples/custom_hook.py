@@ -27,7 +27,7 @@ from recsys_trainer import (
 )
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.models import DLRMClassifier
 
 

@@ -1,6 +1,6 @@
 """Train on the real Open Bandit click log: hourly windows, hashed string features, 2 ranks.
 
-    python -m recsys_trainer.data.open_bandit --out /tmp/obd          # once: CSV -> parquet
+    python -m recsys_trainer.data.generators.open_bandit --out /tmp/obd          # once: CSV -> parquet
     torchrun --nproc_per_node 2 examples/open_bandit.py --data /tmp/obd --hours 24
 
 ``train_and_evaluate`` walks the hourly windows in order: train on hour t, then evaluate on
@@ -16,7 +16,7 @@ import logging
 import torch
 
 from recsys_trainer import Hook, SparseOptimizer, StepOutput, Trainer, TrainingArguments
-from recsys_trainer.data.open_bandit import open_bandit_features
+from recsys_trainer.data.generators.open_bandit import open_bandit_features
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import shutdown
@@ -45,7 +45,8 @@ class ProgressiveValidation(Hook):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", required=True, help="output of `python -m recsys_trainer.data.open_bandit`")
+    p.add_argument("--data", required=True,
+                   help="output of `python -m recsys_trainer.data.generators.open_bandit`")
     p.add_argument("--hours", type=int, default=24, help="train windows (<= 167)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--output-dir", default="/tmp/obd_run")

@@ -3,11 +3,11 @@
     python examples/train_din.py                                        (one process)
     torchrun --standalone --nproc_per_node=2 examples/train_din.py
 
-If ``--data`` holds no dataset yet, rank 0 writes one (``python -m recsys_trainer.data.
-criteo_synthetic --behaviour``): the Criteo-schema log plus a candidate ``item`` and the user's
-``hist_item`` list, where the click depends on whether the candidate repeats a history item
-and on the share of the history in its category. Both models train on hour t and evaluate on
-hour t+1 through TorchRec's ``TrainPipelineSparseDist``:
+If ``--data`` holds no dataset yet, rank 0 writes one (``python -m
+recsys_trainer.data.generators.criteo_synthetic --behaviour``): the Criteo-schema log plus a
+candidate ``item`` and the user's ``hist_item`` list, where the click depends on whether the
+candidate repeats a history item and on the share of the history in its category. Both models
+train on hour t and evaluate on hour t+1 through TorchRec's ``TrainPipelineSparseDist``:
 
 - ``din``: ``ranking_models.DINClassifier``, the 26 categoricals pooled, the candidate and the
   history (last ``--max-len`` items) looked up in one shared item table, attention-pooled;
@@ -33,13 +33,13 @@ from recsys_trainer import (
     setup_logging,
     shutdown,
 )
-from recsys_trainer.data.criteo_synthetic import (
+from recsys_trainer.data.features import FeatureSpec
+from recsys_trainer.data.generators.criteo_synthetic import (
     SPARSE_COLUMNS,
     BehaviourSignal,
     behaviour_features,
     ensure_dataset,
 )
-from recsys_trainer.data.features import FeatureSpec
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed

@@ -26,7 +26,11 @@ from recsys_trainer import (
     setup_logging,
     shutdown,
 )
-from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, criteo_features, ensure_dataset
+from recsys_trainer.data.generators.criteo_synthetic import (
+    SPARSE_COLUMNS,
+    criteo_features,
+    ensure_dataset,
+)
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed

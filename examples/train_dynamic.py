@@ -6,8 +6,8 @@ on hour t and evaluated on hour t+1, then exported for serving.
     torchrun --standalone --nproc_per_node=2 examples/train_dynamic.py
 
 If ``--data`` holds no dataset yet, rank 0 writes one (``python -m
-recsys_trainer.data.churn_dataset``): users with power-law popularity and items that appear
-and fade within about an hour, each id with a planted effect on the click, about 10x more
+recsys_trainer.data.generators.churn_dataset``): users with power-law popularity and items that
+appear and fade within about an hour, each id with a planted effect on the click, about 10x more
 distinct ids per table than ``--slots``. After every train window the Trainer logs each dynamic
 table's occupancy and the ids admitted, evicted and expired in the window
 (``DynamicTableStatsHook``, added automatically). At the end it prints the eval AUC per window
@@ -32,12 +32,12 @@ from recsys_trainer import (
     setup_logging,
     shutdown,
 )
-from recsys_trainer.data.churn_dataset import (
+from recsys_trainer.data.generators.churn_dataset import (
     DEVICE_TABLE_ROWS,
     churn_features,
     ensure_churn_dataset,
 )
-from recsys_trainer.data.id_stream import ChurnStream
+from recsys_trainer.data.generators.id_stream import ChurnStream
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed

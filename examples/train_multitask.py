@@ -23,7 +23,7 @@ from torch import nn
 from train_din import common_arguments, fit, prepare, report
 
 from recsys_trainer import seed_everything, setup_logging, shutdown
-from recsys_trainer.data.criteo_synthetic import SPARSE_COLUMNS, behaviour_features
+from recsys_trainer.data.generators.criteo_synthetic import SPARSE_COLUMNS, behaviour_features
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.ranking_models import MMoEClassifier
 

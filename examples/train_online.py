@@ -14,12 +14,12 @@ directory or URL) after every window (``--publish-every``): a base, then deltas,
 ``LATEST`` pointer; checkpoints go to ``--output`` (the same command resumes from the newest
 one, e.g. under ``torchrun --max-restarts``).
 
-``--land`` starts the stream writer (``python -m recsys_trainer.data.stream_writer``) in a
-background process from rank 0, writing into ``--stream``: ``--windows`` windows (0: until the
-job is stopped), one every ``--every-s`` seconds, of ``--rows-per-window`` rows, with the
-planted change from window ``--shift-at`` on (one item becomes strongly clicked; the value is
-in ``STREAM/_signal.json``). The writer dies with the job; a restarted job's writer continues
-the stream where it stopped (the windows are deterministic).
+``--land`` starts the stream writer (``python -m recsys_trainer.data.generators.stream_writer``)
+in a background process from rank 0, writing into ``--stream``: ``--windows`` windows (0: until
+the job is stopped), one every ``--every-s`` seconds, of ``--rows-per-window`` rows, with the
+planted change from window ``--shift-at`` on (one item becomes strongly clicked; the value is in
+``STREAM/_signal.json``). The writer dies with the job; a restarted job's writer continues the
+stream where it stopped (the windows are deterministic).
 
 At the end rank 0 prints the train AUC per window (each batch scored before it is trained on:
 progressive validation) and ``train_online: final step S, LATEST sequence Q step S2``.
@@ -46,8 +46,8 @@ from recsys_trainer import (
     setup_logging,
     shutdown,
 )
-from recsys_trainer.data.criteo_synthetic import NUM_DENSE, SPARSE_COLUMNS
-from recsys_trainer.data.stream_writer import stream_dataset
+from recsys_trainer.data.generators.criteo_synthetic import NUM_DENSE, SPARSE_COLUMNS
+from recsys_trainer.data.generators.stream_writer import stream_dataset
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.hooks.publish import PublishHook
@@ -103,7 +103,7 @@ def _writer_preexec() -> None:
 
 def start_writer(a: argparse.Namespace) -> subprocess.Popen[bytes]:
     """The stream writer, in a background process writing into ``--stream``."""
-    cmd = [sys.executable, "-m", "recsys_trainer.data.stream_writer", "--out", a.stream,
+    cmd = [sys.executable, "-m", "recsys_trainer.data.generators.stream_writer", "--out", a.stream,
            "--windows", str(a.windows), "--every-s", str(a.every_s),
            "--rows-per-window", str(a.rows_per_window), "--shift-at", str(a.shift_at),
            "--seed", str(a.seed)]

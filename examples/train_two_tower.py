@@ -6,12 +6,12 @@ evaluated over the full item corpus against the oracle, with an item export for 
     python examples/train_two_tower.py --models two_tower sasrec --epochs 5
     python examples/train_two_tower.py --export output/two_tower/items --faiss
 
-If ``--data`` holds no dataset yet, rank 0 writes one (``python -m recsys_trainer.data.
-interactions_synthetic``): hourly windows of user-item interactions with planted interests,
-popularity and a sequential signal, an item catalog, and the oracle's Recall@K. Each model
-trains on every window but the last (``--epochs`` passes) and is evaluated on the last one after
-every epoch: Recall/NDCG@K of each event's next item, every eval user scored against all items
-(``RetrievalMetricHook``).
+If ``--data`` holds no dataset yet, rank 0 writes one (``python -m
+recsys_trainer.data.generators.interactions_synthetic``): hourly windows of user-item
+interactions with planted interests, popularity and a sequential signal, an item catalog, and
+the oracle's Recall@K. Each model trains on every window but the last (``--epochs`` passes) and
+is evaluated on the last one after every epoch: Recall/NDCG@K of each event's next item, every
+eval user scored against all items (``RetrievalMetricHook``).
 
 - ``two_tower``: ``retrieval.TwoTowerModel``: user id and segment, the mean of the history and
   its most recent item (user tower), item id and category (item tower), in-batch softmax with
@@ -52,7 +52,7 @@ from recsys_trainer import (
     setup_logging,
     shutdown,
 )
-from recsys_trainer.data.interactions_synthetic import (
+from recsys_trainer.data.generators.interactions_synthetic import (
     InteractionSignal,
     ensure_dataset,
     interaction_features,

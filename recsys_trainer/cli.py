@@ -80,7 +80,7 @@ def build_datasets(cfg: RunConfig, rank: int) -> tuple[Any, Any]:
     """This rank's train and eval datasets for the configured data."""
     d = cfg.data
     if isinstance(d, SyntheticDataConfig):
-        from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+        from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 
         features, num_dense, rows = cfg.synthetic_schema()
         signal = PlantedSignal.make(len(features), num_dense, rows, seed=d.signal_seed,

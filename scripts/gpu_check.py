@@ -939,7 +939,7 @@ def tt_build(root: str) -> tuple[Any, Any]:
     holds it): (spec, model); built the same in the trainer and in the CPU export process."""
     import torch
 
-    from recsys_trainer.data.interactions_synthetic import interaction_features
+    from recsys_trainer.data.generators.interactions_synthetic import interaction_features
     from recsys_trainer.retrieval.models import TwoTowerModel
 
     with open(os.path.join(root, "_signal.json")) as f:
@@ -999,7 +999,10 @@ def _d_train(kind: str, root: str) -> tuple[Any, dict[int, Any], str, str, dict[
     import pyarrow.parquet as pq
 
     from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-    from recsys_trainer.data.interactions_synthetic import InteractionSignal, write_dataset
+    from recsys_trainer.data.generators.interactions_synthetic import (
+        InteractionSignal,
+        write_dataset,
+    )
     from recsys_trainer.data.parquet import ParquetWindowDataset
     from recsys_trainer.data.windows import partitioned_windows
 

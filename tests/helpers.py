@@ -8,7 +8,7 @@ import torch
 
 from recsys_trainer import Hook, SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.hooks.base import EVENTS, StepOutput
 from recsys_trainer.models import DLRMClassifier
 

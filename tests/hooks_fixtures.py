@@ -16,8 +16,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_trainer import Hook, SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.open_bandit import read_sample_csv
-from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.data.generators.open_bandit import read_sample_csv
+from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.models import DLRMClassifier
 
 FEATURES = ["f0", "f1", "f2", "f3"]
@@ -43,7 +43,8 @@ def _h(s: str) -> int:
 def open_bandit_batches(batch_size: int = 333, source: str = "random_men") -> list[Batch]:
     """The real click log as batches: item, position and two hashed user features as ids (f3 is
     the user proxy: all four user features hashed), four affinities as dense features. The
-    sample is the obp wheel scripts/setup fetched (``recsys_trainer.data.open_bandit``)."""
+    sample is the obp wheel scripts/setup fetched
+    (``recsys_trainer.data.generators.open_bandit``)."""
     ids: list[list[int]] = []
     dense: list[list[float]] = []
     labels: list[float] = []

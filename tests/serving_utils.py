@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.criteo_synthetic import (
+from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.generators.criteo_synthetic import (
     SPARSE_COLUMNS,
     BehaviourSignal,
     CriteoSignal,
@@ -21,7 +22,6 @@ from recsys_trainer.data.criteo_synthetic import (
     criteo_features,
     generate_hour,
 )
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable
 from recsys_trainer.models import DLRMClassifier

@@ -30,7 +30,7 @@ from recsys_trainer.checkpoint import (
 )
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 from recsys_trainer.data.base import Segment, WindowedDataset
-from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.storage import file_digest

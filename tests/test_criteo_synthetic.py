@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from recsys_trainer.data.criteo_synthetic import (
+from recsys_trainer.data.generators.criteo_synthetic import (
     DENSE_COLUMNS,
     SPARSE_COLUMNS,
     criteo_features,
@@ -48,7 +48,7 @@ def test_a_generated_file_that_does_not_fit_leaves_no_temporary_file(tmp_path) -
     import pyarrow as pa
     from fs_utils import small_tmpfs
 
-    from recsys_trainer.data.generated import write_whole
+    from recsys_trainer.data.generators.generated import write_whole
 
     table = pa.table({"x": list(range(200_000))})
     with small_tmpfs(str(tmp_path / "disk"), 256) as disk:
@@ -60,7 +60,7 @@ def test_a_generated_file_that_does_not_fit_leaves_no_temporary_file(tmp_path) -
 def _write_where_rank_0_cannot(root: str) -> dict[str, object]:
     import time
 
-    from recsys_trainer.data.generated import written_once
+    from recsys_trainer.data.generators.generated import written_once
     from recsys_trainer.distributed import init_distributed
 
     init_distributed("cpu", timeout_s=120)

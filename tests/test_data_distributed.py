@@ -14,7 +14,7 @@ from dist_utils import run_distributed
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.data.features import FeatureSpec
-from recsys_trainer.data.open_bandit import convert, open_bandit_features
+from recsys_trainer.data.generators.open_bandit import convert, open_bandit_features
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.lambda_hook import LambdaHook

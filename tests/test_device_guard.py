@@ -147,11 +147,14 @@ NOT_DEVICE_SIDE: dict[str, str] = {
     **dict.fromkeys(
         tuple(f"data/{m}.py" for m in (
             "__init__", "base", "batch_check", "chunk", "churn_dataset", "columns",
-            "criteo_synthetic", "decode", "errors", "features", "generated", "hashing",
+            "criteo_synthetic", "decode", "errors", "features", "hashing",
             "id_stream", "inputs", "interactions_synthetic", "open_bandit", "parquet",
             "parquet_files", "parquet_plan",
             "prefetch", "spec", "sync", "synthetic", "vocab/__init__", "vocab/build",
-            "vocab/features", "vocab/lookup", "vocab/state", "windows", "stream_writer")),
+            "vocab/features", "vocab/lookup", "vocab/state", "windows", "stream_writer",
+            "generators/__init__", "generators/churn_dataset", "generators/criteo_synthetic",
+            "generators/generated", "generators/id_stream", "generators/interactions_synthetic",
+            "generators/open_bandit", "generators/stream_writer", "generators/synthetic")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(

@@ -23,7 +23,7 @@ from recsys_trainer.checkpoint.dynamic_export import (
     load_export,
     write_delta,
 )
-from recsys_trainer.data.id_stream import IdStream
+from recsys_trainer.data.generators.id_stream import IdStream
 from recsys_trainer.dynamic import (
     COUNT_ONE,
     EMPTY_SLOT,
@@ -1303,7 +1303,7 @@ def test_occupancy_admissions_and_evictions_are_reported_per_window_to_logs_tens
 _NO_LOGGING_SETUP = r"""
 import logging, sys
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.id_stream import IdStream
+from recsys_trainer.data.generators.id_stream import IdStream
 from recsys_trainer.dynamic import DynamicTable
 from recsys_trainer.models import DLRMClassifier
 

@@ -43,7 +43,7 @@ AUC_TOLERANCE = 0.01
 
 
 def _data() -> tuple[list[Any], list[Any]]:
-    from recsys_trainer.data.synthetic import PlantedSignal, synthetic_batches
+    from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 
     sig = PlantedSignal.make(len(FEATURES), NUM_DENSE, ROWS, seed=7, strength=1.0)
     train = synthetic_batches(TRAIN_BATCHES, BATCH, FEATURES, NUM_DENSE, ROWS, seed=1, signal=sig)

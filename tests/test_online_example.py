@@ -1,5 +1,5 @@
 """The newcomer's online loop (docs/online.md "Try it: train, publish, serve"): the stream
-writer (recsys_trainer/data/stream_writer.py) lands windows, ``_SUCCESS`` last, with its
+writer (recsys_trainer/data/generators/stream_writer.py) lands windows, ``_SUCCESS`` last, with its
 planted change; examples/train_online.py --land trains on them on 2 ranks under torchrun and
 publishes; a Follower of the location serves the job's final step."""
 
@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recsys_trainer import storage
-from recsys_trainer.data.stream_writer import (
+from recsys_trainer.data.generators.stream_writer import (
     END_MARKER,
     StreamConfig,
     StreamWriter,

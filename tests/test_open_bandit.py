@@ -13,8 +13,8 @@ import zipfile
 import pyarrow.parquet as pq
 import pytest
 
-from recsys_trainer.data import open_bandit
-from recsys_trainer.data.open_bandit import (
+from recsys_trainer.data.generators import open_bandit
+from recsys_trainer.data.generators.open_bandit import (
     OBP_WHEEL,
     OpenBanditSampleError,
     cache_dir,

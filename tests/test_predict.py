@@ -218,7 +218,7 @@ def test_a_scoring_restore_brings_back_the_dynamic_tables_id_maps_with_the_model
     from test_dynamic import FEATS, build, resident_ids
 
     from recsys_trainer.checkpoint.contents import scoring_components
-    from recsys_trainer.data.id_stream import IdStream
+    from recsys_trainer.data.generators.id_stream import IdStream
     from recsys_trainer.dynamic import DynamicTable
 
     spec = DynamicTable(num_slots=64, eviction_interval=2)

@@ -26,7 +26,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.criteo_synthetic import (
+from recsys_trainer.data.generators.criteo_synthetic import (
     SPARSE_COLUMNS,
     BehaviourSignal,
     behaviour_features,

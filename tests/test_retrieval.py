@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.interactions_synthetic import (
+from recsys_trainer.data.generators.interactions_synthetic import (
     InteractionSignal,
     interaction_features,
     oracle_ranks,

@@ -18,7 +18,7 @@ from dist_utils import run_distributed, train_recording_failure
 from test_retrieval import brute_force_metrics
 
 from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.interactions_synthetic import (
+from recsys_trainer.data.generators.interactions_synthetic import (
     InteractionSignal,
     interaction_features,
     write_dataset,

@@ -18,7 +18,7 @@ import torch
 from test_checkpoint_trainer import assert_bitwise_equal, snapshot
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.interactions_synthetic import (
+from recsys_trainer.data.generators.interactions_synthetic import (
     InteractionSignal,
     interaction_features,
     write_dataset,

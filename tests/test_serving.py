@@ -454,7 +454,11 @@ def test_run_export_writes_the_artifact_of_the_newest_checkpoint_of_a_cli_traini
 def test_a_few_rows_decode_to_the_ids_they_have_among_many() -> None:
     """Small requests hash their string columns in one call (a serving speed-up in the shared
     decoder): the ids must be those of the same rows decoded in a large batch."""
-    from recsys_trainer.data.criteo_synthetic import CriteoSignal, criteo_features, generate_hour
+    from recsys_trainer.data.generators.criteo_synthetic import (
+        CriteoSignal,
+        criteo_features,
+        generate_hour,
+    )
 
     table, _ = generate_hour(CriteoSignal.make(max_vocab=300), 200, np.random.default_rng(3), 0)
     spec = criteo_features(1000)

@@ -16,7 +16,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.synthetic import synthetic_batches
+from recsys_trainer.data.generators.synthetic import synthetic_batches
 from recsys_trainer.models import weighted_bce_with_logits
 from recsys_trainer.optimizers import resolve_table_optimizers
 

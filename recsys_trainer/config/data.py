@@ -20,8 +20,9 @@ from recsys_trainer.validation import check_int, check_number, check_type
 
 @dataclass(kw_only=True)
 class SyntheticDataConfig:
-    """In-memory synthetic clicks with a planted signal (``recsys_trainer.data.synthetic``); the
-    schema (features, table sizes) comes from ``model``. Each rank generates its own rows."""
+    """In-memory synthetic clicks with a planted signal
+    (``recsys_trainer.data.generators.synthetic``); the schema (features, table sizes) comes from
+    ``model``. Each rank generates its own rows."""
 
     kind: Literal["synthetic"] = "synthetic"
     batch_size: int = 512
