@@ -160,8 +160,9 @@ NOT_DEVICE_SIDE: dict[str, str] = {
     **dict.fromkeys(
         tuple(f"serving/{m}.py" for m in (
             "__init__", "delta", "export", "manifest", "quantize", "routing", "scorer",
-            "tables", "published", "follow", "server", "model_parts", "artifact", "publisher",
-            "_publish_worker")),
+            "published", "follow", "server", "model_parts", "artifact", "publisher",
+            "_publish_worker", "runtime/__init__", "runtime/scorer", "runtime/tables",
+            "runtime/follow", "runtime/server")),
         "serving runs on the host: the export copies the model to host tensors first and the "
         "Scorer scores on the CPU"),
 }

@@ -39,8 +39,8 @@ import serving_utils as su
 from elastic_utils import Node, all_rows, jsonl, progress, trained, wait_for
 
 from recsys_trainer.distributed import free_port
-from recsys_trainer.serving import follow
 from recsys_trainer.serving import published as pub
+from recsys_trainer.serving.runtime import follow
 
 ROWS = 320  # per window: 20 steps of 8 rows per rank at world size 2, 40 at world size 1
 

@@ -1,4 +1,4 @@
-"""``Follower`` (recsys_trainer/serving/follow.py) on a published location built by hand from
+"""``Follower`` (recsys_trainer/serving/runtime/follow.py) on a published location built by hand from
 real exports (tests/follow_utils.py): base -> delta -> delta scoring exactly as the full
 exports, atomic swaps under concurrent scoring, a missing or corrupt delta (the next base is
 loaded), an unreadable base or pointer (the last good model stays, with a named error)."""
@@ -17,7 +17,7 @@ import pytest
 
 from recsys_trainer.serving import Scorer
 from recsys_trainer.serving import published as pub
-from recsys_trainer.serving.follow import Follower, FollowError, NoModelError, follow
+from recsys_trainer.serving.runtime.follow import Follower, FollowError, NoModelError, follow
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_the_follower_moves_base_delta_delta_scoring_as_the_full_export_at_each_
     assert first.content_hash == chain.hashes[1] and first.window_time == 1.7e9 + 1
     assert np.array_equal(f.score(chain.rows).reshape(len(chain.rows), -1), chain.expected[1])
 
-    caplog.set_level(logging.INFO, logger="recsys_trainer.serving.follow")
+    caplog.set_level(logging.INFO, logger="recsys_trainer.serving.runtime.follow")
     chain.point(loc, 2, "bases/b0", ("deltas/d1",), 3)
     assert f.poll_once()
     second = f.served

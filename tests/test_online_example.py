@@ -25,7 +25,7 @@ from recsys_trainer.data.generators.stream_writer import (
     stream_windows,
 )
 from recsys_trainer.serving import published as pub
-from recsys_trainer.serving.follow import Follower
+from recsys_trainer.serving.runtime.follow import Follower
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -115,7 +115,7 @@ class Serve:
         self.url, self.log = f"http://127.0.0.1:{port}", log
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                [PY, "-m", "recsys_trainer.serving.server", location, "--port", str(port),
+                [PY, "-m", "recsys_trainer.serving.runtime.server", location, "--port", str(port),
                  "--poll-s", "0.1"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                 env=_env(env))
 

@@ -22,12 +22,15 @@ MOVED: dict[str, str] = {
     f"recsys_trainer.data.{m}": f"recsys_trainer.data.generators.{m}"
     for m in ("criteo_synthetic", "interactions_synthetic", "churn_dataset", "id_stream",
               "open_bandit", "synthetic", "stream_writer")
+} | {
+    f"recsys_trainer.serving.{m}": f"recsys_trainer.serving.runtime.{m}"
+    for m in ("scorer", "follow", "server")
 }
 """Old module path -> where the module lives now (the old path is a module that re-exports)."""
 
 OLD_COMMANDS = ("recsys_trainer.data.criteo_synthetic", "recsys_trainer.data.interactions_synthetic",
                 "recsys_trainer.data.churn_dataset", "recsys_trainer.data.open_bandit",
-                "recsys_trainer.data.stream_writer")
+                "recsys_trainer.data.stream_writer", "recsys_trainer.serving.server")
 """``python -m`` commands the docs gave before the moves."""
 
 PACKAGES = ("recsys_trainer", "recsys_trainer.data", "recsys_trainer.data.features",

@@ -30,7 +30,7 @@ from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.publish import PublishHook
 from recsys_trainer.serving import Scorer, export_for_serving
 from recsys_trainer.serving import published as pub
-from recsys_trainer.serving.follow import Follower
+from recsys_trainer.serving.runtime.follow import Follower
 
 
 def _stream(root: str, windows: int, end: bool = True) -> tuple[StreamingWindows, str]:
@@ -357,7 +357,7 @@ def test_the_smoke_test_never_publishes_to_the_real_location(tmp_path) -> None:
 
 @pytest.mark.timeout(180)
 def test_a_delta_deleted_by_hand_makes_the_next_publish_a_base_that_followers_can_load(tmp_path) -> None:
-    from recsys_trainer.serving.follow import Follower
+    from recsys_trainer.serving.runtime.follow import Follower
 
     root = str(tmp_path)
     stream, _ = _stream(root, 5)
@@ -406,7 +406,7 @@ def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp
     # most rows, so a delta may be over max_delta_fraction).
     assert [r.step for r in hook.records] == [2, 4, 6]
     assert [r.kind for r in hook.records][0] == "base" and not any(r.error for r in hook.records)
-    from recsys_trainer.serving.follow import Follower
+    from recsys_trainer.serving.runtime.follow import Follower
 
     follower = Follower(loc)
     latest = pub.read_pointer(loc)

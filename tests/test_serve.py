@@ -1,4 +1,4 @@
-"""``recsys-serve`` (recsys_trainer/serving/server.py) as a real process on 127.0.0.1, following
+"""``recsys-serve`` (recsys_trainer/serving/runtime/server.py) as a real process on 127.0.0.1, following
 a published location built by hand from real exports (tests/follow_utils.py): 503 before
 anything is published, JSON and Arrow IPC scoring equal to the Scorer's, named 400s, /health
 and /model, a new pointer followed, no failed request while the model swaps under load, and a
@@ -25,7 +25,7 @@ import pytest
 from s3_server import free_ports
 
 from recsys_trainer.serving import Scorer
-from recsys_trainer.serving.server import ARROW_STREAM, parse_args
+from recsys_trainer.serving.runtime.server import ARROW_STREAM, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,7 +86,7 @@ def test_recsys_serve_scores_follows_the_pointer_and_stops_gracefully_on_sigterm
     log = str(tmp_path / "serve.log")
     refs = {step: Scorer(path) for step, path in chain.full.items()}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "recsys_trainer.serving.server", loc,
+        proc = subprocess.Popen([sys.executable, "-m", "recsys_trainer.serving.runtime.server", loc,
                                  "--port", str(port), "--poll-s", "0.1"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
@@ -256,8 +256,8 @@ def _asgi_post(app: Any, chunks: list[bytes], headers: list[tuple[bytes, bytes]]
 
 @pytest.mark.timeout(60)
 def test_an_oversized_body_is_refused_without_being_held_whole(tmp_path) -> None:
-    from recsys_trainer.serving.follow import Follower
-    from recsys_trainer.serving.server import create_app
+    from recsys_trainer.serving.runtime.follow import Follower
+    from recsys_trainer.serving.runtime.server import create_app
 
     app = create_app(Follower(str(tmp_path / "nothing-published")), start_follower=False,
                      max_body_bytes=100)
@@ -276,8 +276,8 @@ def test_an_oversized_body_is_refused_without_being_held_whole(tmp_path) -> None
 def test_health_says_stalled_when_a_poll_hangs(tmp_path, monkeypatch) -> None:
     import asyncio
 
-    from recsys_trainer.serving.follow import Follower
-    from recsys_trainer.serving.server import create_app
+    from recsys_trainer.serving.runtime.follow import Follower
+    from recsys_trainer.serving.runtime.server import create_app
 
     follower = Follower(str(tmp_path / "nothing-published"), poll_s=0.05)
     release = threading.Event()

@@ -209,7 +209,7 @@ def test_rows_as_dicts_with_nulls_and_missing_columns_get_what_training_does_or_
 
 
 def test_a_negative_dynamic_id_is_refused_as_in_training() -> None:
-    from recsys_trainer.serving.tables import DynamicRows, Table
+    from recsys_trainer.serving.runtime.tables import DynamicRows, Table
 
     t = Table(name="t", kind="pooled", dim=2, pooling="sum", weighted=False, features=["f"],
               quantization=None, weight=None, dynamic=DynamicRows(
@@ -348,7 +348,7 @@ def test_a_corrupt_uncommitted_or_pickling_artifact_is_refused_naming_the_file(d
     with pytest.raises(ArtifactError, match="not a committed serving artifact"):
         Scorer(bad)
     # A program archive with a pickled member is refused before torch.export.load sees it.
-    from recsys_trainer.serving.scorer import check_program_archive
+    from recsys_trainer.serving.runtime.scorer import check_program_archive
 
     src = os.path.join(dlrm["art"], mf.PROGRAM)
     out = str(tmp_path / "p.pt2")

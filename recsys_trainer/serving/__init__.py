@@ -1,7 +1,8 @@
 """Serving: a trained model as a portable artifact, and a scorer that reads it.
 
-``Scorer`` (``scorer.py``) loads an artifact and scores raw rows through the training code's
-own decoding; it imports no torchrec, FBGEMM or ``torch.distributed`` training machinery.
+``Scorer`` (``runtime/scorer.py``) loads an artifact and scores raw rows through the training
+code's own decoding; it imports no torchrec, FBGEMM or ``torch.distributed`` training machinery,
+nor does the rest of ``runtime/`` (what ``recsys-serve`` runs).
 ``export_for_serving`` / ``export_delta`` (``export.py``) write artifacts from a checkpoint or
 a live ``Trainer``; they need the training stack and are imported on first use (PEP 562), so
 ``import recsys_trainer.serving`` stays light. The format: ``manifest.py`` and
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from recsys_trainer.lazy import lazy_attributes
 from recsys_trainer.serving.manifest import ArtifactError
-from recsys_trainer.serving.scorer import Scorer
+from recsys_trainer.serving.runtime.scorer import Scorer
 
 if TYPE_CHECKING:
     from recsys_trainer.serving.export import ExportSummary, export_delta, export_for_serving

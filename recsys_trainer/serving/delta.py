@@ -32,7 +32,7 @@ from safetensors.torch import load as load_safetensors
 from recsys_trainer import storage
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.routing import Routing
-from recsys_trainer.serving.tables import DynamicRows, Table
+from recsys_trainer.serving.runtime.tables import DynamicRows, Table
 
 DELTA_TABLES = "delta.safetensors"
 
