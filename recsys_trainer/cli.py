@@ -35,7 +35,7 @@ from recsys_trainer.config import (
     config_to_dict,
     load_config,
 )
-from recsys_trainer.serving.export import export_delta, export_for_serving
+from recsys_trainer.serving.exporting.export import export_delta, export_for_serving
 
 USAGE = "recsys-train [-h] [--print-config] [--smoke] CONFIG [--section.key VALUE ...]"
 

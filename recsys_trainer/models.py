@@ -283,5 +283,5 @@ class DLRMClassifier(nn.Module):
                        sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
                        ) -> torch.Tensor:
         """The logits of ``forward`` from looked-up embeddings (``pooled``: ``[B, D]`` per
-        feature): the serving contract (``recsys_trainer.serving.export``)."""
+        feature): the serving contract (``recsys_trainer.serving.exporting.export``)."""
         return self._logits(dense, stack_pooled(self.dlrm.sparse_arch, pooled))

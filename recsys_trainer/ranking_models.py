@@ -202,7 +202,7 @@ class DINClassifier(nn.Module):
                        sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
                        ) -> torch.Tensor:
         """The logits of ``forward`` from looked-up embeddings: the serving contract
-        (``recsys_trainer.serving.export``). Rows without exactly one candidate id fail as in
+        (``recsys_trainer.serving.exporting.export``). Rows without exactly one candidate id fail as in
         training (an assert kept in the exported program)."""
         # A fixed message (the program holds no row); the Scorer names the column and row.
         torch._assert_async((lengths[self.item_feature] == 1).all(),
@@ -290,7 +290,7 @@ class MMoEClassifier(nn.Module):
                        sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
                        ) -> torch.Tensor:
         """The logits of ``forward`` from looked-up embeddings: the serving contract
-        (``recsys_trainer.serving.export``)."""
+        (``recsys_trainer.serving.exporting.export``)."""
         return self._logits(dense, stack_pooled(self.sparse_arch, pooled))
 
     def _logits(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:

@@ -160,9 +160,10 @@ NOT_DEVICE_SIDE: dict[str, str] = {
     **dict.fromkeys(
         tuple(f"serving/{m}.py" for m in (
             "__init__", "delta", "export", "manifest", "quantize", "routing", "scorer",
-            "published", "follow", "server", "model_parts", "artifact", "publisher",
-            "_publish_worker", "runtime/__init__", "runtime/scorer", "runtime/tables",
-            "runtime/follow", "runtime/server")),
+            "published", "follow", "server", "publisher", "runtime/__init__", "runtime/scorer",
+            "runtime/tables", "runtime/follow", "runtime/server", "exporting/__init__",
+            "exporting/export", "exporting/model_parts", "exporting/artifact",
+            "exporting/publisher", "exporting/_publish_worker")),
         "serving runs on the host: the export copies the model to host tensors first and the "
         "Scorer scores on the CPU"),
 }

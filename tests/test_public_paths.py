@@ -25,6 +25,11 @@ MOVED: dict[str, str] = {
 } | {
     f"recsys_trainer.serving.{m}": f"recsys_trainer.serving.runtime.{m}"
     for m in ("scorer", "follow", "server")
+} | {
+    f"recsys_trainer.serving.{m}": f"recsys_trainer.serving.exporting.{m}"
+    for m in ("export", "publisher")
+} | {
+    "recsys_trainer.hooks.publisher": "recsys_trainer.serving.exporting.publisher",
 }
 """Old module path -> where the module lives now (the old path is a module that re-exports)."""
 

@@ -669,7 +669,7 @@ def test_weighted_multi_hot_bucketized_and_shared_sequence_features_score_as_pre
 def test_a_delta_against_a_base_without_id_kinds_says_so_not_that_the_spec_changed() -> None:
     """A base exported before the features JSON recorded ``id_kinds`` hashes to another
     ``features_sha256`` than a new export of the same spec: told apart from a changed spec."""
-    from recsys_trainer.serving.export import _check_delta_features
+    from recsys_trainer.serving.exporting.export import _check_delta_features
 
     new = {"features": {"sparse": [], "id_kinds": {"C1": "string"}}, "features_sha256": "b"}
     _check_delta_features({**new}, new)  # the same spec: nothing to say
@@ -713,7 +713,7 @@ def test_the_exports_host_copy_takes_the_checkpoints_values_in_the_models_dtypes
     """``_on_host`` is where the export crosses to the host: a dense part on another device
     (``meta`` here, a GPU in training) comes back on the CPU with the checkpoint's values, and a
     model built in another precision keeps it (a copy into its tensors would)."""
-    from recsys_trainer.serving.model_parts import on_host as _on_host
+    from recsys_trainer.serving.exporting.model_parts import on_host as _on_host
 
     state = {k: v.float() for k, v in torch.nn.Linear(3, 2).state_dict().items()}
     double = _on_host(torch.nn.Linear(3, 2).to(torch.float64), state)

@@ -24,7 +24,7 @@ from recsys_trainer.config.optimizers import (
 )
 from recsys_trainer.optimizers import SparseOptimizer
 from recsys_trainer.predict import PredictOptions
-from recsys_trainer.serving.export import ExportOptions
+from recsys_trainer.serving.exporting.export import ExportOptions
 
 RunMode = Literal["train", "evaluate", "train_and_evaluate", "predict", "export"]
 RUN_MODES = ("train", "evaluate", "train_and_evaluate", "predict", "export")
@@ -46,7 +46,7 @@ class RunConfig:
     predict: PredictOptions | None = None
     """Where and how ``run: predict`` writes its scores (``Trainer.predict``)."""
     export: ExportOptions | None = None
-    """Where and how ``run: export`` writes the serving artifact (``serving.export``)."""
+    """Where and how ``run: export`` writes the serving artifact (``serving.exporting.export``)."""
     table_optimizers: dict[str, SparseOptimizer] = field(default_factory=dict)
     """``Trainer(table_optimizers=...)``: ``{table name or glob: SparseOptimizer}``."""
     lr_scheduler: ComponentSpec | None = None

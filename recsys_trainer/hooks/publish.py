@@ -94,8 +94,8 @@ from recsys_trainer import dynamic
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.hooks.base import Hook, ResumePoint, TrainerView
 from recsys_trainer.periods import Trigger
-from recsys_trainer.serving.model_parts import dense_copy, table_modules, weighted
-from recsys_trainer.serving.publisher import Publisher
+from recsys_trainer.serving.exporting.model_parts import dense_copy, table_modules, weighted
+from recsys_trainer.serving.exporting.publisher import Publisher
 
 if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
@@ -473,7 +473,8 @@ class PublishHook(Hook):
         # publisher the stopped step); the publisher ends when this process does (its stdin
         # closes, or its parent is gone: ``worker_main``).
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "recsys_trainer.serving._publish_worker", self._init_path],
+            [sys.executable, "-m", "recsys_trainer.serving.exporting._publish_worker",
+             self._init_path],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
         assert self._proc.stdout is not None
         threading.Thread(target=_pump, args=(self._proc.stdout, self._results, self.location),

@@ -3,10 +3,13 @@
 ``Scorer`` (``runtime/scorer.py``) loads an artifact and scores raw rows through the training
 code's own decoding; it imports no torchrec, FBGEMM or ``torch.distributed`` training machinery,
 nor does the rest of ``runtime/`` (what ``recsys-serve`` runs).
-``export_for_serving`` / ``export_delta`` (``export.py``) write artifacts from a checkpoint or
-a live ``Trainer``; they need the training stack and are imported on first use (PEP 562), so
-``import recsys_trainer.serving`` stays light. The format: ``manifest.py`` and
-docs/serving.md.
+``export_for_serving`` / ``export_delta`` (``exporting/export.py``) write artifacts from a
+checkpoint or a live ``Trainer``; they need the training stack, as does the rest of
+``exporting/`` (what the training job runs to export and publish), and are imported on first
+use (PEP 562), so ``import recsys_trainer.serving`` stays light. The formats both sides share
+are the modules here: the artifact's (``manifest.py`` and docs/serving.md), deltas
+(``delta.py``), dynamic tables' routing (``routing.py``), quantized tables (``quantize.py``) and
+the published location (``published.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from recsys_trainer.serving.manifest import ArtifactError
 from recsys_trainer.serving.runtime.scorer import Scorer
 
 if TYPE_CHECKING:
-    from recsys_trainer.serving.export import ExportSummary, export_delta, export_for_serving
+    from recsys_trainer.serving.exporting.export import (
+        ExportSummary,
+        export_delta,
+        export_for_serving,
+    )
 
-_LAZY = {"ExportSummary": "recsys_trainer.serving.export",
-         "export_delta": "recsys_trainer.serving.export",
-         "export_for_serving": "recsys_trainer.serving.export"}
+_LAZY = {"ExportSummary": "recsys_trainer.serving.exporting.export",
+         "export_delta": "recsys_trainer.serving.exporting.export",
+         "export_for_serving": "recsys_trainer.serving.exporting.export"}
 
 __all__ = ["ArtifactError", "ExportSummary", "Scorer", "export_delta", "export_for_serving"]
 

@@ -3,7 +3,7 @@
 ``table_modules`` finds a model's embedding collections (torchrec's, sharded or not, dynamic
 and managed-collision ones); ``dense_copy`` copies the rest of the model without them and
 ``on_host`` gives that copy the checkpoint's dense state on the CPU; ``export_program`` traces
-its ``serving_logits`` (the serving contract, ``recsys_trainer.serving.export``) with
+its ``serving_logits`` (the serving contract, ``recsys_trainer.serving.exporting.export``) with
 ``torch.export``, ``program_bytes`` serialises the program and ``aot_package`` compiles it with
 AOTInductor. ``export.build`` puts these together into an artifact.
 """
@@ -159,12 +159,12 @@ class _Program(nn.Module):
 
 
 def check_contract(model: nn.Module, has_sequences: bool) -> None:
-    """Refuse a model without the serving contract (``recsys_trainer.serving.export``)."""
+    """Refuse a model without the serving contract (``recsys_trainer.serving.exporting.export``)."""
     if not callable(getattr(model, "serving_logits", None)):
         raise TypeError(
             f"{type(model).__name__} has no `serving_logits(dense, pooled, sequences, lengths)` "
             "method, which an export needs (the dense part without the embedding lookups); see "
-            "recsys_trainer.serving.export and docs/serving.md for the contract.")
+            "recsys_trainer.serving.exporting.export and docs/serving.md for the contract.")
     if has_sequences and not callable(getattr(model, "serving_sequence_lengths", None)):
         raise TypeError(f"{type(model).__name__} reads sequence features but has no "
                         "`serving_sequence_lengths()` (the padded length per feature).")
