@@ -95,14 +95,14 @@ def test_component_paths_of_the_configs_resolve_at_their_old_and_new_paths() -> 
 
 def _documented_commands() -> set[str]:
     """The modules of every ``python -m recsys_trainer...`` in README.md, docs/, examples/ and
-    scripts/."""
+    scripts/ (not a placeholder such as ``recsys_trainer.data.<name>``)."""
     files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
              *sorted(p for p in (REPO / "examples").rglob("*") if p.suffix in (".py", ".yaml")),
              *sorted(p for p in (REPO / "scripts").iterdir() if p.is_file())]
     found: set[str] = set()
     for path in files:
-        for m in re.finditer(r"python3? -m (recsys_trainer[A-Za-z0-9_.]*)", path.read_text()):
-            found.add(m.group(1).rstrip("."))
+        text = path.read_text()
+        found.update(re.findall(r"python3? -m (recsys_trainer(?:[\w.]*\w)?)(?![\w.<])", text))
     return found
 
 

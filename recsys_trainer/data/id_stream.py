@@ -1,12 +1,5 @@
-"""Moved to ``recsys_trainer.data.generators.id_stream`` (the data generators live apart from the
-reader). This path keeps working: it re-exports the module's public names."""
+"""Moved to ``recsys_trainer.data.generators.id_stream`` (the data generators live apart from
+the reader). This path keeps working: it re-exports that module's ``__all__``."""
 
-from recsys_trainer.data.generators.id_stream import (
-    ChurnStream,
-    IdStream,
-)
-
-__all__ = [
-    "ChurnStream",
-    "IdStream",
-]
+from recsys_trainer.data.generators.id_stream import *  # noqa: F403 - the names of its __all__
+from recsys_trainer.data.generators.id_stream import __all__ as __all__

@@ -1,13 +1,5 @@
 """Moved to ``recsys_trainer.serving.runtime.follow`` (the serving runtime lives apart from the
-export side). This path keeps working: it re-exports the module's public names."""
+export side). This path keeps working: it re-exports that module's ``__all__``."""
 
-from recsys_trainer.serving.runtime.follow import (
-    ErrorKind,
-    Follower,
-    FollowError,
-    NoModelError,
-    Served,
-    follow,
-)
-
-__all__ = ["ErrorKind", "FollowError", "Follower", "NoModelError", "Served", "follow"]
+from recsys_trainer.serving.runtime.follow import *  # noqa: F403 - the names of its __all__
+from recsys_trainer.serving.runtime.follow import __all__ as __all__

@@ -1,12 +1,5 @@
 """Moved to ``recsys_trainer.serving.runtime.scorer`` (the serving runtime lives apart from the
-export side). This path keeps working: it re-exports the module's public names."""
+export side). This path keeps working: it re-exports that module's ``__all__``."""
 
-from recsys_trainer.serving.runtime.scorer import (
-    DynamicRows,
-    Rows,
-    Scorer,
-    Table,
-    check_program_archive,
-)
-
-__all__ = ["DynamicRows", "Rows", "Scorer", "Table", "check_program_archive"]
+from recsys_trainer.serving.runtime.scorer import *  # noqa: F403 - the names of its __all__
+from recsys_trainer.serving.runtime.scorer import __all__ as __all__

@@ -120,5 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(write_churn_dataset(a.out, stream, a.rows_per_hour)))
 
 
+__all__ = ["DEVICES", "DEVICE_TABLE_ROWS", "churn_features", "ensure_churn_dataset", "main",
+           "write_churn_dataset"]
+
+
 if __name__ == "__main__":
     main()

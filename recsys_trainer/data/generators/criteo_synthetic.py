@@ -305,5 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(meta))
 
 
+__all__ = ["BehaviourSignal", "CriteoSignal", "DENSE_COLUMNS", "NUM_DENSE", "NUM_SPARSE",
+           "SPARSE_COLUMNS", "behaviour_features", "criteo_features", "ensure_dataset",
+           "generate_hour", "main", "vocab_sizes", "write_dataset"]
+
+
 if __name__ == "__main__":
     main()

@@ -140,3 +140,6 @@ class ChurnStream:
                 sparse=sparse, labels=torch.from_numpy(labels.astype(np.float32)),
                 passthrough={"logit": torch.from_numpy(logit.astype(np.float32))}))
         return out
+
+
+__all__ = ["ChurnStream", "IdStream"]

@@ -372,5 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({k: v for k, v in meta.items() if k != "per_window"}))
 
 
+__all__ = ["INTEREST_WEIGHTS", "InteractionSignal", "ensure_dataset", "generate_window",
+           "interaction_features", "main", "oracle_metrics", "oracle_ranks", "write_dataset"]
+
+
 if __name__ == "__main__":
     main()

@@ -271,5 +271,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(2) from None
 
 
+__all__ = ["NUM_AFFINITY", "NUM_USER_FEATURES", "OBP_VERSION", "OBP_WHEEL", "OBP_WHEEL_SHA256",
+           "OpenBanditSampleError", "SOURCES", "cache_dir", "convert", "fetch_sample", "main",
+           "open_bandit_features", "read_sample_csv"]
+
+
 if __name__ == "__main__":
     main()

@@ -320,5 +320,9 @@ def main(argv: list[str] | None = None) -> None:
                                                  "shift_ctr")}), flush=True)
 
 
+__all__ = ["DEFAULT_START", "END_MARKER", "StreamConfig", "StreamWriter", "main", "stream_dataset",
+           "stream_features", "stream_windows"]
+
+
 if __name__ == "__main__":
     main()

@@ -65,3 +65,6 @@ def synthetic_batches(
         )
         out.append(Batch(dense=torch.from_numpy(dense), sparse=kjt, labels=torch.from_numpy(labels)))
     return out
+
+
+__all__ = ["PlantedSignal", "synthetic_batches"]

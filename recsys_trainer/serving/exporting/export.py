@@ -462,3 +462,7 @@ def export_delta(source: Any, base: str, out_dir: str, *, full_out_dir: str | No
                              bytes=n, seconds=time.perf_counter() - t0, aot_inductor=False)
 
     return _on_rank_zero(trainer, work) if trainer is not None else work()
+
+
+__all__ = ["ExportOptions", "ExportSummary", "build", "export_delta", "export_for_serving",
+           "fallback_rows_per_shard"]

@@ -233,3 +233,6 @@ def worker_main(init_path: str) -> None:
                               "error": None}), file=results, flush=True)
         if jobs:
             print(json.dumps(publisher.publish(jobs[-1])), file=results, flush=True)
+
+
+__all__ = ["PARENT_CHECK_S", "Publisher", "worker_main"]

@@ -361,4 +361,4 @@ def _served(scorer: Scorer, pointer: Pointer, loaded_at: float | None = None) ->
                   loaded_at=time.time() if loaded_at is None else loaded_at)
 
 
-__all__ = ["FollowError", "Follower", "NoModelError", "Served", "follow"]
+__all__ = ["ErrorKind", "FollowError", "Follower", "NoModelError", "Served", "follow"]

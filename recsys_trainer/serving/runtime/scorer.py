@@ -454,4 +454,4 @@ def _null_column_types(spec: FeatureSpec, kinds: Mapping[str, str]) -> dict[str,
     return types
 
 
-__all__ = ["DynamicRows", "Scorer", "Table", "check_program_archive"]
+__all__ = ["DynamicRows", "Rows", "Scorer", "Table", "check_program_archive"]

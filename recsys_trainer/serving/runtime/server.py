@@ -270,5 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+__all__ = ["ARROW_STREAM", "BadRequest", "OPTIONS_ENV", "app_from_env", "create_app", "main",
+           "parse_args"]
+
+
 if __name__ == "__main__":
     sys.exit(main())
