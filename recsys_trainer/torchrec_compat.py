@@ -255,6 +255,31 @@ class _DropNotice(logging.Filter):
 _fx_tracing_filter = _DropNotice(_FX_TRACING_NOTICE[1])
 
 
+_MC_LOAD_HOOK = "ManagedCollisionModule.__init__.<locals>._load_state_dict_post_hook"
+"""torchrec's managed-collision modules register this load hook: a function local to
+``__init__`` (it calls ``module.validate_state()``), which pickle cannot name."""
+
+
+def _validate_after_load(module: Any, incompatible_keys: Any) -> None:
+    """torchrec's managed-collision load hook as a function pickle can name: after a state
+    dict is loaded the module checks its state (``validate_state``), as torchrec's does."""
+    module.validate_state()
+
+
+def picklable_load_hooks(model: Any) -> int:
+    """In ``model``'s managed-collision modules (dynamic tables), replace torchrec's local load
+    hook by the equal ``_validate_after_load``, so that the model can be pickled whole (the
+    publisher process receives the architecture that way); returns how many were replaced."""
+    replaced = 0
+    for module in model.modules():
+        hooks = module._load_state_dict_post_hooks
+        for key, hook in list(hooks.items()):
+            if getattr(hook, "__qualname__", None) == _MC_LOAD_HOOK:
+                hooks[key] = _validate_after_load
+                replaced += 1
+    return replaced
+
+
 def quiet_fx_tracing_notice() -> None:
     """Drop torch's once-per-process ``is_fx_tracing`` notice (``_FX_TRACING_NOTICE``) for the
     rest of the process; every other record of its logger passes. Idempotent. The first

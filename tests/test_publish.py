@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import threading
@@ -23,7 +24,7 @@ import serving_utils as su
 import torch
 from s3_server import S3Server, _die_with_parent, weed_binary
 
-from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
+from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments, torchrec_compat
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import StreamingWindows, partitioned_windows
 from recsys_trainer.hooks.lambda_hook import LambdaHook
@@ -393,8 +394,8 @@ def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp
     spec, model = su.spec_and_model("dynamic")  # every table dynamic, a pass every 2 steps
     _, skeleton = su.spec_and_model("dynamic")
     loc = os.path.join(root, "published")
-    hook = PublishHook(loc, every_eviction_pass=True, model=skeleton, full_every=100,
-                       background=False)
+    # In the publisher process (the default): the dynamic architecture is pickled to it.
+    hook = PublishHook(loc, every_eviction_pass=True, model=skeleton, full_every=100)
     t = Trainer(model=model, args=TrainingArguments(output_dir=os.path.join(root, "ckpt"),
                                                     log_steps=1000, train_steps=6),
                 train_dataset=ParquetWindowDataset(stream, spec, batch_size=32),
@@ -405,7 +406,10 @@ def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp
     # the last also the end of training's (bases or deltas: a pass on this tiny table changes
     # most rows, so a delta may be over max_delta_fraction).
     assert [r.step for r in hook.records] == [2, 4, 6]
-    assert [r.kind for r in hook.records][0] == "base" and not any(r.error for r in hook.records)
+    # A publish that falls behind the next one is superseded (the publisher skips to the newest).
+    published = [r.kind for r in hook.records if r.kind != "superseded"]
+    assert published[0] == "base" and hook.records[-1].kind != "superseded"
+    assert not any(r.error for r in hook.records)
     from recsys_trainer.serving.runtime.follow import Follower
 
     follower = Follower(loc)
@@ -436,3 +440,25 @@ def test_a_required_setting_given_none_and_an_unusable_staging_dir_are_named(tmp
     with pytest.raises(PublishError, match="staging directory"):
         _trainer(str(tmp_path), stream, [hook]).train()
     assert pub.read_pointer(loc) is None
+    # An architecture the publisher process cannot receive (it is pickled to it): named, with
+    # what to do, not a bare pickling error from inside torch.save.
+    _, skeleton = su.spec_and_model("dlrm")
+    skeleton.scale = lambda x: x  # type: ignore[assignment]
+    hook = PublishHook(loc, every_n_windows=1, model=skeleton, staging_dir=str(tmp_path / "s"))
+    with pytest.raises(PublishError, match=r"does not pickle .*background=False"):
+        _trainer(str(tmp_path), stream, [hook]).train()
+
+
+def test_a_dynamic_model_pickles_whole_for_the_publisher_process_and_still_checks_its_state() -> None:
+    # Dynamic tables' managed-collision modules carry torchrec's load hook, a function local to
+    # its __init__: the publisher process (background=True, the default) receives the
+    # architecture pickled, which failed with "Can't pickle local object".
+    _, model = su.spec_and_model("dynamic")
+    torchrec_compat.picklable_load_hooks(model)
+    copy = pickle.loads(pickle.dumps(model))
+    checked = []
+    for m in copy.modules():
+        if hasattr(m, "validate_state"):
+            m.validate_state = lambda m=m: checked.append(type(m).__name__)  # type: ignore[method-assign]
+    copy.load_state_dict(copy.state_dict())
+    assert checked, "the replaced hook still checks each managed-collision module after a load"

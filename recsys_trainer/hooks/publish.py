@@ -75,6 +75,7 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import queue
 import shutil
 import subprocess
@@ -90,7 +91,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from recsys_trainer import dynamic
+from recsys_trainer import dynamic, torchrec_compat
 from recsys_trainer.checkpoint import layout
 from recsys_trainer.hooks.base import Hook, ResumePoint, TrainerView
 from recsys_trainer.periods import Trigger
@@ -314,12 +315,21 @@ class PublishHook(Hook):
             self._local = Publisher(**init)
             return
         self._init_path = os.path.join(self._stage, "publisher-init.pt")
+        # The publisher process receives the architecture pickled: dynamic tables' managed-
+        # collision modules carry a load hook pickle cannot name, replaced by an equal one.
+        torchrec_compat.picklable_load_hooks(model)
         try:
             torch.save(init, self._init_path)
         except OSError as e:  # a full or read-only staging directory, named
             raise PublishError(f"PublishHook cannot write {self._init_path!r}: {e}; give "
                                "`staging_dir=` a writable directory with room for two "
                                "exports.") from e
+        except (AttributeError, TypeError, pickle.PicklingError) as e:
+            raise PublishError(
+                f"PublishHook cannot hand the model's architecture ({type(model).__name__}) to "
+                f"its publisher process: it does not pickle ({e}). Make the module picklable "
+                "(no lambdas or local functions in its attributes or hooks), or publish in "
+                "this process with PublishHook(background=False).") from e
         self._start_worker()
 
     def after_window(self, trainer: TrainerView, window_id: str) -> None:
