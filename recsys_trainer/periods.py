@@ -49,6 +49,7 @@ class Progress(Protocol):
     global_step: int
     rows_seen: int
     last_step_rows: int
+    windows_done: int
 
 
 @dataclass(frozen=True)
@@ -115,16 +116,19 @@ class Trigger:
     def __bool__(self) -> bool:
         return bool(self.periods)
 
-    def due(self, point: Point, progress: Progress, *, windows_done: int = 0,
+    def due(self, point: Point, progress: Progress, *, windows_done: int | None = None,
             epochs_done: int = 0, gang: Gang | None = None) -> bool:
         """Whether a period is due at ``point``: after a step (``progress``), a train window
-        (``windows_done``, counting from 1) or an epoch (``epochs_done``). With a seconds period
-        and a ``gang`` of several ranks, every rank must ask at the same point (the agreement is
-        a collective there). Falling due restarts the seconds clock."""
+        (``windows_done``, counting from 1; default ``progress.windows_done``, the run's count)
+        or an epoch (``epochs_done``). With a seconds period and a ``gang`` of several ranks,
+        every rank must ask at the same point (the agreement is a collective there). Falling due
+        restarts the seconds clock."""
         units = _CHECKED_AT[point]
+        windows = windows_done if windows_done is not None or point != "window" \
+            else progress.windows_done
         due = any(
             p.due_after_step(progress) if point == "step"
-            else p.due_after_window(windows_done) if point == "window"
+            else p.due_after_window(windows or 0) if point == "window"
             else p.due_after_epoch(epochs_done)
             for p in self.periods if p.unit in units)
         seconds = [p for p in self.periods if p.unit == "seconds"] if "seconds" in units else []

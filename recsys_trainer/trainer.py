@@ -262,6 +262,11 @@ class Trainer:
         return self.rank == 0
 
     @property
+    def stop_signalled(self) -> bool:
+        """Whether a stop signal reached this rank, not yet acted on (``TrainerView``)."""
+        return self._preemption_watcher.requested
+
+    @property
     def accelerator(self) -> Any:
         """The ``accelerate.Accelerator`` behind ``precision`` (autocast, scaler)."""
         return self.precision.accelerator
@@ -544,6 +549,7 @@ class Trainer:
         st.eval_owed, schedule.current = None, None
         if not done:  # the window is finished: the resume position moves to the next one
             st.next_window(index + 1)
+            st.windows_done += 1
             self.hooks.fire("on_resume_point", self, "window")
         return done
 

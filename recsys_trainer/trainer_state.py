@@ -30,6 +30,10 @@ class TrainerState:
     first, as ``[world_size, batches per rank]`` (``data.base.Segment``); empty unless an
     elastic resume landed in the middle of the window."""
     window_id: str | None = None
+    windows_done: int = 0
+    """Train windows finished in the whole run (every epoch; a window cut short by
+    ``train_steps`` or a stop is not): what periods in windows count, so that a resumed run
+    saves and publishes after the same windows as one never stopped."""
     mode: Literal["idle", "train", "eval", "predict"] = "idle"
     rows_unread: int = 0
     """Train rows dropped because another rank ran out of data first (whole run)."""
@@ -48,8 +52,10 @@ class TrainerState:
                 if k not in ("mode", "stop_reason", "last_step_rows")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Checkpoints from before rows_seen / eval_owed / window_segments existed.
-        state = {"rows_seen": 0, "eval_owed": None, "window_segments": [], **state}
+        # Checkpoints from before rows_seen / eval_owed / window_segments / windows_done existed
+        # (the manager recorded the windows; checkpoint.loading passes that count on).
+        state = {"rows_seen": 0, "eval_owed": None, "window_segments": [], "windows_done": 0,
+                 **state}
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(

@@ -800,6 +800,37 @@ def test_loading_a_checkpoint_with_entries_the_trainer_lacks_is_an_error_naming_
         t.load_checkpoint(os.path.join(out, "step_00000002"))
     assert "t_f3" in str(e.value) and e.value.kind == "mismatch"
 
+class _SaveAtEveryWindow(Hook):
+    """What a PublishHook(every_n_windows=1) does: a save at each window's resume point, before
+    the CheckpointHook (always last) has its turn; stops the run after ``stop_after`` windows."""
+
+    def __init__(self, stop_after: int) -> None:
+        self.stop_after = stop_after
+
+    def on_resume_point(self, trainer: Trainer, point: str) -> None:  # type: ignore[override]
+        if point == "window":
+            trainer.checkpointer.save()
+            if trainer.state.windows_done == self.stop_after:
+                trainer.request_stop("test: stop after a window")
+
+
+def test_a_resumed_run_saves_after_the_same_windows_as_one_never_stopped(tmp_path: Any) -> None:
+    whole = str(tmp_path / "whole")
+    build(whole, RowWindows(num_windows=4), save_every_n_windows=2, max_to_keep=10).train()
+    assert committed_steps(whole) == [16, 32]  # after windows 2 and 4 (8 steps each)
+    # Stopped after window 1 by a hook that also saved at each window: its checkpoint counts the
+    # windows as the run does (it counted one less: the CheckpointHook, last, counted the window
+    # after that save, and the resumed run then saved after window 3, step 24, not 2 and 4).
+    out = str(tmp_path / "resumed")
+    build(out, RowWindows(num_windows=4), hooks=[_SaveAtEveryWindow(stop_after=1)],
+          save_every_n_windows=2, max_to_keep=10).train()
+    assert committed_steps(out) == [8]
+    resumed = build(out, RowWindows(num_windows=4), save_every_n_windows=2, max_to_keep=10)
+    resumed.train()
+    assert resumed.state.windows_done == 4
+    assert committed_steps(out) == [8, 16, 32]
+
+
 def test_model_bank_warm_starts_selected_parts_with_name_map_and_resized_tables(
         tmp_path: Any, caplog: Any) -> None:
     src_dir = str(tmp_path / "src")

@@ -23,6 +23,7 @@ class _Progress:
     global_step: int
     rows_seen: int
     last_step_rows: int
+    windows_done: int = 0
 
 
 def crossings(rows_per_step: int, every: int, steps: int) -> list[int]:

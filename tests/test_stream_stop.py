@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -130,6 +131,51 @@ def test_a_quiet_stream_commits_its_last_windows_checkpoint_while_it_waits(
     final = trainer.state.global_step
     assert hook.commits[-1] == (f"step_{final:08d}", "wait", False), hook.commits
     assert layout.is_committed(os.path.join(root, "ckpt", f"step_{final:08d}"))
+
+
+@pytest.mark.timeout(120)
+def test_a_signal_while_the_wait_finishes_a_slow_save_is_acted_on_within_the_grace_period(
+        tmp_path: Path) -> None:
+    # In a subprocess: a save that misses the grace period ends the process with os._exit. The
+    # last window's save takes 60 s; SIGTERM comes 0.5 s into the wait that finishes it. The
+    # wait gives way to the signal: the stop and the preemption save (which cannot commit in
+    # the 3 s of grace) end the process within the grace period, not after the slow save.
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import test_stream_stop as t
+        from recsys_trainer.checkpoint import CheckpointManager
+        from recsys_trainer.hooks.base import Hook
+
+        root = {str(tmp_path)!r}
+        t.GRACE_S = 3.0
+        t.land(os.path.join(root, "data"), hours=2)
+        real, saves = CheckpointManager._write, []
+        def slow(self, loc, *a, **kw):
+            saves.append(loc.url)
+            if len(saves) == 2:  # the second window's save
+                time.sleep(60)
+            return real(self, loc, *a, **kw)
+        CheckpointManager._write = slow
+
+        class SignalInTheWait(Hook):
+            def on_resume_point(self, trainer, point):
+                if (point == "wait" and trainer.state.windows_done == 2
+                        and not hasattr(self, "fired")):
+                    self.fired = time.time()
+                    print("SIGNAL", self.fired, flush=True)
+                    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        t.build(root, 0.2, [SignalInTheWait()], save_every_n_windows=1).train()
+        print("NOT REACHED")
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ended = time.time()
+    assert p.returncode == 143, p.stdout + p.stderr[-3000:]
+    assert "NOT REACHED" not in p.stdout
+    assert "PreemptionError" in p.stderr and "did not commit in time" in p.stderr
+    signalled = float(next(ln for ln in p.stdout.splitlines() if ln.startswith("SIGNAL")).split()[1])
+    assert ended - signalled < 15, ended - signalled  # was: the 60 s save, then the stop
 
 
 @pytest.mark.timeout(30)

@@ -57,7 +57,7 @@ _OPTIMIZERS = (("dense", DENSE_OPTIMIZER), ("sparse", SPARSE_OPTIMIZER))
 _TENSOR_COMPONENTS = (MODEL, DENSE_OPTIMIZER, SPARSE_OPTIMIZER)
 _DATASETS = ("train_dataset", "eval_dataset")
 COUNTER_KEYS = ("global_step", "epoch", "window_index", "batches_in_window", "window_id",
-                "window_segments", "rows_unread", "rows_seen")
+                "window_segments", "windows_done", "rows_unread", "rows_seen")
 """The ``trainer_state`` component's keys that checkpoints read (step naming, triggers, the
 model bank's counters/data, remapping the data position to another world size)."""
 

@@ -27,12 +27,10 @@ logger = logging.getLogger("recsys_trainer.checkpoint.manager")
 def load_checkpoint(components: contents.Components, info: layout.CheckpointInfo, *,
                     gang: Gang, strict: bool, mode: contents.RestoreMode,
                     key_filter: contents.KeyFilter,
-                    reshard_data_position: ReshardDataPosition) -> int | None:
+                    reshard_data_position: ReshardDataPosition) -> None:
     """Read checkpoint ``info`` into ``components`` (all ranks together). ``mode="scoring"``
     reads only ``contents.scoring_components`` and the model counters. ``key_filter`` is this
-    run's ``params_not_save``/``save_filter_fn`` (what strict loading does not require).
-
-    Returns the ``windows_done`` the checkpoint recorded (training mode), None for scoring."""
+    run's ``params_not_save``/``save_filter_fn`` (what strict loading does not require)."""
     path, step, loc = info.path, info.step, info.where
     # Scoring restores a subset; the counters component is read either way (below).
     comps = components if mode == "training" else {
@@ -63,7 +61,9 @@ def load_checkpoint(components: contents.Components, info: layout.CheckpointInfo
                               {k: ts[k] for k in contents.MODEL_COUNTERS if k in ts})
         logger.info("loaded the model of checkpoint step %d from %s for scoring (%s)", step,
                     path, ", ".join(sorted(comps)))
-        return None
+        return
+    # Before the counters had it, the manager recorded the train windows finished.
+    ts.setdefault("windows_done", int(extra["manager"].get("windows_done", 0)))
     if not same_world:
         ts = remap_position(ts, info, world_size=gang.world_size, policy=reshard_data_position,
                             train_dataset=components.get("train_dataset"))
@@ -71,7 +71,6 @@ def load_checkpoint(components: contents.Components, info: layout.CheckpointInfo
     comps[contents.COUNTERS].load_state_dict(ts)
     logger.info("loaded checkpoint step %d from %s (saved with world size %d)", step, path,
                 info.world_size)
-    return int(extra["manager"].get("windows_done", 0))
 
 
 def check_keys(target: dict[str, Any], saved: set[str], key_filter: contents.KeyFilter, *,

@@ -145,9 +145,6 @@ class CheckpointManager:
         self._stager = Stager()
         self._resumed_step: int | None = None
         self._resume_done = False
-        self.windows_done = 0
-        """Train windows finished in this run: recorded in every checkpoint and restored by
-        ``resume`` (``CheckpointHook`` counts them, for ``save_every_n_windows``)."""
         self.last_metrics: dict[str, float] = {}
         """The latest evaluation metrics (recorded in the next checkpoint's manifest)."""
         self._warned_best_missing = False
@@ -426,8 +423,8 @@ class CheckpointManager:
         path = loc.url
         self._listener("before_save_checkpoint", path)
         return take_snapshot(self._components, self.key_filter, gang=self.gang, step=step,
-                             path=path, windows_done=self.windows_done,
-                             last_metrics=self.last_metrics, run_args=self._run_args)
+                             path=path, last_metrics=self.last_metrics,
+                             run_args=self._run_args)
 
     def _stage(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Copy every tensor into CPU buffers allocated once (ideally before the first save, see
@@ -482,9 +479,7 @@ class CheckpointManager:
                                                     verify_checksums=self.verify_checksums)
                 if failures:
                     resume.raise_verification_failure(info, failures, self.gang.world_size)
-            windows_done = loading.load_checkpoint(
+            loading.load_checkpoint(
                 self._components, info, gang=self.gang, strict=strict, mode=mode,
                 key_filter=self.key_filter, reshard_data_position=self.settings.reshard_data_position)
-            if windows_done is not None:
-                self.windows_done = windows_done
         self._listener("after_load_checkpoint", path if path is not None else info.path)

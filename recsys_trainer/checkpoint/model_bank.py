@@ -162,7 +162,9 @@ def _apply_extra(components: contents.Components, src: ModelBankSource,
     extra = contents.load_extra(info.where.join(contents.extra_file_name(rank)), info.step)
     ts = extra[contents.COUNTERS]
     if want_counters:
-        contents.set_counters(components, {"global_step": ts["global_step"], "epoch": ts["epoch"]})
+        contents.set_counters(components, {
+            "global_step": ts["global_step"], "epoch": ts["epoch"],
+            "windows_done": ts.get("windows_done", extra["manager"].get("windows_done", 0))})
         contents.apply_dense_param_groups(components, extra["dense_param_groups"])
         scheduler = components.get("lr_scheduler")
         if scheduler is not None and extra["lr_scheduler"] is not None:

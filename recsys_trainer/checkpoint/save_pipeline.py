@@ -83,7 +83,7 @@ class Snapshot:
 
 
 def take_snapshot(components: contents.Components, key_filter: contents.KeyFilter, *,
-                  gang: Gang, step: int, path: str, windows_done: int,
+                  gang: Gang, step: int, path: str,
                   last_metrics: dict[str, float], run_args: dict[str, Any]) -> Snapshot:
     """What a save of ``step`` to ``path`` writes: the tensors (live), this rank's extra state
     (serialised now), the manifest's base, its stats and start."""
@@ -91,7 +91,7 @@ def take_snapshot(components: contents.Components, key_filter: contents.KeyFilte
     tensors = contents.tensor_state(components, key_filter)
     extra = contents.serialize(contents.extra_state(
         components, rank=gang.rank, world_size=gang.world_size,
-        manager_state={"windows_done": windows_done}, args=run_args))
+        manager_state={}, args=run_args))
     counters = contents.counters(components)
     base = {
         "step": step,

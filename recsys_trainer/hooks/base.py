@@ -197,6 +197,11 @@ class TrainerView(Protocol):
     def preemption(self) -> Preemption | None:
         """What the preemption that stopped training did; None when none did."""
 
+    @property
+    def stop_signalled(self) -> bool:
+        """Whether a stop signal (SIGTERM/SIGINT) reached this rank and the ranks have not yet
+        agreed to stop: a hook that blocks (a wait while the stream waits) gives way to it."""
+
     def request_stop(self, reason: str = "requested by a hook") -> None:
         """Stop training after the current step, on every rank (agreed at the next fetch)."""
 

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
 
 
+_WAIT_SLICE_S = 0.05
+"""While a stream waits, how often the wait for a save's commit asks for a stop signal."""
+
+
 class CheckpointHook(Hook):
     """Saves ``manager``'s checkpoints at the Trainer's resume points.
 
@@ -58,8 +62,7 @@ class CheckpointHook(Hook):
             if self.trigger and self.trigger.due("step", trainer.state):
                 m.save()
         elif point == "window":
-            m.windows_done += 1  # the manager records it in every checkpoint
-            if self.trigger.due("window", trainer.state, windows_done=m.windows_done):
+            if self.trigger.due("window", trainer.state):  # the run's windows_done
                 m.save()
         elif point == "epoch":
             if self.trigger.due("epoch", trainer.state, epochs_done=trainer.state.epoch):
@@ -67,7 +70,13 @@ class CheckpointHook(Hook):
         elif point == "wait":
             # Every rank is here together, and the stream has nothing to train: waiting costs no
             # training time, and a failed save is raised on every rank at this same heartbeat.
-            m.wait()
+            # A stop signal ends the wait (the preemption save drains this save within the
+            # grace period); the next heartbeat stops every rank. Waiting here runs no
+            # collective, so ranks that leave it at different times stay matched.
+            while m.in_flight and not trainer.stop_signalled:
+                time.sleep(_WAIT_SLICE_S)
+            if not trainer.stop_signalled:
+                m.wait()
         elif point == "end":
             if m.settings.save_end:
                 m.save()

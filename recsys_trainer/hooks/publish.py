@@ -255,7 +255,6 @@ class PublishHook(Hook):
         self.location, self.filesystem = smoke_location, None
 
     def _reset(self) -> None:
-        self._windows_trained = 0
         self._trigger.restart_clock()
         self._last_window: str | None = None
         self._last_requested_step = -1
@@ -334,7 +333,6 @@ class PublishHook(Hook):
 
     def after_window(self, trainer: TrainerView, window_id: str) -> None:
         if trainer.state.mode == "train":
-            self._windows_trained += 1
             self._last_window = window_id
 
     def on_resume_point(self, trainer: TrainerView, point: ResumePoint) -> None:
@@ -349,8 +347,10 @@ class PublishHook(Hook):
         if point == "end":
             due = True
         else:
-            due = self._trigger.due(point, trainer.state, windows_done=self._windows_trained,
-                                    epochs_done=trainer.state.epoch, gang=trainer.gang)
+            # Windows: the run's count (checkpointed), so a resumed run publishes after the same
+            # windows as one never stopped.
+            due = self._trigger.due(point, trainer.state, epochs_done=trainer.state.epoch,
+                                    gang=trainer.gang)
         if point == "step" and self.every_eviction_pass:
             # A pass changed which ids have rows (the same on every rank: passes run at step
             # ends): serving should drop the evicted ids and learn the admitted ones.
