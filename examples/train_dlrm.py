@@ -4,7 +4,7 @@
     python examples/train_dlrm.py                                        (one process)
 
 If ``--data`` holds no dataset yet, rank 0 writes one first (``recsys_trainer.data.
-criteo_synthetic``: label, 13 integer counts, 26 hashed-string categoricals, a planted click
+generators.criteo_synthetic``: label, 13 integer counts, 26 hashed-string categoricals, a planted click
 signal whose best possible AUC is recorded in ``_signal.json``). Then ``train_and_evaluate``
 walks the windows in streaming order: train on hour t, evaluate on hour t+1. Each hour is split
 between the ranks by rows; row-wise Adagrad updates the sharded tables inside backward, Adam the

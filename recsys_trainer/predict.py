@@ -42,7 +42,7 @@ from recsys_trainer.data.base import WindowedDataset
 from recsys_trainer.data.batch_check import BatchCheck
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import Gang
-from recsys_trainer.storage import Location, resolve, storage_error
+from recsys_trainer.storage import Location, resolve, storage_error, write_bytes
 from recsys_trainer.validation import check_choice, check_int, check_type
 
 logger = logging.getLogger("recsys_trainer")
@@ -241,9 +241,8 @@ def _commit(out: Location, window_id: str, mine: _PartResult, gang: Gang) -> int
     marker = {"window": window_id, "world_size": gang.world_size, "rows": total,
               "files": [{"name": p.file, "rows": p.rows} for p in parts if p.file is not None]}
 
-    def write_marker() -> None:
-        with out.filesystem.open_output_stream(out.join(MARKER).path) as f:
-            f.write(json.dumps(marker, indent=1).encode())
+    def write_marker() -> None:  # whole or not at all: the marker is the window's commit
+        write_bytes(out.join(MARKER), json.dumps(marker, indent=1).encode())
 
     _on_rank_zero(gang, write_marker, "write", out.join(MARKER).url,
                   " (the window is not committed; a re-run redoes it)")

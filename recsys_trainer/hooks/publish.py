@@ -66,7 +66,7 @@ model's dynamic tables: it reads the tables' last-pass step at every step's resu
 
 This module is the hook's side (when a publish is due, the hand-over, the publisher process's
 life); the publisher itself (build, upload, point, rotate) is serving code,
-``serving/publisher.py``.
+``serving/exporting/publisher.py``.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from recsys_trainer.distributed import FakeGang, Gang, ProcessGroupGang
 from recsys_trainer.retrieval import collectives
 from recsys_trainer.retrieval.metrics import embed_corpus
 from recsys_trainer.retrieval.protocol import find_retrieval_model
-from recsys_trainer.storage import resolve, storage_error
+from recsys_trainer.storage import resolve, storage_error, write_bytes
 
 MARKER = "_SUCCESS"
 """The commit marker of an export (written last, by rank 0)."""
@@ -101,8 +101,8 @@ def export_item_embeddings(model: torch.nn.Module, output_dir: str | os.PathLike
         try:
             info = {"num_items": retrieval.num_items, "dim": dim,
                     "files": [{"name": n, "rows": r} for n, r in rows]}
-            with root.filesystem.open_output_stream(root.join(MARKER).path) as f:
-                f.write(json.dumps(info, indent=1).encode())
+            # Whole or not at all: the marker says the export is complete.
+            write_bytes(root.join(MARKER), json.dumps(info, indent=1).encode())
         except Exception as exc:  # noqa: BLE001 - reported on every rank below
             error = str(storage_error(exc, root.join(MARKER).url, "write"))
     _raise_any(gang, error)
