@@ -64,7 +64,8 @@ def plot_curves(records: list[dict[str, Any]], out: str) -> list[str]:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a panel whose series are all empty has none
+            ax.legend()
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()

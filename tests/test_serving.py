@@ -321,6 +321,8 @@ def test_an_export_onto_a_full_or_read_only_disk_is_a_storage_error_naming_the_a
             export_for_serving(ckpt, art, model=model, features=spec)
 
 
+# The pickling artifact is refused by torch's weights-only loader, which warns about its protocol.
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 def test_a_corrupt_uncommitted_or_pickling_artifact_is_refused_naming_the_file(dlrm, tmp_path) -> None:
     import shutil
 

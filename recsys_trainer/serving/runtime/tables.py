@@ -27,6 +27,12 @@ from recsys_trainer.serving.quantize import dequantize
 from recsys_trainer.serving.routing import Routing, check_ids
 
 
+def _tensor(values: Any, dtype: Any) -> torch.Tensor:
+    """``values`` as a tensor sharing its memory when it can: ids and weights read from Arrow
+    are read-only views, which torch refuses to wrap silently (it warns), so those are copied."""
+    return torch.from_numpy(np.require(values, dtype=dtype, requirements=["C", "W"]))
+
+
 @dataclass
 class DynamicRows:
     """A dynamic table's resident rows: sorted raw ``ids`` (int64), their ``vectors`` and the
@@ -94,8 +100,8 @@ class Table:
 
     def pool(self, ids: np.ndarray, lengths: np.ndarray, weights: np.ndarray | None) -> torch.Tensor:
         """``[B, dim]``: each row's ids pooled as the training module pools them."""
-        idx = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-        lens = torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))
+        idx = _tensor(ids, np.int64)
+        lens = _tensor(lengths, np.int64)
         mean = self.pooling == "mean"
         if self.dynamic is not None:
             # dynamic.DynamicEmbeddingBagCollection's _pool: one id per row is its row, else
@@ -112,7 +118,7 @@ class Table:
         assert self.weight is not None
         offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=offsets[1:])
-        psw = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights, np.float32))
+        psw = None if weights is None else _tensor(weights, np.float32)
         if self.quantization is not None:
             # Gather and expand only the rows read, then pool them.
             uniq, inverse = torch.unique(idx, return_inverse=True)
@@ -125,7 +131,7 @@ class Table:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``([B, length, dim], [B])``: each row's rows in order, zero-padded (what torchrec's
         ``JaggedTensor.to_padded_dense`` gives the model in training)."""
-        lens = torch.from_numpy(np.ascontiguousarray(lengths, dtype=np.int64))
+        lens = _tensor(lengths, np.int64)
         b = len(lens)
         if b and int(lens.max()) > length:
             row = int(torch.nonzero(lens > length)[0, 0])
@@ -136,7 +142,7 @@ class Table:
         out = torch.zeros(b, length, self.dim, dtype=torch.float32)
         n = int(lens.sum())
         if n:
-            idx = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+            idx = _tensor(ids, np.int64)
             row_of = torch.repeat_interleave(torch.arange(b), lens)
             starts = torch.cumsum(lens, 0) - lens
             out[row_of, torch.arange(n) - starts[row_of]] = self.rows(idx)
