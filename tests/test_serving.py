@@ -167,6 +167,37 @@ def test_an_export_from_the_checkpoint_equals_the_export_from_the_live_trainer(d
     assert not (left / (mf.PROGRAM + ".tmp.99")).exists()
 
 
+def test_scorers_built_in_threads_while_the_process_exports_load_and_score_the_same(
+        dlrm, tmp_path) -> None:
+    """A server's follower loads in its thread while requests are scored, and a training job
+    may follow its own location while it publishes in-process: torch.export's load and export
+    share process-wide state, so without serving.program's lock these fail ('_CURRENT_DESERIALIZER
+    is already set', 'not tracked with proxy') and can leave the process unable to export."""
+    import threading
+
+    window = dlrm["windows"][-1]
+    expected = su.scored(dlrm["art"], window)
+    results: list[Any] = []
+
+    def build() -> None:
+        try:
+            for _ in range(3):
+                results.append(su.max_diff(su.scored(dlrm["art"], window), expected))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            results.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    spec, model = su.spec_and_model("dlrm")
+    hashes = [export_for_serving(os.path.join(dlrm["root"], "ckpt"), str(tmp_path / str(i)),
+                                 model=model, features=spec).content_hash for i in range(2)]
+    for t in threads:
+        t.join(120)
+    assert results == [0.0] * 9
+    assert hashes == [dlrm["summary"].content_hash] * 2
+
+
 def test_an_artifact_on_object_storage_loads_and_scores_the_same(dlrm) -> None:
     spec, model = su.spec_and_model("dlrm")
     url = "memory://serving-test/art"

@@ -11,7 +11,6 @@ AOTInductor. ``export.build`` puts these together into an artifact.
 from __future__ import annotations
 
 import copy
-import io
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingColle
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.dynamic import DynamicEmbeddingBagCollection
 from recsys_trainer.serving import manifest as mf
+from recsys_trainer.serving import program as dense_program
 
 
 @dataclass
@@ -192,9 +192,7 @@ def export_program(dense_model: nn.Module, example: tuple[Any, ...]) -> Any:
     batch = torch.export.Dim("batch", min=1)
     shapes = ({0: batch}, {f: {0: batch} for f in example[1]}, {f: {0: batch} for f in example[2]},
               {f: {0: batch} for f in example[3]})
-    program = _Program(dense_model).eval()
-    with torch.no_grad():
-        return torch.export.export(program, example, dynamic_shapes=shapes)
+    return dense_program.export(_Program(dense_model).eval(), example, shapes)
 
 
 def program_bytes(ep: Any) -> bytes:
@@ -204,11 +202,9 @@ def program_bytes(ep: Any) -> bytes:
     example = ep._example_inputs
     ep._example_inputs = None
     try:
-        buf = io.BytesIO()
-        torch.export.save(ep, buf)
+        return dense_program.save(ep)
     finally:
         ep._example_inputs = example  # AOTInductor compiles from them
-    return buf.getvalue()
 
 
 def aot_package(ep: Any, tmp_dir: str) -> tuple[bytes | None, str | None]:
@@ -216,7 +212,7 @@ def aot_package(ep: Any, tmp_dir: str) -> tuple[bytes | None, str | None]:
     ``(None, why)`` when it fails (recorded, not raised)."""
     path = os.path.join(tmp_dir, mf.AOTI_PROGRAM)
     try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=path)  # type: ignore[attr-defined]
+        dense_program.aot_compile(ep, path)
         with open(path, "rb") as f:
             return f.read(), None
     except Exception as e:  # noqa: BLE001 - reported in the manifest and the summary

@@ -39,6 +39,7 @@ from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
+from recsys_trainer.serving import program as dense_program
 from recsys_trainer.serving.delta import apply_table_delta, read_delta
 from recsys_trainer.serving.runtime.tables import DynamicRows, FusedLookup, Table
 
@@ -173,7 +174,7 @@ class Scorer:
             return runner
         data = self._read(program["file"])
         check_program_archive(data, f"{self.root.url}/{program['file']}")
-        return _runnable(torch.export.load(io.BytesIO(data)))
+        return _runnable(dense_program.load(data))
 
     # ------------------------------------------------------------------ scoring
 
@@ -403,7 +404,7 @@ class Scorer:
         if meta["program"] is not None:
             data = delta.read(meta["program"]["file"])
             check_program_archive(data, f"{root.url}/{meta['program']['file']}")
-            program = _runnable(torch.export.load(io.BytesIO(data)))
+            program = _runnable(dense_program.load(data))
         tables = apply_table_delta(self.tables, delta)
         # Everything read and built: now switch (a failure above leaves the scorer as it was).
         self.tables = tables
