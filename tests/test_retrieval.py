@@ -297,7 +297,7 @@ def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_i
     assert torch.isfinite(loss) and out["query"].shape == (3, 8) and out["target"].tolist() == [1, 2, 3]
     assert out["history_lengths"].tolist() == [2, 0, 4] and out["history_ids"].tolist() == [4, 5, 6, 7, 8, 9]
     padded_loss, _ = model(batch.as_padding())
-    assert float(padded_loss) == 0.0
+    assert float(padded_loss.detach()) == 0.0
     # The item tower on a batch's candidates equals item_embeddings() on their ids (catalog).
     model.eval()
     _, out = model(batch)
@@ -324,7 +324,7 @@ def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_i
         torch.manual_seed(1)  # the same uniform negatives
         loss, _ = m(batch)
         loss.backward()
-        grads.append((float(loss), [p.grad.clone() for p in m.user_tower.parameters() if p.grad is not None]))
+        grads.append((float(loss.detach()), [p.grad.clone() for p in m.user_tower.parameters() if p.grad is not None]))
     assert grads[0][0] == grads[1][0] and len(grads[0][1]) == 4
     assert all(torch.equal(x, y) for x, y in zip(grads[0][1], grads[1][1], strict=True))
 
@@ -367,7 +367,7 @@ def test_sasrec_queries_see_only_the_past_and_padding_rows_cost_nothing() -> Non
     batch = _tt_batch([1, 2], [[3, 4, 5], [6]], keys=("item", "hist_item"))
     loss, out = model(batch)
     assert torch.isfinite(loss) and out["query"].shape == (2, 8)
-    assert float(model(batch.as_padding())[0]) == 0.0
+    assert float(model(batch.as_padding())[0].detach()) == 0.0
     model.eval()
     # Causal: the query after [3, 4] is the same whatever follows it in a longer history.
     short = model(_tt_batch([1], [[3, 4]], keys=("item", "hist_item")))[1]["query"]
@@ -389,14 +389,14 @@ def test_sasrec_user_and_side_features_reach_its_queries_and_candidates_and_padd
     batch = _tt_batch([1, 2], [[3, 4, 5], [6]], keys=keys)
     loss, out = model(batch)
     assert torch.isfinite(loss) and out["query"].shape == (2, 8)
-    assert float(model(batch.as_padding())[0]) == 0.0
+    assert float(model(batch.as_padding())[0].detach()) == 0.0
     model.eval()
 
     def query(**kw: object) -> torch.Tensor:
         return model(_tt_batch([1], [[3, 4]], keys=keys, **kw))[1]["query"]  # type: ignore[arg-type]
 
     def loss_of(**kw: object) -> float:
-        return float(model(_tt_batch([1, 2], [[3, 4], [5]], keys=keys, **kw))[0])  # type: ignore[arg-type]
+        return float(model(_tt_batch([1, 2], [[3, 4], [5]], keys=keys, **kw))[0].detach())  # type: ignore[arg-type]
 
     base = query(users=[0])
     # The user's id reaches the query (through the projection), and so do the history items'
@@ -607,8 +607,8 @@ def test_the_full_softmax_scores_every_item_and_sasrec_evaluates_its_last_positi
     per_row = F.cross_entropy(out["query"] @ corpus.t() / model.temperature, out["target"], reduction="none")
     w = batch.weights
     assert w is not None
-    assert float(loss) == pytest.approx(float((per_row * w).sum() / w.sum()), rel=1e-5)
-    assert float(model(batch.as_padding())[0]) == 0.0
+    assert float(loss.detach()) == pytest.approx(float((per_row * w).sum().detach() / w.sum()), rel=1e-5)
+    assert float(model(batch.as_padding())[0].detach()) == 0.0
     with pytest.raises(ValueError, match="loss='full' already scores every item"):
         _two_tower(loss="full", cross_rank_negatives=True)
     # A uniform sample beside the full softmax is refused, not silently ignored.
@@ -626,14 +626,14 @@ def test_the_full_softmax_scores_every_item_and_sasrec_evaluates_its_last_positi
     sas = SASRecModel(num_items=20, max_len=5, embedding_dim=8, dropout=0.0, loss="full",
                       train_positions=3, eval_positions=1, table_device="cpu")
     batch = _tt_batch([1, 2], [[3, 4, 5], [6]], keys=("item", "hist_item"))
-    train_loss = float(sas(batch)[0])
+    train_loss = float(sas(batch)[0].detach())
     sas.eval()
     loss, out = sas(batch)
     corpus = sas.item_embeddings(torch.arange(20))
     expected = F.cross_entropy(out["query"] @ corpus.t() / sas.temperature, out["target"])
-    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
     sas.eval_positions = sas.train_positions  # the default: as in training
-    assert float(sas(batch)[0]) == pytest.approx(train_loss, rel=1e-5)
+    assert float(sas(batch)[0].detach()) == pytest.approx(train_loss, rel=1e-5)
 
 
 def test_the_seen_record_is_bounded_by_distinct_pairs_and_survives_a_checkpoint(tmp_path: Path,
