@@ -186,7 +186,7 @@ def test_scorers_built_in_threads_while_the_process_exports_load_and_score_the_s
         except Exception as e:  # noqa: BLE001 - reported by the assertion below
             results.append(e)
 
-    threads = [threading.Thread(target=build) for _ in range(3)]
+    threads = [threading.Thread(target=build, daemon=True) for _ in range(3)]
     for t in threads:
         t.start()
     spec, model = su.spec_and_model("dlrm")
@@ -194,6 +194,7 @@ def test_scorers_built_in_threads_while_the_process_exports_load_and_score_the_s
                                  model=model, features=spec).content_hash for i in range(2)]
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a Scorer thread hung"
     assert results == [0.0] * 9
     assert hashes == [dlrm["summary"].content_hash] * 2
 

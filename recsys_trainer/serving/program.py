@@ -6,8 +6,8 @@ fake-tensor mode stacks), so two of these calls in threads at once fail, measure
 ``_CURRENT_DESERIALIZER is already set`` for two loads (two Scorers built at once), ``Trying to
 pop empty mode stack`` or ``... is not tracked with proxy`` for an export beside a load (a
 ``Follower`` polling in its thread while the training loop publishes in-process). A failed export
-can also leave the process unable to export again. Scoring with a loaded program runs beside a load without
-failing (measured), so it takes no lock.
+can also leave the process unable to export again. Scoring with a loaded program runs beside a
+load without failing (measured), so it takes no lock.
 """
 
 from __future__ import annotations
@@ -44,4 +44,5 @@ def load(data: bytes) -> Any:
 def aot_compile(ep: Any, package_path: str) -> None:
     """``ep`` compiled by AOTInductor into the package at ``package_path``."""
     with _LOCK:
-        torch._inductor.aoti_compile_and_package(ep, package_path=package_path)  # type: ignore[attr-defined]
+        compile_package = torch._inductor.aoti_compile_and_package  # type: ignore[attr-defined]
+        compile_package(ep, package_path=package_path)
