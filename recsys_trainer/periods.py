@@ -50,6 +50,7 @@ class Progress(Protocol):
     rows_seen: int
     last_step_rows: int
     windows_done: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -116,20 +117,17 @@ class Trigger:
     def __bool__(self) -> bool:
         return bool(self.periods)
 
-    def due(self, point: Point, progress: Progress, *, windows_done: int | None = None,
-            epochs_done: int = 0, gang: Gang | None = None) -> bool:
-        """Whether a period is due at ``point``: after a step (``progress``), a train window
-        (``windows_done``, counting from 1; default ``progress.windows_done``, the run's count)
-        or an epoch (``epochs_done``). With a seconds period and a ``gang`` of several ranks,
-        every rank must ask at the same point (the agreement is a collective there). Falling due
-        restarts the seconds clock."""
+    def due(self, point: Point, progress: Progress, *, gang: Gang | None = None) -> bool:
+        """Whether a period is due at ``point``: after a step, a train window or an epoch, by
+        ``progress``'s counters (a run's: ``windows_done`` and ``epoch`` count the windows and
+        epochs finished, so a resumed run acts after the same ones). With a seconds period and
+        a ``gang`` of several ranks, every rank must ask at the same point (the agreement is a
+        collective there). Falling due restarts the seconds clock."""
         units = _CHECKED_AT[point]
-        windows = windows_done if windows_done is not None or point != "window" \
-            else progress.windows_done
         due = any(
             p.due_after_step(progress) if point == "step"
-            else p.due_after_window(windows or 0) if point == "window"
-            else p.due_after_epoch(epochs_done)
+            else p.due_after_window(progress.windows_done) if point == "window"
+            else p.due_after_epoch(progress.epoch)
             for p in self.periods if p.unit in units)
         seconds = [p for p in self.periods if p.unit == "seconds"] if "seconds" in units else []
         # Counted periods are due on every rank alike, so skipping the agreement when one is due

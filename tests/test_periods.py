@@ -24,6 +24,7 @@ class _Progress:
     rows_seen: int
     last_step_rows: int
     windows_done: int = 0
+    epoch: int = 0
 
 
 def crossings(rows_per_step: int, every: int, steps: int) -> list[int]:
@@ -47,13 +48,13 @@ def test_a_trigger_is_due_when_any_period_is_and_seconds_count_from_its_last_due
     assert [p.unit for p in t.periods] == ["steps", "windows", "epochs", "seconds"]
     due_steps = [s for s in range(1, 13) if t.due("step", _Progress(s, 0, 0))]
     assert due_steps == [4, 8, 12]  # the clock stands still: only the steps period
-    assert [w for w in range(1, 6) if t.due("window", _Progress(0, 0, 0), windows_done=w)] == [2, 4]
-    assert [e for e in range(1, 7) if t.due("epoch", _Progress(0, 0, 0), epochs_done=e)] == [3, 6]
+    assert [w for w in range(1, 6) if t.due("window", _Progress(0, 0, 0, windows_done=w))] == [2, 4]
+    assert [e for e in range(1, 7) if t.due("epoch", _Progress(0, 0, 0, epoch=e))] == [3, 6]
     now[0] = 9.9
     assert not t.due("step", _Progress(13, 0, 0))
     now[0] = 10.0  # 10 s since the trigger was made: due at a step or a window end, not an epoch
-    assert not t.due("epoch", _Progress(0, 0, 0), epochs_done=1)
-    assert t.due("window", _Progress(0, 0, 0), windows_done=1)
+    assert not t.due("epoch", _Progress(0, 0, 0, epoch=1))
+    assert t.due("window", _Progress(0, 0, 0, windows_done=1))
     now[0] = 15.0  # 5 s since it fell due
     assert not t.due("step", _Progress(13, 0, 0))
     assert t.due("step", _Progress(16, 0, 0))  # the steps period; it restarts the clock too

@@ -62,10 +62,10 @@ class CheckpointHook(Hook):
             if self.trigger and self.trigger.due("step", trainer.state):
                 m.save()
         elif point == "window":
-            if self.trigger.due("window", trainer.state):  # the run's windows_done
+            if self.trigger.due("window", trainer.state):
                 m.save()
         elif point == "epoch":
-            if self.trigger.due("epoch", trainer.state, epochs_done=trainer.state.epoch):
+            if self.trigger.due("epoch", trainer.state):
                 m.save()
         elif point == "wait":
             # Every rank is here together, and the stream has nothing to train: waiting costs no

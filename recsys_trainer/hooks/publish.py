@@ -349,8 +349,7 @@ class PublishHook(Hook):
         else:
             # Windows: the run's count (checkpointed), so a resumed run publishes after the same
             # windows as one never stopped.
-            due = self._trigger.due(point, trainer.state, epochs_done=trainer.state.epoch,
-                                    gang=trainer.gang)
+            due = self._trigger.due(point, trainer.state, gang=trainer.gang)
         if point == "step" and self.every_eviction_pass:
             # A pass changed which ids have rows (the same on every rank: passes run at step
             # ends): serving should drop the evicted ids and learn the admitted ones.
