@@ -230,8 +230,6 @@ def file_info(loc: Location) -> pafs.FileInfo:
         return loc.filesystem.get_file_info(loc.path)
 
 
-
-
 def list_tree(loc: Location) -> list[pafs.FileInfo]:
     """Everything under the directory ``loc`` (recursive), errors naming its URL."""
     with errors_named(loc.url, "list"):

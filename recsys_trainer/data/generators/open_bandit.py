@@ -2,8 +2,9 @@
 
 ``python -m recsys_trainer.data.generators.open_bandit --out DIR`` reads the four 10,000-row
 sample CSVs (``{random,bts}_{men,women}``) and writes
-``DIR/dt=YYYY-MM-DD/hour=HH/part-<source>.parquet``: 168 hourly windows (2019-11-24 00h to 2019-11-30 23h, UTC), one file per source per hour (an
-hour with no rows from a source has no file for it). Columns:
+``DIR/dt=YYYY-MM-DD/hour=HH/part-<source>.parquet``: 168 hourly windows (2019-11-24 00h to
+2019-11-30 23h, UTC), one file per source per hour (an hour with no rows from a source has no
+file for it). Columns:
 
 * ``row_id`` (int64, unique over the whole output), ``source`` (e.g. ``"random_men"``),
   ``timestamp`` (UTC, us), ``item_id``, ``position``, ``click`` (the label),
