@@ -800,6 +800,7 @@ def test_loading_a_checkpoint_with_entries_the_trainer_lacks_is_an_error_naming_
         t.load_checkpoint(os.path.join(out, "step_00000002"))
     assert "t_f3" in str(e.value) and e.value.kind == "mismatch"
 
+
 class _SaveAtEveryWindow(Hook):
     """What a PublishHook(every_n_windows=1) does: a save at each window's resume point, before
     the CheckpointHook (always last) has its turn; stops the run after ``stop_after`` windows."""
