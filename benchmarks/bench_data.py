@@ -44,8 +44,9 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SequenceFeature, SparseFeature
+from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 
 NUM_DENSE, NUM_SPARSE = 13, 26
 

@@ -173,8 +173,9 @@ def remap(rows: int, repeats: int) -> int:
     import pyarrow.parquet as pq
 
     from recsys_trainer.data.base import Segment
-    from recsys_trainer.data.features import FeatureSpec, SparseFeature
+    from recsys_trainer.data.inputs import SparseFeature
     from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.data.spec import FeatureSpec
 
     files, groups, bs = 16, 8, 512
     with tempfile.TemporaryDirectory() as tmp:

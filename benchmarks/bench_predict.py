@@ -28,8 +28,9 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.predict import read_predictions
 

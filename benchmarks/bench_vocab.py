@@ -33,14 +33,15 @@ import pyarrow.parquet as pq
 import torch
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SparseFeature
 from recsys_trainer.data.generators.criteo_synthetic import (
     DENSE_COLUMNS,
     SPARSE_COLUMNS,
     CriteoSignal,
     write_dataset,
 )
+from recsys_trainer.data.inputs import DenseFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.metrics import MetricReportHook

@@ -21,9 +21,9 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import shutdown
 from recsys_trainer.hooks.lambda_hook import LambdaHook
+from recsys_trainer.logs import setup_logging
 from recsys_trainer.metrics import ClickMetrics
 from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.trainer import setup_logging
 
 
 class ProgressiveValidation(Hook):

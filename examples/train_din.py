@@ -33,7 +33,6 @@ from recsys_trainer import (
     setup_logging,
     shutdown,
 )
-from recsys_trainer.data.features import FeatureSpec
 from recsys_trainer.data.generators.criteo_synthetic import (
     SPARSE_COLUMNS,
     BehaviourSignal,
@@ -41,6 +40,7 @@ from recsys_trainer.data.generators.criteo_synthetic import (
     ensure_dataset,
 )
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.metrics import MetricReportHook

@@ -8,6 +8,7 @@ Trainer`` works as before.
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 from recsys_trainer.lazy import lazy_attributes
@@ -45,9 +46,11 @@ if TYPE_CHECKING:
     from recsys_trainer.optimizers import SparseOptimizer, supported_sparse_optimizers
     from recsys_trainer.preemption import Preempted, Preemption
     from recsys_trainer.rng import seed_everything
-    from recsys_trainer.trainer import Trainer, TrainerState
+    from recsys_trainer.trainer import Trainer
+    from recsys_trainer.trainer_state import TrainerState
 
-__version__ = "0.1.0"
+# pyproject.toml owns the version; the installed distribution's metadata carries it.
+__version__ = metadata.version("recsys_trainer")
 
 _LAZY: dict[str, str] = {
     "Batch": "recsys_trainer.batch",
@@ -68,7 +71,7 @@ _LAZY: dict[str, str] = {
     "StepOutput": "recsys_trainer.hooks.base",
     "TensorBoardHook": "recsys_trainer.hooks",
     "Trainer": "recsys_trainer.trainer",
-    "TrainerState": "recsys_trainer.trainer",
+    "TrainerState": "recsys_trainer.trainer_state",
     "TrainingArguments": "recsys_trainer.args",
     "CheckpointArguments": "recsys_trainer.args",
     "EvalArguments": "recsys_trainer.args",

@@ -245,8 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     from recsys_trainer.distributed import shutdown
+    from recsys_trainer.logs import setup_logging
     from recsys_trainer.preemption import Preempted
-    from recsys_trainer.trainer import setup_logging
 
     setup_logging()
     try:

@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.inputs import SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 
 
 def row_id_spec() -> FeatureSpec:

@@ -9,7 +9,8 @@ import pyarrow as pa
 from data_utils import write_window_files
 from helpers import FEATURES, NUM_DENSE, ROWS
 
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.inputs import SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 
 PASSTHROUGH = ["request_id", "user"]
 

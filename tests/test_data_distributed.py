@@ -13,9 +13,9 @@ from data_utils import row_id_spec, row_ids, train_interrupted_then_resumed, wri
 from dist_utils import run_distributed
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
-from recsys_trainer.data.features import FeatureSpec
 from recsys_trainer.data.generators.open_bandit import convert, open_bandit_features
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.models import DLRMClassifier

@@ -7,15 +7,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from recsys_trainer.data.features import (
-    DataError,
-    DenseFeature,
-    FeatureSpec,
-    SequenceFeature,
-    SparseFeature,
-    stable_hash_ints,
-    stable_hash_strings,
-)
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.hashing import stable_hash_ints, stable_hash_strings
+from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 
 
 def _table(**cols: list) -> pa.Table:

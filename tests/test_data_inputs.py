@@ -12,15 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from recsys_trainer.data.features import (
-    DataError,
-    DenseFeature,
-    FeatureSpec,
-    SequenceFeature,
-    SparseFeature,
-    stable_hash_ints,
-)
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.hashing import stable_hash_ints
+from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 
 
 def _lists(rows: list[list[int] | None]) -> pa.Array:

@@ -21,8 +21,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import DenseFeature, FeatureSpec, SequenceFeature, SparseFeature
+from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.models import weighted_bce_with_logits
 
 pytestmark = pytest.mark.distributed

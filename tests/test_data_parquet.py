@@ -14,8 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from data_utils import row_id_spec, row_ids, write_windows
 
-from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import (
     StreamingWindows,
     Window,

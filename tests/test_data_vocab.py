@@ -27,13 +27,10 @@ from vocab_data import (
 from recsys_trainer import LambdaHook, Trainer
 from recsys_trainer.checkpoint.export import export_vocabularies
 from recsys_trainer.config import ConfigError, load_config
-from recsys_trainer.data.features import (
-    DataError,
-    FeatureSpec,
-    SequenceFeature,
-    SparseFeature,
-)
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.inputs import SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData, Vocabulary
 from recsys_trainer.data.vocab import lookup as vocab_lookup
 

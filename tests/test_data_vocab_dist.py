@@ -16,8 +16,9 @@ from dist_utils import run_distributed
 from vocab_data import TAGS, expected_vocabulary, ids_by_row, make_trainer, write_vocab_windows
 
 from recsys_trainer import LambdaHook
-from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
+from recsys_trainer.data.inputs import SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData
 
 pytestmark = pytest.mark.distributed

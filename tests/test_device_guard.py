@@ -126,7 +126,7 @@ NOT_DEVICE_SIDE: dict[str, str] = {
          "config/__init__.py", "config/data.py", "config/factory.py", "config/hooks.py",
          "config/model.py", "config/optimizers.py", "config/run.py", "config/yaml_io.py",
          "builder.py", "eval_schedule.py", "trainer_state.py", "hooks/checkpoint.py",
-         "hooks/publish.py", "hooks/publisher.py"),
+         "hooks/publish.py"),
         "configuration, entry points and plumbing: Python values, makes no tensors"),
     "placement.py": "decides the model's device once (torch.device values); makes no tensors",
     "plot.py": "renders a run's metrics log (JSON lines) to PNG files on the host",
@@ -146,12 +146,10 @@ NOT_DEVICE_SIDE: dict[str, str] = {
                             "or a device",
     **dict.fromkeys(
         tuple(f"data/{m}.py" for m in (
-            "__init__", "base", "batch_check", "chunk", "churn_dataset", "columns",
-            "criteo_synthetic", "decode", "errors", "features", "hashing",
-            "id_stream", "inputs", "interactions_synthetic", "open_bandit", "parquet",
-            "parquet_files", "parquet_plan",
-            "prefetch", "spec", "sync", "synthetic", "vocab/__init__", "vocab/build",
-            "vocab/features", "vocab/lookup", "vocab/state", "windows", "stream_writer",
+            "__init__", "base", "batch_check", "chunk", "columns", "decode", "errors", "hashing",
+            "inputs", "parquet", "parquet_files", "parquet_plan", "prefetch", "spec", "sync",
+            "vocab/__init__", "vocab/build", "vocab/features", "vocab/lookup", "vocab/state",
+            "windows",
             "generators/__init__", "generators/churn_dataset", "generators/criteo_synthetic",
             "generators/generated", "generators/id_stream", "generators/interactions_synthetic",
             "generators/open_bandit", "generators/stream_writer", "generators/synthetic")),
@@ -159,8 +157,8 @@ NOT_DEVICE_SIDE: dict[str, str] = {
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(
         tuple(f"serving/{m}.py" for m in (
-            "__init__", "delta", "export", "manifest", "quantize", "routing", "scorer",
-            "published", "follow", "server", "publisher", "runtime/__init__", "runtime/scorer",
+            "__init__", "delta", "manifest", "quantize", "routing", "published",
+            "runtime/__init__", "runtime/scorer",
             "runtime/tables", "runtime/follow", "runtime/server", "exporting/__init__",
             "exporting/export", "exporting/model_parts", "exporting/artifact",
             "exporting/publisher", "exporting/_publish_worker", "program")),

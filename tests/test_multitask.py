@@ -21,8 +21,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import FeatureSpec, SparseFeature
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.lambda_hook import LambdaHook
 from recsys_trainer.hooks.metrics import MetricReportHook

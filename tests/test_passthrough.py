@@ -13,8 +13,9 @@ from helpers import make_trainer
 from predict_utils import request_ids_of, scoring_spec, write_scoring_windows
 
 from recsys_trainer import Hook
-from recsys_trainer.data.features import DataError, FeatureSpec
+from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.sync import SyncedIterator
 from recsys_trainer.distributed import FakeGang
 

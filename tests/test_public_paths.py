@@ -1,8 +1,6 @@
-"""The import paths users have today keep working after modules moved into folders by concern
-(``data/generators/``, ``data/vocab/``, ``serving/exporting/``, ``serving/runtime/``): every old
-module path names the very objects of the module's new home, the packages' ``__all__`` names
-resolve, the component paths of the example configs resolve, and every ``python -m`` command
-that the docs, examples and scripts give, and the old path of every moved command, still runs.
+"""The public paths resolve: the packages' ``__all__`` names, the console scripts, the component
+paths of the example configs, and every ``python -m`` command that the docs, examples and
+scripts give (docs/migrating-from-recis.md lists the module paths that moved).
 """
 
 from __future__ import annotations
@@ -18,41 +16,12 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
-MOVED: dict[str, str] = {
-    f"recsys_trainer.data.{m}": f"recsys_trainer.data.generators.{m}"
-    for m in ("criteo_synthetic", "interactions_synthetic", "churn_dataset", "id_stream",
-              "open_bandit", "synthetic", "stream_writer")
-} | {
-    f"recsys_trainer.serving.{m}": f"recsys_trainer.serving.runtime.{m}"
-    for m in ("scorer", "follow", "server")
-} | {
-    f"recsys_trainer.serving.{m}": f"recsys_trainer.serving.exporting.{m}"
-    for m in ("export", "publisher")
-} | {
-    "recsys_trainer.hooks.publisher": "recsys_trainer.serving.exporting.publisher",
-}
-"""Old module path -> where the module lives now (the old path is a module that re-exports)."""
-
-OLD_COMMANDS = ("recsys_trainer.data.criteo_synthetic", "recsys_trainer.data.interactions_synthetic",
-                "recsys_trainer.data.churn_dataset", "recsys_trainer.data.open_bandit",
-                "recsys_trainer.data.stream_writer", "recsys_trainer.serving.server")
-"""``python -m`` commands the docs gave before the moves."""
-
-PACKAGES = ("recsys_trainer", "recsys_trainer.data", "recsys_trainer.data.features",
-            "recsys_trainer.data.vocab", "recsys_trainer.serving", "recsys_trainer.checkpoint")
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_module_path_names_the_objects_of_the_new_module(old: str) -> None:
-    new = MOVED[old]
-    old_module, new_module = importlib.import_module(old), importlib.import_module(new)
-    assert old_module.__all__, old
-    for name in old_module.__all__:
-        assert getattr(old_module, name) is getattr(new_module, name), f"{old}.{name}"
-    # Every class and function the module defines is reachable at the old path.
-    defined = {k for k, v in vars(new_module).items()
-               if not k.startswith("_") and getattr(v, "__module__", None) == new}
-    assert defined <= set(old_module.__all__), sorted(defined - set(old_module.__all__))
+PACKAGES = sorted(
+    ".".join(path.parent.relative_to(REPO).parts)
+    for path in (REPO / "recsys_trainer").rglob("__init__.py")
+    if "__all__" in path.read_text()
+)
+"""The package and its subpackages that list public names (``__all__``)."""
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -60,6 +29,15 @@ def test_every_name_in_a_package_all_resolves(package: str) -> None:
     module = importlib.import_module(package)
     missing = [n for n in module.__all__ if not hasattr(module, n)]
     assert not missing, missing
+
+
+def test_every_console_script_names_a_function_of_the_package() -> None:
+    section = (REPO / "pyproject.toml").read_text().split("[project.scripts]")[1].split("\n[")[0]
+    entries = dict(re.findall(r'^([\w-]+) = "([\w.]+:\w+)"$', section, re.M))
+    assert set(entries) == {"recsys-train", "recsys-serve"}, entries
+    for target in entries.values():
+        module, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
 
 
 def _config_class_paths() -> set[str]:
@@ -82,15 +60,13 @@ def _config_class_paths() -> set[str]:
     return found
 
 
-def test_component_paths_of_the_configs_resolve_at_their_old_and_new_paths() -> None:
+def test_component_paths_of_the_configs_resolve() -> None:
     from recsys_trainer.component import import_path
 
     paths = _config_class_paths()
     assert "recsys_trainer.data.generators.stream_writer.stream_dataset" in paths
     for path in paths:
         import_path("class", path)
-    assert import_path("class", "recsys_trainer.data.stream_writer.stream_dataset") is \
-        import_path("class", "recsys_trainer.data.generators.stream_writer.stream_dataset")
 
 
 def _documented_commands() -> set[str]:
@@ -107,8 +83,8 @@ def _documented_commands() -> set[str]:
 
 
 @pytest.mark.timeout(300)
-def test_documented_and_old_python_m_commands_still_run() -> None:
-    modules = sorted(_documented_commands() | set(OLD_COMMANDS))
+def test_every_documented_python_m_command_runs() -> None:
+    modules = sorted(_documented_commands())
     assert "recsys_trainer.data.generators.criteo_synthetic" in modules
     # Started together: each one imports torch, which is most of its time.
     procs = {m: subprocess.Popen([sys.executable, "-m", m, "--help"], cwd=REPO, text=True,

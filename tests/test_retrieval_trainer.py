@@ -201,7 +201,7 @@ def test_string_item_ids_are_refused_not_hashed_into_unrelated_rows(log, tmp_pat
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from recsys_trainer.data.features import DataError
+    from recsys_trainer.data.errors import DataError
 
     root, meta = log
     window = partitioned_windows(root)[0]
@@ -231,8 +231,8 @@ def test_string_item_ids_are_refused_not_hashed_into_unrelated_rows(log, tmp_pat
 def test_row_id_features_leave_the_users_spec_to_a_later_model_and_keep_what_the_user_set() -> None:
     import types
 
-    from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
-    from recsys_trainer.data.spec import apply_model_to_specs
+    from recsys_trainer.data.inputs import SequenceFeature, SparseFeature
+    from recsys_trainer.data.spec import FeatureSpec, apply_model_to_specs
 
     user = FeatureSpec(labels=["y"], sparse=[SparseFeature(name="u", num_embeddings=9)],
                        sequence=[SequenceFeature(name="item", num_embeddings=9, max_len=1),

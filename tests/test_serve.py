@@ -219,9 +219,10 @@ def test_recsys_serve_options_and_console_script() -> None:
     with pytest.raises(SystemExit):
         parse_args(["/x", "--poll-s", "0"])
     with open(os.path.join(REPO, "pyproject.toml")) as f:
-        assert 'recsys-serve = "recsys_trainer.serving.server:main"' in f.read()
+        assert 'recsys-serve = "recsys_trainer.serving.runtime.server:main"' in f.read()
     # A serving host needs no training stack: the server imports none of it.
-    code = ("import sys, recsys_trainer.serving.server; print(sorted(m for m in sys.modules if "
+    code = ("import sys, recsys_trainer.serving.runtime.server; "
+            "print(sorted(m for m in sys.modules if "
             "m.split('.')[0] in ('torchrec', 'fbgemm_gpu', 'accelerate', 'tensorboard') or "
             "m == 'recsys_trainer.trainer'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -22,13 +22,9 @@ import pytest
 import serving_utils as su
 import torch
 
-from recsys_trainer.data.features import (
-    DataError,
-    DenseFeature,
-    FeatureSpec,
-    SequenceFeature,
-    SparseFeature,
-)
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import ArtifactError, Scorer, export_for_serving
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving.quantize import dequantize, quantize
@@ -511,8 +507,8 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
     the checkpoint in the same way) and scores as ``predict``, unseen values on the OOV row."""
     from vocab_data import MAX_LEN, TinyModel, write_vocab_windows
 
-    from recsys_trainer.data.features import VocabFromData
     from recsys_trainer.data.parquet import ParquetWindowDataset
+    from recsys_trainer.data.vocab import VocabFromData
 
     class ServableTiny(TinyModel):
         def serving_sequence_lengths(self) -> dict[str, int]:
@@ -601,7 +597,7 @@ def test_a_user_model_with_vocabularies_built_from_data_multi_hot_and_sequences_
     assert again.content_hash == summary.content_hash
     # A vocabulary of the same size but other entries is another spec: no delta across it
     # (it would leave the scorer decoding with the old entries).
-    from recsys_trainer.data.features import Vocabulary
+    from recsys_trainer.data.vocab import Vocabulary
     from recsys_trainer.serving import export_delta
 
     genre = trainer.vocabularies["genre"]

@@ -19,7 +19,7 @@ from data_utils import row_id_spec, row_ids, write_windows
 from dist_utils import run_distributed
 from s3_server import S3Server, upload_dir
 
-from recsys_trainer.data.features import DataError
+from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import StreamingWindows, Window, glob_windows, partitioned_windows
 from recsys_trainer.hooks.lambda_hook import LambdaHook

@@ -385,7 +385,8 @@ def test_two_features_sharing_a_table_read_the_same_rows_and_train_that_one_tabl
 
 
 def test_data_checks_name_a_shared_tables_feature_missing_or_too_wide_for_it() -> None:
-    from recsys_trainer.data.features import FeatureSpec, SparseFeature
+    from recsys_trainer.data.inputs import SparseFeature
+    from recsys_trainer.data.spec import FeatureSpec
     from recsys_trainer.sharding import check_data_fits_model
 
     class Data:

@@ -17,8 +17,10 @@ from recsys_trainer import (
     supported_sparse_optimizers,
 )
 from recsys_trainer.data.base import WindowedDataset
-from recsys_trainer.data.features import DataError, FeatureSpec, SparseFeature
+from recsys_trainer.data.errors import DataError
+from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.distributed import FakeGang
 from recsys_trainer.hooks.base import HookList
 from recsys_trainer.models import DLRMClassifier

@@ -23,7 +23,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.data.features import FeatureSpec
+from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.models import weighted_bce_with_logits
 
 TAGS = [f"tag_{i}" for i in range(6)]

@@ -8,8 +8,9 @@ from recsys_trainer.args import ModelBankSource
 from recsys_trainer.checkpoint.errors import CheckpointError
 from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
 from recsys_trainer.checkpoint.layout import CheckpointInfo, latest_committed, list_committed
-from recsys_trainer.checkpoint.manager import CheckpointManager, SaveStats
+from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.checkpoint.rotation import RetentionPolicy, select_to_delete
+from recsys_trainer.checkpoint.save_pipeline import SaveStats
 
 __all__ = [
     "CheckpointError",

@@ -80,12 +80,8 @@ class ParquetDataConfig(ParquetReadOptions):
 
     def feature_spec(self) -> Any:
         """The ``FeatureSpec`` described by ``features``."""
-        from recsys_trainer.data.features import (
-            DenseFeature,
-            FeatureSpec,
-            SequenceFeature,
-            SparseFeature,
-        )
+        from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+        from recsys_trainer.data.spec import FeatureSpec
 
         raw = dict(self.features)
         if "dense" in raw:

@@ -4,7 +4,5 @@ planted signals (``criteo_synthetic``, ``interactions_synthetic``, ``churn_datas
 (``stream_writer``), the Open Bandit converter (``open_bandit``), and how each generated file and
 dataset is written (``generated``). The reader (``recsys_trainer.data``) never imports them.
 
-Each generator with a command runs as ``python -m recsys_trainer.data.generators.<name>``; the
-old paths (``python -m recsys_trainer.data.<name>``, ``from recsys_trainer.data.<name> import
-...``) keep working through small modules that re-export these.
+Each generator with a command runs as ``python -m recsys_trainer.data.generators.<name>``.
 """

@@ -45,8 +45,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from recsys_trainer.data.features import FeatureSpec, SequenceFeature, SparseFeature
 from recsys_trainer.data.generators.generated import write_signal, write_whole, written_once
+from recsys_trainer.data.inputs import SequenceFeature, SparseFeature
+from recsys_trainer.data.spec import FeatureSpec
 
 INTEREST_WEIGHTS = (0.6, 0.3)
 """The weights of a user's two interest categories; the rest (0.1) is any category."""

@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any
 
 import safetensors
@@ -49,7 +50,6 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-import recsys_trainer
 from recsys_trainer import storage
 from recsys_trainer.checkpoint import contents, layout
 from recsys_trainer.checkpoint.export import export_model_state_dict, export_vocabularies
@@ -298,8 +298,8 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
     manifest: dict[str, Any] = {
         "schema_version": mf.SCHEMA_VERSION,
         "kind": "full",
-        "versions": {"recsys_trainer": recsys_trainer.__version__, "torch": torch.__version__,
-                     "safetensors": safetensors.__version__},
+        "versions": {"recsys_trainer": metadata.version("recsys_trainer"),
+                     "torch": torch.__version__, "safetensors": safetensors.__version__},
         "source": info.path,
         "step": info.step,
         "trained_world_size": info.world_size,
