@@ -16,9 +16,11 @@ before the checkpoint manager (whose ``CheckpointHook`` runs after all of them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -42,14 +44,16 @@ from recsys_trainer.optimizers import (
     TableOptimizers,
     build_dense_optimizer,
     build_lr_scheduler,
-    resolve_table_optimizers,
 )
 from recsys_trainer.placement import Placement, place
 from recsys_trainer.precision import Precision
 from recsys_trainer.rng import seed_everything
-from recsys_trainer.sharding import check_data_fits_model, feature_tables, shard_model, table_names
-from recsys_trainer.smoke import SmokeTest, smoke_arguments, smoke_directory
+from recsys_trainer.sharding import build_sharded_model
+from recsys_trainer.smoke import SmokeTest
 from recsys_trainer.step import DenseStep, NonFiniteGuard, StepTimings
+
+P = ParamSpec("P")
+SelfT = TypeVar("SelfT")
 
 
 @dataclass
@@ -104,18 +108,14 @@ def build_trainer_parts(
     given = placement is not None
     if placement is None:
         placement = place(args, gang)
-    smoke = None
-    if args.smoke_test:
-        smoke = SmokeTest(smoke_directory(placement.gang, args.output_dir))
-        args = smoke_arguments(args, smoke.output_dir, smoke.logging_dir)
+    smoke = SmokeTest(args, placement.gang) if args.smoke_test else None
+    if smoke is not None:
+        args = smoke.args
         checkpointer = None  # a given one saves into its own output_dir: never in test mode
         for h in (h for h in hooks or [] if isinstance(h, Hook)):
             h.in_smoke_test(smoke.output_dir)  # e.g. a PublishHook: never the real location
 
     sparse_spec = sparse_optimizer or SparseOptimizer()
-    chosen = resolve_table_optimizers(table_names(model), sparse_spec, table_optimizers)
-    check_data_fits_model(model, (train_dataset, eval_dataset))  # same answer on every rank
-    batch_check = BatchCheck(feature_tables(model, "pooled"), feature_tables(model, "sequence"))
     apply_model_to_specs((train_dataset, eval_dataset), label_range=getattr(model, "label_range", None),
                          row_id_features=getattr(model, "row_id_features", ()))
     precision = Precision(args.mixed_precision, cuda=placement.is_cuda,
@@ -125,11 +125,14 @@ def build_trainer_parts(
         # builds its datasets and model in between): the same seed gives the same tables from
         # Python and from recsys-train, as before the placement existed.
         seed_everything(args.seed)
-    sharded = shard_model(
-        model, sparse_spec, placement.device, process_group=placement.process_group,
-        sharding_types=args.sharding_types, local_world_size=placement.local_world_size,
-        static_graph=args.gradient_accumulation_steps == 1, resolved=chosen,
+    built = build_sharded_model(
+        model, (train_dataset, eval_dataset), sparse_spec, table_optimizers, placement.device,
+        process_group=placement.process_group, sharding_types=args.sharding_types,
+        local_world_size=placement.local_world_size,
+        static_graph=args.gradient_accumulation_steps == 1,
     )
+    sharded, chosen = built.model, built.table_optimizers
+    batch_check = BatchCheck(built.pooled_features, built.sequence_features)
     if dense_optimizers is None:
         dense_optimizers = (lambda params: torch.optim.Adam(params, lr=1e-3), None)
     dense_arg, sched_arg = dense_optimizers
@@ -169,6 +172,35 @@ def build_trainer_parts(
     )
 
 
+def takes_arguments_of(
+    build: Callable[P, Any],
+) -> Callable[[Callable[Concatenate[SelfT, ...], None]], Callable[Concatenate[SelfT, P], None]]:
+    """Decorate an ``__init__(self, *args, **kwargs)`` that hands its arguments to ``build``
+    (``build_trainer_parts``): its signature is then ``build``'s, for type checkers (the
+    ``ParamSpec``), ``inspect.signature`` and ``help()``, and arguments ``build`` does not take
+    are refused naming the ``__init__``. So the arguments are written once, on ``build``."""
+    signature = inspect.signature(build)
+
+    def decorate(
+        init: Callable[Concatenate[SelfT, ...], None],
+    ) -> Callable[Concatenate[SelfT, P], None]:
+        @functools.wraps(init)
+        def checked(self: SelfT, *args: Any, **kwargs: Any) -> None:
+            try:
+                signature.bind(*args, **kwargs)
+            except TypeError as exc:
+                raise TypeError(f"{init.__qualname__}(): {exc}") from None
+            init(self, *args, **kwargs)
+
+        self_param = next(iter(inspect.signature(init).parameters.values()))
+        checked.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[self_param, *signature.parameters.values()],
+            return_annotation=inspect.Signature.empty)
+        return checked
+
+    return decorate
+
+
 def _hook_list(model: nn.Module, hooks: Sequence[Hook] | None, add_logger_hook: bool) -> HookList:
     """The user's hooks, a ``LoggerHook`` first unless there is one or it is turned off, and the
     dynamic tables' report first of all where the model has such tables. (The Trainer pins the
@@ -184,4 +216,4 @@ def _hook_list(model: nn.Module, hooks: Sequence[Hook] | None, add_logger_hook: 
     return HookList(user_hooks)
 
 
-__all__ = ["TrainerParts", "build_trainer_parts"]
+__all__ = ["TrainerParts", "build_trainer_parts", "takes_arguments_of"]

@@ -22,7 +22,8 @@ from recsys_trainer.dynamic import ID_SPACE, DynamicTable, pooled_collection
 
 BINARY_LABELS: tuple[float, float] = (0.0, 1.0)
 """What a logistic loss accepts (click-style labels: 0/1, or a rate): ``check_binary_labels``
-enforces it, and every bundled model declares it as its ``label_range``."""
+enforces it, and ``BinaryClassifier``, every bundled ranking model's base, declares it as the
+model's ``label_range``."""
 
 
 def check_binary_labels(labels: torch.Tensor) -> None:
@@ -206,7 +207,17 @@ def _table_sizes(features: list[str], num_embeddings: int | list[int],
     return [dynamic[f].num_slots if f in dynamic else n for f, n in zip(features, rows, strict=True)]
 
 
-class DLRMClassifier(nn.Module):
+class BinaryClassifier(nn.Module):
+    """What the bundled classifiers share: a logistic loss (``weighted_bce_with_logits``, one
+    logit per row or per task), so labels in ``[0, 1]``, which they declare for the data."""
+
+    label_range: tuple[float, float] | None = BINARY_LABELS
+    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
+    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
+    row on every rank (``data.spec.apply_model_to_specs``)."""
+
+
+class DLRMClassifier(BinaryClassifier):
     """torchrec's DLRM (bottom MLP, pairwise interactions, top MLP) with a weighted BCE loss.
 
     Tables are created on the meta device: ``DistributedModelParallel`` materialises only the
@@ -219,11 +230,6 @@ class DLRMClassifier(nn.Module):
     the others stay hashed with their ``num_embeddings`` rows (feed those ids below it, as
     without ``dynamic``).
     """
-
-    label_range: tuple[float, float] | None = BINARY_LABELS
-    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
-    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
-    row on every rank (``data.spec.apply_model_to_specs``)."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicTable, dynamic_embedding_collection
 from recsys_trainer.models import (
-    BINARY_LABELS,
+    BinaryClassifier,
     init_last_bias,
     make_tables,
     multi_task_bce_with_logits,
@@ -89,7 +89,7 @@ class TargetAttention(nn.Module):
         return torch.bmm((scores * mask).unsqueeze(1), keys).squeeze(1)
 
 
-class DINClassifier(nn.Module):
+class DINClassifier(BinaryClassifier):
     """A DLRM plus DIN-style target attention over a behaviour sequence (Zhou et al., 2018).
 
     Inputs: ``batch.dense`` and ``batch.sparse`` as for ``DLRMClassifier`` (pooled tables, one
@@ -107,11 +107,6 @@ class DINClassifier(nn.Module):
     num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
     max_len=max_len)]``.
     """
-
-    label_range: tuple[float, float] | None = BINARY_LABELS
-    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
-    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
-    row on every rank (``data.spec.apply_model_to_specs``)."""
 
     positions: torch.Tensor
 
@@ -218,7 +213,7 @@ class DINClassifier(nn.Module):
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
 
 
-class MMoEClassifier(nn.Module):
+class MMoEClassifier(BinaryClassifier):
     """Multi-gate mixture of experts (Ma et al., 2018) on a DLRM bottom: one logit per task.
 
     The DLRM's dense arch, pooled tables and pairwise interaction make one shared vector; each
@@ -228,11 +223,6 @@ class MMoEClassifier(nn.Module):
     Output: logits ``[B, len(tasks)]``; loss: the ``task_weights``-weighted sum of each task's
     weighted BCE (``models.multi_task_bce_with_logits``).
     """
-
-    label_range: tuple[float, float] | None = BINARY_LABELS
-    """The labels its loss accepts. The Trainer gives it to a dataset whose ``FeatureSpec`` sets
-    no ``label_range``, so that a label outside it is a ``DataError`` naming the column, file and
-    row on every rank (``data.spec.apply_model_to_specs``)."""
 
     def __init__(
         self,

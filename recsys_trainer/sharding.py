@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -146,7 +147,11 @@ def check_data_fits_model(model: nn.Module, datasets: Iterable[Any]) -> None:
     """Refuse datasets whose ``FeatureSpec`` does not fit the model's tables (see
     ``check_features_fit_tables``). Datasets without a spec (plain iterables of ``Batch``) are
     not checked."""
-    pooled, unpooled = feature_tables(model, "pooled"), feature_tables(model, "sequence")
+    _check_data_fits(datasets, feature_tables(model, "pooled"), feature_tables(model, "sequence"))
+
+
+def _check_data_fits(datasets: Iterable[Any], pooled: list[tuple[str, str, int | None]],
+                     unpooled: list[tuple[str, str, int | None]]) -> None:
     for ds in datasets:
         spec = getattr(ds, "features", None)
         if isinstance(spec, FeatureSpec):
@@ -314,6 +319,44 @@ def shard_model(
     return dmp
 
 
+@dataclass(frozen=True)
+class ShardedModel:
+    """What ``build_sharded_model`` made of a model."""
+
+    model: DistributedModelParallel
+    table_optimizers: dict[str, SparseOptimizer]
+    """``{table: SparseOptimizer}``: the fused optimizer every embedding table trains with."""
+    pooled_features: list[tuple[str, str, int | None]]
+    """``(feature, table, num_embeddings)`` read by the pooled tables (``feature_tables``)."""
+    sequence_features: list[tuple[str, str, int | None]]
+    """The same for the unpooled (sequence) tables."""
+
+
+def build_sharded_model(
+    model: nn.Module,
+    datasets: Iterable[Any],
+    sparse_optimizer: SparseOptimizer,
+    table_optimizers: TableOptimizers | None,
+    device: torch.device,
+    *,
+    process_group: dist.ProcessGroup | None,
+    sharding_types: dict[str, str] | None,
+    local_world_size: int | None,
+    static_graph: bool,
+) -> ShardedModel:
+    """The Trainer's sharded model, the model's tables read once: every table's sparse
+    optimizer resolved (``table_optimizers`` over ``sparse_optimizer``), the ``datasets`` checked
+    against the tables (``check_data_fits_model``; the same answer on every rank), then
+    ``shard_model``. Its tables materialise from the RNG as it is when this is called."""
+    chosen = resolve_table_optimizers(table_names(model), sparse_optimizer, table_optimizers)
+    pooled, unpooled = feature_tables(model, "pooled"), feature_tables(model, "sequence")
+    _check_data_fits(datasets, pooled, unpooled)
+    dmp = shard_model(model, sparse_optimizer, device, process_group=process_group,
+                      sharding_types=sharding_types, local_world_size=local_world_size,
+                      static_graph=static_graph, resolved=chosen)
+    return ShardedModel(dmp, chosen, pooled, unpooled)
+
+
 def dense_no_sync(dmp: nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager[Any]:
     """DDP's ``no_sync`` on the DMP model's dense part when ``skip_sync`` (a micro-batch that does
     not end a gradient accumulation: its gradients are all-reduced with the last one's)."""
@@ -325,7 +368,9 @@ def dense_no_sync(dmp: nn.Module, skip_sync: bool) -> contextlib.AbstractContext
 
 __all__ = [
     "CPU_SHARDING_TYPES",
+    "ShardedModel",
     "apply_sparse_optimizer",
+    "build_sharded_model",
     "dense_no_sync",
     "embedding_modules",
     "plan_sharding",

@@ -157,16 +157,21 @@ class _SmokeRuns:
 
 
 class SmokeTest:
-    """Runs the phases on a Trainer built with ``smoke_test=True``: the builder makes one, and
-    ``around`` wraps the Trainer's entry points so ``train``, ``evaluate``,
-    ``train_and_evaluate`` and ``predict`` run it."""
+    """Runs the phases on a Trainer built with ``smoke_test=True``: the builder makes one (all
+    ranks together), builds the Trainer's components with its ``args``, and ``around`` wraps the
+    Trainer's entry points so ``train``, ``evaluate``, ``train_and_evaluate`` and ``predict``
+    run it."""
 
-    def __init__(self, output_dir: str) -> None:
-        self.output_dir = output_dir
-        self.logging_dir = output_dir if resolve(output_dir).is_local else \
+    def __init__(self, args: TrainingArguments, gang: Gang) -> None:
+        self.output_dir = smoke_directory(gang, args.output_dir)
+        """The smoke test's own directory (``smoke_directory``), removed at the end."""
+        self.logging_dir = self.output_dir if resolve(self.output_dir).is_local else \
             tempfile.mkdtemp(prefix="recsys-smoke-logs-")
         """The hooks' local files (a local ``output_dir`` holds them itself; one on object
         storage cannot, so each rank gets a local temporary directory, removed at the end)."""
+        self.args = smoke_arguments(args, self.output_dir, self.logging_dir)
+        """The job's ``args`` for the smoke test (``smoke_arguments``): what the Trainer runs
+        with."""
         self.report: dict[str, Any] = {}
         """What ran: steps, eval rows, the checkpoint, seconds per phase."""
         self.eval_metrics: dict[str, float] = {}

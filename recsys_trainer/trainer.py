@@ -68,6 +68,7 @@ interrupts is abandoned (a window's is redone on resume). Then the checkpoint of
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -79,36 +80,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 
 from recsys_trainer import dynamic
-from recsys_trainer.args import TrainingArguments
 from recsys_trainer.batch import Batch
-from recsys_trainer.builder import TrainerParts, build_trainer_parts
+from recsys_trainer.builder import TrainerParts, build_trainer_parts, takes_arguments_of
 from recsys_trainer.checkpoint.contents import RestoreMode
-from recsys_trainer.checkpoint.manager import CheckpointManager
 from recsys_trainer.data.base import (
     Lookahead,
     WindowedDataset,
     as_windowed,
     nothing_to_train_error,
 )
-from recsys_trainer.data.sync import SyncedIterator
+from recsys_trainer.data.sync import SyncedIterator, SyncState
 from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import Gang, peer_lost_error
 from recsys_trainer.eval_schedule import EvalPlan, EvalSchedule
 from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput, TrainerView
 from recsys_trainer.hooks.checkpoint import CheckpointHook
-from recsys_trainer.logs import setup_logging
-from recsys_trainer.optimizers import (
-    DenseOptimizerArg,
-    SchedulerArg,
-    SparseOptimizer,
-    TableOptimizers,
-)
 from recsys_trainer.pipeline import SparseDistPipeline
-from recsys_trainer.placement import Placement
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
 from recsys_trainer.preemption import Preempted, Preemption, PreemptionWatcher, exit_now
 from recsys_trainer.rng import RNGState
@@ -122,6 +112,17 @@ logger = logging.getLogger("recsys_trainer")
 
 class _PreemptionStop(Exception):
     """Every rank agreed, at a batch fetch, that a preemption signal arrived (internal)."""
+
+
+@dataclass
+class _EvalTotals:
+    """What one evaluation pass counted on this rank (summed across ranks at its end)."""
+
+    loss_sum: float = 0.0
+    """The batches' mean losses, each times its rows with weight > 0."""
+    rows: int = 0
+    steps: int = 0
+    """Batches evaluated, padding included (``eval_steps`` counts them)."""
 
 
 @dataclass
@@ -168,26 +169,9 @@ class Trainer:
     components built by ``build_trainer_parts`` instead.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        args: TrainingArguments | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        hooks: Sequence[Hook] | None = None,
-        dense_optimizers: tuple[DenseOptimizerArg, SchedulerArg] | None = None,
-        sparse_optimizer: SparseOptimizer | None = None,
-        *,
-        table_optimizers: TableOptimizers | None = None,
-        add_logger_hook: bool = True,
-        gang: Gang | None = None,
-        checkpointer: CheckpointManager | None = None,
-        placement: Placement | None = None,
-    ) -> None:
-        self._wire(build_trainer_parts(
-            model, args, train_dataset, eval_dataset, hooks, dense_optimizers, sparse_optimizer,
-            table_optimizers=table_optimizers, add_logger_hook=add_logger_hook, gang=gang,
-            checkpointer=checkpointer, placement=placement))
+    @takes_arguments_of(build_trainer_parts)  # the Args above: written once, on the builder
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._wire(build_trainer_parts(*args, **kwargs))
 
     @classmethod
     def from_parts(cls, parts: TrainerParts) -> Trainer:
@@ -250,10 +234,15 @@ class Trainer:
         self.smoke = parts.smoke
         """With ``args.smoke_test``: the smoke test that ``train``/``evaluate``/``predict`` run
         instead (``recsys_trainer.smoke``); None otherwise."""
-        direct = _DirectRuns(self)
-        self._runs: Runs = self.smoke.around(self, direct) if self.smoke is not None else direct
         self.checkpointer.attach(self.state_components(), run_args=self.args.to_jsonable(),
                                  listener=lambda event, path: self.hooks.fire(event, self, path))
+
+    @functools.cached_property
+    def _runs(self) -> Runs:
+        """What the entry points run: the job itself, or in test mode the smoke test around it
+        (made on the first call, so that building a Trainer never enters ``smoke``)."""
+        direct = _DirectRuns(self)
+        return self.smoke.around(self, direct) if self.smoke is not None else direct
 
     # ------------------------------------------------------------------ public API
 
@@ -725,58 +714,28 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self, ds: WindowedDataset, windows: list[str] | None) -> dict[str, float]:
-        st, args = self.state, self.args
+        st, eval_steps = self.state, self.args.eval_steps
         prev_mode, prev_window = st.mode, st.window_id
         st.mode = "eval"
         self.model.eval()
         self.hooks.fire("before_evaluate", self)
-        loss_sum, rows, steps = 0.0, 0, 0
+        totals = _EvalTotals()
         for window_id in windows if windows is not None else ds.window_ids():
             st.window_id = window_id
             self.hooks.fire("before_window", self, window_id)
-            it = SyncedIterator(
-                self._batch_check.batches(ds, window_id), self.gang, pad=True,
-                padding_batch=ds.padding_batch,
-                local_flags=lambda: (2 if self._preemption_watcher.requested else 0, False),
-            )
-            try:
-                while args.eval_steps is None or steps < args.eval_steps:
-                    raw = next(it, None)
-                    if raw is None:
-                        break
-                    batch = raw.to(self.device, non_blocking=True)
-                    is_pad = it.last_was_padding
-                    self.hooks.fire("after_data", self, batch)
-                    self.hooks.fire("before_eval_step", self)
-                    loss, outputs = self._forward(batch)
-                    steps += 1
-                    if not is_pad:
-                        # Two host syncs per batch (device syncs on CUDA), on purpose:
-                        # `num_real_rows()` counts the rows with weight > 0, so that each batch's
-                        # loss counts by the rows that carry data; `.item()` brings the batch's
-                        # loss to the host, where the pass sums in float64 for the gang's
-                        # host-side all-reduce at the end. Acceptable in evaluation: there is no
-                        # backward or optimizer step to overlap with the next batch, and each
-                        # fetch already waits on an all-reduce across ranks. (A training step
-                        # keeps its loss on the device; hooks read it every log_steps.)
-                        n = batch.num_real_rows()
-                        loss_sum += float(loss.float().item()) * n
-                        rows += n
-                    out = StepOutput(steps, loss.detach(), [MicroBatchOutput(batch, loss.detach(), outputs)], is_pad)
-                    self.hooks.fire("after_eval_step", self, out)
-            finally:
-                it.close()  # eval_steps may cut the window short: stop its read-ahead
-            if it.state.preempted:
+            sync = self._evaluate_window(ds, window_id, totals)
+            if sync.preempted:
                 # Abandoned: the checkpoint holds the training position (a window's
                 # evaluation is redone on resume: the position is still in that window).
                 st.mode, st.window_id = prev_mode, prev_window
                 raise _PreemptionStop
-            if it.state.out_of_data:
+            if sync.out_of_data:
                 self.hooks.fire("out_of_data", self, window_id, 0)
             self.hooks.fire("after_window", self, window_id)
-            if args.eval_steps is not None and steps >= args.eval_steps:
+            if eval_steps is not None and totals.steps >= eval_steps:
                 break
-        total_loss, total_rows = self.gang.all_reduce_sum_float([loss_sum, float(rows)])
+        total_loss, total_rows = self.gang.all_reduce_sum_float(
+            [totals.loss_sum, float(totals.rows)])
         metrics = {
             "loss": total_loss / total_rows if total_rows else math.nan,
             "num_samples": total_rows,
@@ -786,6 +745,44 @@ class Trainer:
         if prev_mode == "train":
             self.model.train()
         return metrics
+
+    def _evaluate_window(self, ds: WindowedDataset, window_id: str,
+                         totals: _EvalTotals) -> SyncState:
+        """One eval window's batches (exhausted ranks pad until all are done), up to
+        ``eval_steps`` in all; returns how its synced iterator ended."""
+        it = SyncedIterator(
+            self._batch_check.batches(ds, window_id), self.gang, pad=True,
+            padding_batch=ds.padding_batch,
+            local_flags=lambda: (2 if self._preemption_watcher.requested else 0, False),
+        )
+        try:
+            while self.args.eval_steps is None or totals.steps < self.args.eval_steps:
+                raw = next(it, None)
+                if raw is None:
+                    break
+                self._eval_step(raw.to(self.device, non_blocking=True), it.last_was_padding, totals)
+        finally:
+            it.close()  # eval_steps may cut the window short: stop its read-ahead
+        return it.state
+
+    def _eval_step(self, batch: Batch, is_pad: bool, totals: _EvalTotals) -> None:
+        self.hooks.fire("after_data", self, batch)
+        self.hooks.fire("before_eval_step", self)
+        loss, outputs = self._forward(batch)
+        totals.steps += 1
+        if not is_pad:
+            # Two host syncs per batch (device syncs on CUDA), on purpose: `num_real_rows()`
+            # counts the rows with weight > 0, so that each batch's loss counts by the rows that
+            # carry data; `.item()` brings the batch's loss to the host, where the pass sums in
+            # float64 for the gang's host-side all-reduce at the end. Acceptable in evaluation:
+            # there is no backward or optimizer step to overlap with the next batch, and each
+            # fetch already waits on an all-reduce across ranks. (A training step keeps its
+            # loss on the device; hooks read it every log_steps.)
+            n = batch.num_real_rows()
+            totals.loss_sum += float(loss.float().item()) * n
+            totals.rows += n
+        micro = [MicroBatchOutput(batch, loss.detach(), outputs)]
+        self.hooks.fire("after_eval_step", self, StepOutput(totals.steps, loss.detach(), micro, is_pad))
 
     # ------------------------------------------------------------------ helpers
 
@@ -836,4 +833,4 @@ class _DirectRuns:
 _TRAINER_IS_A_VIEW: type[TrainerView] = Trainer
 
 
-__all__ = ["Trainer", "TrainerState", "setup_logging"]
+__all__ = ["Trainer"]

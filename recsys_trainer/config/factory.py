@@ -48,11 +48,6 @@ def _parameters(cls: type[Any]) -> tuple[list[inspect.Parameter], bool]:
     return params, var_kw
 
 
-def _allowed(cls: type[Any]) -> list[str]:
-    """The keys ``cls(**mapping)`` accepts (see ``_parameters``)."""
-    return [p.name for p in _parameters(cls)[0]]
-
-
 def _build(cls: type[T], section: str, raw: Any) -> T:
     """``cls(**raw)`` with config-style errors for unknown keys, missing keys and bad values.
 
