@@ -82,7 +82,7 @@ def _train_eval(cfg: dict[str, Any]) -> dict[str, Any]:
     """Train one configuration on the planted-signal data and evaluate it; report what the
     tests check (losses, AUC, the fp16 scaler's scale, the plan, table updates)."""
     from recsys_trainer import LambdaHook, SparseOptimizer, Trainer, TrainingArguments
-    from recsys_trainer.hooks.metrics import weighted_auc
+    from recsys_trainer.metrics import weighted_auc
     from recsys_trainer.optimizers import dense_parameters
 
     train, evals = _data()

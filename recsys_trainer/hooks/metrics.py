@@ -13,15 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from recsys_trainer.hooks.base import Hook, MetricReport, MicroBatchOutput, StepOutput, TrainerView
-
-# The metric math moved to recsys_trainer.metrics; these names stay importable from here too.
-from recsys_trainer.metrics import (
-    METRIC_NAMES,
-    ClickMetrics,
-    click_metrics,
-    grouped_auc,
-    weighted_auc,
-)
+from recsys_trainer.metrics import METRIC_NAMES, ClickMetrics
 from recsys_trainer.periods import report_due
 
 if TYPE_CHECKING:
@@ -268,14 +260,4 @@ class MetricReportHook(Hook):
         return report
 
 
-__all__ = [
-    "METRIC_NAMES",
-    "ClickMetrics",
-    "MetricReportHook",
-    "click_metrics",
-    "dataset_tasks",
-    "grouped_auc",
-    "sigmoid_of_outputs",
-    "single_task_labels",
-    "weighted_auc",
-]
+__all__ = ["MetricReportHook", "dataset_tasks", "sigmoid_of_outputs", "single_task_labels"]

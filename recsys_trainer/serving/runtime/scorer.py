@@ -41,7 +41,7 @@ from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving import program as dense_program
 from recsys_trainer.serving.delta import apply_table_delta, read_delta
-from recsys_trainer.serving.runtime.tables import DynamicRows, FusedLookup, Table
+from recsys_trainer.serving.runtime.tables import FusedLookup, Table
 
 logger = logging.getLogger(__name__)
 
@@ -455,4 +455,4 @@ def _null_column_types(spec: FeatureSpec, kinds: Mapping[str, str]) -> dict[str,
     return types
 
 
-__all__ = ["DynamicRows", "Rows", "Scorer", "Table", "check_program_archive"]
+__all__ = ["Rows", "Scorer", "check_program_archive"]
