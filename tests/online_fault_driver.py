@@ -59,8 +59,8 @@ class KillMidPublish(Hook):
     def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
         if point != "window" or self.windows != self.at:
             return
-        proc = self.publish._proc
-        assert proc is not None, "no publisher process"
+        pid = self.publish.publisher_pid
+        assert pid is not None, "no publisher process"
         listed = set(os.listdir(self.deltas)) if os.path.isdir(self.deltas) else set()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -75,7 +75,7 @@ class KillMidPublish(Hook):
                     # on, and the next window's delta is the one to catch.
                     self.at += 1
                     return
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 files = sorted(os.listdir(where))  # what the killed writer left
                 with open(self.out + ".tmp", "w") as f:
                     json.dump({"delta": f"deltas/{name}", "files": files,

@@ -802,15 +802,16 @@ def test_loading_a_checkpoint_with_entries_the_trainer_lacks_is_an_error_naming_
 
 
 class _SaveAtEveryWindow(Hook):
-    """What a PublishHook(every_n_windows=1) does: a save at each window's resume point, before
-    the CheckpointHook (always last) has its turn; stops the run after ``stop_after`` windows."""
+    """What a PublishHook(every_n_windows=1) does: asks for a save at each window's resume
+    point (the CheckpointHook, always last, makes it there); stops the run after ``stop_after``
+    windows."""
 
     def __init__(self, stop_after: int) -> None:
         self.stop_after = stop_after
 
     def on_resume_point(self, trainer: Trainer, point: str) -> None:  # type: ignore[override]
         if point == "window":
-            trainer.checkpointer.save()
+            trainer.request_save("test: every window")
             if trainer.state.windows_done == self.stop_after:
                 trainer.request_stop("test: stop after a window")
 
