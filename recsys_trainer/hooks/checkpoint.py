@@ -101,9 +101,9 @@ class CheckpointHook(Hook):
 
     def _save(self, due: bool, *, end: bool = False) -> None:
         """Save the current step when a period is ``due`` or a hook asked: one save for all."""
-        asked, self._asked = self._asked, []
-        if not (due or asked):
+        if not (due or self._asked):
             return
+        asked, self._asked = self._asked, []
         self._saving, self._save_started = asked, time.perf_counter()
         try:
             self.manager.save(blocking=True if asked and end else None)
