@@ -96,7 +96,13 @@ from recsys_trainer.data.sync import SyncedIterator, SyncState
 from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import Gang, peer_lost_error
 from recsys_trainer.eval_schedule import EvalPlan, EvalSchedule
-from recsys_trainer.hooks.base import Hook, MicroBatchOutput, StepOutput, TrainerView
+from recsys_trainer.hooks.base import (
+    Hook,
+    MicroBatchOutput,
+    SaveRequest,
+    StepOutput,
+    TrainerView,
+)
 from recsys_trainer.hooks.checkpoint import CheckpointHook
 from recsys_trainer.pipeline import SparseDistPipeline
 from recsys_trainer.predict import Activation, PredictOptions, PredictSummary, predict
@@ -207,8 +213,10 @@ class Trainer:
         self.hooks = parts.hooks
         self.checkpointer = parts.checkpointer
         # Saving is this hook, bound to the manager the Trainer uses (a replaced
-        # parts.checkpointer too), after every other hook, also those added later.
-        self.hooks.set_last([CheckpointHook(self.checkpointer)])
+        # parts.checkpointer too), after every other hook, also those added later; it makes
+        # every save (its periods' and those hooks ask for) and fires the manager's events.
+        self._saving = CheckpointHook(self.checkpointer, self)
+        self.hooks.set_last([self._saving])
         self.non_finite: NonFiniteGuard = parts.non_finite
         """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
         self.timings = parts.timings
@@ -235,7 +243,7 @@ class Trainer:
         """With ``args.smoke_test``: the smoke test that ``train``/``evaluate``/``predict`` run
         instead (``recsys_trainer.smoke``); None otherwise."""
         self.checkpointer.attach(self.state_components(), run_args=self.args.to_jsonable(),
-                                 listener=lambda event, path: self.hooks.fire(event, self, path))
+                                 listener=self._saving.relay)
 
     @functools.cached_property
     def _runs(self) -> Runs:
@@ -274,6 +282,11 @@ class Trainer:
         self._stop_local = True
         if self.state.stop_reason is None:
             self.state.stop_reason = reason
+
+    def request_save(self, reason: str) -> SaveRequest:
+        """Ask for a checkpoint of the current step (``TrainerView.request_save``): the
+        ``CheckpointHook`` saves it at the end of this resume point."""
+        return self._saving.request(reason)
 
     def report_non_finite_loss(self) -> None:
         """Flag this rank's loss as non-finite: like ``request_stop``, every rank stops after the

@@ -8,10 +8,11 @@ The DLRM of tests/serving_utils.py trains over the windows of ``data`` as the te
 (``_SUCCESS`` markers; ``_END`` ends the stream), with a ``PublishHook`` publishing every
 window to ``location`` (a path, or an ``s3://`` URL of the test's S3 server: ``s3`` holds its
 endpoint and keys). Checkpoints are saved synchronously, so a window's publish has been
-handed to the publisher process when the window's resume point returns.
+handed to the publisher process when the window's resume point returns (the ``PublishHook``
+hands it over in ``after_save_checkpoint``, which the ``CheckpointHook`` fires at that point).
 
-``kill_window`` (first attempt only, rank 0): at the resume point of that train window, rank 0
-watches ``location/deltas`` for the delta the publisher is now writing; as soon as a new delta
+``kill_window`` (first attempt only, rank 0): once the checkpoint of that train window has
+committed (its ``after_save_checkpoint``, after the ``PublishHook``'s), rank 0 watches ``location/deltas`` for the delta the publisher is now writing; as soon as a new delta
 directory holds its manifest (the first file an artifact writes) but no ``COMMITTED`` marker, it SIGKILLs the publisher process, then
 itself (a machine dying mid-publish). What it saw is written to ``killed.json`` first. A delta
 already committed when first seen (the poller was descheduled) is let be, and the next train
@@ -51,16 +52,22 @@ class KillMidPublish(Hook):
         self.deltas = os.path.join(location, "deltas")
         self.publish, self.at, self.out = publish, at, out
         self.windows = 0
+        self.point: ResumePoint | None = None
 
     def after_window(self, trainer: Trainer, window_id: str) -> None:
         if trainer.state.mode == "train":
             self.windows += 1
 
     def on_resume_point(self, trainer: Trainer, point: ResumePoint) -> None:
-        if point != "window" or self.windows != self.at:
+        self.point = point
+
+    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        # The window's save, made by the CheckpointHook at the end of its resume point: the
+        # PublishHook (before this hook) has handed the checkpoint over.
+        if self.point != "window" or self.windows != self.at:
             return
-        proc = self.publish._proc
-        assert proc is not None, "no publisher process"
+        pid = self.publish.publisher_pid
+        assert pid is not None, "no publisher process"
         listed = set(os.listdir(self.deltas)) if os.path.isdir(self.deltas) else set()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -75,7 +82,7 @@ class KillMidPublish(Hook):
                     # on, and the next window's delta is the one to catch.
                     self.at += 1
                     return
-                os.kill(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
                 files = sorted(os.listdir(where))  # what the killed writer left
                 with open(self.out + ".tmp", "w") as f:
                     json.dump({"delta": f"deltas/{name}", "files": files,

@@ -32,6 +32,7 @@ from recsys_trainer.checkpoint.export import read_full, saved_keys
 from recsys_trainer.data.base import Segment, WindowedDataset
 from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.distributed import FakeGang
+from recsys_trainer.hooks import SaveRequest
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.storage import file_digest
 
@@ -802,15 +803,16 @@ def test_loading_a_checkpoint_with_entries_the_trainer_lacks_is_an_error_naming_
 
 
 class _SaveAtEveryWindow(Hook):
-    """What a PublishHook(every_n_windows=1) does: a save at each window's resume point, before
-    the CheckpointHook (always last) has its turn; stops the run after ``stop_after`` windows."""
+    """What a PublishHook(every_n_windows=1) does: asks for a save at each window's resume
+    point (the CheckpointHook, always last, makes it there); stops the run after ``stop_after``
+    windows."""
 
     def __init__(self, stop_after: int) -> None:
         self.stop_after = stop_after
 
     def on_resume_point(self, trainer: Trainer, point: str) -> None:  # type: ignore[override]
         if point == "window":
-            trainer.checkpointer.save()
+            trainer.request_save("test: every window")
             if trainer.state.windows_done == self.stop_after:
                 trainer.request_stop("test: stop after a window")
 
@@ -830,6 +832,47 @@ def test_a_resumed_run_saves_after_the_same_windows_as_one_never_stopped(tmp_pat
     resumed.train()
     assert resumed.state.windows_done == 4
     assert committed_steps(out) == [8, 16, 32]
+
+
+class _AskAtWindows(Hook):
+    """Asks for a save at each window's resume point (``trainer.request_save``), as a
+    ``PublishHook`` does; notes what each request said when asked, and each commit it hears."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[SaveRequest, bool]] = []
+        self.commits: list[tuple[str, list[bool]]] = []
+
+    def on_resume_point(self, trainer: Trainer, point: str) -> None:  # type: ignore[override]
+        if point == "window":
+            saved = trainer.request_save("test: every window")
+            self.asked.append((saved, saved.committed))
+
+    def after_save_checkpoint(self, trainer: Trainer, path: str) -> None:
+        mine = [s.committed for s, _ in self.asked if s.path == path]
+        self.commits.append((os.path.basename(path), mine))
+
+
+def test_a_save_a_hook_asks_for_is_made_once_by_the_checkpoint_hook_and_marked_at_its_commit(
+        tmp_path: Any) -> None:
+    # No save period: each window's save is the request's, made asynchronously at the end of
+    # that resume point; its commit marks the request before any hook hears of it.
+    out = str(tmp_path / "asked")
+    asker = _AskAtWindows()
+    build(out, RowWindows(num_windows=2), hooks=[asker], max_to_keep=10).train()
+    assert committed_steps(out) == [8, 16]
+    assert [(os.path.basename(s.path), s.step, was) for s, was in asker.asked] == [
+        ("step_00000008", 8, False), ("step_00000016", 16, False)]
+    assert asker.commits == [("step_00000008", [True]), ("step_00000016", [True])]
+    assert all(s.committed and s.blocked_s > 0 for s, _ in asker.asked)
+    # The step is saved already (a synchronous save_steps save at the step's resume point, just
+    # before the window's): the request says so at once, and no second save or commit follows.
+    out = str(tmp_path / "saved")
+    asker = _AskAtWindows()
+    build(out, RowWindows(num_windows=2), hooks=[asker], save_steps=8, async_save=False,
+          max_to_keep=10).train()
+    assert committed_steps(out) == [8, 16]
+    assert [was for _, was in asker.asked] == [True, True]
+    assert [name for name, _ in asker.commits] == ["step_00000008", "step_00000016"]
 
 
 def test_model_bank_warm_starts_selected_parts_with_name_map_and_resized_tables(

@@ -161,7 +161,8 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "runtime/__init__", "runtime/scorer",
             "runtime/tables", "runtime/follow", "runtime/server", "exporting/__init__",
             "exporting/export", "exporting/model_parts", "exporting/artifact",
-            "exporting/publisher", "exporting/_publish_worker", "program")),
+            "exporting/publisher", "exporting/publisher_client", "exporting/_publish_worker",
+            "program")),
         "serving runs on the host: the export copies the model to host tensors first and the "
         "Scorer scores on the CPU"),
 }

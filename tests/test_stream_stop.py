@@ -213,8 +213,7 @@ class WaitingMarker(Hook):
         self.publisher_pid_at_preempt: int | None = None
 
     def _publisher_pid(self) -> int | None:
-        proc = self.publish._proc if self.publish is not None else None
-        return proc.pid if proc is not None else None
+        return self.publish.publisher_pid if self.publish is not None else None
 
     def on_preempt(self, trainer: Trainer, preemption: Any) -> None:
         self.publisher_pid_at_preempt = self._publisher_pid()
@@ -293,7 +292,7 @@ def test_sigterm_while_a_trainer_waits_stops_commits_and_publishes_the_step(tmp_
     assert layout.is_committed(p.checkpoint)
     pointer = pub.read_pointer(os.path.join(root, "published"))
     assert pointer is not None and pointer.step == step
-    assert publish._proc is None  # the publisher was let go
+    assert publish.publisher_pid is None  # the publisher was let go
 
 
 def _rank_one_signalled(root: str, poll_s: float) -> dict[str, Any]:

@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 
 CheckpointListener = Callable[[str, str], None]
 """``(event, path)`` for ``before_save_checkpoint``, ``after_save_checkpoint`` and
-``after_load_checkpoint`` (the Trainer forwards them to its hooks)."""
+``after_load_checkpoint`` (the Trainer's ``CheckpointHook`` relays them to the hooks)."""
 
 
 class CheckpointManager:
@@ -336,7 +336,7 @@ class CheckpointManager:
         """
         self.gang  # noqa: B018 - raises when nothing is attached
         step = int(contents.counters(self._components)["global_step"])
-        loc = self._locate(path) if path else self._out.join(layout.step_dir_name(step))
+        loc = self._locate(path) if path else self._step_location(step)
         path = loc.url
         pending = self._saves.pending
         if pending is not None and pending.path == path:
@@ -384,7 +384,7 @@ class CheckpointManager:
             SaveQueue.await_commit(self._saves.pending, deadline, "the save in flight")
             self.wait()
         step = int(contents.counters(self._components)["global_step"])
-        loc = self._out.join(layout.step_dir_name(step))
+        loc = self._step_location(step)
         if layout.is_committed(loc):
             return loc.url
         snap = self._snapshot(step, loc)
@@ -400,6 +400,18 @@ class CheckpointManager:
     def in_flight(self) -> bool:
         """Whether an asynchronous save is still being written."""
         return self._saves.in_flight
+
+    def step_path(self, step: int) -> str:
+        """The directory ``save()`` commits the checkpoint of ``step`` to
+        (``output_dir/step_<N>``)."""
+        return self._step_location(step).url
+
+    def is_committed(self, path: str) -> bool:
+        """Whether the checkpoint at ``path`` is committed (only committed checkpoints count)."""
+        return layout.is_committed(self._locate(path))
+
+    def _step_location(self, step: int) -> Location:
+        return self._out.join(layout.step_dir_name(step))
 
     # ------------------------------------------------------------------ internals: save
 

@@ -6,6 +6,7 @@ from recsys_trainer.hooks.base import (
     HookList,
     MetricReport,
     MicroBatchOutput,
+    SaveRequest,
     StepOutput,
     TrainerView,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "PublishError",
     "PublishHook",
     "PublishRecord",
+    "SaveRequest",
     "StepOutput",
     "StepTimings",
     "TensorBoardHook",

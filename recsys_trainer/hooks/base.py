@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from recsys_trainer.args import TrainingArguments
-    from recsys_trainer.checkpoint.manager import CheckpointManager
     from recsys_trainer.data.base import WindowedDataset
     from recsys_trainer.distributed import Gang
     from recsys_trainer.preemption import Preemption
@@ -112,6 +111,24 @@ EVENTS: tuple[str, ...] = (
 )
 
 
+@dataclass
+class SaveRequest:
+    """A hook's request for a checkpoint of the current step (``TrainerView.request_save``),
+    which the ``CheckpointHook`` fills in.
+
+    ``path`` is the directory the checkpoint of ``step`` is committed to. ``committed`` is True
+    once it is: at once when it was committed before the request (no ``after_save_checkpoint``
+    follows), else when its ``after_save_checkpoint`` fires (every hook sees that event; the
+    request is marked first). ``blocked_s``: how long the save blocked the loop (the snapshot of
+    an asynchronous save, the whole write of a blocking one), set when it is saved."""
+
+    reason: str
+    step: int
+    path: str
+    committed: bool = False
+    blocked_s: float = 0.0
+
+
 ResumePoint = Literal["step", "window", "epoch", "wait", "end", "preempt"]
 """Where ``on_resume_point`` fires: a checkpoint taken there resumes exactly."""
 
@@ -190,10 +207,6 @@ class TrainerView(Protocol):
         """The non-finite-loss policy (``args.non_finite_loss``) and its skip count."""
 
     @property
-    def checkpointer(self) -> CheckpointManager:
-        """The checkpoint manager (``save``, ``wait``, ``in_flight``)."""
-
-    @property
     def preemption(self) -> Preemption | None:
         """What the preemption that stopped training did; None when none did."""
 
@@ -204,6 +217,14 @@ class TrainerView(Protocol):
 
     def request_stop(self, reason: str = "requested by a hook") -> None:
         """Stop training after the current step, on every rank (agreed at the next fetch)."""
+
+    def request_save(self, reason: str) -> SaveRequest:
+        """Ask for a checkpoint of the current step, from ``on_resume_point`` on every rank (the
+        save is collective): the ``CheckpointHook`` saves it at the end of that resume point,
+        with its own periods' save (one save however many ask; a no-op when the step is saved
+        already), blocking at ``"end"``, asynchronous elsewhere when ``async_save``; at
+        ``"preempt"`` the preemption's save serves it. The returned request says where the
+        checkpoint goes and when it has committed."""
 
     def dense_lr(self) -> float:
         """The dense optimizer's current learning rate."""

@@ -11,18 +11,20 @@ the ``LATEST`` pointer, written last; then old bases and deltas are rotated away
 How a publish runs, and what it costs the training loop::
 
     every rank, at a resume point where a period is due (``on_resume_point``):
-        checkpointer.save()            the checkpoint manager's save of this step; with
+        trainer.request_save("publish")  the CheckpointHook saves this step at the end of the
+                                       resume point, with its own periods' save; with
                                        ``async_save`` (the default) only its snapshot blocks
-    rank 0, when that checkpoint commits (``after_save_checkpoint``: at the next step, or, on a
-    stream that waits for its next window, at the wait's first heartbeat, the ``"wait"`` resume
-    point where ``CheckpointHook`` waits for the commit):
+    rank 0, when that checkpoint commits (``after_save_checkpoint``, which the CheckpointHook
+    fires: at the next step, or, on a stream that waits for its next window, at the wait's first
+    heartbeat, the ``"wait"`` resume point where it waits for the commit):
         take a read lease on it        so checkpoint rotation keeps it while it is read
         send its path and its newest window's landing time (``WindowedDataset.landed_at``) to
-        the publisher process (one line on a pipe)
+        the publisher process (a ``PublishJob`` on a pipe)
     rank 0's publisher process (``background=True``; started at ``before_train``):
         build the full export of the checkpoint, or the delta against the previous published
         state (kept as a full export in a local staging directory), locally; upload it under
         bases/ or deltas/ (manifest, files, COMMITTED last); write LATEST; rotate; report back
+        (a ``PublishRecord``)
 
 The loop is blocked only by the save's snapshot and rank 0's lease and pipe write
 (``PublishRecord.blocked_s`` measures them; docs/online.md has the figures). The publisher is
@@ -31,11 +33,11 @@ while it traces, which breaks a forward running meanwhile on the training thread
 the committed checkpoint, not the live model, so what it publishes is exactly a step the job
 can resume from. It needs the architecture as an unsharded module (tables on the ``meta``
 device are enough): ``model=``, or, by default, one derived at ``before_train`` from the
-Trainer's model (a CPU copy of its dense part, its sharded or unsharded
-``EmbeddingBagCollection`` / ``EmbeddingCollection`` tables rebuilt on ``meta``; dynamic and
-managed-collision tables cannot be rebuilt from their sharded form: pass ``model=``). The
-publisher imports that module's classes, so they must be importable (not defined in
-``__main__``); it starts with this process's ``sys.path``.
+Trainer's model (``serving.exporting.model_parts.skeleton``: a CPU copy of its dense part, its
+sharded or unsharded ``EmbeddingBagCollection`` / ``EmbeddingCollection`` tables rebuilt on
+``meta``; dynamic and managed-collision tables cannot be rebuilt from their sharded form: pass
+``model=``). The publisher imports that module's classes, so they must be importable (not
+defined in ``__main__``); it starts with this process's ``sys.path``.
 
 A publish that fails (the store is down, a disk is full, the publisher died) logs a
 ``PublishError`` naming the location and the cause and is tried again at the next period,
@@ -49,8 +51,7 @@ A preemption (SIGTERM/SIGINT, ``recsys_trainer.preemption``) publishes the step 
 rank 0 hands that checkpoint over at ``on_preempt`` and waits for its report until
 ``PREEMPT_EXIT_MARGIN_S`` before the end of ``preemption_grace_s`` (the other ranks wait with it).
 The publisher runs in a session of its own, so the signal a terminal or torchrun's agent sends to
-the job's process group does not end it; it ends when the training process does (its stdin
-closes, or its parent is gone).
+the job's process group does not end it; it ends when the training process does.
 
 After a restart (of the job or of the publisher) the publisher reads the location's pointer,
 continues its sequence, and publishes a new base first (the state after the last delta is
@@ -64,39 +65,38 @@ rank's clock says so).
 With ``every_eviction_pass`` the hook also publishes after each admission/eviction pass of the
 model's dynamic tables: it reads the tables' last-pass step at every step's resume point.
 
-This module is the hook's side (when a publish is due, the hand-over, the publisher process's
-life); the publisher itself (build, upload, point, rotate) is serving code,
-``serving/exporting/publisher.py``.
+This module is when to publish and what to do with a report; the pipe to the publisher process
+(both ends, the job and the report) is ``serving/exporting/publisher_client.py``, the publisher
+itself (build, upload, point, rotate) ``serving/exporting/publisher.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import logging
 import os
 import pickle
-import queue
 import shutil
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.fs as pafs
-import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recsys_trainer import dynamic, torchrec_compat
 from recsys_trainer.checkpoint import layout
-from recsys_trainer.hooks.base import Hook, ResumePoint, TrainerView
+from recsys_trainer.hooks.base import Hook, ResumePoint, SaveRequest, TrainerView
 from recsys_trainer.periods import Trigger
-from recsys_trainer.serving.exporting.model_parts import dense_copy, table_modules, weighted
+from recsys_trainer.serving.exporting.model_parts import skeleton
 from recsys_trainer.serving.exporting.publisher import Publisher
+from recsys_trainer.serving.exporting.publisher_client import (
+    PublisherClient,
+    PublishJob,
+    PublishRecord,
+    save_init,
+)
 
 if TYPE_CHECKING:
     from recsys_trainer.preemption import Preemption
@@ -112,58 +112,12 @@ class PublishError(RuntimeError):
     """A publish that failed; logged (``PublishError: ...``) and retried at the next period."""
 
 
-@dataclass(frozen=True)
-class PublishRecord:
-    """One publish, as rank 0 saw it reported: ``kind`` is ``"base"`` or ``"delta"`` (what it
-    published, ``ref`` its name under the location), ``"failed"`` (``error`` says why) or
-    ``"superseded"`` (a newer checkpoint was handed over before this one was started); the
-    pointer's ``sequence`` (-1 when none was taken), the ``step`` and newest train ``window``,
-    the ``bytes`` uploaded, how long the publisher took (``seconds``), and how long the training
-    loop was blocked for it (``blocked_s``: the save's snapshot, rank 0's read lease and the
-    hand-over; with ``background=False`` the whole publish)."""
-
-    sequence: int
-    kind: str
-    ref: str | None
-    step: int
-    window: str | None
-    bytes: int
-    seconds: float
-    blocked_s: float
-    error: str | None = None
-
-
-
 def _positive(name: str, value: Any, kind: type | tuple[type, ...] = int, *,
               allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if value is None or isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
         raise ValueError(f"`{name}` must be a positive number, but is {value!r}.")
-
-
-def _skeleton(live: nn.Module) -> nn.Module:
-    """An unsharded stand-in of ``live`` for exports from its checkpoints: a CPU copy of its
-    dense part, and its embedding collections rebuilt on ``meta`` from their configurations."""
-    modules = table_modules(live)
-    dynamic = [tm.owner for tm in modules if tm.dynamic]
-    if dynamic:
-        raise ValueError(
-            f"PublishHook cannot rebuild the dynamic or managed-collision tables {dynamic} "
-            "from their sharded form; pass PublishHook(model=...): an unsharded instance of "
-            "the trained architecture (its tables may be on the meta device).")
-    shell = dense_copy(live, modules).to("cpu")
-    meta = torch.device("meta")
-    for tm in modules:
-        stand_in: nn.Module
-        if tm.kind == "pooled":
-            stand_in = EmbeddingBagCollection(tables=list(tm.configs),
-                                              is_weighted=weighted(tm.module), device=meta)
-        else:
-            stand_in = EmbeddingCollection(tables=list(tm.configs), device=meta)
-        parent, _, name = tm.owner.rpartition(".")
-        setattr(shell.get_submodule(parent), name, stand_in)
-    return shell
 
 
 # ---------------------------------------------------------------------- the hook
@@ -194,9 +148,11 @@ class PublishHook(Hook):
         quantize / activation / output_names: as ``export_for_serving``'s.
         final_timeout_s: at the end of training, how long to wait for the last publish.
 
-    The Trainer must save checkpoints (``output_dir``): publishes are exports of committed
-    checkpoints. Keep ``async_save`` (the default) so that the loop blocks only for the
-    snapshot. ``records`` lists every publish (rank 0), ``last_error`` the last failure.
+    Publishes are exports of committed checkpoints in ``output_dir``: the hook asks the
+    Trainer's ``CheckpointHook`` for a save at each publish (``trainer.request_save``), whether
+    or not ``args`` sets save periods of its own. Keep ``async_save`` (the default) so that the
+    loop blocks only for the snapshot. ``records`` lists every publish (rank 0), ``last_error``
+    the last failure, ``publisher_pid`` the publisher process.
     """
 
     def __init__(self, location: str, *, every_n_windows: int | None = None,
@@ -244,7 +200,7 @@ class PublishHook(Hook):
         self.records: list[PublishRecord] = []
         """Every publish this run, in order (rank 0; other ranks record nothing)."""
         self.last_error: PublishError | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._client: PublisherClient | None = None
         self._reset()
 
     def in_smoke_test(self, directory: str) -> None:
@@ -254,14 +210,19 @@ class PublishHook(Hook):
                     self.location)
         self.location, self.filesystem = smoke_location, None
 
+    @property
+    def publisher_pid(self) -> int | None:
+        """The publisher process's pid (rank 0, ``background=True``, while one runs); None
+        otherwise."""
+        return self._client.pid if self._client is not None else None
+
     def _reset(self) -> None:
         self._trigger.restart_clock()
         self._last_window: str | None = None
         self._last_requested_step = -1
-        # checkpoint -> (step, blocked s, newest train window, when it landed)
-        self._wanted: dict[str, tuple[int, float, str | None, float | None]] = {}
-        self._inflight: dict[str, contextlib.ExitStack] = {}  # checkpoint -> its read lease
-        self._results: queue.Queue[bytes | None] = queue.Queue()
+        # checkpoint -> (its save, newest train window, when that window landed)
+        self._wanted: dict[str, tuple[SaveRequest, str | None, float | None]] = {}
+        self._inflight: dict[str, tuple[PublishJob, contextlib.ExitStack]] = {}  # + read lease
         self._init_path: str | None = None
         self._stage: str | None = None
         self._own_stage = False
@@ -272,11 +233,8 @@ class PublishHook(Hook):
     # ------------------------------------------------------------------ events
 
     def before_train(self, trainer: TrainerView) -> None:
-        self._stop_worker(0.0)
+        self._stop_publisher(0.0)
         self._reset()
-        if getattr(trainer, "checkpointer", None) is None:
-            raise ValueError("PublishHook publishes exports of committed checkpoints: the "
-                             "Trainer needs a checkpoint manager (args.output_dir).")
         self._id_maps = dynamic.id_maps(trainer.model)
         self._pass_steps = dynamic.pass_steps(self._id_maps)
         if self.every_eviction_pass and not self._pass_steps:
@@ -287,7 +245,7 @@ class PublishHook(Hook):
             return
         live = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
         assert isinstance(live, nn.Module)
-        model = self.model if self.model is not None else _skeleton(live)
+        model = self.model if self.model is not None else skeleton(live)
         ds = trainer.train_dataset
         spec = getattr(ds, "features", None)
         if spec is None:
@@ -318,7 +276,7 @@ class PublishHook(Hook):
         # collision modules carry a load hook pickle cannot name, replaced by an equal one.
         torchrec_compat.picklable_load_hooks(model)
         try:
-            torch.save(init, self._init_path)
+            save_init(self._init_path, init)
         except OSError as e:  # a full or read-only staging directory, named
             raise PublishError(f"PublishHook cannot write {self._init_path!r}: {e}; give "
                                "`staging_dir=` a writable directory with room for two "
@@ -329,7 +287,7 @@ class PublishHook(Hook):
                 f"its publisher process: it does not pickle ({e}). Make the module picklable "
                 "(no lambdas or local functions in its attributes or hooks), or publish in "
                 "this process with PublishHook(background=False).") from e
-        self._start_worker()
+        self._start_publisher()
 
     def after_window(self, trainer: TrainerView, window_id: str) -> None:
         if trainer.state.mode == "train":
@@ -357,7 +315,7 @@ class PublishHook(Hook):
             due = due or passes != self._pass_steps
             self._pass_steps = passes
         if due:
-            self._request(trainer, step, final=point == "end")
+            self._request(trainer, step)
 
     def after_save_checkpoint(self, trainer: TrainerView, path: str) -> None:
         if trainer.rank == 0 and path.rstrip("/") in self._wanted:
@@ -395,7 +353,8 @@ class PublishHook(Hook):
         if p.committed and p.checkpoint is not None and p.step != self._last_requested_step:
             path = p.checkpoint.rstrip("/")
             self._last_requested_step = p.step
-            self._wanted[path] = (p.step, 0.0, self._last_window,
+            saved = SaveRequest("preemption", p.step, path, committed=True)
+            self._wanted[path] = (saved, self._last_window,
                                   self._landed_at(trainer, self._last_window))
             self._submit(trainer, path)
         budget = min(self.final_timeout_s,
@@ -410,27 +369,27 @@ class PublishHook(Hook):
         # After an exception nothing waits: a publisher stopped mid-publish leaves no pointer
         # naming a partial artifact. After a preemption on_preempt has waited already.
         preempted, self._preempt_deadline = self._preempt_deadline is not None, None
-        self._stop_worker(0.5 if preempted else self.final_timeout_s if self._trained else 0.0)
-        for lease in self._inflight.values():
+        self._stop_publisher(0.5 if preempted else self.final_timeout_s if self._trained else 0.0)
+        for _, lease in self._inflight.values():
             lease.close()
         self._inflight.clear()
         if self._own_stage and self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
 
-    # ------------------------------------------------------------------ rank 0's side
+    # ------------------------------------------------------------------ the hand-over
 
-    def _request(self, trainer: TrainerView, step: int, final: bool) -> None:
-        """Every rank: save this step (the manager's save; a no-op when it is saved already)."""
-        t0 = time.perf_counter()
+    def _request(self, trainer: TrainerView, step: int) -> None:
+        """Every rank: ask for the save of this step (the CheckpointHook's, at the end of this
+        resume point); rank 0 hands it over when it has committed."""
         self._last_requested_step = step
         self._trigger.restart_clock()  # every_n_seconds counts from the last publish
-        path = trainer.checkpointer.save(blocking=True if final else None).rstrip("/")
-        blocked = time.perf_counter() - t0
+        saved = trainer.request_save("publish")
         if trainer.rank != 0:
             return
-        self._wanted[path] = (step, blocked, self._last_window,
+        path = saved.path.rstrip("/")
+        self._wanted[path] = (saved, self._last_window,
                               self._landed_at(trainer, self._last_window))
-        if path not in self._inflight and layout.is_committed(path):
+        if saved.committed:
             self._submit(trainer, path)  # committed before: no commit event follows
 
     @staticmethod
@@ -440,116 +399,94 @@ class PublishHook(Hook):
         return ds.landed_at(window) if ds is not None and window is not None else None
 
     def _submit(self, trainer: TrainerView, path: str) -> None:
+        """Rank 0: take a read lease on the committed checkpoint ``path`` and hand it to the
+        publisher."""
         if path in self._inflight or path not in self._wanted:
             return
         t0 = time.perf_counter()
-        step, blocked, window, window_time = self._wanted.pop(path)
+        saved, window, window_time = self._wanted.pop(path)
+        job = PublishJob(path, saved.step, window, window_time, saved.blocked_s)
         lease = contextlib.ExitStack()
         try:
             lease.enter_context(layout.reading(path))
         except Exception as e:  # noqa: BLE001 - rotated away already: the next period retries
-            self._record({"sequence": -1, "kind": "failed", "ref": None, "bytes": 0,
-                          "seconds": 0.0, "step": step, "window": window, "blocked_s": blocked,
-                          "checkpoint": path, "error": f"{type(e).__name__}: {e}"})
+            self._take(PublishRecord.unpublished(job, "failed", f"{type(e).__name__}: {e}"))
             return
-        job = {"checkpoint": path, "step": step, "window": window, "window_time": window_time,
-               "blocked_s": 0.0}
-        self._inflight[path] = lease
+        self._inflight[path] = (job, lease)
         if self._local is not None:
-            job["blocked_s"] = blocked + (time.perf_counter() - t0)
-            self._record(self._local.publish(job))
+            job = dataclasses.replace(job, blocked_s=saved.blocked_s + time.perf_counter() - t0)
+            self._take(self._local.publish(job))
             return
-        if self._proc is None or self._proc.poll() is not None:
-            self._start_worker()
-        assert self._proc is not None and self._proc.stdin is not None
-        job["blocked_s"] = blocked + (time.perf_counter() - t0)
+        if self._client is None or not self._client.running:
+            self._start_publisher()
+        assert self._client is not None
+        job = dataclasses.replace(job, blocked_s=saved.blocked_s + time.perf_counter() - t0)
         try:
-            self._proc.stdin.write(json.dumps(job).encode() + b"\n")
-            self._proc.stdin.flush()
+            self._client.send(job)
         except OSError as e:  # the publisher died: restarted at the next period
-            self._record({**job, "sequence": -1, "kind": "failed", "ref": None, "bytes": 0,
-                          "seconds": 0.0, "error": f"the publisher process is gone ({e})"})
+            self._take(PublishRecord.unpublished(job, "failed",
+                                                 f"the publisher process is gone ({e})"))
 
-    def _start_worker(self) -> None:
+    # ------------------------------------------------------------------ the publisher's life
+
+    def _start_publisher(self) -> None:
         assert self._init_path is not None
-        self._results = queue.Queue()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env["OMP_NUM_THREADS"] = "1"
-        env["RECSYS_PUBLISH_PARENT"] = str(os.getpid())
-        # A session of its own: the SIGINT/SIGTERM a terminal or torchrun's agent sends to the
-        # training process's group is the job's to handle (its preemption path then hands the
-        # publisher the stopped step); the publisher ends when this process does (its stdin
-        # closes, or its parent is gone: ``worker_main``).
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "recsys_trainer.serving.exporting._publish_worker",
-             self._init_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
-        assert self._proc.stdout is not None
-        threading.Thread(target=_pump, args=(self._proc.stdout, self._results, self.location),
-                         name="recsys-publish-results", daemon=True).start()
+        self._client = PublisherClient(self._init_path, on_arrival=self._log_on_arrival)
+        self._client.start()
 
-    def _stop_worker(self, timeout: float) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
+    def _log_on_arrival(self, record: PublishRecord) -> None:
+        """On the client's reader thread: a failure is logged as it arrives (the training
+        thread takes reports in only at its resume points and events)."""
+        if record.kind == "failed":
+            _log_failure(_failure(self.location, record))
+
+    def _stop_publisher(self, timeout: float) -> None:
+        client = self._client
+        if client is None:
             return
         if timeout > 0:
-            self._proc = proc
             self.wait(timeout)
-            self._proc = None
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=max(timeout, 0.1) if timeout > 0 else 0.1)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-        self._poll()
+        self._client = None
+        client.close(timeout)
+        for record in client.reports():
+            self._take(record, logged=True)
 
     def _poll(self) -> None:
         """Take in what the publisher reported (non-blocking)."""
-        while True:
-            try:
-                line = self._results.get_nowait()
-            except queue.Empty:
-                break
-            if line is None:  # its stdout closed: it exited
-                continue
-            with contextlib.suppress(ValueError):
-                self._record(json.loads(line))
-        proc = self._proc
-        if proc is not None and proc.poll() is not None and self._results.empty():
-            code = proc.returncode
-            self._proc = None
-            for path in list(self._inflight):
-                self._record({"sequence": -1, "kind": "failed", "ref": None, "bytes": 0,
-                              "seconds": 0.0, "step": -1, "window": None, "blocked_s": 0.0,
-                              "checkpoint": path,
-                              "error": f"the publisher process exited with code {code}"})
+        client = self._client
+        if client is None:
+            return
+        for record in client.reports():
+            self._take(record, logged=True)
+        code = client.exit_code()
+        if code is not None:
+            self._client = None
+            for job, _ in list(self._inflight.values()):
+                self._take(PublishRecord.unpublished(
+                    job, "failed", f"the publisher process exited with code {code}"))
 
-    def _record(self, raw: dict[str, Any]) -> None:
-        lease = self._inflight.pop(str(raw.get("checkpoint", "")), None)
-        if lease is not None:
-            lease.close()
-        fields = {k: raw.get(k) for k in PublishRecord.__dataclass_fields__}
-        rec = PublishRecord(**fields)  # type: ignore[arg-type]
-        self.records.append(rec)
-        if rec.kind == "failed":
-            err = _failure(self.location, raw)
+    def _take(self, record: PublishRecord, *, logged: bool = False) -> None:
+        """What to do with a report: release its lease, record it, log it (a failure only when
+        not ``logged`` as it arrived)."""
+        held = self._inflight.pop(str(record.checkpoint or ""), None)
+        if held is not None:
+            held[1].close()
+        self.records.append(record)
+        if record.kind == "failed":
+            err = _failure(self.location, record)
             self.last_error = err
-            if not raw.get("logged"):  # the publisher's failures are logged as they arrive
+            if not logged:
                 _log_failure(err)
             return
-        if rec.kind == "superseded":
+        if record.kind == "superseded":
             return
         self.last_error = None
         logger.info("published %s %s (step %d, window %s, %.2f MB) to %s in %.2f s; the loop "
-                    "was blocked %.1f ms", rec.kind, rec.ref, rec.step, rec.window,
-                    rec.bytes / 1e6, self.location, rec.seconds, 1e3 * rec.blocked_s)
-        if raw.get("rotation_error"):
+                    "was blocked %.1f ms", record.kind, record.ref, record.step, record.window,
+                    record.bytes / 1e6, self.location, record.seconds, 1e3 * record.blocked_s)
+        if record.rotation_error:
             logger.warning("PublishHook: rotating %s failed (%s); trying again after the next "
-                           "publish", self.location, raw["rotation_error"])
+                           "publish", self.location, record.rotation_error)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Rank 0: wait until every publish sent has been reported; False on timeout."""
@@ -558,7 +495,7 @@ class PublishHook(Hook):
             self._poll()
             if not self._inflight:
                 return True
-            if self._proc is None:
+            if self._client is None:
                 return not self._inflight
             if deadline is not None and time.monotonic() > deadline:
                 logger.warning("PublishHook: %d publish(es) still running after %.0f s",
@@ -567,28 +504,12 @@ class PublishHook(Hook):
             time.sleep(0.05)
 
 
-def _failure(location: str, raw: dict[str, Any]) -> PublishError:
-    return PublishError(f"publishing step {raw.get('step')} to {location} failed: "
-                        f"{raw.get('error')}")
+def _failure(location: str, record: PublishRecord) -> PublishError:
+    return PublishError(f"publishing step {record.step} to {location} failed: {record.error}")
 
 
 def _log_failure(err: PublishError) -> None:
     logger.error("PublishError: %s; LATEST is unchanged; trying again at the next period", err)
 
 
-def _pump(stream: IO[bytes], out: queue.Queue[bytes | None], location: str) -> None:
-    """The publisher's reports, for ``_poll``. A failure is logged here, as it arrives: the
-    training thread takes reports in only at its resume points, which a stream waiting for its
-    next window does not reach (an outage would go unlogged until the next window)."""
-    for line in stream:
-        with contextlib.suppress(ValueError, AttributeError):
-            raw = json.loads(line)
-            if raw.get("kind") == "failed":
-                _log_failure(_failure(location, raw))
-                line = json.dumps({**raw, "logged": True}).encode()
-        out.put(line)
-    out.put(None)
-
-
 __all__ = ["PublishError", "PublishHook", "PublishRecord"]
-

@@ -1,8 +1,9 @@
 """The model split for serving: its embedding tables and its dense program.
 
 ``table_modules`` finds a model's embedding collections (torchrec's, sharded or not, dynamic
-and managed-collision ones); ``dense_copy`` copies the rest of the model without them and
-``on_host`` gives that copy the checkpoint's dense state on the CPU; ``export_program`` traces
+and managed-collision ones); ``dense_copy`` copies the rest of the model without them
+(``skeleton``: with the collections rebuilt on ``meta``, an unsharded architecture to export a
+checkpoint with) and ``on_host`` gives that copy the checkpoint's dense state on the CPU; ``export_program`` traces
 its ``serving_logits`` (the serving contract, ``recsys_trainer.serving.exporting.export``) with
 ``torch.export``, ``program_bytes`` serialises the program and ``aot_package`` compiles it with
 AOTInductor. ``export.build`` puts these together into an artifact.
@@ -119,6 +120,31 @@ def dense_copy(model: nn.Module, modules: list[TableModule]) -> nn.Module:
     finally:
         for parent, name, original in swapped:
             setattr(parent, name, original)
+
+
+def skeleton(live: nn.Module) -> nn.Module:
+    """An unsharded stand-in of ``live`` (sharded or not) for exports from its checkpoints: a
+    CPU copy of its dense part, and its embedding collections rebuilt on ``meta`` from their
+    configurations (``PublishHook``'s default architecture)."""
+    modules = table_modules(live)
+    dynamic = [tm.owner for tm in modules if tm.dynamic]
+    if dynamic:
+        raise ValueError(
+            f"PublishHook cannot rebuild the dynamic or managed-collision tables {dynamic} "
+            "from their sharded form; pass PublishHook(model=...): an unsharded instance of "
+            "the trained architecture (its tables may be on the meta device).")
+    shell = dense_copy(live, modules).to("cpu")
+    meta = torch.device("meta")
+    for tm in modules:
+        stand_in: nn.Module
+        if tm.kind == "pooled":
+            stand_in = EmbeddingBagCollection(tables=list(tm.configs),
+                                              is_weighted=weighted(tm.module), device=meta)
+        else:
+            stand_in = EmbeddingCollection(tables=list(tm.configs), device=meta)
+        parent, _, name = tm.owner.rpartition(".")
+        setattr(shell.get_submodule(parent), name, stand_in)
+    return shell
 
 
 def on_host(dense_model: nn.Module, dense_state: Mapping[str, torch.Tensor]) -> nn.Module:
