@@ -1,0 +1,800 @@
+"""``KafkaWindowDataset``: event-time windows of a Kafka topic, behind the ``WindowedDataset``
+contract, with the log's position in the job's own checkpoints.
+
+How it runs on ``world_size`` ranks (see ``windowing`` for the rules):
+
+* Each rank reads the partitions it owns (``windowing.owner``) as messages arrive, in a thread
+  (``tracker.Tracker``), decodes them and keeps them by partition.
+* ``window_ids()`` runs on every rank together: at each agreement (every ``poll_interval_s``
+  while a window is open; one all-gather) the ranks exchange their partitions' progress and
+  close what every partition has passed (``windowing.closable``); each owner assigns its
+  partitions' rows and a second all-gather gives every rank the closed windows' plans
+  (``WindowPlan``). A window with rows is yielded; while none closes, the agreement is the
+  stream's heartbeat (a stop signal ends the wait on every rank, and the Trainer commits a
+  checkpoint in flight there).
+* ``iter_window`` gives this rank its share of the window's rows (``windowing.share``): every
+  rank takes the same number of batches, so the ranks never leave rows unread; a rank trains
+  rows it read itself from memory, and reads the others' from the broker by offset.
+
+**Exactly once.** The checkpoint (``state_dict``, the same on every rank) holds the windows
+closed and not yet trained (their plans), and per partition the offset up to which every row
+has been assigned to a window (with its watermark there, and the rows read early for windows
+still open); the Trainer's position says how many batches of the current window each rank
+trained. A restarted job reads from those offsets, closes no window twice, and trains each
+window's rows from the batch it stopped at: at another world size too (``exact_reshard``: the
+earlier parts' cuts are replayed). The broker's consumer-group offsets are never read; with
+``commit_group`` they are written, for lag monitoring only.
+
+``KafkaWindowDataset.following()`` is the evaluation side of ``train_and_evaluate``: its window
+``i`` is the train window ``i + 1`` (train on T, evaluate on T + 1 once T + 1 closes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from confluent_kafka import Consumer, TopicPartition
+
+from recsys_trainer.batch import Batch
+from recsys_trainer.data.base import Segment, WindowedDataset
+from recsys_trainer.data.columns import IdKindError, conform_id_kinds
+from recsys_trainer.data.errors import DataError, _RowError
+from recsys_trainer.data.kafka import client
+from recsys_trainer.data.kafka.client import (
+    BrokerUnavailableError,
+    DeadLetters,
+    KafkaSourceError,
+    OffsetsOutOfRangeError,
+    PartitionsChangedError,
+    SpanReader,
+    TopicMissingError,
+    consumer_settings,
+    partitions_of,
+    watermarks,
+)
+from recsys_trainer.data.kafka.formats import Decoder, MessageFormat
+from recsys_trainer.data.kafka.options import KafkaSourceOptions
+from recsys_trainer.data.kafka.tracker import RankReport, Tracker
+from recsys_trainer.data.kafka.windowing import (
+    Bucket,
+    Clock,
+    PartitionLog,
+    Share,
+    Span,
+    WindowPlan,
+    closable,
+    owner,
+    range_in,
+    share,
+)
+from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.spec import FeatureSpec
+from recsys_trainer.data.windows import WaitInterrupted
+from recsys_trainer.distributed import FakeGang, Gang
+
+logger = logging.getLogger("recsys_trainer.data.kafka")
+
+_CHUNK_ROWS = 16384
+"""Rows decoded at once (whole batches)."""
+
+_ERRORS: dict[str, type[Exception]] = {
+    c.__name__: c for c in (BrokerUnavailableError, TopicMissingError, OffsetsOutOfRangeError,
+                            PartitionsChangedError, KafkaSourceError, DataError)}
+
+
+@dataclass
+class KafkaStats:
+    """What the source met so far (every rank alike: sums over the partitions)."""
+
+    windows: int = 0
+    """Windows closed with rows."""
+    rows: int = 0
+    """Rows of those windows."""
+    late_trained: int = 0
+    late_dropped: int = 0
+    before_start: int = 0
+    """Rows earlier than ``start_time``, skipped."""
+    corrupt_skipped: int = 0
+    """Messages that could not be decoded, skipped (``on_corrupt="skip"``)."""
+    lost_messages: int = 0
+    """Messages deleted by retention before they were read (``on_out_of_range="skip"``)."""
+    idle_closes: int = 0
+    """Windows closed while a partition was idle."""
+
+
+@dataclass
+class _Partition:
+    """A partition's position in the checkpoint: every row before ``frontier`` is assigned to
+    a window; ``watermark`` is the largest event time before it; ``deferred``: rows read
+    early, per window still open (first offset, rows); ``end``: its end offset, if any."""
+
+    frontier: int
+    watermark: float = -math.inf
+    deferred: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    end: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"frontier": self.frontier,
+                "watermark": None if self.watermark == -math.inf else self.watermark,
+                "deferred": {str(w): list(v) for w, v in self.deferred.items()},
+                "end": self.end}
+
+    @staticmethod
+    def from_json(raw: dict[str, Any]) -> _Partition:
+        wm = raw.get("watermark")
+        return _Partition(int(raw["frontier"]), -math.inf if wm is None else float(wm),
+                          {int(w): (int(v[0]), int(v[1])) for w, v in raw["deferred"].items()},
+                          None if raw.get("end") is None else int(raw["end"]))
+
+
+@dataclass
+class _State:
+    """The source's position, the same on every rank (what ``state_dict`` saves)."""
+
+    partitions: dict[int, _Partition]
+    closed: int | None
+    next_index: int = 0
+    plans: dict[int, WindowPlan] = dataclasses.field(default_factory=dict)
+    id_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def placeholder(index: int) -> str:
+    """The id ``window_ids`` gives a window trained before the checkpoint a run resumed from
+    (the Trainer skips it by position; its plan is gone)."""
+    return f"#{index} (trained before the resume)"
+
+
+class KafkaWindowDataset(WindowedDataset):
+    """Event-time windows of a Kafka topic (see the module docstring and docs/kafka.md).
+
+    Args:
+        features: the ``FeatureSpec`` (the same as for files: vocabularies, transforms and
+            checks apply alike).
+        decoder: a callable ``bytes -> pyarrow.RecordBatch`` for another message format
+            (Avro, Protobuf); replaces ``format``.
+        **options: ``KafkaSourceOptions``' fields (``bootstrap_servers`` and ``topic`` at
+            least), validated there.
+    """
+
+    features: FeatureSpec
+    exact_reshard = True
+
+    def __init__(self, features: FeatureSpec, *, decoder: Decoder | None = None,
+                 **options: Any) -> None:
+        self.options = o = KafkaSourceOptions(**options)
+        self.features = features
+        self.decoder = decoder
+        self.clock = Clock(float(o.window_s), float(o.allowed_lateness_s))
+        self.start_window = None if o.start_time is None else \
+            int(self.clock.window_of(np.array([o.start_time]))[0])
+        self.end_window = None if o.end_time is None else \
+            math.ceil(o.end_time / o.window_s) - 1
+        self.rank, self.world_size = 0, 1
+        self.stats = KafkaStats()
+        self._base = KafkaStats()
+        """The counts of the runs before the checkpoint this one resumed from."""
+        self._gang: Gang | None = None
+        self._stop: Callable[[], bool] | None = None
+        self._on_wait: Callable[[], None] | None = None
+        self._state: _State | None = None
+        self._floor = 0
+        self._tracker: Tracker | None = None
+        self._reader: SpanReader | None = None
+        self._committer: Consumer | None = None
+        self._buckets: dict[tuple[int, int], Bucket] = {}
+        self._ended = False
+        self._current = -1
+        self._by_id: dict[str, WindowPlan] = {}
+        self._fmt: MessageFormat | None = None
+
+    # ------------------------------------------------------------------ WindowedDataset
+
+    def setup(self, rank: int, world_size: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"`rank` must be in [0, {world_size}), but is {rank}.")
+        if self._tracker is not None and (rank, world_size) != (self.rank, self.world_size):
+            raise RuntimeError("a KafkaWindowDataset that has started reading cannot be set "
+                               "up for another rank or world size; make a new one.")
+        self.rank, self.world_size = rank, world_size
+
+    def set_gang(self, gang: Gang) -> None:
+        self._gang = gang
+
+    def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
+        self._stop = stop
+
+    def set_wait_hook(self, on_wait: Callable[[], None] | None) -> None:
+        self._on_wait = on_wait
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch > 0:
+            raise ValueError(
+                f"a Kafka stream is read once, but the Trainer asks for epoch {epoch + 1}: set "
+                "train_epoch=1 (a run ends at the source's end_time or end_offsets, or when it "
+                "is stopped).")
+
+    def window_ids(self) -> Iterator[str]:
+        index = 0
+        while True:
+            wid = self._id_at(index)
+            if wid is None:
+                return
+            yield wid
+            index += 1
+
+    def landed_at(self, window_id: str) -> float | None:
+        """The window's end in event time (unix s): what ``PublishHook`` puts in the pointer, so
+        that a follower's freshness is measured from the newest event the window may hold."""
+        return self.window_end_time(window_id)
+
+    def window_end_time(self, window_id: str) -> float | None:
+        plan = self._by_id.get(window_id)
+        return None if plan is None else self.clock.end(plan.number)
+
+    def iter_window(self, window_id: str, skip_batches: int = 0, *,
+                    earlier: Sequence[Segment] = ()) -> Iterator[Batch]:
+        plan = self._plan(window_id)
+        self._train_from(plan)
+        segments = [(s.world_size, s.batches) for s in earlier]
+        return self._iterator(plan, share(plan.spans, segments, self.world_size, self.rank,
+                                          self.options.batch_size, skip_batches))
+
+    def padding_batch(self) -> Batch | None:
+        return self.features.padding_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"fingerprint": self.options.fingerprint()}
+        st = self._state
+        if st is None:
+            return out
+        out.update({
+            "closed": st.closed, "next_index": st.next_index,
+            "plans": [p.to_json() for i, p in sorted(st.plans.items()) if i >= self._current],
+            "partitions": {str(p): v.to_json() for p, v in sorted(st.partitions.items())},
+            "id_kinds": dict(st.id_kinds), "stats": dataclasses.asdict(self.stats)})
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._check_fingerprint(state.get("fingerprint", {}))
+        if "partitions" not in state:
+            return
+        if self._tracker is not None:
+            raise RuntimeError("a KafkaWindowDataset restores its position before it reads.")
+        plans = [WindowPlan.from_json(p) for p in state["plans"]]
+        self._state = _State({int(p): _Partition.from_json(v)
+                              for p, v in state["partitions"].items()},
+                             None if state["closed"] is None else int(state["closed"]),
+                             int(state["next_index"]), {p.index: p for p in plans},
+                             dict(state.get("id_kinds", {})))
+        self._by_id = {self.clock.name(p.number): p for p in plans}
+        self._floor = min([p.index for p in plans] + [self._state.next_index])
+        self.stats = KafkaStats(**state.get("stats", {}))
+        self._base = dataclasses.replace(self.stats)
+
+    def load_resharded_state_dict(self, state: dict[str, Any], world_size: int) -> None:
+        """The state is the same on every rank (rank 0's serves any world size): the partitions
+        are owned anew at this run's world size."""
+        self.load_state_dict(state)
+
+    def following(self) -> KafkaFollowingWindows:
+        """The evaluation side of ``train_and_evaluate``: window ``i`` is this source's window
+        ``i + 1`` (see ``KafkaFollowingWindows``)."""
+        return KafkaFollowingWindows(self)
+
+    def close(self) -> None:
+        """Stop reading (the thread, the consumers)."""
+        if self._tracker is not None:
+            self._tracker.stop()
+            self._tracker = None
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        if self._committer is not None:
+            with contextlib.suppress(Exception):
+                self._committer.close()
+            self._committer = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._tracker is not None:
+                self._tracker.stop(timeout_s=0)
+
+    # ------------------------------------------------------------------ windows
+
+    def _check_fingerprint(self, saved: dict[str, Any]) -> None:
+        now = self.options.fingerprint()
+        diff = {k: (saved.get(k), v) for k, v in now.items() if k in saved and saved[k] != v}
+        if diff:
+            listed = ", ".join(f"`{k}` {a!r} -> {b!r}" for k, (a, b) in sorted(diff.items()))
+            raise ValueError(
+                f"the checkpoint's Kafka source was configured otherwise ({listed}): its "
+                "offsets and windows would not mean the same rows.")
+
+    def _id_at(self, index: int) -> str | None:
+        """The id of the source's window ``index`` (waiting for it to close), None after the
+        last."""
+        self._start()
+        st = self._state
+        assert st is not None
+        if index < self._floor:
+            return placeholder(index)
+        while True:
+            plan = st.plans.get(index)
+            if plan is not None:
+                return self.clock.name(plan.number)
+            if self._ended or index < st.next_index:
+                return None
+            self._agree()
+
+    def _plan(self, window_id: str) -> WindowPlan:
+        plan = self._by_id.get(window_id)
+        if plan is None:
+            raise KeyError(f"window {window_id!r} is not a closed window of this Kafka source "
+                           "(windows are read in order, through window_ids()).")
+        return plan
+
+    @property
+    def _fmt_or_make(self) -> MessageFormat:
+        if self._fmt is None:
+            o = self.options
+            self._fmt = MessageFormat(self.features, self.decoder or o.format,
+                                      schema=o.arrow_schema(), time_column=o.time_column,
+                                      time_unit=o.time_unit)
+        return self._fmt
+
+    def _settings(self, group_id: str | None = None) -> dict[str, Any]:
+        return consumer_settings(self.options.bootstrap_servers, self.options.consumer_config,
+                                 group_id=group_id)
+
+    def _start(self) -> None:
+        """Every rank, once: the partitions and where they start (rank 0 asks the broker and
+        tells the others, for a new run), then this rank's reading thread."""
+        if self._tracker is not None or self._ended:
+            return
+        gang = self._gang or FakeGang()
+        if self._state is None:
+            message: tuple[str, Any]
+            if gang.rank == 0:
+                try:
+                    message = ("ok", self._first_state())
+                except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                    message = ("error", (type(exc).__name__, str(exc)))
+            else:
+                message = ("ok", None)
+            kind, payload = gang.broadcast_object(message, src=0)
+            if kind == "error":
+                raise _ERRORS.get(payload[0], KafkaSourceError)(
+                    f"rank 0 could not start reading: {payload[1]}")
+            self._state = payload
+        st = self._state
+        assert st is not None
+        o = self.options
+        fmt = self._fmt_or_make
+        mine = {p: PartitionLog(p, self.clock, o.late_rows, frontier=v.frontier,
+                                watermark=v.watermark, deferred=v.deferred,
+                                start_window=self.start_window)
+                for p, v in st.partitions.items() if owner(p, self.world_size) == self.rank}
+        dead = DeadLetters(o.dead_letter_dir, o.topic) if o.dead_letter_dir else None
+        self._tracker = Tracker(
+            o.topic, self._settings(), fmt, self.features, mine,
+            end_offsets={p: v.end for p, v in st.partitions.items() if v.end is not None},
+            idle_timeout_s=o.idle_timeout_s, on_corrupt=o.on_corrupt, dead_letters=dead,
+            on_out_of_range=o.on_out_of_range, cache_bytes=int(o.cache_mb * 2**20),
+            max_windows_ahead=o.max_windows_ahead, list_partitions=self.rank == 0)
+        self._tracker.start()
+        logger.info("%s: rank %d reads partitions %s (of %s) from offsets %s", o.topic,
+                    self.rank, sorted(mine), sorted(st.partitions),
+                    {p: v.frontier for p, v in sorted(st.partitions.items())})
+
+    def _first_state(self) -> _State:
+        """A new run's partitions, start and end offsets (rank 0; waits up to
+        ``broker_timeout_s`` for the broker)."""
+        o = self.options
+        c = Consumer(self._settings())
+        try:
+            deadline = time.monotonic() + o.broker_timeout_s
+            parts = partitions_of(c, o.topic, 5.0)
+            while parts is None:
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailableError(
+                        f"no broker of {o.bootstrap_servers!r} answered for "
+                        f"{o.broker_timeout_s:g} s (broker_timeout_s): the job cannot list "
+                        f"topic {o.topic!r}. Check the address and that the brokers run.")
+                logger.warning("%s: no answer from %s yet; retrying", o.topic,
+                               o.bootstrap_servers)
+                time.sleep(1.0)
+                parts = partitions_of(c, o.topic, 5.0)
+            if o.partitions is not None:
+                missing = sorted(set(o.partitions) - set(parts))
+                if missing:
+                    raise TopicMissingError(
+                        f"topic {o.topic!r} has partitions {parts}, not {missing}: fix "
+                        "`partitions`.")
+                parts = sorted(o.partitions)
+            start: dict[int, int] = {}
+            times: dict[int, int] = {}
+            if o.start_time is not None:
+                ask = [TopicPartition(o.topic, p, int(1000 * (o.start_time
+                                                               - o.allowed_lateness_s)))
+                       for p in parts]
+                with contextlib.suppress(Exception):
+                    times = {tp.partition: tp.offset
+                             for tp in c.offsets_for_times(ask, timeout=10.0) if tp.offset >= 0}
+                if len(times) < len(parts):
+                    logger.info("%s: the broker's time index has no offset for start_time in "
+                                "partitions %s; they are read from `start` (earlier rows are "
+                                "skipped and counted)", o.topic, sorted(set(parts) - set(times)))
+            out: dict[int, _Partition] = {}
+            for p in parts:
+                marks = watermarks(c, o.topic, p, 10.0)
+                if marks is None:
+                    raise BrokerUnavailableError(
+                        f"{client.where(o.topic, p)}: the broker did not give its offsets.")
+                low, high = marks
+                if p in times:
+                    first = times[p]
+                elif isinstance(o.start, dict):
+                    first = o.start.get(p, low)
+                    if not low <= first <= high:
+                        raise OffsetsOutOfRangeError(
+                            f"{client.where(o.topic, p, first)}: `start` asks for offset "
+                            f"{first}, but the partition holds [{low}, {high}).")
+                else:
+                    first = low if o.start == "earliest" else high
+                start[p] = first
+                end = None
+                if o.end_offsets == "log_end":
+                    end = high
+                elif isinstance(o.end_offsets, dict) and p in o.end_offsets:
+                    end = o.end_offsets[p]
+                out[p] = _Partition(first, end=end)
+            closed = None if self.start_window is None else self.start_window - 1
+            logger.info("%s: a new run reads partitions %s from %s%s", o.topic, parts, start,
+                        "" if o.end_offsets is None else
+                        f" to {({p: v.end for p, v in out.items()})}")
+            return _State(out, closed)
+        finally:
+            c.close()
+
+    def _agree(self) -> None:
+        """One agreement of every rank (see the module docstring): close what can close, or
+        wait (the heartbeat: a stop check, the Trainer's wait hook, a sleep)."""
+        gang = self._gang or FakeGang()
+        st, tracker, o = self._state, self._tracker, self.options
+        assert st is not None and tracker is not None
+        report = tracker.report()
+        stopping = self._stop is not None and bool(self._stop())
+        reports: list[tuple[RankReport, bool]] = gang.all_gather_object((report, stopping))
+        for r, (rep, _) in enumerate(reports):
+            if rep.error is not None:
+                kind, message = rep.error
+                raise _ERRORS.get(kind, KafkaSourceError)(
+                    f"{message}" if r == self.rank else
+                    f"rank {r} stopped reading: {message} (rank {self.rank} stops too)")
+        down = max((rep.down_for_s or 0.0 for rep, _ in reports), default=0.0)
+        if down > o.broker_timeout_s:
+            reason = next((rep.down_reason for rep, _ in reports if rep.down_reason), "")
+            raise BrokerUnavailableError(
+                f"{o.topic}: no broker of {o.bootstrap_servers!r} reachable for {down:.0f} s "
+                f"(broker_timeout_s={o.broker_timeout_s:g}; last error: {reason}). Training "
+                "stopped at a window boundary: a rerun resumes from the last checkpoint's "
+                "offsets once the brokers are back.")
+        if any(s for _, s in reports):
+            raise WaitInterrupted(f"a stop was requested while topic {o.topic!r} waited for "
+                                  "its next window to close")
+        self.stats.corrupt_skipped = self._base.corrupt_skipped + sum(
+            rep.corrupt for rep, _ in reports)
+        self.stats.lost_messages = self._base.lost_messages + sum(rep.lost for rep, _ in reports)
+        for rep, _ in reports:
+            for column, kind in rep.kinds.items():
+                st.id_kinds.setdefault(column, kind)
+        self._pick_up_partitions(reports[0][0].partitions)
+        statuses = [s for rep, _ in reports for s in rep.statuses]
+        known = {s.partition for s in statuses}
+        if known != set(st.partitions):
+            raise PartitionsChangedError(
+                f"{o.topic}: the ranks report partitions {sorted(known)}, but the source reads "
+                f"{sorted(st.partitions)}.")
+        span = closable(statuses, st.closed, self.end_window)
+        if span is None:
+            if self._stream_ended(statuses):
+                self._ended = True
+                tracker.stop()
+                logger.info("%s: the stream ended after window %s", o.topic,
+                            None if st.closed is None else self.clock.name(st.closed))
+                return
+            if self._on_wait is not None:
+                self._on_wait()
+            time.sleep(o.poll_interval_s)
+            return
+        first, last = span
+        forced = {s.partition for s in statuses if s.idle or s.finished}
+        mine = tracker.close(first, last, forced)
+        summary = {p: (c.lo, c.hi, c.bounds,
+                       {w: (b.rows, b.first, b.index()) for w, b in c.windows.items()},
+                       c.late_trained, c.late_dropped, c.before_start,
+                       tracker.logs[p].frontier_watermark, tracker.logs[p].deferred_state())
+                   for p, c in mine.items()}
+        merged: dict[int, Any] = {}
+        for part in gang.all_gather_object(summary):
+            merged.update(part)
+        for p, (_, hi, _, _, _, _, _, wm, deferred) in merged.items():
+            v = st.partitions[p]
+            v.frontier, v.watermark, v.deferred = hi, wm, dict(deferred)
+        with_rows = sorted({w for s in merged.values() for w, n in s[3].items() if n[0] > 0})
+        idle = sorted(s.partition for s in statuses if s.idle)
+        for w in with_rows:
+            spans = {}
+            for p, (lo, hi, bounds, windows, *_rest) in merged.items():
+                a, b = range_in(lo, hi, bounds, first, w)
+                rows, f, index = windows.get(w, (0, -1, ()))
+                spans[p] = Span(rows, f, a, b, tuple(index))
+            late_t = sum(s[4].get(w, 0) for s in merged.values())
+            late_d = sum(s[5].get(w, 0) for s in merged.values())
+            plan = WindowPlan(w, st.next_index, spans, late_t, late_d, time.time())
+            st.plans[plan.index] = plan
+            self._by_id[self.clock.name(w)] = plan
+            st.next_index += 1
+            self.stats.windows += 1
+            self.stats.rows += plan.rows
+            self.stats.idle_closes += bool(idle)
+            logger.info("%s: window %s closed: %d rows%s%s", o.topic, self.clock.name(w),
+                        plan.rows, f", {late_t} late (trained)" if late_t else "",
+                        f", {late_d} late (dropped)" if late_d else "")
+        self.stats.late_trained += sum(sum(s[4].values()) for s in merged.values())
+        self.stats.late_dropped += sum(sum(s[5].values()) for s in merged.values())
+        self.stats.before_start += sum(s[6] for s in merged.values())
+        if idle:
+            logger.warning("%s: windows up to %s closed while partitions %s were idle", o.topic,
+                           self.clock.name(last), idle)
+        for p, c in mine.items():
+            for w, bucket in c.windows.items():
+                if bucket.cached:
+                    self._buckets[(w, p)] = bucket
+                else:
+                    tracker.release(bucket.drop_tables())
+        st.closed = last
+
+    def _pick_up_partitions(self, listed: list[int] | None) -> None:
+        """Partitions added to the topic (as rank 0 last listed it, the same on every rank):
+        read from offset 0 by their owners from now on (their rows of closed windows are late
+        rows). Only when the source reads all partitions (``partitions=None``)."""
+        st, tracker, o = self._state, self._tracker, self.options
+        assert st is not None and tracker is not None
+        if listed is None or o.partitions is not None:
+            return
+        new = sorted(set(listed) - set(st.partitions))
+        if not new:
+            return
+        gone = sorted(set(st.partitions) - set(listed))
+        if gone:
+            raise PartitionsChangedError(
+                f"{o.topic}: partitions {gone} are gone (the topic now has {sorted(listed)}): "
+                "the topic was deleted and created again? Start a new run.")
+        logger.warning("%s: partitions %s were added to the topic: reading them from offset 0 "
+                       "(rows of windows already closed are late rows)", o.topic, new)
+        for p in new:
+            st.partitions[p] = _Partition(0)
+        tracker.add_partitions({
+            p: PartitionLog(p, self.clock, o.late_rows, frontier=0,
+                            start_window=self.start_window)
+            for p in new if owner(p, self.world_size) == self.rank})
+
+    def _stream_ended(self, statuses: Sequence[Any]) -> bool:
+        st = self._state
+        assert st is not None
+        if self.end_window is not None and st.closed is not None and st.closed >= self.end_window:
+            return True
+        return bool(statuses) and all(s.finished and s.first_window is None for s in statuses)
+
+    # ------------------------------------------------------------------ reading a window
+
+    def _train_from(self, plan: WindowPlan) -> None:
+        """Training reaches ``plan``: earlier plans and their rows are let go, the owner's
+        reading may run ahead of it, and (``commit_group``) the trained offsets are committed."""
+        st = self._state
+        assert st is not None
+        if plan.index <= self._current:
+            return
+        self._current = plan.index
+        for i in [i for i in st.plans if i < plan.index]:
+            old = st.plans.pop(i)
+            self._by_id.pop(self.clock.name(old.number), None)
+        for key in [k for k in self._buckets if k[0] < plan.number]:
+            freed = self._buckets.pop(key).drop_tables()
+            if self._tracker is not None:
+                self._tracker.release(freed)
+        if self._tracker is not None:
+            self._tracker.set_trained_window(plan.number)
+        if self.options.commit_group and self.rank == 0:
+            self._commit()
+
+    def _commit(self) -> None:
+        """Commit, per partition, the offset before which every row is trained."""
+        st, o = self._state, self.options
+        assert st is not None
+        offsets = {}
+        for p, v in st.partitions.items():
+            firsts = [v.frontier, *(f for f, _ in v.deferred.values())]
+            firsts += [plan.spans[p].first for plan in st.plans.values()
+                       if p in plan.spans and plan.spans[p].rows]
+            offsets[p] = min(firsts)
+        try:
+            if self._committer is None:
+                self._committer = Consumer(self._settings(group_id=o.commit_group))
+            self._committer.commit(offsets=[TopicPartition(o.topic, p, off)
+                                            for p, off in sorted(offsets.items())],
+                                   asynchronous=True)
+        except Exception as exc:  # noqa: BLE001 - monitoring only: never stops training
+            logger.warning("%s: committing offsets to consumer group %r failed: %s", o.topic,
+                           o.commit_group, exc)
+
+    def _iterator(self, plan: WindowPlan, sh: Share) -> KafkaWindowIterator:
+        return KafkaWindowIterator(self, plan, sh)
+
+    def _rows(self, plan: WindowPlan, intervals: list[tuple[int, int, int]]) -> Iterator[pa.Table]:
+        """The rows of this rank's intervals, in order: from memory when this rank read them,
+        else from the broker."""
+        for p, a, b in intervals:
+            bucket = self._buckets.get((plan.number, p))
+            if bucket is not None and bucket.cached:
+                pos = 0
+                for part in bucket.parts:
+                    lo, hi = max(a - pos, 0), min(b - pos, part.rows)
+                    if lo < hi:
+                        yield part.table.slice(lo, hi - lo)
+                    pos += part.rows
+                    if pos >= b:
+                        break
+                continue
+            if self._reader is None:
+                o = self.options
+                self._reader = SpanReader(o.topic, self._settings(), self._fmt_or_make,
+                                          self.clock, o.late_rows, self.start_window,
+                                          o.broker_timeout_s)
+            yield from self._reader.rows(plan.number, p, plan.spans[p], a, b)
+
+    def _batches(self, plan: WindowPlan, sh: Share) -> Iterator[tuple[Batch, int]]:
+        """(batch, its rows) for the share: the planned sizes, a 0 (or a batch whose every row
+        was dropped for a NaN label) as a zero-weight padding batch."""
+        sizes = sh.sizes
+        source = self._rows(plan, sh.intervals)
+        held: list[pa.Table] = []
+        i = 0
+        while i < len(sizes):
+            j, need = i, 0
+            while j < len(sizes) and (j == i or need + sizes[j] <= _CHUNK_ROWS):
+                need += sizes[j]
+                j += 1
+            tables, got = [], 0
+            while got < need:
+                t = held.pop(0) if held else next(source, None)
+                if t is None:
+                    raise DataError(f"{self.options.topic}: window "
+                                    f"{self.clock.name(plan.number)}: rank {self.rank} found "
+                                    f"{got} of the {need} rows it planned to read.")
+                if got + t.num_rows > need:
+                    held.insert(0, t.slice(need - got))
+                    t = t.slice(0, need - got)
+                tables.append(t)
+                got += t.num_rows
+            decoded = self._decode(tables, plan) if need else None
+            lo = 0
+            for n in sizes[i:j]:
+                batch = decoded.batch(lo, lo + n) if (decoded is not None and n) else None
+                lo += n
+                if batch is None or batch.batch_size == 0:
+                    yield self.features.padding_batch().as_padding(), n
+                else:
+                    yield batch, n
+            i = j
+
+    def _decode(self, tables: list[pa.Table], plan: WindowPlan) -> Any:
+        st = self._state
+        assert st is not None
+        try:
+            kinds = {c: k for c, k in st.id_kinds.items()}
+            parts = [conform_id_kinds(t, kinds) for t in tables]
+            parts = self.features.unify_columns(parts)
+            table = parts[0] if len(parts) == 1 else pa.concat_tables(
+                parts, promote_options="permissive")
+            return self.features.decode_chunk(table, self.options.batch_size)
+        except (_RowError, IdKindError) as exc:
+            raise DataError(f"{self.options.topic}: window {self.clock.name(plan.number)} "
+                            f"(rank {self.rank}'s share, row {exc.row}): {exc.detail}",
+                            column=exc.column) from None
+        except pa.ArrowException as exc:
+            raise DataError(f"{self.options.topic}: window {self.clock.name(plan.number)}: its "
+                            f"rows cannot be combined ({exc}); write each column with one "
+                            "type.") from None
+
+
+class KafkaWindowIterator(Iterator[Batch]):
+    """This rank's batches of one window, decoded ahead on a background thread."""
+
+    def __init__(self, ds: KafkaWindowDataset, plan: WindowPlan, sh: Share) -> None:
+        self.window_id = ds.clock.name(plan.number)
+        self._rows_left = sum(sh.sizes)
+        make = lambda: ds._batches(plan, sh)  # noqa: E731
+        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
+        self._source: Iterator[tuple[Batch, int]]
+        if ds.options.prefetch_batches > 0 and sh.sizes:
+            self._prefetcher = Prefetcher(make, ds.options.prefetch_batches,
+                                          name=f"kafka-{self.window_id}")
+            self._source = self._prefetcher
+        else:
+            self._source = make()
+
+    def __iter__(self) -> KafkaWindowIterator:
+        return self
+
+    def __next__(self) -> Batch:
+        batch, rows = next(self._source)
+        self._rows_left -= rows
+        return batch
+
+    def rows_remaining(self) -> int:
+        return max(0, self._rows_left)
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        else:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()
+
+
+class KafkaFollowingWindows(WindowedDataset):
+    """The evaluation side of ``train_and_evaluate`` over a ``KafkaWindowDataset``: its window
+    ``i`` is the source's window ``i + 1``, read whole (every rank an even share) when it is
+    evaluated, after the train window before it. No state of its own: the source's checkpoint
+    holds the windows (an evaluation cut short is redone on resume)."""
+
+    features: FeatureSpec
+    exact_reshard = False
+
+    def __init__(self, source: KafkaWindowDataset) -> None:
+        self.source = source
+        self.features = source.features
+
+    def setup(self, rank: int, world_size: int) -> None:
+        self.source.setup(rank, world_size)
+
+    def set_gang(self, gang: Gang) -> None:
+        self.source.set_gang(gang)
+
+    def window_ids(self) -> Iterator[str]:
+        index = 1
+        while True:
+            wid = self.source._id_at(index)
+            if wid is None:
+                return
+            yield wid
+            index += 1
+
+    def landed_at(self, window_id: str) -> float | None:
+        return self.source.landed_at(window_id)
+
+    def iter_window(self, window_id: str, skip_batches: int = 0, *,
+                    earlier: Sequence[Segment] = ()) -> Iterator[Batch]:
+        src = self.source
+        plan = src._plan(window_id)
+        return src._iterator(plan, share(plan.spans, [], src.world_size, src.rank,
+                                         src.options.batch_size, skip_batches))
+
+    def padding_batch(self) -> Batch | None:
+        return self.features.padding_batch()
+
+    def set_vocabularies(self, vocabularies: Any) -> None:
+        super().set_vocabularies(vocabularies)
+        self.source.set_vocabularies(vocabularies)
