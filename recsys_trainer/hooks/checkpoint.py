@@ -33,7 +33,8 @@ class CheckpointHook(Hook):
     """Saves ``manager``'s checkpoints at the Trainer's resume points.
 
     - ``"step"``: commits a finished asynchronous save; ``save_steps`` / ``save_every_n_rows``.
-    - ``"window"`` / ``"epoch"``: ``save_every_n_windows`` / ``save_every_n_epochs`` (fired once
+    - ``"window"`` / ``"epoch"``: ``save_every_n_windows`` (and ``save_every_n_event_seconds``)
+      / ``save_every_n_epochs`` (fired once
       the resume position has moved past the window or epoch, after its evaluation).
     - ``"wait"``: a stream waits for its next window (every rank is at the same heartbeat):
       waits for the save in flight to commit, so that its ``after_save_checkpoint`` (a
@@ -52,6 +53,7 @@ class CheckpointHook(Hook):
             "save_every_n_rows": (s.save_every_n_rows, "rows"),
             "save_every_n_windows": (s.save_every_n_windows, "windows"),
             "save_every_n_epochs": (s.save_every_n_epochs, "epochs"),
+            "save_every_n_event_seconds": (s.save_every_n_event_seconds, "event_seconds"),
         })
         """When this hook saves (the manager's ``settings``' periods)."""
 

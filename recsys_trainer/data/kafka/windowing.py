@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+import pyarrow as pa
 
 INDEX_EVERY_ROWS = 2048
 """A span's index has a point (an offset to start reading at) about every this many rows."""
@@ -342,7 +343,7 @@ class PartitionLog:
                 cut = i
                 break
             wm = after
-            close_windows.append(max(first, clock.open_at(after)))
+            close_windows.append(first if after == -math.inf else max(first, clock.open_at(after)))
         lo = self.frontier
         if cut == len(self.pending) and not forced and self.pending:
             raise AssertionError("closing a window this partition has not passed")
@@ -375,7 +376,7 @@ class PartitionLog:
                 mask = keep & (a == w)
                 rows = int(mask.sum())
                 table = None if m.table is None else (
-                    m.table if rows == len(a) else m.table.filter(mask))
+                    m.table if rows == len(a) else m.table.filter(pa.array(mask)))
                 bucket = windows if w <= last else self.deferred
                 bucket.setdefault(int(w), Bucket()).parts.append(Part(m.offset, rows, table))
         for m in self.pending[:cut]:
