@@ -128,12 +128,12 @@ def test_a_row_read_before_its_window_closes_waits_for_it_and_a_late_row_joins_t
     for offset, t in enumerate([1.0, 12.0, 3.0, 25.0]):  # 12 arrives early; 3 after 12
         log.add(Message(offset, clock.window_of(np.array([t])), t, pa.table({"t": [t]})))
     c = log.close(0, 1, forced=False)  # the message at 25 closes windows 0 and 1
-    # Window 0: rows 1 and 3 (3 is in window 0's range: the watermark was 12 < 10 + 0? no:
-    # 12 >= end(0), so 12 closed window 0 in this partition and 3 is late, trained in 1).
+    # 12 took the watermark past window 0's end: 3, read after it, is late (trained in window
+    # 1); 12 itself is window 0's range but waits for its own window, 1; 25 waits for 2.
     assert [p.table.column("t").to_pylist() for p in c.windows[0].parts] == [[1.0]]
     assert [p.table.column("t").to_pylist() for p in c.windows[1].parts] == [[12.0], [3.0]]
-    assert c.late_trained == {1: 1} and c.hi == 3
-    assert log.deferred == {} and [m.offset for m in log.pending] == [3]
+    assert c.late_trained == {1: 1} and c.hi == 4 and c.range_of(0) == (0, 2)
+    assert log.deferred_state() == {2: (3, 1)} and log.pending == []
 
 
 def test_with_lateness_a_row_a_little_late_still_lands_in_its_own_window() -> None:
@@ -144,7 +144,7 @@ def test_with_lateness_a_row_a_little_late_still_lands_in_its_own_window() -> No
     c = log.close(0, 0, forced=False)  # 16 >= end(0) + 5 closes window 0
     assert sorted(t for p in c.windows[0].parts for t in p.table.column("t").to_pylist()) == [
         1.0, 3.0]
-    assert log.deferred_state() == {1: (1, 1)}  # 12 waits for window 1, read at offset 1
+    assert log.deferred_state() == {1: (1, 2)}  # 12 and 16 wait for window 1 (from offset 1)
     assert c.late_dropped == {}
 
 

@@ -107,6 +107,9 @@ class KafkaStats:
     """Messages that could not be decoded, skipped (``on_corrupt="skip"``)."""
     lost_messages: int = 0
     """Messages deleted by retention before they were read (``on_out_of_range="skip"``)."""
+    lost_rows: int = 0
+    """Rows read before a restart for a window still open, then deleted by retention before
+    the resumed job trained them (``on_out_of_range="skip"``)."""
     idle_closes: int = 0
     """Windows closed while a partition was idle."""
 
@@ -375,6 +378,9 @@ class KafkaWindowDataset(WindowedDataset):
                 raise _ERRORS.get(payload[0], KafkaSourceError)(
                     f"rank 0 could not start reading: {payload[1]}")
             self._state = payload
+        elif self.options.on_out_of_range == "skip":
+            lost = self._lost_early_rows() if gang.rank == 0 else None
+            self._drop_early_rows(gang.broadcast_object(lost, src=0))
         st = self._state
         assert st is not None
         o = self.options
@@ -394,6 +400,40 @@ class KafkaWindowDataset(WindowedDataset):
         logger.info("%s: rank %d reads partitions %s (of %s) from offsets %s", o.topic,
                     self.rank, sorted(mine), sorted(st.partitions),
                     {p: v.frontier for p, v in sorted(st.partitions.items())})
+
+    def _lost_early_rows(self) -> dict[int, list[int]] | None:
+        """Rank 0, at a resume with ``on_out_of_range="skip"``: per partition, the windows whose
+        rows read early (kept by offset in the checkpoint, before ``frontier``) retention has
+        (partly) deleted since. None when the broker does not say."""
+        st, o = self._state, self.options
+        assert st is not None
+        c = Consumer(self._settings())
+        try:
+            out = {}
+            for p, v in st.partitions.items():
+                if not v.deferred:
+                    continue
+                marks = watermarks(c, o.topic, p, 10.0)
+                if marks is None:
+                    return None
+                gone = [w for w, (first, _) in v.deferred.items() if first < marks[0]]
+                if gone:
+                    out[p] = gone
+            return out
+        finally:
+            c.close()
+
+    def _drop_early_rows(self, lost: dict[int, list[int]] | None) -> None:
+        st = self._state
+        assert st is not None
+        for p, windows in (lost or {}).items():
+            v = st.partitions[p]
+            rows = sum(v.deferred.pop(w)[1] for w in windows)
+            self.stats.lost_rows += rows
+            logger.warning("%s: %d rows read early for windows still open (%s) were deleted by "
+                           "retention before they were trained; they are counted as lost "
+                           "(on_out_of_range='skip')", client.where(self.options.topic, p),
+                           rows, ", ".join(self.clock.name(w) for w in windows))
 
     def _first_state(self) -> _State:
         """A new run's partitions, start and end offsets (rank 0; waits up to

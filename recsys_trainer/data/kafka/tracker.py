@@ -225,16 +225,21 @@ class Tracker:
                         continue
                     time.sleep(0.1)
                 by_partition: dict[int, list[Any]] = defaultdict(list)
+                ends: dict[int, int] = {}
                 for m in msgs:
                     err = m.error()
                     if err is None:
                         by_partition[m.partition() or 0].append(m)
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        ends[m.partition() or 0] = m.offset() or 0
                     else:
                         self._on_message_error(consumer, m, err)
                 if msgs:
                     self._reachable()
                 for p, ms in by_partition.items():
                     self._add(p, ms)
+                for p, offset in ends.items():  # after the messages before it
+                    self._at_end(p, offset)
                 now = time.monotonic()
                 interval = CHECK_INTERVAL_S if (self._down_since is not None or not msgs) \
                     else METADATA_INTERVAL_S
@@ -271,16 +276,17 @@ class Tracker:
                 f"{where(self.topic, missing[0])}: the partition no longer exists (the topic "
                 f"has {len(parts)}); the job cannot read its windows. Start a new run."))
 
+    def _at_end(self, p: int, offset: int) -> None:
+        """Partition ``p`` is read to its end, ``offset`` (every message before it added)."""
+        if p in self.logs:
+            with self.lock:
+                self.logs[p].skip_to(offset)
+            self._caught_up[p] = True
+
     def _on_message_error(self, consumer: Consumer, m: Any, err: KafkaError) -> None:
         p = m.partition()
         code = err.code()
-        if code == KafkaError._PARTITION_EOF:
-            if p in self.logs:
-                with self.lock:
-                    self.logs[p].skip_to(m.offset())
-                self._caught_up[p] = True
-            self._reachable()
-        elif code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+        if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
             log = self.logs[p]
             marks = watermarks(consumer, self.topic, p, 5.0)
             if (self.on_out_of_range == "skip" and marks is not None

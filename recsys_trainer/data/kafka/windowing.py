@@ -5,11 +5,13 @@ closes, and which of its rows each rank trains. Pure functions and plain data, n
 (aligned to the Unix epoch); a row's own window is ``V = floor(t / window_s)``.
 
 **Ranges.** A partition's *watermark* after a message is the largest event time of the
-partition's messages so far. Window ``W`` closes in partition ``p`` at offset ``hi_p(W)``: the
-first message whose watermark reaches ``end(W) + allowed_lateness_s``, or, when the partition
-was idle or at its end as the job closed ``W``, the partition's read position then (recorded,
-since it depends on timing). The messages of ``p`` in ``[hi_p(W - 1), hi_p(W))`` are *window
-W's range*: their close window ``C = W``.
+partition's messages so far. Window ``W`` closes in partition ``p`` after the first message that
+takes the watermark to ``end(W) + allowed_lateness_s``: ``hi_p(W)`` is the offset after it (or,
+when the partition was idle or at its end as the job closed ``W``, the partition's read
+position then: recorded, since it depends on timing). The messages of ``p`` in
+``[hi_p(W - 1), hi_p(W))`` are *window W's range*: their close window ``C = W``. A message is
+in the range of the window open when it was read (its own rows never make it late), so a
+message of many rows (an Arrow batch) that spans a window's end is split by event time.
 
 **Assignment.** A row goes to window ``A = max(V, C)``: a row of a window still open is trained
 in its own window (a row read early, ``V > C``, waits for its window), and a row whose window
@@ -338,15 +340,12 @@ class PartitionLog:
         cut = len(self.pending)
         close_windows: list[int] = []
         for i, m in enumerate(self.pending):
-            after = max(wm, m.max_time)
-            if after >= limit:  # this message closes ``last``: its range is a later one
+            if wm >= limit:  # the message before closed ``last``: this one is a later range's
                 cut = i
                 break
-            wm = after
-            close_windows.append(first if after == -math.inf else max(first, clock.open_at(after)))
+            close_windows.append(first if wm == -math.inf else max(first, clock.open_at(wm)))
+            wm = max(wm, m.max_time)
         lo = self.frontier
-        if cut == len(self.pending) and not forced and self.pending:
-            raise AssertionError("closing a window this partition has not passed")
         hi = self.pending[cut].offset if cut < len(self.pending) else self.position
         windows: dict[int, Bucket] = {w: self.deferred.pop(w) for w in sorted(self.deferred)
                                       if w <= last}
