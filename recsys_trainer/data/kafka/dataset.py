@@ -580,7 +580,7 @@ class KafkaWindowDataset(WindowedDataset):
                 spans[p] = Span(rows, f, a, b, tuple(index))
             late_t = sum(s[4].get(w, 0) for s in merged.values())
             late_d = sum(s[5].get(w, 0) for s in merged.values())
-            plan = WindowPlan(w, st.next_index, spans, late_t, late_d, time.time())
+            plan = WindowPlan(w, st.next_index, spans, late_t, late_d, reports[0][0].time)
             st.plans[plan.index] = plan
             self._by_id[self.clock.name(w)] = plan
             st.next_index += 1

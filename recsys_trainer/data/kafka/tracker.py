@@ -71,6 +71,8 @@ class RankReport:
     """Messages lost to retention and skipped (``on_out_of_range="skip"``)."""
     partitions: list[int] | None = None
     """The topic's partitions as this rank last saw them (rank 0's are taken)."""
+    time: float = 0.0
+    """When the report was made (unix s; rank 0's dates the windows closed)."""
 
 
 class Tracker:
@@ -152,7 +154,8 @@ class Tracker:
                                                 log.last_window(), idle, finished))
             down = None if self._down_since is None else now - self._down_since
             return RankReport(statuses, self._error, down, self._down_reason,
-                              dict(self._kinds), self.corrupt, self.lost, self._partitions)
+                              dict(self._kinds), self.corrupt, self.lost, self._partitions,
+                              time.time())
 
     def close(self, first: int, last: int, forced: set[int]) -> dict[int, Closed]:
         """Close windows ``first..last`` in every owned partition (``forced``: the partitions
