@@ -5,17 +5,15 @@ sequence of world sizes."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from recsys_trainer.data.kafka.windowing import (
     Clock,
-    Message,
     PartitionLog,
     PartitionStatus,
+    Run,
     Span,
     batch_sizes,
     closable,
@@ -56,10 +54,12 @@ def _simulate(seed: int, late: str) -> None:
     while True:
         for p in logs:  # read a random number of messages per partition
             k = int(rng.integers(0, 12))
-            for offset, ts in logs[p][read[p]:read[p] + k]:
-                parts[p].add(Message(offset, clock.window_of(ts),
-                                     float(ts.max()) if len(ts) else -math.inf,
-                                     pa.table({"t": ts, "r": np.arange(len(ts))})))
+            chunk = logs[p][read[p]:read[p] + k]
+            if chunk:  # one run of the messages read together
+                ts = np.concatenate([t for _, t in chunk])
+                r = np.concatenate([np.arange(len(t)) for _, t in chunk])
+                parts[p].add(Run.of(clock, [o for o, _ in chunk], [len(t) for _, t in chunk],
+                                    ts, pa.table({"t": ts, "r": r})))
             read[p] = min(read[p] + k, len(logs[p]))
         finished = all(read[p] == len(logs[p]) for p in logs)
         idle = {p for p in logs if rng.random() < 0.15}  # timing: some partitions idle now
@@ -82,8 +82,9 @@ def _simulate(seed: int, late: str) -> None:
                 for part in bucket.parts:
                     t = part.table.column("t").to_numpy()  # the rows given to w
                     r = part.table.column("r").to_numpy()
+                    offs = np.repeat(part.offsets, part.counts)
                     for i in range(part.rows):
-                        key = (p, part.offset, int(r[i]))
+                        key = (p, int(offs[i]), int(r[i]))
                         assert key not in assigned, f"row {key} in two windows"
                         assigned[key] = w
                         times[key] = float(t[i])
@@ -125,13 +126,14 @@ def test_a_row_read_before_its_window_closes_waits_for_it_and_a_late_row_joins_t
         ) -> None:
     clock = Clock(window_s=10.0, lateness_s=0.0)
     log = PartitionLog(0, clock, "train", frontier=0)
-    for offset, t in enumerate([1.0, 12.0, 3.0, 25.0]):  # 12 arrives early; 3 after 12
-        log.add(Message(offset, clock.window_of(np.array([t])), t, pa.table({"t": [t]})))
+    ts = np.array([1.0, 12.0, 3.0, 25.0])  # 12 arrives early; 3 after 12
+    log.add(Run.of(clock, range(4), [1] * 4, ts, pa.table({"t": ts})))
     c = log.close(0, 1, forced=False)  # the message at 25 closes windows 0 and 1
     # 12 took the watermark past window 0's end: 3, read after it, is late (trained in window
     # 1); 12 itself is window 0's range but waits for its own window, 1; 25 waits for 2.
-    assert [p.table.column("t").to_pylist() for p in c.windows[0].parts] == [[1.0]]
-    assert [p.table.column("t").to_pylist() for p in c.windows[1].parts] == [[12.0], [3.0]]
+    rows = {w: [t for p in b.parts for t in p.table.column("t").to_pylist()]
+            for w, b in c.windows.items()}
+    assert rows == {0: [1.0], 1: [12.0, 3.0]}
     assert c.late_trained == {1: 1} and c.hi == 4 and c.range_of(0) == (0, 2)
     assert log.deferred_state() == {2: (3, 1)} and log.pending == []
 
@@ -139,8 +141,10 @@ def test_a_row_read_before_its_window_closes_waits_for_it_and_a_late_row_joins_t
 def test_with_lateness_a_row_a_little_late_still_lands_in_its_own_window() -> None:
     clock = Clock(window_s=10.0, lateness_s=5.0)
     log = PartitionLog(0, clock, "drop", frontier=0)
-    for offset, t in enumerate([1.0, 12.0, 3.0, 16.0]):
-        log.add(Message(offset, clock.window_of(np.array([t])), t, pa.table({"t": [t]})))
+    ts = np.array([1.0, 12.0, 3.0, 16.0])
+    for offset in range(4):  # one message at a time
+        log.add(Run.of(clock, [offset], [1], ts[offset:offset + 1],
+                       pa.table({"t": ts[offset:offset + 1]})))
     c = log.close(0, 0, forced=False)  # 16 >= end(0) + 5 closes window 0
     assert sorted(t for p in c.windows[0].parts for t in p.table.column("t").to_pylist()) == [
         1.0, 3.0]

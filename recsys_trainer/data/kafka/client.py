@@ -14,11 +14,12 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from recsys_trainer.data.errors import DataError
-from recsys_trainer.data.kafka.formats import Corrupt, MessageFormat
+from recsys_trainer.data.kafka.formats import MessageFormat
 from recsys_trainer.data.kafka.windowing import Clock, LatePolicy, Span, in_window
 
 logger = logging.getLogger("recsys_trainer.data.kafka")
@@ -141,6 +142,10 @@ def out_of_range(topic: str, partition: int, offset: int, low_high: tuple[int, i
         "do not belong to this log: start a new run (another output_dir).")
 
 
+def _namer(topic: str, partition: int, offsets: np.ndarray) -> Callable[[int], str]:
+    return lambda i: where(topic, partition, int(offsets[i]))
+
+
 class DeadLetters:
     """The dead-letter file of undecodable messages: one JSON line per message skipped
     (``on_corrupt="skip"``), in ``directory/<topic>.<partition>.jsonl``: topic, partition,
@@ -260,31 +265,27 @@ class SpanReader:
                         return
                     continue
                 waited_since = None
-                decoded = self.fmt.decode([m.value() for m in data])
-                for m, got in zip(data, decoded, strict=True):
-                    at = m.offset() or 0  # (None only for an error event)
-                    if at >= span.hi:
-                        raise self._missing(partition, span, window, seen, b, at)
-                    if isinstance(got, Corrupt):
-                        continue  # skipped (and written to the dead letters) by its owner
-                    ts = self.fmt.event_times(got, m.timestamp()[1])
-                    mask = in_window(window, span, at, self.clock.window_of(ts),
-                                     self.late, self.start_window)
-                    k = int(mask.sum())
-                    if not k:
-                        continue
-                    rows = got if k == got.num_rows else got.filter(pa.array(mask))
-                    lo, hi = max(a - seen, 0), min(b - seen, k)
-                    seen += k
-                    if lo >= hi:
-                        continue
+                offsets = np.array([m.offset() for m in data], dtype=np.int64)
+                batch = self.fmt.decode([m.value() for m in data],
+                                        _namer(self.topic, partition, offsets))
+                row_ms = np.repeat(np.array([m.timestamp()[1] for m in data], dtype=np.int64),
+                                   batch.rows)
+                v = self.clock.window_of(self.fmt.event_times(batch.table, row_ms))
+                mask = in_window(window, span, np.repeat(offsets, batch.rows), v, self.late,
+                                 self.start_window)
+                k = int(mask.sum())
+                rows = batch.table if k == batch.table.num_rows else batch.table.filter(
+                    pa.array(mask))
+                lo, hi = max(a - seen, 0), min(b - seen, k)
+                seen += k
+                if lo < hi:
                     out.append(rows.slice(lo, hi - lo))
                     n_out += hi - lo
                     if n_out >= chunk_rows:
                         yield from out
                         out, n_out = [], 0
-                    if seen >= b:
-                        break
+                if seen < b and int(offsets[-1]) >= span.hi:
+                    raise self._missing(partition, span, window, seen, b, int(offsets[-1]))
                 if seen < b and eof_at is not None:
                     raise self._missing(partition, span, window, seen, b, eof_at)
             yield from out

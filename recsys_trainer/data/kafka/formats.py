@@ -29,6 +29,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
+from recsys_trainer.data.columns import conform_id_kinds
+from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.spec import FeatureSpec
 
 Decoder = Callable[[bytes], Any]
@@ -44,6 +46,17 @@ class Corrupt:
     """A message that could not be decoded, and why."""
 
     error: str
+
+
+@dataclass
+class DecodedBatch:
+    """Messages decoded together: their rows (``table``, in message order), each message's row
+    count (``rows``; 0 for a message that cannot be decoded), and why those could not
+    (``corrupt``: message index -> error)."""
+
+    table: pa.Table
+    rows: np.ndarray
+    corrupt: dict[int, str]
 
 
 class MessageFormat:
@@ -78,12 +91,15 @@ class MessageFormat:
 
     # ------------------------------------------------------------------ decoding
 
-    def decode(self, values: Sequence[bytes | None]) -> list[pa.Table | Corrupt]:
-        """Each message's rows (projected on the spec's columns and the time column), or a
-        ``Corrupt``."""
+    def decode(self, values: Sequence[bytes | None],
+               name: Callable[[int], str] = str) -> DecodedBatch:
+        """The rows of messages read together (one table, in message order), with each
+        message's row count (0 for one that cannot be decoded: ``corrupt`` says why). Every
+        schema met is checked by the files' rules (``FeatureSpec.check_schema``; a
+        ``DataError`` naming the message ``name(i)``)."""
         if self.format == "json":
-            return self._json_many(values)
-        return [self._one(v) for v in values]
+            return self._json_many(values, name)
+        return self._join([self._one(v) for v in values], name)
 
     def _one(self, value: bytes | None) -> pa.Table | Corrupt:
         if value is None:
@@ -106,17 +122,48 @@ class MessageFormat:
             return Corrupt(f"{type(exc).__name__}: {exc}")
         return self._normalize(table, fill_missing=False)
 
-    def _json_many(self, values: Sequence[bytes | None]) -> list[pa.Table | Corrupt]:
+    def _join(self, got: list[pa.Table | Corrupt], name: Callable[[int], str]) -> DecodedBatch:
+        """Per-message tables (checked by the schema rules) as one batch."""
+        rows = np.zeros(len(got), dtype=np.int64)
+        corrupt: dict[int, str] = {}
+        tables: list[pa.Table] = []
+        checked: list[pa.Schema] = []
+        for i, t in enumerate(got):
+            if isinstance(t, Corrupt):
+                corrupt[i] = t.error
+                continue
+            if not any(t.schema.equals(s) for s in checked):
+                self.spec.check_schema(t.schema, name(i))
+                checked.append(t.schema)
+            rows[i] = t.num_rows
+            tables.append(t)
+        if not tables:
+            return DecodedBatch(pa.table({}), rows, corrupt)
+        if len(tables) > 1 and len(checked) > 1:
+            # Messages of two id kinds (integers in one, strings in another) are joined as
+            # the first's (what the reader does across windows: columns.conform_id_kinds).
+            kinds = self.spec.id_kinds(tables[0].schema)
+            tables = [conform_id_kinds(t, kinds) for t in tables]
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(
+            tables, promote_options="permissive")
+        return DecodedBatch(table, rows, corrupt)
+
+    def _json_many(self, values: Sequence[bytes | None],
+                   name: Callable[[int], str]) -> DecodedBatch:
         """Messages of one JSON object each, parsed together when they all parse (the fast
         path), else one by one."""
-        if len(values) > 1 and all(v and b"\n" not in v for v in values):
+        if values and all(v and b"\n" not in v for v in values):
             try:
                 table = self._json(b"\n".join(values))  # type: ignore[arg-type]
             except (pa.ArrowException, ValueError):
                 table = None
             if table is not None and table.num_rows == len(values):
                 table = self._normalize(table, fill_missing=True)
-                return [table.slice(i, 1) for i in range(len(values))]
+                try:
+                    self.spec.check_schema(table.schema, name(0))
+                    return DecodedBatch(table, np.ones(len(values), dtype=np.int64), {})
+                except DataError:
+                    pass  # one by one below: the error names the message that breaks the rules
         out: list[pa.Table | Corrupt] = []
         for v in values:
             if not v:
@@ -134,7 +181,7 @@ class MessageFormat:
                                    "is one object"))
                 continue
             out.append(self._normalize(table, fill_missing=True))
-        return out
+        return self._join(out, name)
 
     def _json(self, data: bytes) -> pa.Table:
         parse = pajson.ParseOptions(explicit_schema=self.schema,
@@ -171,12 +218,12 @@ class MessageFormat:
 
     # ------------------------------------------------------------------ event time
 
-    def event_times(self, table: pa.Table, message_ms: int) -> np.ndarray:
-        """Each row's event time in seconds since the epoch (float64)."""
-        fallback = message_ms / 1000.0
-        n = table.num_rows
+    def event_times(self, table: pa.Table, message_ms: np.ndarray) -> np.ndarray:
+        """Each row's event time in seconds since the epoch (float64); ``message_ms``: each
+        row's message timestamp (milliseconds), the time of a row without one."""
+        fallback = np.asarray(message_ms, dtype=np.float64) / 1000.0
         if self.time_column is None or self.time_column not in table.column_names:
-            return np.full(n, fallback)
+            return fallback.copy()
         col = table.column(self.time_column)
         if pa.types.is_timestamp(col.type):
             scale = TIME_UNITS[col.type.unit]
@@ -190,5 +237,5 @@ class MessageFormat:
         t = raw.to_numpy(zero_copy_only=False).astype(np.float64) * scale
         nulls = np.asarray(col.is_null().to_numpy(zero_copy_only=False))
         if nulls.any():
-            t[nulls] = fallback
+            t[nulls] = fallback[nulls]
         return t

@@ -19,7 +19,6 @@ when training falls behind the log.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import defaultdict
@@ -41,8 +40,8 @@ from recsys_trainer.data.kafka.client import (
     watermarks,
     where,
 )
-from recsys_trainer.data.kafka.formats import Corrupt, MessageFormat
-from recsys_trainer.data.kafka.windowing import Closed, Message, PartitionLog, PartitionStatus
+from recsys_trainer.data.kafka.formats import MessageFormat
+from recsys_trainer.data.kafka.windowing import Closed, PartitionLog, PartitionStatus, Run
 from recsys_trainer.data.spec import FeatureSpec
 
 logger = logging.getLogger("recsys_trainer.data.kafka")
@@ -106,7 +105,6 @@ class Tracker:
         self._down_reason = ""
         self._error: tuple[str, str] | None = None
         self._kinds: dict[str, str] = {}
-        self._checked_schemas: list[pa.Schema] = []
         self.corrupt = 0
         self.lost = 0
         self.cached = 0
@@ -325,29 +323,26 @@ class Tracker:
         msgs = [m for m in msgs if m.offset() >= log.position]  # a re-delivery after a seek
         if not msgs:
             return
-        decoded = self.fmt.decode([m.value() for m in msgs])
-        out = []
-        for m, got in zip(msgs, decoded, strict=True):
-            ts_ms = m.timestamp()[1]
-            if isinstance(got, Corrupt):
-                self._corrupt(p, m, got.error)
-                out.append(Message(m.offset(), np.empty(0, dtype=np.int64), -math.inf))
-                continue
-            self._check_schema(got, p, m.offset())
-            try:
-                t = self.fmt.event_times(got, ts_ms)
-            except TypeError as exc:
-                raise DataError(str(exc), file=where(self.topic, p, m.offset())) from None
-            keep = self.cached < self.cache_bytes
-            nbytes = got.nbytes if keep else 0
-            with self.lock:
-                self.cached += nbytes
-            out.append(Message(m.offset(), log.clock.window_of(t),
-                               float(t.max()) if len(t) else -math.inf,
-                               got if keep else None, nbytes))
+        batch = self.fmt.decode([m.value() for m in msgs],
+                                lambda i: where(self.topic, p, msgs[i].offset()))
+        for i, error in batch.corrupt.items():
+            self._corrupt(p, msgs[i], error)
+        row_ms = np.repeat(np.array([m.timestamp()[1] for m in msgs], dtype=np.int64),
+                           batch.rows)
+        try:
+            times = self.fmt.event_times(batch.table, row_ms)
+        except TypeError as exc:
+            raise DataError(str(exc), file=where(self.topic, p, msgs[0].offset())) from None
+        for c, kind in self.spec.id_kinds(batch.table.schema).items():
+            if not pa.types.is_null(batch.table.schema.field(c).type):
+                self._kinds.setdefault(c, kind)
+        keep = self.cached < self.cache_bytes
+        run = Run.of(log.clock, [m.offset() for m in msgs], batch.rows, times,
+                     batch.table if keep else None)
         with self.lock:
-            for msg in out:
-                log.add(msg)
+            if keep:
+                self.cached += batch.table.nbytes
+            log.add(run)
             self._last_message[p] = time.monotonic()
             self._caught_up[p] = False
             if p in self._idle_logged:
@@ -367,20 +362,6 @@ class Tracker:
         logger.warning("%s: skipping a message that cannot be decoded (%s)", name, error)
         if self.dead_letters is not None:
             self.dead_letters.write(p, m.offset(), m.timestamp()[1], error, m.value())
-
-    def _check_schema(self, table: pa.Table, p: int, offset: int) -> None:
-        """The files' schema rules, once per schema met (``FeatureSpec.check_schema``)."""
-        schema = table.schema
-        if any(schema is s or schema.equals(s) for s in self._checked_schemas):
-            return
-        self.spec.check_schema(schema, where(self.topic, p, offset))
-        for c, kind in self.spec.id_kinds(schema).items():
-            if pa.types.is_null(schema.field(c).type):
-                continue
-            self._kinds.setdefault(c, kind)
-        self._checked_schemas.append(schema)
-        if len(self._checked_schemas) > 64:
-            self._checked_schemas.pop(0)
 
     def _pause_ahead(self, consumer: Consumer) -> None:
         """Pause the partitions more than ``max_windows_ahead`` windows ahead of training."""

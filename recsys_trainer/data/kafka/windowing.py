@@ -152,47 +152,81 @@ class WindowPlan:
                           float(raw["closed_at"]))
 
 
-def in_window(window: int, span: Span, offset: int, v: np.ndarray, late: LatePolicy,
-              start_window: int | None = None) -> np.ndarray:
-    """Which rows of the message at ``offset`` (their own windows ``v``) belong to ``window``,
-    whose range in the message's partition is ``[span.lo, span.hi)``: rows of its range whose
-    window is ``window`` (and earlier ones, late, with ``late="train"``), and rows of earlier
-    ranges whose own window is ``window`` (read early). Rows before ``start_window`` (the
-    source's ``start_time``) belong to none."""
-    if offset >= span.hi:
-        return np.zeros(len(v), dtype=bool)
-    if offset >= span.lo:
-        mask = v <= window if late == "train" else v == window
-    else:
-        mask = v == window
+def in_window(window: int, span: Span, offsets: np.ndarray | int, v: np.ndarray,
+              late: LatePolicy, start_window: int | None = None) -> np.ndarray:
+    """Which rows (their messages' ``offsets``, their own windows ``v``) belong to ``window``,
+    whose range in their partition is ``[span.lo, span.hi)``: rows of its range whose window
+    is ``window`` (and earlier ones, late, with ``late="train"``), and rows of earlier ranges
+    whose own window is ``window`` (read early). Rows before ``start_window`` (the source's
+    ``start_time``) belong to none."""
+    offsets = np.asarray(offsets)
+    in_range = (offsets >= span.lo) & (offsets < span.hi)
+    own = v <= window if late == "train" else v == window
+    mask = (in_range & own) | ((offsets < span.lo) & (v == window))
     if start_window is not None:
         mask &= v >= start_window
-    return mask
+    return np.asarray(mask)
 
 
 # ---------------------------------------------------------------------- one partition's log
 
 
 @dataclass
-class Message:
-    """A message the owner of its partition has read and decoded: its rows' windows ``v``
-    (empty for a message skipped as undecodable), its largest event time, and its rows (the
-    decoded table, kept for the rank that will train them) or None."""
+class Run:
+    """Messages of one partition read together, in offset order: each message's offset, its
+    row count (0 for a message skipped as undecodable) and largest event time (-inf: no row);
+    every row's own window ``v``; the rows (``table``, kept for the rank that trains them) or
+    None."""
 
-    offset: int
+    offsets: np.ndarray
+    rows: np.ndarray
+    max_time: np.ndarray
     v: np.ndarray
-    max_time: float
     table: Any = None
-    nbytes: int = 0
+
+    @staticmethod
+    def of(clock: Clock, offsets: Sequence[int] | np.ndarray, rows: Sequence[int] | np.ndarray,
+           times: np.ndarray, table: Any = None) -> Run:
+        """A run from each message's offset and row count and every row's event time."""
+        rows_ = np.asarray(rows, dtype=np.int64)
+        times = np.asarray(times, dtype=np.float64)
+        max_time = np.full(len(rows_), -math.inf)
+        has = rows_ > 0
+        if has.any():
+            starts = np.concatenate([[0], np.cumsum(rows_)[:-1]])
+            max_time[has] = np.maximum.reduceat(times, starts[has])
+        return Run(np.asarray(offsets, dtype=np.int64), rows_, max_time, clock.window_of(times),
+                   table)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def split(self, k: int) -> tuple[Run, Run]:
+        """Messages ``[:k]`` and ``[k:]``."""
+        r = int(self.rows[:k].sum())
+        head_t = tail_t = None
+        if self.table is not None:
+            head_t, tail_t = self.table.slice(0, r), self.table.slice(r)
+        return (Run(self.offsets[:k], self.rows[:k], self.max_time[:k], self.v[:r], head_t),
+                Run(self.offsets[k:], self.rows[k:], self.max_time[k:], self.v[r:], tail_t))
 
 
 @dataclass
 class Part:
-    """Rows of one message assigned to one window: ``(offset, rows, table or None)``."""
+    """Rows of one window from a run of messages: the offsets of the messages holding some, how
+    many each, and the rows (``table``) or None."""
 
-    offset: int
-    rows: int
+    offsets: np.ndarray
+    counts: np.ndarray
     table: Any = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.counts.sum())
+
+    @property
+    def first(self) -> int:
+        return int(self.offsets[0])
 
 
 @dataclass
@@ -207,7 +241,7 @@ class Bucket:
 
     @property
     def first(self) -> int:
-        return self.parts[0].offset if self.parts else -1
+        return self.parts[0].first if self.parts else -1
 
     @property
     def cached(self) -> bool:
@@ -221,16 +255,16 @@ class Bucket:
         return freed
 
     def index(self) -> tuple[tuple[int, int], ...]:
-        points: list[tuple[int, int]] = []
-        before, since = 0, 0
-        for p in self.parts:
-            if not points or since >= INDEX_EVERY_ROWS:
-                if not points or points[-1][0] != p.offset:
-                    points.append((p.offset, before))
-                since = 0
-            before += p.rows
-            since += p.rows
-        return tuple(points)
+        """``(offset, rows before it)`` points: the first message, then about every
+        ``INDEX_EVERY_ROWS`` rows."""
+        if not self.parts:
+            return ()
+        offsets = np.concatenate([p.offsets for p in self.parts])
+        counts = np.concatenate([p.counts for p in self.parts])
+        before = np.cumsum(counts) - counts
+        block = before // INDEX_EVERY_ROWS
+        pick = np.flatnonzero(np.concatenate([[True], block[1:] > block[:-1]]))
+        return tuple((int(offsets[i]), int(before[i])) for i in pick)
 
 
 def _nbytes(table: Any) -> int:
@@ -293,18 +327,22 @@ class PartitionLog:
         self.watermark = watermark
         self.position = frontier
         """The next offset to read: every message before it is pending or assigned."""
-        self.pending: list[Message] = []
+        self.pending: list[Run] = []
         # Rows read early, restored from a checkpoint as one part (first offset, rows)
         # without their table: the span is read again from its first offset.
         self.deferred: dict[int, Bucket] = {
-            w: Bucket([Part(first, rows)]) for w, (first, rows) in (deferred or {}).items()}
+            w: Bucket([Part(np.array([first]), np.array([rows]))])
+            for w, (first, rows) in (deferred or {}).items()}
 
-    def add(self, message: Message) -> None:
-        """A message read in order (its offset at or after ``position``)."""
-        self.pending.append(message)
-        self.position = message.offset + 1
-        if message.max_time > self.watermark:
-            self.watermark = message.max_time
+    def add(self, run: Run) -> None:
+        """Messages read in order (from ``position`` on)."""
+        if not len(run):
+            return
+        self.pending.append(run)
+        self.position = int(run.offsets[-1]) + 1
+        top = float(run.max_time.max())
+        if top > self.watermark:
+            self.watermark = top
 
     def skip_to(self, offset: int) -> None:
         """No message below ``offset`` remains to be read (a gap in the offsets)."""
@@ -319,13 +357,13 @@ class PartitionLog:
 
     def last_window(self) -> int | None:
         """The latest own window of a row not yet assigned (pending or read early)."""
-        found = [int(m.v.max()) for m in self.pending if len(m.v)]
+        found = [int(r.v.max()) for r in self.pending if len(r.v)]
         found.extend(self.deferred)
         return max(found) if found else None
 
     def first_window(self) -> int | None:
         """The earliest own window of a row not yet assigned (pending or read early)."""
-        found = [int(m.v.min()) for m in self.pending if len(m.v)]
+        found = [int(r.v.min()) for r in self.pending if len(r.v)]
         found.extend(self.deferred)
         return min(found) if found else None
 
@@ -333,59 +371,86 @@ class PartitionLog:
         """Close windows ``first..last`` in this partition: assign every pending message whose
         close window is at most ``last`` (``forced``: the partition is idle or at its end, so
         every message read so far is), and collect the rows of windows ``first..last``; rows
-        of later windows wait in ``deferred``."""
+        of later windows wait in ``deferred``. (The message after the one whose watermark
+        passes ``last``'s end plus the lateness starts a later range: the same cut either
+        way.)"""
         clock = self.clock
         limit = clock.end(last) + clock.lateness_s
         wm = self.frontier_watermark
-        cut = len(self.pending)
-        close_windows: list[int] = []
-        for i, m in enumerate(self.pending):
-            if wm >= limit:  # the message before closed ``last``: this one is a later range's
-                cut = i
-                break
-            close_windows.append(first if wm == -math.inf else max(first, clock.open_at(wm)))
-            wm = max(wm, m.max_time)
         lo = self.frontier
-        hi = self.pending[cut].offset if cut < len(self.pending) else self.position
         windows: dict[int, Bucket] = {w: self.deferred.pop(w) for w in sorted(self.deferred)
                                       if w <= last}
         late_trained: dict[int, int] = {}
         late_dropped: dict[int, int] = {}
         before_start = 0
         bounds: list[tuple[int, int]] = []
-        for m, c in zip(self.pending[:cut], close_windows, strict=True):
-            if not bounds or bounds[-1][0] != c:
-                bounds.append((c, m.offset))
-            if not len(m.v):
-                continue
-            a = np.maximum(m.v, c)
-            keep = np.ones(len(a), dtype=bool)
-            if self.start_window is not None:
-                early = m.v < self.start_window
-                before_start += int(early.sum())
-                keep &= ~early
-            late = keep & (m.v < c)
-            if self.late == "drop":
-                keep &= ~late
-            n_late = int(late.sum())
-            if n_late:
-                counts = late_dropped if self.late == "drop" else late_trained
-                counts[c] = counts.get(c, 0) + n_late
-            for w in np.unique(a[keep]).tolist():
-                mask = keep & (a == w)
-                rows = int(mask.sum())
-                table = None if m.table is None else (
-                    m.table if rows == len(a) else m.table.filter(pa.array(mask)))
-                bucket = windows if w <= last else self.deferred
-                bucket.setdefault(int(w), Bucket()).parts.append(Part(m.offset, rows, table))
-        for m in self.pending[:cut]:
-            m.table = None
-        self.pending = self.pending[cut:]
+        kept: list[Run] = []  # what stays pending: the runs from the first cut message on
+        hi = self.position
+        for i, run in enumerate(self.pending):
+            # The watermark before each message of the run.
+            before = np.maximum.accumulate(np.concatenate([[wm], run.max_time]))[:-1]
+            over = np.flatnonzero(before >= limit)
+            if len(over):
+                head, tail = run.split(int(over[0]))
+                kept = [tail, *self.pending[i + 1:]] if len(tail) else self.pending[i + 1:]
+                run, before = head, before[:len(head)]
+            if len(run):
+                before_start += self._assign(run, before, first, last, windows, bounds,
+                                             late_trained, late_dropped)
+                wm = max(wm, float(run.max_time.max()))
+            if len(over):
+                hi = int(kept[0].offsets[0]) if kept else self.position
+                break
+        self.pending = kept
         self.frontier = hi
         self.frontier_watermark = wm
         # A bucket of a window closed earlier cannot gain rows: only [first, last] are new.
         return Closed(first, lo, hi, bounds, {w: b for w, b in windows.items() if b.rows},
                       late_trained, late_dropped, before_start)
+
+    def _assign(self, run: Run, before: np.ndarray, first: int, last: int,
+                windows: dict[int, Bucket], bounds: list[tuple[int, int]],
+                late_trained: dict[int, int], late_dropped: dict[int, int]) -> int:
+        """Give a run's rows their windows (see the module docstring); returns how many were
+        before the source's start."""
+        clock = self.clock
+        with np.errstate(invalid="ignore"):
+            natural = np.floor((before - clock.lateness_s) / clock.window_s)
+        c = np.where(before == -math.inf, first,
+                     np.maximum(first, np.nan_to_num(natural, neginf=first))).astype(np.int64)
+        change = np.flatnonzero(np.concatenate([[True], c[1:] != c[:-1]]))
+        for j in change:
+            if not bounds or bounds[-1][0] != int(c[j]):
+                bounds.append((int(c[j]), int(run.offsets[j])))
+        if not len(run.v):
+            return 0
+        msg = np.repeat(np.arange(len(run)), run.rows)
+        crow = c[msg]
+        a = np.maximum(run.v, crow)
+        keep = np.ones(len(a), dtype=bool)
+        before_start = 0
+        if self.start_window is not None:
+            early = run.v < self.start_window
+            before_start = int(early.sum())
+            keep &= ~early
+        late = keep & (run.v < crow)
+        if late.any():
+            counts = late_dropped if self.late == "drop" else late_trained
+            for w, n in zip(*np.unique(crow[late], return_counts=True), strict=True):
+                counts[int(w)] = counts.get(int(w), 0) + int(n)
+            if self.late == "drop":
+                keep &= ~late
+        for w in np.unique(a[keep]).tolist():
+            mask = keep & (a == w)
+            per_msg = np.bincount(msg[mask], minlength=len(run))
+            has = per_msg > 0
+            table = None
+            if run.table is not None:
+                table = run.table if mask.all() else run.table.filter(pa.array(mask))
+            target = windows if w <= last else self.deferred
+            target.setdefault(int(w), Bucket()).parts.append(
+                Part(run.offsets[has], per_msg[has], table))
+        return before_start
 
     def deferred_state(self) -> dict[int, tuple[int, int]]:
         """The rows read early, per window: ``(first offset, rows)`` (what a checkpoint
