@@ -155,8 +155,10 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "generators/__init__", "generators/churn_dataset", "generators/criteo_synthetic",
             "generators/generated", "generators/id_stream", "generators/interactions_synthetic",
             "generators/open_bandit", "generators/stream_writer", "generators/synthetic",
+            "generators/kafka_producer",
             "kafka/__init__", "kafka/client", "kafka/dataset", "kafka/formats",
-            "kafka/mock_broker", "kafka/options", "kafka/tracker", "kafka/windowing")),
+            "kafka/mock_broker", "kafka/options", "kafka/positions", "kafka/reading",
+            "kafka/tracker", "kafka/windowing")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(

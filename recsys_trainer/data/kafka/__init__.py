@@ -1,7 +1,9 @@
 """Training from a Kafka topic: ``KafkaWindowDataset`` (event-time windows, offsets in the job's
 checkpoints), its options, and the errors it names. See docs/kafka.md.
 
-Modules: ``dataset`` (the dataset and its following view for ``train_and_evaluate``),
+Modules: ``dataset`` (the dataset, the ranks' agreements on closed windows, and its following
+view for ``train_and_evaluate``), ``positions`` (the checkpointed position, and what a new or
+resumed run asks the broker), ``reading`` (a rank's share of a window into batches),
 ``options`` (``KafkaSourceOptions``), ``windowing`` (the window rules and the ranks' shares, no
 Kafka), ``tracker`` (a rank's reading thread), ``formats`` (message formats), ``client`` (the
 broker side: settings, errors, reading spans again, dead letters), ``mock_broker`` (librdkafka's
@@ -23,19 +25,17 @@ if TYPE_CHECKING:
         PartitionsChangedError,
         TopicMissingError,
     )
-    from recsys_trainer.data.kafka.dataset import (
-        KafkaFollowingWindows,
-        KafkaStats,
-        KafkaWindowDataset,
-    )
+    from recsys_trainer.data.kafka.dataset import KafkaFollowingWindows, KafkaWindowDataset
     from recsys_trainer.data.kafka.options import KafkaSourceOptions
+    from recsys_trainer.data.kafka.positions import KafkaStats
 
 _CLIENT = "recsys_trainer.data.kafka.client"
 _DATASET = "recsys_trainer.data.kafka.dataset"
 _LAZY: dict[str, str] = {
     "BrokerUnavailableError": _CLIENT, "KafkaSourceError": _CLIENT,
     "OffsetsOutOfRangeError": _CLIENT, "PartitionsChangedError": _CLIENT,
-    "TopicMissingError": _CLIENT, "KafkaFollowingWindows": _DATASET, "KafkaStats": _DATASET,
+    "TopicMissingError": _CLIENT, "KafkaFollowingWindows": _DATASET,
+    "KafkaStats": "recsys_trainer.data.kafka.positions",
     "KafkaWindowDataset": _DATASET, "KafkaSourceOptions": "recsys_trainer.data.kafka.options",
 }
 

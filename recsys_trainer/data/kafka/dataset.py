@@ -37,17 +37,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 from confluent_kafka import Consumer, TopicPartition
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import Segment, WindowedDataset
-from recsys_trainer.data.columns import IdKindError, conform_id_kinds
-from recsys_trainer.data.errors import DataError, _RowError
+from recsys_trainer.data.errors import DataError
 from recsys_trainer.data.kafka import client
 from recsys_trainer.data.kafka.client import (
     BrokerUnavailableError,
@@ -58,11 +55,17 @@ from recsys_trainer.data.kafka.client import (
     SpanReader,
     TopicMissingError,
     consumer_settings,
-    partitions_of,
-    watermarks,
 )
 from recsys_trainer.data.kafka.formats import Decoder, MessageFormat
 from recsys_trainer.data.kafka.options import KafkaSourceOptions
+from recsys_trainer.data.kafka.positions import (
+    KafkaStats,
+    PartitionPosition,
+    SourceState,
+    first_state,
+    lost_early_rows,
+)
+from recsys_trainer.data.kafka.reading import KafkaWindowIterator, ShareReader
 from recsys_trainer.data.kafka.tracker import RankReport, Tracker
 from recsys_trainer.data.kafka.windowing import (
     Bucket,
@@ -76,7 +79,6 @@ from recsys_trainer.data.kafka.windowing import (
     range_in,
     share,
 )
-from recsys_trainer.data.prefetch import Prefetcher
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import FakeGang, Gang
@@ -89,65 +91,6 @@ _CHUNK_ROWS = 16384
 _ERRORS: dict[str, type[Exception]] = {
     c.__name__: c for c in (BrokerUnavailableError, TopicMissingError, OffsetsOutOfRangeError,
                             PartitionsChangedError, KafkaSourceError, DataError)}
-
-
-@dataclass
-class KafkaStats:
-    """What the source met so far (every rank alike: sums over the partitions)."""
-
-    windows: int = 0
-    """Windows closed with rows."""
-    rows: int = 0
-    """Rows of those windows."""
-    late_trained: int = 0
-    late_dropped: int = 0
-    before_start: int = 0
-    """Rows earlier than ``start_time``, skipped."""
-    corrupt_skipped: int = 0
-    """Messages that could not be decoded, skipped (``on_corrupt="skip"``)."""
-    lost_messages: int = 0
-    """Messages deleted by retention before they were read (``on_out_of_range="skip"``)."""
-    lost_rows: int = 0
-    """Rows read before a restart for a window still open, then deleted by retention before
-    the resumed job trained them (``on_out_of_range="skip"``)."""
-    idle_closes: int = 0
-    """Windows closed while a partition was idle."""
-
-
-@dataclass
-class _Partition:
-    """A partition's position in the checkpoint: every row before ``frontier`` is assigned to
-    a window; ``watermark`` is the largest event time before it; ``deferred``: rows read
-    early, per window still open (first offset, rows); ``end``: its end offset, if any."""
-
-    frontier: int
-    watermark: float = -math.inf
-    deferred: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
-    end: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"frontier": self.frontier,
-                "watermark": None if self.watermark == -math.inf else self.watermark,
-                "deferred": {str(w): list(v) for w, v in self.deferred.items()},
-                "end": self.end}
-
-    @staticmethod
-    def from_json(raw: dict[str, Any]) -> _Partition:
-        wm = raw.get("watermark")
-        return _Partition(int(raw["frontier"]), -math.inf if wm is None else float(wm),
-                          {int(w): (int(v[0]), int(v[1])) for w, v in raw["deferred"].items()},
-                          None if raw.get("end") is None else int(raw["end"]))
-
-
-@dataclass
-class _State:
-    """The source's position, the same on every rank (what ``state_dict`` saves)."""
-
-    partitions: dict[int, _Partition]
-    closed: int | None
-    next_index: int = 0
-    plans: dict[int, WindowPlan] = dataclasses.field(default_factory=dict)
-    id_kinds: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def placeholder(index: int) -> str:
@@ -182,18 +125,24 @@ class KafkaWindowDataset(WindowedDataset):
         self.end_window = None if o.end_time is None else \
             math.ceil(o.end_time / o.window_s) - 1
         self.rank, self.world_size = 0, 1
+        self._buckets: dict[tuple[int, int], Bucket] = {}
+        """``(window, partition) -> Bucket``: rows this rank's reading thread kept, to train."""
         self.stats = KafkaStats()
         self._base = KafkaStats()
         """The counts of the runs before the checkpoint this one resumed from."""
         self._gang: Gang | None = None
         self._stop: Callable[[], bool] | None = None
         self._on_wait: Callable[[], None] | None = None
-        self._state: _State | None = None
+        self._state: SourceState | None = None
         self._floor = 0
         self._tracker: Tracker | None = None
-        self._reader: SpanReader | None = None
+        self._reading = ShareReader(
+            o.topic, o.batch_size, o.prefetch_batches, 0, self.clock,
+            features=lambda: self.features, buckets=self._buckets,
+            spans=lambda: SpanReader(o.topic, self._settings(), self._fmt_or_make, self.clock,
+                                     o.late_rows, self.start_window, o.broker_timeout_s),
+            kinds=lambda: dict(self._state.id_kinds) if self._state is not None else {})
         self._committer: Consumer | None = None
-        self._buckets: dict[tuple[int, int], Bucket] = {}
         self._ended = False
         self._current = -1
         self._by_id: dict[str, WindowPlan] = {}
@@ -208,6 +157,7 @@ class KafkaWindowDataset(WindowedDataset):
             raise RuntimeError("a KafkaWindowDataset that has started reading cannot be set "
                                "up for another rank or world size; make a new one.")
         self.rank, self.world_size = rank, world_size
+        self._reading.rank = rank
 
     def set_gang(self, gang: Gang) -> None:
         self._gang = gang
@@ -273,11 +223,11 @@ class KafkaWindowDataset(WindowedDataset):
         if self._tracker is not None:
             raise RuntimeError("a KafkaWindowDataset restores its position before it reads.")
         plans = [WindowPlan.from_json(p) for p in state["plans"]]
-        self._state = _State({int(p): _Partition.from_json(v)
-                              for p, v in state["partitions"].items()},
-                             None if state["closed"] is None else int(state["closed"]),
-                             int(state["next_index"]), {p.index: p for p in plans},
-                             dict(state.get("id_kinds", {})))
+        self._state = SourceState({int(p): PartitionPosition.from_json(v)
+                                   for p, v in state["partitions"].items()},
+                                  None if state["closed"] is None else int(state["closed"]),
+                                  int(state["next_index"]), {p.index: p for p in plans},
+                                  dict(state.get("id_kinds", {})))
         self._by_id = {self.clock.name(p.number): p for p in plans}
         self._floor = min([p.index for p in plans] + [self._state.next_index])
         self.stats = KafkaStats(**state.get("stats", {}))
@@ -298,9 +248,7 @@ class KafkaWindowDataset(WindowedDataset):
         if self._tracker is not None:
             self._tracker.stop()
             self._tracker = None
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        self._reading.close()
         if self._committer is not None:
             with contextlib.suppress(Exception):
                 self._committer.close()
@@ -368,7 +316,8 @@ class KafkaWindowDataset(WindowedDataset):
             message: tuple[str, Any]
             if gang.rank == 0:
                 try:
-                    message = ("ok", self._first_state())
+                    message = ("ok", first_state(self.options, self._settings(),
+                                                 self.start_window))
                 except Exception as exc:  # noqa: BLE001 - raised on every rank below
                     message = ("error", (type(exc).__name__, str(exc)))
             else:
@@ -379,7 +328,8 @@ class KafkaWindowDataset(WindowedDataset):
                     f"rank 0 could not start reading: {payload[1]}")
             self._state = payload
         elif self.options.on_out_of_range == "skip":
-            lost = self._lost_early_rows() if gang.rank == 0 else None
+            lost = lost_early_rows(self._state, self.options.topic, self._settings()) \
+                if gang.rank == 0 else None
             self._drop_early_rows(gang.broadcast_object(lost, src=0))
         st = self._state
         assert st is not None
@@ -401,28 +351,6 @@ class KafkaWindowDataset(WindowedDataset):
                     self.rank, sorted(mine), sorted(st.partitions),
                     {p: v.frontier for p, v in sorted(st.partitions.items())})
 
-    def _lost_early_rows(self) -> dict[int, list[int]] | None:
-        """Rank 0, at a resume with ``on_out_of_range="skip"``: per partition, the windows whose
-        rows read early (kept by offset in the checkpoint, before ``frontier``) retention has
-        (partly) deleted since. None when the broker does not say."""
-        st, o = self._state, self.options
-        assert st is not None
-        c = Consumer(self._settings())
-        try:
-            out = {}
-            for p, v in st.partitions.items():
-                if not v.deferred:
-                    continue
-                marks = watermarks(c, o.topic, p, 10.0)
-                if marks is None:
-                    return None
-                gone = [w for w, (first, _) in v.deferred.items() if first < marks[0]]
-                if gone:
-                    out[p] = gone
-            return out
-        finally:
-            c.close()
-
     def _drop_early_rows(self, lost: dict[int, list[int]] | None) -> None:
         st = self._state
         assert st is not None
@@ -434,76 +362,6 @@ class KafkaWindowDataset(WindowedDataset):
                            "retention before they were trained; they are counted as lost "
                            "(on_out_of_range='skip')", client.where(self.options.topic, p),
                            rows, ", ".join(self.clock.name(w) for w in windows))
-
-    def _first_state(self) -> _State:
-        """A new run's partitions, start and end offsets (rank 0; waits up to
-        ``broker_timeout_s`` for the broker)."""
-        o = self.options
-        c = Consumer(self._settings())
-        try:
-            deadline = time.monotonic() + o.broker_timeout_s
-            parts = partitions_of(c, o.topic, 5.0)
-            while parts is None:
-                if time.monotonic() > deadline:
-                    raise BrokerUnavailableError(
-                        f"no broker of {o.bootstrap_servers!r} answered for "
-                        f"{o.broker_timeout_s:g} s (broker_timeout_s): the job cannot list "
-                        f"topic {o.topic!r}. Check the address and that the brokers run.")
-                logger.warning("%s: no answer from %s yet; retrying", o.topic,
-                               o.bootstrap_servers)
-                time.sleep(1.0)
-                parts = partitions_of(c, o.topic, 5.0)
-            if o.partitions is not None:
-                missing = sorted(set(o.partitions) - set(parts))
-                if missing:
-                    raise TopicMissingError(
-                        f"topic {o.topic!r} has partitions {parts}, not {missing}: fix "
-                        "`partitions`.")
-                parts = sorted(o.partitions)
-            start: dict[int, int] = {}
-            times: dict[int, int] = {}
-            if o.start_time is not None:
-                ask = [TopicPartition(o.topic, p, int(1000 * (o.start_time
-                                                               - o.allowed_lateness_s)))
-                       for p in parts]
-                with contextlib.suppress(Exception):
-                    times = {tp.partition: tp.offset
-                             for tp in c.offsets_for_times(ask, timeout=10.0) if tp.offset >= 0}
-                if len(times) < len(parts):
-                    logger.info("%s: the broker's time index has no offset for start_time in "
-                                "partitions %s; they are read from `start` (earlier rows are "
-                                "skipped and counted)", o.topic, sorted(set(parts) - set(times)))
-            out: dict[int, _Partition] = {}
-            for p in parts:
-                marks = watermarks(c, o.topic, p, 10.0)
-                if marks is None:
-                    raise BrokerUnavailableError(
-                        f"{client.where(o.topic, p)}: the broker did not give its offsets.")
-                low, high = marks
-                if p in times:
-                    first = times[p]
-                elif isinstance(o.start, dict):
-                    first = o.start.get(p, low)
-                    if not low <= first <= high:
-                        raise OffsetsOutOfRangeError(
-                            f"{client.where(o.topic, p, first)}: `start` asks for offset "
-                            f"{first}, but the partition holds [{low}, {high}).")
-                else:
-                    first = low if o.start == "earliest" else high
-                start[p] = first
-                end = None
-                if o.end_offsets == "log_end":
-                    end = high
-                elif isinstance(o.end_offsets, dict) and p in o.end_offsets:
-                    end = o.end_offsets[p]
-                out[p] = _Partition(first, end=end)
-            closed = None if self.start_window is None else self.start_window - 1
-            logger.info("%s: a new run reads partitions %s from %s%s", o.topic, parts, start,
-                        "" if o.end_offsets is None else
-                        f" to {({p: v.end for p, v in out.items()})}")
-            return _State(out, closed)
-        finally:
-            c.close()
 
     def _agree(self) -> None:
         """One agreement of every rank (see the module docstring): close what can close, or
@@ -623,7 +481,7 @@ class KafkaWindowDataset(WindowedDataset):
         logger.warning("%s: partitions %s were added to the topic: reading them from offset 0 "
                        "(rows of windows already closed are late rows)", o.topic, new)
         for p in new:
-            st.partitions[p] = _Partition(0)
+            st.partitions[p] = PartitionPosition(0)
         tracker.add_partitions({
             p: PartitionLog(p, self.clock, o.late_rows, frontier=0,
                             start_window=self.start_window)
@@ -679,120 +537,7 @@ class KafkaWindowDataset(WindowedDataset):
                            o.commit_group, exc)
 
     def _iterator(self, plan: WindowPlan, sh: Share) -> KafkaWindowIterator:
-        return KafkaWindowIterator(self, plan, sh)
-
-    def _rows(self, plan: WindowPlan, intervals: list[tuple[int, int, int]]) -> Iterator[pa.Table]:
-        """The rows of this rank's intervals, in order: from memory when this rank read them,
-        else from the broker."""
-        for p, a, b in intervals:
-            bucket = self._buckets.get((plan.number, p))
-            if bucket is not None and bucket.cached:
-                pos = 0
-                for part in bucket.parts:
-                    lo, hi = max(a - pos, 0), min(b - pos, part.rows)
-                    if lo < hi:
-                        yield part.table.slice(lo, hi - lo)
-                    pos += part.rows
-                    if pos >= b:
-                        break
-                continue
-            if self._reader is None:
-                o = self.options
-                self._reader = SpanReader(o.topic, self._settings(), self._fmt_or_make,
-                                          self.clock, o.late_rows, self.start_window,
-                                          o.broker_timeout_s)
-            yield from self._reader.rows(plan.number, p, plan.spans[p], a, b)
-
-    def _batches(self, plan: WindowPlan, sh: Share) -> Iterator[tuple[Batch, int]]:
-        """(batch, its rows) for the share: the planned sizes, a 0 (or a batch whose every row
-        was dropped for a NaN label) as a zero-weight padding batch."""
-        sizes = sh.sizes
-        source = self._rows(plan, sh.intervals)
-        held: list[pa.Table] = []
-        i = 0
-        while i < len(sizes):
-            j, need = i, 0
-            while j < len(sizes) and (j == i or need + sizes[j] <= _CHUNK_ROWS):
-                need += sizes[j]
-                j += 1
-            tables, got = [], 0
-            while got < need:
-                t = held.pop(0) if held else next(source, None)
-                if t is None:
-                    raise DataError(f"{self.options.topic}: window "
-                                    f"{self.clock.name(plan.number)}: rank {self.rank} found "
-                                    f"{got} of the {need} rows it planned to read.")
-                if got + t.num_rows > need:
-                    held.insert(0, t.slice(need - got))
-                    t = t.slice(0, need - got)
-                tables.append(t)
-                got += t.num_rows
-            decoded = self._decode(tables, plan) if need else None
-            lo = 0
-            for n in sizes[i:j]:
-                batch = decoded.batch(lo, lo + n) if (decoded is not None and n) else None
-                lo += n
-                if batch is None or batch.batch_size == 0:
-                    yield self.features.padding_batch().as_padding(), n
-                else:
-                    yield batch, n
-            i = j
-
-    def _decode(self, tables: list[pa.Table], plan: WindowPlan) -> Any:
-        st = self._state
-        assert st is not None
-        try:
-            kinds = {c: k for c, k in st.id_kinds.items()}
-            parts = [conform_id_kinds(t, kinds) for t in tables]
-            parts = self.features.unify_columns(parts)
-            table = parts[0] if len(parts) == 1 else pa.concat_tables(
-                parts, promote_options="permissive")
-            return self.features.decode_chunk(table, self.options.batch_size)
-        except (_RowError, IdKindError) as exc:
-            raise DataError(f"{self.options.topic}: window {self.clock.name(plan.number)} "
-                            f"(rank {self.rank}'s share, row {exc.row}): {exc.detail}",
-                            column=exc.column) from None
-        except pa.ArrowException as exc:
-            raise DataError(f"{self.options.topic}: window {self.clock.name(plan.number)}: its "
-                            f"rows cannot be combined ({exc}); write each column with one "
-                            "type.") from None
-
-
-class KafkaWindowIterator(Iterator[Batch]):
-    """This rank's batches of one window, decoded ahead on a background thread."""
-
-    def __init__(self, ds: KafkaWindowDataset, plan: WindowPlan, sh: Share) -> None:
-        self.window_id = ds.clock.name(plan.number)
-        self._rows_left = sum(sh.sizes)
-        make = lambda: ds._batches(plan, sh)  # noqa: E731
-        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
-        self._source: Iterator[tuple[Batch, int]]
-        if ds.options.prefetch_batches > 0 and sh.sizes:
-            self._prefetcher = Prefetcher(make, ds.options.prefetch_batches,
-                                          name=f"kafka-{self.window_id}")
-            self._source = self._prefetcher
-        else:
-            self._source = make()
-
-    def __iter__(self) -> KafkaWindowIterator:
-        return self
-
-    def __next__(self) -> Batch:
-        batch, rows = next(self._source)
-        self._rows_left -= rows
-        return batch
-
-    def rows_remaining(self) -> int:
-        return max(0, self._rows_left)
-
-    def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-        else:
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()
-
+        return self._reading.iterator(plan, sh)
 
 class KafkaFollowingWindows(WindowedDataset):
     """The evaluation side of ``train_and_evaluate`` over a ``KafkaWindowDataset``: its window
