@@ -338,3 +338,43 @@ def test_a_broker_outage_is_waited_out_and_logged_and_one_longer_than_the_limit_
             pass
     assert time.monotonic() - started < 12
     short.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_trains_from_a_topic_a_yaml_config_names(broker: MockBroker, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import yaml
+
+    from recsys_trainer.config import ConfigError, KafkaDataConfig, RunConfig
+
+    broker.command("create cli 2")
+    table = rows_table("dlrm", windows=2, rows=48, window_s=10.0)
+    produce(broker.bootstrap, "cli", table, partitions=2)
+    raw: dict[str, Any] = {
+        "run": "train",
+        "args": {"output_dir": str(tmp_path / "out"), "log_steps": 100,
+                 "save_every_n_event_seconds": 10},
+        "model": {"embedding_dim": 4, "dense_arch": [8], "over_arch": [8, 1]},
+        "data": {"kind": "kafka", "bootstrap_servers": broker.bootstrap, "topic": "cli",
+                 "time_column": "ts", "window_s": 10, "end_offsets": "log_end",
+                 "batch_size": 16, "idle_timeout_s": 1,
+                 "features": {"labels": ["label"], "dense": ["I1", "I2"],
+                              "sparse": [{"name": "C1", "num_embeddings": 50, "hash": True}]}},
+        "dense_optimizer": {"name": "adam", "lr": 0.01},
+        "sparse_optimizer": {"name": "rowwise_adagrad", "lr": 0.05},
+    }
+    cfg = RunConfig.from_dict(raw)
+    assert isinstance(cfg.data, KafkaDataConfig) and cfg.model.sparse_features == ["C1"]
+    bad = {**raw, "data": {**raw["data"], "window_s": 0}}
+    with pytest.raises(ConfigError, match=r"`window_s` must be a number > 0, but is 0"):
+        RunConfig.from_dict(bad)
+    path = tmp_path / "kafka.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    p = subprocess.run([sys.executable, "-m", "recsys_trainer", str(path)], capture_output=True,
+                       text=True, timeout=110, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "done: global_step=7" in p.stdout  # 3 + 4 steps (48 and 51 rows, batches of 16)
+    steps = sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("step_"))
+    assert steps == ["step_00000003", "step_00000007"]  # a save every 10 s of event time
