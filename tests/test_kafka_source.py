@@ -34,6 +34,7 @@ from recsys_trainer.data.kafka import (
 )
 from recsys_trainer.data.kafka.client import read as read_dead_letters
 from recsys_trainer.data.kafka.mock_broker import MockBroker
+from recsys_trainer.data.kafka.windowing import Clock
 from recsys_trainer.hooks.base import StepOutput
 from recsys_trainer.models import DLRMClassifier
 
@@ -378,3 +379,49 @@ def test_the_cli_trains_from_a_topic_a_yaml_config_names(broker: MockBroker, tmp
     assert "done: global_step=7" in p.stdout  # 3 + 4 steps (48 and 51 rows, batches of 16)
     steps = sorted(n for n in os.listdir(tmp_path / "out") if n.startswith("step_"))
     assert steps == ["step_00000003", "step_00000007"]  # a save every 10 s of event time
+
+
+class Evals(Hook):
+    def __init__(self) -> None:
+        self.trained: list[str | None] = []
+        self.evaluated: list[tuple[str | None, int]] = []
+        self._rows = 0
+
+    def after_window(self, trainer: Any, window_id: str) -> None:
+        if trainer.state.mode == "train":
+            self.trained.append(window_id)
+
+    def after_eval_step(self, trainer: Any, output: StepOutput) -> None:
+        if not output.is_padding:
+            self._rows += output.micro_batches[0].batch.num_real_rows()
+
+    def after_evaluate(self, trainer: Any, metrics: dict[str, float]) -> None:
+        self.evaluated.append((trainer.state.window_id, self._rows))
+        self._rows = 0
+
+
+@pytest.mark.timeout(90)
+def test_train_and_evaluate_evaluates_each_window_on_the_next_and_commits_offsets_for_lag(
+        broker: MockBroker, tmp_path: Path) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    broker.command("create pairs 2")
+    table = rows_table("dlrm", windows=3, rows=32, window_s=10.0)
+    produce(broker.bootstrap, "pairs", table, partitions=2)
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "pairs",
+                                                      commit_group="lag-pairs"))
+    hook = Evals()
+    t = _trainer(ds, str(tmp_path / "ckpt"), hook)
+    t.eval_dataset = ds.following()
+    t.train_and_evaluate()
+    ids = [Clock(10.0, 0).name(int(T0 // 10) + w) for w in range(3)]
+    assert hook.trained == ids
+    # Window T evaluated on T + 1 (all its rows); the last train window has no next window.
+    assert [(w, n) for w, n in hook.evaluated] == [(ids[1], 32), (ids[2], 35)]
+    # Offsets for lag monitoring: committed when training moved to the last window (every row
+    # before it trained), never read back by the job.
+    c = Consumer({"bootstrap.servers": broker.bootstrap, "group.id": "lag-pairs"})
+    committed = c.committed([TopicPartition("pairs", p) for p in (0, 1)], timeout=10)
+    c.close()
+    assert [tp.offset for tp in committed] == [32, 32]  # windows 0 and 1: 64 rows, 32 each
+    ds.close()
