@@ -68,7 +68,7 @@ from recsys_trainer.data.parquet_files import (
     skip_rows,
 )
 from recsys_trainer.data.parquet_plan import WindowPlanner, shard_pieces, shuffle_rng, whole_units
-from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.prefetch import BatchStream, Prefetcher
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
@@ -563,55 +563,21 @@ def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Bat
             close()
 
 
-class WindowIterator(Iterator[Batch]):
-    """This rank's batches of one window; reading runs ahead on a bounded background thread.
-
-    ``rows_remaining()`` (rows not yet handed out, from metadata counts) lets the Trainer log how
-    many rows a window left unread when another rank ran out first. ``close()`` stops the
-    background thread; so does dropping the iterator.
-    """
+class WindowIterator(BatchStream):
+    """This rank's batches of one window; reading runs ahead on a bounded background thread
+    (``BatchStream``: ``rows_remaining()``, ``close()``). An error met while planning the window
+    is raised by the first ``next()``."""
 
     def __init__(self, ds: ParquetWindowDataset, pieces: list[Piece], rows: int, window_id: str,
                  discard: int = 0, error: Exception | None = None) -> None:
         self.window_id = window_id
-        self._rows_left = rows
         self._error = error
         make = lambda: _discard(ds._batches(pieces), discard) if discard else ds._batches(pieces)  # noqa: E731
-        self._source: Iterator[tuple[Batch, int]]
-        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
-        if ds.prefetch_batches > 0 and rows > 0:
-            self._prefetcher = Prefetcher(make, ds.prefetch_batches, name=f"read-{window_id}")
-            self._source = self._prefetcher
-        else:
-            self._source = make()
-
-    def __iter__(self) -> WindowIterator:
-        return self
+        super().__init__(make, rows, ds.prefetch_batches if rows > 0 else 0,
+                         name=f"read-{window_id}")
 
     def __next__(self) -> Batch:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        try:
-            batch, rows = next(self._source)
-        except StopIteration:
-            self._rows_left = 0  # rows dropped after the last batch, or discarded ones
-            raise
-        self._rows_left -= rows
-        return batch
-
-    def rows_remaining(self) -> int:
-        """Rows of this rank's share of the window not yet returned (cheap: no reading)."""
-        return max(0, self._rows_left)
-
-    def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-        else:
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()  # a generator: its ``finally`` closes the open parquet file
-
-    def __del__(self) -> None:
-        if getattr(self, "_prefetcher", None) is not None:
-            self._prefetcher.close(timeout_s=0)  # type: ignore[union-attr]
+        return super().__next__()

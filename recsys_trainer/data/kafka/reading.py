@@ -16,7 +16,7 @@ from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.kafka.client import SpanReader
 from recsys_trainer.data.kafka.windowing import Bucket, Clock, Share, WindowPlan
-from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.prefetch import BatchStream
 from recsys_trainer.data.spec import FeatureSpec
 
 _CHUNK_ROWS = 16384
@@ -125,37 +125,12 @@ class ShareReader:
                             "type.") from None
 
 
-class KafkaWindowIterator(Iterator[Batch]):
-    """This rank's batches of one window, decoded ahead on a background thread."""
+class KafkaWindowIterator(BatchStream):
+    """This rank's batches of one window, decoded ahead on a background thread
+    (``BatchStream``)."""
 
     def __init__(self, reader: ShareReader, plan: WindowPlan, sh: Share) -> None:
         self.window_id = reader.clock.name(plan.number)
-        self._rows_left = sum(sh.sizes)
-        make = lambda: reader.batches(plan, sh)  # noqa: E731
-        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
-        self._source: Iterator[tuple[Batch, int]]
-        if reader.prefetch_batches > 0 and sh.sizes:
-            self._prefetcher = Prefetcher(make, reader.prefetch_batches,
-                                          name=f"kafka-{self.window_id}")
-            self._source = self._prefetcher
-        else:
-            self._source = make()
-
-    def __iter__(self) -> KafkaWindowIterator:
-        return self
-
-    def __next__(self) -> Batch:
-        batch, rows = next(self._source)
-        self._rows_left -= rows
-        return batch
-
-    def rows_remaining(self) -> int:
-        return max(0, self._rows_left)
-
-    def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-        else:
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()
+        super().__init__(lambda: reader.batches(plan, sh), sum(sh.sizes),
+                         reader.prefetch_batches if sh.sizes else 0,
+                         name=f"kafka-{self.window_id}")
