@@ -103,6 +103,7 @@ class Tracker:
         self._idle_logged: set[int] = set()
         self._down_since: float | None = None
         self._down_reason = ""
+        self._contact_at = 0.0
         self._error: tuple[str, str] | None = None
         self._kinds: dict[str, str] = {}
         self.corrupt = 0
@@ -170,13 +171,17 @@ class Tracker:
     # ------------------------------------------------------------------ the reading thread
 
     def _on_error(self, err: KafkaError) -> None:
-        if is_transport(err) and self._down_since is None:
+        # librdkafka reports its reconnection attempts late: an error within a second of the
+        # broker answering is one of those, not a new outage.
+        if is_transport(err) and self._down_since is None and \
+                time.monotonic() - self._contact_at > 1.0:
             self._down_since = time.monotonic()
             self._down_reason = err.str()
             logger.warning("%s: the broker cannot be reached (%s): waiting for it; the job "
                            "stops after broker_timeout_s without it", self.topic, err.str())
 
     def _reachable(self) -> None:
+        self._contact_at = time.monotonic()
         if self._down_since is not None:
             logger.warning("%s: the broker is reachable again after %.1f s: reading on from "
                            "offsets %s", self.topic, time.monotonic() - self._down_since,
