@@ -397,13 +397,14 @@ class KafkaWindowDataset(WindowedDataset):
         for rep, _ in reports:
             for column, kind in rep.kinds.items():
                 st.id_kinds.setdefault(column, kind)
-        self._pick_up_partitions(reports[0][0].partitions)
         statuses = [s for rep, _ in reports for s in rep.statuses]
         known = {s.partition for s in statuses}
         if known != set(st.partitions):
             raise PartitionsChangedError(
                 f"{o.topic}: the ranks report partitions {sorted(known)}, but the source reads "
                 f"{sorted(st.partitions)}.")
+        # After the check: a partition added now reports from the next agreement on.
+        self._pick_up_partitions(reports[0][0].partitions)
         span = closable(statuses, st.closed, self.end_window)
         if span is None:
             if self._stream_ended(statuses):
