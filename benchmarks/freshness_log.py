@@ -26,12 +26,13 @@ the median and p95 of F over the rows produced after the first model was served 
 wait for the job's start-up), the loop's blocked time per publish (``PublishRecord.blocked_s``)
 and the host's load.
 
-**The reader** (first): the same rows (``--reader-rows``) as a topic of JSON messages (one row
-each), a topic of Arrow IPC messages (256 rows each) and a parquet file; each of ``--ranks``
-ranks reads its share through ``KafkaWindowDataset`` and through ``ParquetWindowDataset``
-(decoded batches, the same ``FeatureSpec``); rows per second per rank, measured from the first
-``window_ids()`` (the Kafka source's start: listing the topic, reading, closing the window) to
-the last batch.
+**The reader** (first): the same rows (``--reader-rows``, their event times spread over the
+last minute) as a topic of JSON messages (one row each), a topic of Arrow IPC messages (256 rows
+each), both of 16 partitions, and a parquet file (one window); each of ``--ranks`` ranks reads
+its share of every window through ``KafkaWindowDataset`` (windows of 5 s) and through
+``ParquetWindowDataset`` (decoded batches, the same ``FeatureSpec``); rows per second per rank,
+measured from the first ``window_ids()`` (for Kafka: listing the topic, reading, closing the
+first window) to the last batch.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def reader(a: argparse.Namespace) -> None:
             ds: Any = KafkaWindowDataset(spec, bootstrap_servers=a.bootstrap,
                                          topic="reader_arrow" if arrow else "reader",
                                          format="arrow" if arrow else "json",
-                                         time_column="ts", window_s=3600.0,
+                                         time_column="ts", window_s=5.0,
                                          end_offsets="log_end", batch_size=a.batch_size)
         else:
             ds = ParquetWindowDataset([a.parquet], spec, batch_size=a.batch_size)
@@ -137,11 +138,14 @@ def reader(a: argparse.Namespace) -> None:
         gang.barrier()
         t0 = time.perf_counter()
         rows = 0
+        first: float | None = None
         for wid in ds.window_ids():
             for batch in ds.iter_window(wid):
+                first = first or time.perf_counter()
                 rows += batch.batch_size
-        seconds = time.perf_counter() - t0
-        out[name] = {"rows": rows, "seconds": seconds, "rows_per_s": rows / seconds}
+        end = time.perf_counter()
+        out[name] = {"rows": rows, "seconds": end - t0, "rows_per_s": rows / (end - t0),
+                     "after_first_batch_rows_per_s": rows / (end - first) if first else None}
         if name.startswith("kafka"):
             ds.close()
     got = gang.all_gather_object(out)
@@ -174,7 +178,7 @@ def run(a: argparse.Namespace, bench: Any) -> dict[str, Any]:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs: list[Any] = []
     monitor: Any = None
-    broker = MockBroker({TOPIC: 4, "reader": 8, "reader_arrow": 8}, log=open(os.path.join(work, "broker.log"), "w"))  # noqa: SIM115
+    broker = MockBroker({TOPIC: 4, "reader": 16, "reader_arrow": 16}, log=open(os.path.join(work, "broker.log"), "w"))  # noqa: SIM115
     try:
         def start(name: str, argv: list[str]) -> None:
             log = open(os.path.join(work, f"{name}.log"), "wb")  # noqa: SIM115
@@ -204,12 +208,12 @@ def run(a: argparse.Namespace, bench: Any) -> dict[str, Any]:
         p = Producer({"bootstrap.servers": broker.bootstrap, "linger.ms": 20,
                       "queue.buffering.max.messages": 2_000_000})
         for i, value in enumerate(encode(table, "json")):
-            p.produce("reader", value, partition=i % 8)
+            p.produce("reader", value, partition=i % 16)
             if i % 50_000 == 0:
                 p.poll(0)
         for i, start_row in enumerate(range(0, table.num_rows, 256)):  # Arrow: 256 rows each
             for value in encode(table.slice(start_row, 256), "arrow"):
-                p.produce("reader_arrow", value, partition=i % 8)
+                p.produce("reader_arrow", value, partition=i % 16)
         p.flush(60)
         reader_out = os.path.join(work, "reader.json")
         torchrun("reader", "--reader", ["--parquet", parquet, "--out", reader_out])
@@ -295,6 +299,8 @@ def summarize(a: argparse.Namespace, monitor: Any, train: dict[str, Any],
     loads = [x for _, x in monitor.loads]
     per_rank = {name: [r[name]["rows_per_s"] for r in read]
                 for name in ("kafka", "kafka_arrow", "parquet")}
+    after_first = {name: [r[name]["after_first_batch_rows_per_s"] for r in read]
+                   for name in ("kafka", "kafka_arrow", "parquet")}
     return {
         "config": {k: v for k, v in vars(a).items() if k != "json"},
         "host": {"cpus": os.cpu_count(), "load_mean": float(np.mean(loads)) if loads else None,
@@ -315,6 +321,7 @@ def summarize(a: argparse.Namespace, monitor: Any, train: dict[str, Any],
         "source": train.get("stats", {}),
         "steps": train.get("steps"),
         "reader": {"per_rank_rows_per_s": per_rank,
+                   "per_rank_rows_per_s_after_the_first_batch": after_first,
                    "kafka_vs_parquet": [k / p for k, p in zip(per_rank["kafka"],
                                                               per_rank["parquet"],
                                                               strict=True)],
@@ -360,9 +367,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rows-per-s", type=int, default=1000, help="log: rows produced a second")
     g.add_argument("--window-s", type=float, default=1.0, help="log: window length")
     g.add_argument("--lateness-s", type=float, default=0.25, help="log: allowed lateness")
-    g.add_argument("--reader-rows", type=int, default=40_000,
+    g.add_argument("--reader-rows", type=int, default=80_000,
                    help="log: rows of the reader comparison (the mock broker keeps ~4 MB, "
-                        "about 6,000 of these rows, a partition; the topic has 8)")
+                        "about 6,000 of these rows, a partition; the topics have 16)")
     g.add_argument("--bootstrap", help=argparse.SUPPRESS)
     g.add_argument("--reader", action="store_true", help=argparse.SUPPRESS)
     g.add_argument("--parquet", help=argparse.SUPPRESS)

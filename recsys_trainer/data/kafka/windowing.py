@@ -23,18 +23,18 @@ as it reads ahead, and any rank re-reading a span later (``in_window``: only ``h
 
 **Plans.** When the job closes a window with rows, every rank holds its ``WindowPlan``: per
 partition a ``Span`` (rows, the first offset holding one, the range, index points to seek to).
-A window's rows are ordered by (partition, offset, row) and cut like a parquet window's: into
-``world_size`` contiguous shares whose sizes differ by at most one row (``share``), partitions
-ordered so that each rank's share is mostly the partitions it owns (``owner``). Every rank
-takes the same number of batches (``batch_sizes``: the last ones of a smaller share are cut
-smaller, and a rank with no row left gets zero-weight padding), so no row is left unread when
-the ranks agree to stop. A job that changed its world size in the middle of a window replays
+Each rank trains the rows of the partitions it owns (``owner``: it read them as they arrived),
+when every rank has at least ``OWNER_CUT_MIN_SHARE`` of an even share; otherwise a window's rows,
+ordered by (partition, offset, row), are cut like a parquet window's, into ``world_size``
+contiguous shares whose sizes differ by at most one row (``share``), each rank's partitions
+together. Every rank takes the same number of batches (``batch_sizes``: a smaller share's
+batches are smaller, and a rank with no row left gets zero-weight padding), so no row is left
+unread when the ranks agree to stop. A job that changed its world size in the middle of a window replays
 each earlier part's cut (``Segment``) and shares out the rows no earlier rank consumed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -586,31 +586,46 @@ class Share:
     sizes: list[int]
 
 
+OWNER_CUT_MIN_SHARE = 0.75
+"""Each rank trains the rows of its own partitions when every rank has at least this part of an
+even share of the window (no row crosses to another rank, none is read twice); otherwise the
+rows are cut evenly, a rank reading by offset what it does not own."""
+
+
+def _cut(left: Intervals, world_size: int) -> list[list[tuple[int, int, int]]]:
+    """Every rank's rows of what is left of a window at ``world_size``, in reading order: its
+    own partitions' (when shares are even enough, ``OWNER_CUT_MIN_SHARE``), else the rows
+    in ``partition_order`` cut into contiguous shares differing by at most one row."""
+    order = partition_order(left, world_size)
+    flat = _flatten(left, order)
+    total = sum(b - a for _, a, b in flat)
+    own = [[(p, a, b) for p, a, b in flat if owner(p, world_size) == r]
+           for r in range(world_size)]
+    mean = total / world_size
+    if total and min(sum(b - a for _, a, b in x) for x in own) >= OWNER_CUT_MIN_SHARE * mean:
+        return own
+    cuts = [total * r // world_size for r in range(world_size + 1)]
+    return [_take(flat, cuts[r], cuts[r + 1]) for r in range(world_size)]
+
+
 def share(spans: Mapping[int, Span], segments: Sequence[tuple[int, int]], world_size: int,
           rank: int, batch_size: int, skip_batches: int = 0) -> Share:
     """Rank ``rank``'s share of a window at ``world_size`` after ``segments`` (earlier parts:
-    ``(world size, batches per rank)``), from its batch ``skip_batches`` on."""
+    ``(world size, batches per rank)``, each replayed: its cut, and the rows its ranks'
+    batches consumed), from its batch ``skip_batches`` on. Every rank takes as many batches
+    (``steps_for`` the largest share; ``batch_sizes``)."""
     left: Intervals = {p: [(0, s.rows)] for p, s in spans.items() if s.rows}
     for w, batches in segments:
-        flat = _flatten(left, partition_order(left, w))
-        total = sum(b - a for _, a, b in flat)
-        cuts = [total * r // w for r in range(w + 1)]
-        steps = steps_for([cuts[r + 1] - cuts[r] for r in range(w)], batch_size)
+        shares = _cut(left, w)
+        counts = [sum(b - a for _, a, b in x) for x in shares]
+        steps = steps_for(counts, batch_size)
         consumed = []
-        for r in range(w):
-            n = cuts[r + 1] - cuts[r]
+        for x, n in zip(shares, counts, strict=True):
             used = sum(batch_sizes(n, steps, batch_size)[:batches])
-            consumed.extend(_take(flat, cuts[r], cuts[r] + used))
+            consumed.extend(_take(x, 0, used))
         left = _remove(left, consumed)
-    flat = _flatten(left, partition_order(left, world_size))
-    total = sum(b - a for _, a, b in flat)
-    cuts = [total * r // world_size for r in range(world_size + 1)]
-    steps = steps_for([cuts[r + 1] - cuts[r] for r in range(world_size)], batch_size)
-    mine = cuts[rank + 1] - cuts[rank]
-    sizes = batch_sizes(mine, steps, batch_size)
+    shares = _cut(left, world_size)
+    counts = [sum(b - a for _, a, b in x) for x in shares]
+    sizes = batch_sizes(counts[rank], steps_for(counts, batch_size), batch_size)
     skipped = sum(sizes[:skip_batches])
-    return Share(_take(flat, cuts[rank] + skipped, cuts[rank + 1]), sizes[skip_batches:])
-
-
-def plan_with(plan: WindowPlan, **changes: Any) -> WindowPlan:
-    return dataclasses.replace(plan, **changes)
+    return Share(_take(shares[rank], skipped, counts[rank]), sizes[skip_batches:])
