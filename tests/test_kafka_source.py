@@ -426,3 +426,29 @@ def test_train_and_evaluate_evaluates_each_window_on_the_next_and_commits_offset
     c.close()
     assert [tp.offset for tp in committed] == [32, 32]  # windows 0 and 1: 64 rows, 32 each
     ds.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_gap_in_the_traffic_closes_its_empty_windows_and_reading_goes_on(
+        broker: MockBroker) -> None:
+    def row(i: int, t: float) -> bytes:
+        return json.dumps({"label": 1, "I1": 1.0, "I2": 2.0, "C1": "a", "C2": "b", "row_id": i,
+                           "ts": t}).encode()
+
+    broker.command("create gap 1")
+    # Window 0, then nothing until window 20 (the producer stopped for 200 s of event time).
+    send(broker.bootstrap, "gap", [(0, row(i, T0 + i), T0 + i) for i in range(5)]
+         + [(0, row(5, T0 + 201), T0 + 201)])
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "gap",
+                                                      end_offsets=None, end_time=T0 + 220))
+    ids = ds.window_ids()
+    first = next(ids)
+    assert [r for b in ds.iter_window(first) for r in b.passthrough["row_id"].to_pylist()] == [
+        0, 1, 2, 3, 4]
+    # Windows 1-19 closed at once, empty: the partition, far past them, keeps reading.
+    send(broker.bootstrap, "gap", [(0, row(6 + i, T0 + 205 + 5 * i), T0 + 205 + 5 * i)
+                                   for i in range(4)])
+    rest = {w: [r for b in ds.iter_window(w) for r in b.passthrough["row_id"].to_pylist()]
+            for w in ids}
+    assert list(rest.values()) == [[5, 6], [7, 8]]
+    ds.close()

@@ -348,6 +348,7 @@ class KafkaWindowDataset(WindowedDataset):
             idle_timeout_s=o.idle_timeout_s, on_corrupt=o.on_corrupt, dead_letters=dead,
             on_out_of_range=o.on_out_of_range, cache_bytes=int(o.cache_mb * 2**20),
             max_windows_ahead=o.max_windows_ahead, list_partitions=self.rank == 0)
+        self._tracker.set_closed_window(st.closed)
         self._tracker.start()
         logger.info("%s: rank %d reads partitions %s (of %s) from offsets %s", o.topic,
                     self.rank, sorted(mine), sorted(st.partitions),
@@ -464,6 +465,7 @@ class KafkaWindowDataset(WindowedDataset):
                 else:
                     tracker.release(bucket.drop_tables())
         st.closed = last
+        tracker.set_closed_window(last)
 
     def _pick_up_partitions(self, listed: list[int] | None) -> None:
         """Partitions added to the topic (as rank 0 last listed it, the same on every rank):
@@ -514,8 +516,6 @@ class KafkaWindowDataset(WindowedDataset):
             freed = self._buckets.pop(key).drop_tables()
             if self._tracker is not None:
                 self._tracker.release(freed)
-        if self._tracker is not None:
-            self._tracker.set_trained_window(plan.number)
         if self.options.commit_group and self.rank == 0:
             self._commit()
 

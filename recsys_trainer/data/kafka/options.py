@@ -81,7 +81,9 @@ class KafkaSourceOptions:
     cache_mb: float = 512.0
     """Decoded rows a rank keeps from its own partitions for training (beyond: read again)."""
     max_windows_ahead: int = 2
-    """A partition pauses once its watermark is this many windows beyond the one training."""
+    """A partition pauses once its watermark is this many windows past the last window
+    closed (windows close when training asks for the next one): memory stays bounded when
+    training falls behind the log."""
 
     def __post_init__(self) -> None:
         check_type("bootstrap_servers", self.bootstrap_servers, (str,), "a host:port list")

@@ -11,9 +11,10 @@ takes to add messages: a message read meanwhile stays pending for a later window
 
 It holds the decoded rows it reads (up to ``cache_bytes``), so the rank that owns a partition
 trains its rows without reading them twice; beyond that, the rows of a span are read again
-from the broker (``client.SpanReader``). A partition whose watermark is more than
-``max_windows_ahead`` windows beyond the window being trained is paused, which bounds memory
-when training falls behind the log.
+from the broker (``client.SpanReader``). A partition whose watermark has passed more than
+``max_windows_ahead`` windows beyond the last window the job closed is paused (it cannot hold
+the next close back: it has passed it). Windows close only when training asks for the next one
+(``window_ids``), so this bounds memory when training falls behind the log.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Tracker:
         self.lost = 0
         self.cached = 0
         """Bytes of decoded rows held (pending here, and in closed windows' buckets)."""
-        self._trained_window: int | None = None
+        self._closed_window: int | None = None
         self._paused: set[int] = set()
         self._partitions: list[int] | None = None
         self._added: dict[int, PartitionLog] = {}
@@ -129,9 +130,9 @@ class Tracker:
             self._thread.join(timeout_s)
         self._thread = None
 
-    def set_trained_window(self, window: int) -> None:
-        """The window being trained: partitions far ahead of it pause."""
-        self._trained_window = window
+    def set_closed_window(self, window: int | None) -> None:
+        """The last window the job closed: partitions far ahead of it pause."""
+        self._closed_window = window
 
     # ------------------------------------------------------------------ the agreement's side
 
@@ -369,8 +370,8 @@ class Tracker:
             self.dead_letters.write(p, m.offset(), m.timestamp()[1], error, m.value())
 
     def _pause_ahead(self, consumer: Consumer) -> None:
-        """Pause the partitions more than ``max_windows_ahead`` windows ahead of training."""
-        w = self._trained_window
+        """Pause the partitions more than ``max_windows_ahead`` windows past the last closed."""
+        w = self._closed_window
         if w is None:
             return
         ahead, back = [], []
