@@ -2,6 +2,11 @@
 
     python benchmarks/bench_freshness.py [--windows 12] [--every-s 10] [--shift-at 5] [--ranks 2]
                                          [--quick] [--json OUT]
+    python benchmarks/bench_freshness.py --source log [--seconds 60] [--rows-per-s 2000] ...
+
+``--source log`` measures the event-to-served freshness of a job training from a Kafka topic
+instead (benchmarks/freshness_log.py says what and how); the rest of this docstring is the
+default mode, windows of files.
 
 Real processes on 127.0.0.1 (issue 37, item 4):
 
@@ -84,6 +89,9 @@ from typing import Any
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import freshness_log  # noqa: E402  (this folder: the log mode)
+
 REPO = os.path.dirname(HERE)
 
 NUM_ROWS_DEFAULT = 8192
@@ -734,11 +742,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--bodies", help=argparse.SUPPRESS)
     p.add_argument("--stop-file", help=argparse.SUPPRESS)
+    freshness_log.add_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.source == "log":
+        if a.worker:
+            freshness_log.worker(a)
+        elif a.reader:
+            freshness_log.reader(a)
+        else:
+            out = freshness_log.run(a, sys.modules[__name__])
+            freshness_log.report(out)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(out, f, indent=1)
+        return
     if a.quick:
         a.windows, a.shift_at = min(a.windows, 6), min(a.shift_at, 3)
     if a.worker:

@@ -21,6 +21,23 @@ planted change from window ``--shift-at`` on (one item becomes strongly clicked;
 ``STREAM/_signal.json``). The writer dies with the job; a restarted job's writer continues the
 stream where it stopped (the windows are deterministic).
 
+**From a Kafka topic** (``--kafka HOST:PORT``): the windows are ``--window-s`` seconds of the
+rows' event time (``ts``) on ``--topic`` (``KafkaWindowDataset``, docs/kafka.md), published
+after every ``--window-s`` seconds of event time; ``--produce`` starts the click producer
+(``python -m recsys_trainer.data.generators.kafka_producer``: ``--rows-per-s`` rows a second,
+stamped as they are sent, the planted change after ``--shift-at-s`` seconds) from rank 0::
+
+    # a broker: librdkafka's mock cluster (or give your brokers' address to --kafka)
+    python -m recsys_trainer.data.kafka.mock_broker --topic clicks --partitions 4 \
+        --address-file /tmp/online_log/broker
+    torchrun --standalone --nproc_per_node=2 examples/train_online.py \
+        --kafka "$(cat /tmp/online_log/broker)" --topic clicks --produce \
+        --publish /tmp/online_log/published --output /tmp/online_log/ckpt
+    recsys-serve /tmp/online_log/published --port 8080
+
+``--seconds N`` ends the run once the event time passes ``N`` seconds after its start (the
+producer runs a little longer, to close the last window); 0 runs until stopped.
+
 At the end rank 0 prints the train AUC per window (each batch scored before it is trained on:
 progressive validation) and ``train_online: final step S, LATEST sequence Q step S2``.
 """
@@ -37,6 +54,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from recsys_trainer import (
     SparseOptimizer,
@@ -47,7 +65,7 @@ from recsys_trainer import (
     shutdown,
 )
 from recsys_trainer.data.generators.criteo_synthetic import NUM_DENSE, SPARSE_COLUMNS
-from recsys_trainer.data.generators.stream_writer import stream_dataset
+from recsys_trainer.data.generators.stream_writer import stream_dataset, stream_features
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.hooks.publish import PublishHook
@@ -84,6 +102,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--shift-at", type=int, default=3,
                    help="first window where the planted item becomes strongly clicked")
     w.add_argument("--seed", type=int, default=0, help="the stream's seed")
+    k = p.add_argument_group("--kafka: train from a Kafka topic instead of --stream")
+    k.add_argument("--kafka", metavar="HOST:PORT", help="the brokers (bootstrap servers)")
+    k.add_argument("--topic", default="clicks")
+    k.add_argument("--window-s", type=float, default=5.0, help="window length (event time)")
+    k.add_argument("--lateness-s", type=float, default=1.0,
+                   help="a window closes this long (event time) after its end")
+    k.add_argument("--seconds", type=float, default=0.0,
+                   help="end after this many seconds of event time (0: until stopped)")
+    k.add_argument("--produce", action="store_true",
+                   help="start the click producer in the background (rank 0)")
+    k.add_argument("--rows-per-s", type=int, default=2000, help="the producer's rate")
+    k.add_argument("--shift-at-s", type=float, default=30.0,
+                   help="the producer's planted change, after this many seconds")
     return p.parse_args(argv)
 
 
@@ -115,6 +146,21 @@ def start_writer(a: argparse.Namespace) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env=env, preexec_fn=_writer_preexec)
 
 
+def start_producer(a: argparse.Namespace) -> subprocess.Popen[bytes]:
+    """The click producer, in a background process writing to ``--topic``."""
+    cmd = [sys.executable, "-m", "recsys_trainer.data.generators.kafka_producer",
+           "--bootstrap-servers", a.kafka, "--topic", a.topic, "--rows-per-s", str(a.rows_per_s),
+           "--shift-at-s", str(a.shift_at_s), "--seed", str(a.seed)]
+    if a.seconds:  # past the end: the last window closes
+        cmd += ["--seconds", str(a.seconds + 2 * a.window_s + a.lateness_s + 5)]
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID")}
+    log.info("starting the click producer: %s", " ".join(cmd))
+    return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=_writer_preexec)
+
+
 def stop_writer(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -132,11 +178,28 @@ def main(argv: list[str] | None = None) -> None:
     init_distributed()
     rank = int(os.environ.get("RANK", "0"))
     writer = start_writer(a) if a.land and rank == 0 else None
+    if a.kafka and a.produce and rank == 0:
+        writer = start_producer(a)
     try:
         train(a)
     finally:
         stop_writer(writer)
         shutdown()
+
+
+def kafka_dataset(a: argparse.Namespace) -> Any:
+    """Windows of ``--window-s`` seconds of the rows' event time on ``--topic``: the offsets are
+    in this job's checkpoints; a rerun resumes from them."""
+    from recsys_trainer.data.kafka import KafkaWindowDataset
+
+    end = [time.time() + a.seconds if a.seconds else None]
+    if dist.is_initialized():  # every rank ends at the same window: rank 0's clock decides
+        dist.broadcast_object_list(end, src=0)
+    return KafkaWindowDataset(stream_features(a.num_embeddings), bootstrap_servers=a.kafka,
+                              topic=a.topic, time_column="ts", window_s=a.window_s,
+                              allowed_lateness_s=a.lateness_s, start="latest", end_time=end[0],
+                              batch_size=a.batch_size, poll_interval_s=0.05,
+                              idle_timeout_s=10.0)
 
 
 def train(a: argparse.Namespace) -> None:
@@ -148,16 +211,21 @@ def train(a: argparse.Namespace) -> None:
     model = DLRMClassifier(SPARSE_COLUMNS, NUM_DENSE, a.num_embeddings, a.embedding_dim,
                            dense_arch=(64, a.embedding_dim), over_arch=(64, 32, 1))
     metrics = MetricReportHook(metrics=["auc", "logloss", "ctr"], per_window=True)
-    publish = PublishHook(a.publish, every_n_windows=a.publish_every, full_every=a.full_every,
-                          keep_bases=a.keep_bases)
+    if a.kafka:
+        # After every --window-s seconds of event time (each window, agreed by the ranks).
+        publish = PublishHook(a.publish, every_n_event_seconds=a.window_s,
+                              full_every=a.full_every, keep_bases=a.keep_bases)
+    else:
+        publish = PublishHook(a.publish, every_n_windows=a.publish_every,
+                              full_every=a.full_every, keep_bases=a.keep_bases)
     trainer = Trainer(
         model=model,
         args=args,
         # StreamingWindows over --stream (a window once its _SUCCESS exists, the end at _END),
-        # the Criteo columns with log1p of the counts.
-        train_dataset=stream_dataset(a.stream, batch_size=a.batch_size,
-                                     num_embeddings=a.num_embeddings, poll_interval_s=a.poll_s,
-                                     timeout_s=a.timeout_s),
+        # or windows of event time on a Kafka topic; the Criteo columns with log1p of the counts.
+        train_dataset=kafka_dataset(a) if a.kafka else
+        stream_dataset(a.stream, batch_size=a.batch_size, num_embeddings=a.num_embeddings,
+                       poll_interval_s=a.poll_s, timeout_s=a.timeout_s),
         dense_optimizers=(lambda params: torch.optim.Adam(params, lr=2e-3), None),
         sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
         hooks=[metrics, publish],

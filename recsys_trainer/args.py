@@ -126,6 +126,9 @@ class CheckpointArguments:
     """Save after every this many train windows."""
     save_every_n_epochs: int | None = None
     """Save after every this many epochs."""
+    save_every_n_event_seconds: float | None = None
+    """Save after the train window that crosses every this many seconds of event time (a
+    source with event-time windows, e.g. a Kafka topic: ``TrainerState.event_time_s``)."""
     save_end: bool = False
     """Save once more when training ends (not twice if that step was saved anyway)."""
     max_to_keep: int = 5
@@ -164,6 +167,8 @@ class CheckpointArguments:
             check_int(name, getattr(self, name), allow_none=True)
         for name in ("max_to_keep", "save_concurrency_per_rank"):
             check_int(name, getattr(self, name))
+        check_number("save_every_n_event_seconds", self.save_every_n_event_seconds, above=0,
+                     allow_none=True)
         one_period("save", {"save_steps": (self.save_steps, "steps"),
                             "save_every_n_rows": (self.save_every_n_rows, "rows")})
         check_number("keep_every_n_hours", self.keep_every_n_hours, above=0, allow_none=True)
@@ -379,6 +384,7 @@ class TrainingArguments:
         save_every_n_rows: int | None = _FLAT
         save_every_n_windows: int | None = _FLAT
         save_every_n_epochs: int | None = _FLAT
+        save_every_n_event_seconds: float | None = _FLAT
         save_end: bool = _FLAT
         max_to_keep: int = _FLAT
         save_concurrency_per_rank: int = _FLAT

@@ -93,7 +93,7 @@ def build_datasets(cfg: RunConfig, rank: int) -> tuple[Any, Any]:
         train = make(d.train_batches, d.seed + rank)
         held_out = make(d.eval_batches, d.seed + 10_000 + rank) if d.eval_batches else None
         return train, held_out
-    return d.build("train"), d.build("eval")
+    return d.datasets()
 
 
 def _data_key(cfg: RunConfig, which: str) -> str:

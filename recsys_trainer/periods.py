@@ -1,6 +1,7 @@
 """The one "is it due" rule for everything periodic: logging, evaluation, saving, publishing.
 
-A ``Period`` is every N ``steps``, ``rows``, ``windows``, ``epochs`` or ``seconds``; a
+A ``Period`` is every N ``steps``, ``rows``, ``windows``, ``epochs``, ``seconds`` or
+``event_seconds``; a
 ``Trigger`` is any of several periods, kept by the component that acts on it (the
 ``CheckpointHook``'s saves, the ``PublishHook``'s publishes). The rule:
 
@@ -16,7 +17,8 @@ A ``Period`` is every N ``steps``, ``rows``, ``windows``, ``epochs`` or ``second
   never acts on one rank's timer.
 
 Where each unit is checked (``Trigger.due``'s ``point``, the Trainer's resume points): steps,
-rows and seconds after a step; windows and seconds after a train window; epochs after an epoch.
+rows and seconds after a step; windows, event seconds and seconds after a train window; epochs
+after an epoch.
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ from recsys_trainer.validation import check_int, check_number
 if TYPE_CHECKING:
     from recsys_trainer.distributed import Gang
 
-Unit = Literal["steps", "rows", "windows", "epochs", "seconds"]
+Unit = Literal["steps", "rows", "windows", "epochs", "seconds", "event_seconds"]
 
 Point = Literal["step", "window", "epoch"]
 """Where a trigger is asked (``on_resume_point``'s points that move the counts)."""
 
 _CHECKED_AT: dict[Point, tuple[Unit, ...]] = {
     "step": ("steps", "rows", "seconds"),
-    "window": ("windows", "seconds"),
+    "window": ("windows", "event_seconds", "seconds"),
     "epoch": ("epochs",),
 }
 
@@ -51,6 +53,8 @@ class Progress(Protocol):
     last_step_rows: int
     windows_done: int
     epoch: int
+    event_time_s: float
+    last_window_event_s: float
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,13 @@ class Period:
         """After a train window (windows periods); ``windows_done`` counts from 1."""
         return self.unit == "windows" and self.crossed(windows_done - 1, windows_done)
 
+    def due_in_event_time(self, progress: Progress) -> bool:
+        """After a train window of an event-time source (``event_seconds`` periods): whether the
+        event time trained through crossed a multiple of ``every`` seconds (of Unix time) with
+        this window."""
+        return self.unit == "event_seconds" and self.crossed(
+            progress.event_time_s - progress.last_window_event_s, progress.event_time_s)
+
     def due_after_epoch(self, epochs_done: int) -> bool:
         """After an epoch (epochs periods); ``epochs_done`` counts from 1."""
         return self.unit == "epochs" and self.crossed(epochs_done - 1, epochs_done)
@@ -85,7 +96,7 @@ class Period:
 def check_period(name: str, value: float | None, unit: Unit) -> Period | None:
     """``Period(value, unit)`` for the field ``name``, None when unset; a ``ValueError`` naming
     the field when the value is not a count >= 1 (counted units) or a number > 0 (seconds)."""
-    if unit == "seconds":
+    if unit in ("seconds", "event_seconds"):
         check_number(name, value, above=0, allow_none=True)
     else:
         check_int(name, value, allow_none=True)
@@ -119,14 +130,16 @@ class Trigger:
 
     def due(self, point: Point, progress: Progress, *, gang: Gang | None = None) -> bool:
         """Whether a period is due at ``point``: after a step, a train window or an epoch, by
-        ``progress``'s counters (a run's: ``windows_done`` and ``epoch`` count the windows and
-        epochs finished, so a resumed run acts after the same ones). With a seconds period and
+        ``progress``'s counters (a run's: ``windows_done``, ``epoch`` and ``event_time_s``
+        count the windows, epochs and event time finished, so a resumed run acts after the same
+        ones). With a seconds period and
         a ``gang`` of several ranks, every rank must ask at the same point (the agreement is a
         collective there). Falling due restarts the seconds clock."""
         units = _CHECKED_AT[point]
         due = any(
             p.due_after_step(progress) if point == "step"
-            else p.due_after_window(progress.windows_done) if point == "window"
+            else (p.due_after_window(progress.windows_done) or p.due_in_event_time(progress))
+            if point == "window"
             else p.due_after_epoch(progress.epoch)
             for p in self.periods if p.unit in units)
         seconds = [p for p in self.periods if p.unit == "seconds"] if "seconds" in units else []

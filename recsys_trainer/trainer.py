@@ -552,6 +552,7 @@ class Trainer:
         if not done:  # the window is finished: the resume position moves to the next one
             st.next_window(index + 1)
             st.windows_done += 1
+            st.finish_window_in_event_time(train_ds.window_end_time(window_id))
             self.hooks.fire("on_resume_point", self, "window")
         return done
 

@@ -34,6 +34,12 @@ class TrainerState:
     """Train windows finished in the whole run (every epoch; a window cut short by
     ``train_steps`` or a stop is not): what periods in windows count, so that a resumed run
     saves and publishes after the same windows as one never stopped."""
+    event_time_s: float = 0.0
+    """The event time trained through: the end (unix s) of the last finished train window of
+    an event-time source (``WindowedDataset.window_end_time``; a Kafka topic's), 0 without one.
+    What periods in ``event_seconds`` count."""
+    last_window_event_s: float = 0.0
+    """How far the last finished train window moved ``event_time_s``."""
     mode: Literal["idle", "train", "eval", "predict"] = "idle"
     rows_unread: int = 0
     """Train rows dropped because another rank ran out of data first (whole run)."""
@@ -49,13 +55,13 @@ class TrainerState:
 
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items()
-                if k not in ("mode", "stop_reason", "last_step_rows")}
+                if k not in ("mode", "stop_reason", "last_step_rows", "last_window_event_s")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Checkpoints from before rows_seen / eval_owed / window_segments / windows_done existed
         # (the manager recorded the windows; checkpoint.loading passes that count on).
         state = {"rows_seen": 0, "eval_owed": None, "window_segments": [], "windows_done": 0,
-                 **state}
+                 "event_time_s": 0.0, **state}
         expected = set(self.state_dict())
         if set(state) != expected:
             raise ValueError(
@@ -69,6 +75,14 @@ class TrainerState:
     def segments(self) -> list[Segment]:
         """``window_segments`` as ``Segment``s (what the train dataset is handed)."""
         return [Segment(w, b) for w, b in self.window_segments]
+
+    def finish_window_in_event_time(self, end: float | None) -> None:
+        """A train window ending at event time ``end`` (None: not an event-time window) is
+        finished: ``event_time_s`` moves there (never back)."""
+        before = self.event_time_s
+        if end is not None and end > before:
+            self.event_time_s = float(end)
+        self.last_window_event_s = self.event_time_s - before
 
     def next_window(self, index: int) -> None:
         """The resume position moves to the start of train window ``index``."""

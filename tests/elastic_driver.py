@@ -33,6 +33,12 @@ extra-state file): a node lost during an asynchronous save. ``died.json`` says w
 ``B`` batches of train window ``W``, the worker waits (up to 120 s) for the stop signal its
 agent sends when a node joins: the join then lands in the middle of that window however slowly
 the new node starts.
+
+``kafka`` (``{"bootstrap": ..., "topic": ..., "window_s": S, "partitions": [...]}``): train from
+that topic instead (tests/test_kafka_elastic.py): a ``KafkaWindowDataset`` of windows of ``S``
+s of the rows' ``ts`` column, ending at the log's end when the job first started.
+``crash`` (``{"rank": R, "at_step": N}``): in the first attempt (``TORCHELASTIC_RESTART_COUNT``
+0), rank R SIGKILLs itself after step N: torchrun (``--max-restarts``) restarts the workers.
 """
 
 from __future__ import annotations
@@ -113,8 +119,8 @@ class HoldForJoin(Hook):
 class RowLog(Hook):
     """Records the rows of every trained step (see the module docstring)."""
 
-    def __init__(self, root: str, pace_s: float) -> None:
-        self.root, self.pace_s = root, pace_s
+    def __init__(self, root: str, pace_s: float, crash_at: int | None = None) -> None:
+        self.root, self.pace_s, self.crash_at = root, pace_s, crash_at
         self.records = os.path.join(root, "records")
         self.first = True
 
@@ -151,6 +157,8 @@ class RowLog(Hook):
                            "window_index": st.window_index,
                            "batches_in_window": st.batches_in_window}, f)
             os.replace(tmp, os.path.join(self.root, "progress.json"))
+        if st.global_step == self.crash_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.pace_s)
 
     def after_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -158,6 +166,16 @@ class RowLog(Hook):
             _append(os.path.join(self.root, "evals.jsonl"), {
                 "step": trainer.state.global_step, "window": trainer.state.window_id,
                 "world_size": trainer.world_size, "rows": metrics["num_samples"]})
+
+
+def _kafka(cfg: dict[str, Any], spec: Any) -> Any:
+    from recsys_trainer.data.kafka import KafkaWindowDataset
+
+    k = cfg["kafka"]
+    return KafkaWindowDataset(
+        spec, bootstrap_servers=k["bootstrap"], topic=k["topic"], partitions=k.get("partitions"),
+        time_column="ts", window_s=k.get("window_s", 10.0), batch_size=cfg["batch_size"],
+        end_offsets="log_end", idle_timeout_s=1.0, poll_interval_s=0.05, broker_timeout_s=60)
 
 
 def _windows(path: str, cfg: dict[str, Any]) -> Any:
@@ -177,11 +195,15 @@ def main() -> None:
     spec, model = su.spec_and_model(cfg["kind"])
     spec = dataclasses.replace(spec, passthrough=["row_id"])
     read = {"batch_size": cfg["batch_size"], "shuffle": cfg.get("shuffle", False), "seed": 3}
-    train = ParquetWindowDataset(_windows(os.path.join(root, "data"), cfg), spec, **read)
+    train = _kafka(cfg, spec) if cfg.get("kafka") else \
+        ParquetWindowDataset(_windows(os.path.join(root, "data"), cfg), spec, **read)
     evaluate = cfg.get("mode") == "train_and_evaluate"
     eval_ds = ParquetWindowDataset(os.path.join(root, "eval"), spec, batch_size=64) \
         if evaluate else None
-    hooks: list[Hook] = [RowLog(root, cfg.get("pace_s", 0.0))]
+    crash = cfg.get("crash")
+    crash_at = crash["at_step"] if (crash and int(os.environ["RANK"]) == crash["rank"] and
+                                    os.environ["TORCHELASTIC_RESTART_COUNT"] == "0") else None
+    hooks: list[Hook] = [RowLog(root, cfg.get("pace_s", 0.0), crash_at)]
     die = cfg.get("die")
     if (die and int(os.environ["RANK"]) == die["rank"] and os.environ["WORLD_SIZE"] == "2"
             and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):

@@ -27,6 +27,7 @@ from recsys_trainer.periods import Period
 # The flat keys of every section, with a non-default value each (valid on its own).
 FLAT = {
     "save_steps": 2, "save_every_n_windows": 3, "save_every_n_epochs": 4, "save_end": True,
+    "save_every_n_event_seconds": 60.0,
     "max_to_keep": 7, "save_concurrency_per_rank": 2, "params_not_save": ["t_user"],
     "model_bank": [{"path": "/tmp/bank"}], "resume_from": None, "async_save": False,
     "keep_every_n_hours": 1.5, "keep_best_metric": "auc", "keep_best_mode": "max",

@@ -93,7 +93,7 @@ def test_a_bad_args_value_raises_the_training_arguments_error() -> None:
 
 @pytest.mark.parametrize(("change", "pattern"), [
     ({"run": "fit"}, r"`run` must be one of train, evaluate, train_and_evaluate, predict, export, but is 'fit'"),
-    ({"data.kind": "csv"}, r"`data.kind` must be one of synthetic, parquet, but is 'csv'"),
+    ({"data.kind": "csv"}, r"`data.kind` must be one of synthetic, parquet, kafka, but is 'csv'"),
     ({"data.batch_sz": 3}, r"unknown key `data.batch_sz`; allowed keys in `data`: kind, batch_size"),
     ({"data.batch_size": 0}, r"`data.batch_size` must be an int >= 1, but is 0"),
     ({"model.over_arch": "[16, 2]"}, r"`model.over_arch` must end with 1"),

@@ -152,7 +152,11 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "windows",
             "generators/__init__", "generators/churn_dataset", "generators/criteo_synthetic",
             "generators/generated", "generators/id_stream", "generators/interactions_synthetic",
-            "generators/open_bandit", "generators/stream_writer", "generators/synthetic")),
+            "generators/open_bandit", "generators/stream_writer", "generators/synthetic",
+            "generators/kafka_producer",
+            "kafka/__init__", "kafka/client", "kafka/dataset", "kafka/formats",
+            "kafka/mock_broker", "kafka/options", "kafka/positions", "kafka/reading",
+            "kafka/tracker", "kafka/windowing")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(

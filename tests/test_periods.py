@@ -25,6 +25,8 @@ class _Progress:
     last_step_rows: int
     windows_done: int = 0
     epoch: int = 0
+    event_time_s: float = 0.0
+    last_window_event_s: float = 0.0
 
 
 def crossings(rows_per_step: int, every: int, steps: int) -> list[int]:
@@ -39,6 +41,29 @@ def test_a_rows_period_falls_due_once_on_the_step_that_reaches_each_multiple() -
     assert p.due_after_step(_Progress(1, 250, 250))  # two multiples crossed: due (once)
     assert not Period(3, "steps").due_after_step(_Progress(4, 0, 0))
     assert Period(2, "windows").due_after_window(4) and not Period(2, "windows").due_after_step(_Progress(2, 0, 0))
+
+
+def test_an_event_time_period_falls_due_after_the_window_that_crosses_each_multiple() -> None:
+    from recsys_trainer.trainer_state import TrainerState
+
+    st = TrainerState()
+    t = Trigger.of({"every_n_event_seconds": (10.0, "event_seconds")})
+    due = []
+    # Windows of 4 s of event time from t=1000, one missing (a gap in the stream: 1012-1016).
+    for end in (1004.0, 1008.0, 1012.0, 1020.0, 1024.0, 1028.0, 1032.0):
+        st.finish_window_in_event_time(end)
+        assert not t.due("step", st)  # checked at window ends only
+        if t.due("window", st):
+            due.append(end)
+    # The first window crosses from 0; then 1010 (window to 1012), 1020, 1030 (to 1032).
+    assert due == [1004.0, 1012.0, 1020.0, 1032.0]
+    st.finish_window_in_event_time(None)  # a window without event time moves nothing
+    assert st.last_window_event_s == 0.0 and not t.due("window", st)
+    # The count survives a checkpoint: a resumed run acts after the same windows.
+    again = TrainerState()
+    again.load_state_dict(st.state_dict())
+    again.finish_window_in_event_time(1040.0)
+    assert again.event_time_s == 1040.0 and t.due("window", again)
 
 
 def test_a_trigger_is_due_when_any_period_is_and_seconds_count_from_its_last_due() -> None:

@@ -288,7 +288,7 @@ class CheckpointManager:
     def will_save(self) -> bool:
         """Whether this run saves checkpoints (any save trigger is set)."""
         triggers = (self.settings.save_steps, self.settings.save_every_n_rows, self.settings.save_every_n_windows,
-                    self.settings.save_every_n_epochs)
+                    self.settings.save_every_n_epochs, self.settings.save_every_n_event_seconds)
         return self.settings.save_end or any(t is not None for t in triggers)
 
     def _prepare_staging(self) -> None:

@@ -5,7 +5,8 @@ A config file has these top-level sections (all optional except ``model`` and ``
     run: train_and_evaluate     # train | evaluate | train_and_evaluate | predict
     args: {...}                 # TrainingArguments fields
     model: {...}                # DLRMClassifier arguments (ModelConfig), or {class: pkg.Model, ...}
-    data: {kind: synthetic, ...}  or  {kind: parquet, ...}   (SyntheticDataConfig / ParquetDataConfig)
+    data: {kind: synthetic, ...}  or  {kind: parquet, ...}  or  {kind: kafka, ...}
+          (SyntheticDataConfig / ParquetDataConfig / KafkaDataConfig)
           or {class: pkg.make_dataset, train_args: {...}, eval_args: {...}}  (ClassDataConfig)
     dense_optimizer: {name: adam, lr: 0.001, kwargs: {}}  or  {class: torch.optim.Adam, lr: 0.001}
     lr_scheduler: {class: step, step_size: 100}       # optional
@@ -21,7 +22,8 @@ Any mapping with ``class`` names a callable by import path (nnScaler style, see
 YAML only *fills* dataclasses, and where the runtime has one it is the schema: ``args`` fills
 ``TrainingArguments``, ``sparse_optimizer`` and each ``table_optimizers`` entry fill
 ``SparseOptimizer``, and the options of
-``data: kind: parquet`` are ``ParquetReadOptions`` (``ParquetWindowDataset``'s). The sections
+``data: kind: parquet`` are ``ParquetReadOptions`` (``ParquetWindowDataset``'s), those of
+``data: kind: kafka`` ``KafkaSourceOptions`` (``KafkaWindowDataset``'s). The sections
 with no runtime dataclass (the bundled model, synthetic data, the dense optimizer factory, the
 hooks list) are defined here. Validation lives in the dataclasses, all through
 ``recsys_trainer.validation``; every error becomes a ``ConfigError`` naming the dotted key, the
@@ -48,6 +50,7 @@ from recsys_trainer.config.data import (
     DATA_KINDS,
     ClassDataConfig,
     DataConfig,
+    KafkaDataConfig,
     ParquetDataConfig,
     SyntheticDataConfig,
 )
@@ -85,6 +88,7 @@ __all__ = [
     "LR_SCHEDULER_ALIASES",
     "MODEL_ALIASES",
     "ModelConfig",
+    "KafkaDataConfig",
     "ParquetDataConfig",
     "RUN_MODES",
     "RunConfig",

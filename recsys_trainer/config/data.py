@@ -1,5 +1,6 @@
 """The ``data`` section: synthetic clicks (``SyntheticDataConfig``), windowed parquet/CSV files
-(``ParquetDataConfig``, whose options are ``ParquetReadOptions``) or a dataset factory by import
+(``ParquetDataConfig``, whose options are ``ParquetReadOptions``), a Kafka topic
+(``KafkaDataConfig``, whose options are ``KafkaSourceOptions``) or a dataset factory by import
 path (``ClassDataConfig``)."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pyarrow.fs as pafs
 from recsys_trainer import storage
 from recsys_trainer.component import CLASS_KEY, ComponentSpec
 from recsys_trainer.config.factory import ConfigError, _build, _component
+from recsys_trainer.data.kafka.options import KafkaSourceOptions
 from recsys_trainer.data.parquet import ParquetReadOptions
 from recsys_trainer.validation import check_int, check_number, check_type
 
@@ -80,26 +82,7 @@ class ParquetDataConfig(ParquetReadOptions):
 
     def feature_spec(self) -> Any:
         """The ``FeatureSpec`` described by ``features``."""
-        from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
-        from recsys_trainer.data.spec import FeatureSpec
-
-        raw = dict(self.features)
-        if "dense" in raw:
-            raw["dense"] = [
-                d if isinstance(d, str) else _build(DenseFeature, f"data.features.dense[{i}]", d)
-                for i, d in enumerate(raw["dense"] or [])
-            ]
-        if "sparse" in raw:
-            raw["sparse"] = [
-                _build(SparseFeature, f"data.features.sparse[{i}]", s)
-                for i, s in enumerate(raw["sparse"] or [])
-            ]
-        if "sequence" in raw:
-            raw["sequence"] = [
-                _build(SequenceFeature, f"data.features.sequence[{i}]", q)
-                for i, q in enumerate(raw["sequence"] or [])
-            ]
-        return _build(FeatureSpec, "data.features", raw)
+        return feature_spec(self.features)
 
     def build(self, which: Literal["train", "eval"]) -> Any:
         """The ``ParquetWindowDataset`` for ``train`` or ``eval`` (None if not configured)."""
@@ -114,6 +97,70 @@ class ParquetDataConfig(ParquetReadOptions):
         if which == "eval":
             options["shuffle"] = False
         return ParquetWindowDataset(source, self.feature_spec(), **options)
+
+    def datasets(self) -> tuple[Any, Any]:
+        """The train and eval datasets (None where not configured)."""
+        return self.build("train"), self.build("eval")
+
+
+def feature_spec(features: Mapping[str, Any]) -> Any:
+    """The ``FeatureSpec`` a ``data.features`` mapping describes (``labels``, ``dense``,
+    ``sparse``, ``sequence``, ...; checked field by field)."""
+    from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
+    from recsys_trainer.data.spec import FeatureSpec
+
+    raw = dict(features)
+    if "dense" in raw:
+        raw["dense"] = [
+            d if isinstance(d, str) else _build(DenseFeature, f"data.features.dense[{i}]", d)
+            for i, d in enumerate(raw["dense"] or [])
+        ]
+    if "sparse" in raw:
+        raw["sparse"] = [
+            _build(SparseFeature, f"data.features.sparse[{i}]", s)
+            for i, s in enumerate(raw["sparse"] or [])
+        ]
+    if "sequence" in raw:
+        raw["sequence"] = [
+            _build(SequenceFeature, f"data.features.sequence[{i}]", q)
+            for i, q in enumerate(raw["sequence"] or [])
+        ]
+    return _build(FeatureSpec, "data.features", raw)
+
+
+@dataclass(kw_only=True)
+class KafkaDataConfig(KafkaSourceOptions):
+    """A Kafka topic (``recsys_trainer.data.kafka.KafkaWindowDataset``, docs/kafka.md): the
+    source's ``KafkaSourceOptions`` fields (``bootstrap_servers``, ``topic``, ``time_column``,
+    ``window_s``, ``allowed_lateness_s``, ``batch_size``, ``on_corrupt``, ...) and the feature
+    spec."""
+
+    kind: Literal["kafka"] = "kafka"
+    features: dict[str, Any] = field(default_factory=dict)
+    """The ``FeatureSpec``, as for ``kind: parquet``."""
+    eval: Literal["following"] | None = None
+    """``"following"``: evaluate on the topic's next window (``train_and_evaluate`` trains on
+    window T and evaluates on T + 1 once it closes); None: no eval data."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eval not in (None, "following"):
+            raise ConfigError(f"`data.eval` must be 'following' or null for `kind: kafka`, but "
+                              f"is {self.eval!r}.")
+        self.feature_spec()  # validate now, not after the process group is up
+
+    def feature_spec(self) -> Any:
+        """The ``FeatureSpec`` described by ``features``."""
+        return feature_spec(self.features)
+
+    def datasets(self) -> tuple[Any, Any]:
+        """The ``KafkaWindowDataset``, and its following windows (with ``eval: following``;
+        else None)."""
+        from recsys_trainer.data.kafka import KafkaWindowDataset
+
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(KafkaSourceOptions)}
+        train = KafkaWindowDataset(self.feature_spec(), **options)
+        return train, train.following() if self.eval == "following" else None
 
 
 def _is_dir(url: str) -> bool:
@@ -160,6 +207,10 @@ class ClassDataConfig:
         spec = self.train if which == "train" else self.eval
         return spec.build() if spec is not None else None
 
+    def datasets(self) -> tuple[Any, Any]:
+        """The train and eval datasets (None where not configured)."""
+        return self.build("train"), self.build("eval")
+
     def to_dict(self) -> dict[str, Any]:
         """The section as plain data (``--print-config``)."""
         out: dict[str, Any] = {}
@@ -170,5 +221,6 @@ class ClassDataConfig:
         return out
 
 
-DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig}
-DataConfig = SyntheticDataConfig | ParquetDataConfig | ClassDataConfig
+DATA_KINDS: dict[str, type[Any]] = {"synthetic": SyntheticDataConfig, "parquet": ParquetDataConfig,
+                                     "kafka": KafkaDataConfig}
+DataConfig = SyntheticDataConfig | ParquetDataConfig | KafkaDataConfig | ClassDataConfig

@@ -95,6 +95,13 @@ class WindowedDataset(ABC):
         the modification time of the partition's ready marker (``_SUCCESS``)."""
         return None
 
+    def window_end_time(self, window_id: str) -> float | None:
+        """Where window ``window_id`` ends in event time (unix s), for a source whose windows
+        are intervals of event time (a Kafka topic's), else None (the default). The Trainer
+        counts the event time trained through from it (``TrainerState.event_time_s``: periods
+        in ``event_seconds``)."""
+        return None
+
     def set_epoch(self, epoch: int) -> None:
         """Called by the Trainer before each epoch's windows (e.g. to reseed a shuffle)."""
 

@@ -59,7 +59,6 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.data.base import Segment, WindowedDataset
 from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError, _RowError
-from recsys_trainer.data.inputs import SparseFeature
 from recsys_trainer.data.parquet_files import (
     OpenFiles,
     Piece,
@@ -69,9 +68,8 @@ from recsys_trainer.data.parquet_files import (
     skip_rows,
 )
 from recsys_trainer.data.parquet_plan import WindowPlanner, shard_pieces, shuffle_rng, whole_units
-from recsys_trainer.data.prefetch import Prefetcher
+from recsys_trainer.data.prefetch import BatchStream, Prefetcher
 from recsys_trainer.data.spec import FeatureSpec
-from recsys_trainer.data.vocab import Vocabulary
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
 from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_choice, check_int, check_type
@@ -256,31 +254,9 @@ class ParquetWindowDataset(WindowedDataset):
         return WindowIterator(self, pieces, rows, window_id, discard=replay)
 
     def padding_batch(self) -> Batch | None:
-        """An all-null row decoded through the spec: shapes a padding batch for a rank that has
-        no eval data at all (its values never count: the Trainer zeroes its weights)."""
-        spec = self.features
-        cols: dict[str, pa.Array] = {c: pa.array([0.0]) for c in spec.labels}
-        for d in spec.dense_features:
-            cols[d.column] = pa.array([0.0])
-        if spec.weight_column:
-            cols[spec.weight_column] = pa.array([0.0])
-        strings = {c for s in spec.id_features for c in s.sources
-                   if isinstance(s.vocab, Vocabulary) and s.vocab.kind == "string"}
-        for s in spec.id_features:
-            for c in s.sources:
-                # A vocabulary of strings maps string ids (to row 0 here).
-                cols[c] = pa.array([""]) if c in strings else pa.array([0], pa.int64())
-            if isinstance(s, SparseFeature) and s.weight_column:
-                cols[s.weight_column] = pa.array([1.0])
-        for c in spec.passthrough:
-            cols.setdefault(c, pa.nulls(1))  # dropped by Batch.as_padding anyway
-        # A column a sequence of max_len > 1 reads must be a list (one id; a sparse feature
-        # reading the same column takes the list too).
-        for q in spec.sequence:
-            if q.max_len > 1:
-                cols[q.source] = (pa.array([[""]], pa.list_(pa.string())) if q.source in strings
-                                  else pa.array([[0]], pa.list_(pa.int64())))
-        return spec.decode(pa.table(cols))
+        """An all-null row decoded through the spec (``FeatureSpec.padding_batch``): shapes a
+        padding batch for a rank that has no eval data at all."""
+        return self.features.padding_batch()
 
     def read_columns(self, window_id: str, columns: Sequence[str]) -> Iterator[pa.Table]:
         """This rank's share of the window's rows (the rows it trains on, unshuffled), raw and
@@ -587,55 +563,21 @@ def _discard(batches: Iterator[tuple[Batch, int]], k: int) -> Iterator[tuple[Bat
             close()
 
 
-class WindowIterator(Iterator[Batch]):
-    """This rank's batches of one window; reading runs ahead on a bounded background thread.
-
-    ``rows_remaining()`` (rows not yet handed out, from metadata counts) lets the Trainer log how
-    many rows a window left unread when another rank ran out first. ``close()`` stops the
-    background thread; so does dropping the iterator.
-    """
+class WindowIterator(BatchStream):
+    """This rank's batches of one window; reading runs ahead on a bounded background thread
+    (``BatchStream``: ``rows_remaining()``, ``close()``). An error met while planning the window
+    is raised by the first ``next()``."""
 
     def __init__(self, ds: ParquetWindowDataset, pieces: list[Piece], rows: int, window_id: str,
                  discard: int = 0, error: Exception | None = None) -> None:
         self.window_id = window_id
-        self._rows_left = rows
         self._error = error
         make = lambda: _discard(ds._batches(pieces), discard) if discard else ds._batches(pieces)  # noqa: E731
-        self._source: Iterator[tuple[Batch, int]]
-        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
-        if ds.prefetch_batches > 0 and rows > 0:
-            self._prefetcher = Prefetcher(make, ds.prefetch_batches, name=f"read-{window_id}")
-            self._source = self._prefetcher
-        else:
-            self._source = make()
-
-    def __iter__(self) -> WindowIterator:
-        return self
+        super().__init__(make, rows, ds.prefetch_batches if rows > 0 else 0,
+                         name=f"read-{window_id}")
 
     def __next__(self) -> Batch:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        try:
-            batch, rows = next(self._source)
-        except StopIteration:
-            self._rows_left = 0  # rows dropped after the last batch, or discarded ones
-            raise
-        self._rows_left -= rows
-        return batch
-
-    def rows_remaining(self) -> int:
-        """Rows of this rank's share of the window not yet returned (cheap: no reading)."""
-        return max(0, self._rows_left)
-
-    def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-        else:
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()  # a generator: its ``finally`` closes the open parquet file
-
-    def __del__(self) -> None:
-        if getattr(self, "_prefetcher", None) is not None:
-            self._prefetcher.close(timeout_s=0)  # type: ignore[union-attr]
+        return super().__next__()

@@ -5,6 +5,10 @@ a ``queue.Queue(maxsize=max_items)``: memory is bounded by ``max_items`` decoded
 one being built. The thread holds no reference to the consumer, so an abandoned consumer is
 garbage-collected and its ``__del__`` stops the thread; ``close()`` does it explicitly. pyarrow
 and numpy release the GIL in their kernels, so decoding overlaps the training step.
+
+``BatchStream`` is a window's batches for a reader (the parquet and Kafka readers'
+``iter_window``): ``(batch, source rows)`` pairs made ahead by a ``Prefetcher``, handed out as
+batches, counting the rows not yet handed out.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from recsys_trainer.batch import Batch
 
 T = TypeVar("T")
 
@@ -101,3 +108,53 @@ class Prefetcher(Generic[T]):
             self._stop.set()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+class BatchStream:
+    """A window's batches from ``make()`` (a generator of ``(batch, source rows it consumed)``),
+    ``prefetch`` of them made ahead on a background thread (0: made on the caller's thread).
+
+    ``rows_remaining()`` (``rows``, the stream's source rows, less those handed out) lets the
+    Trainer log how many rows a window left unread when another rank ran out first.
+    ``close()`` stops the background thread (and closes the generator: its ``finally`` blocks
+    run); so does dropping the stream.
+    """
+
+    def __init__(self, make: Callable[[], Iterator[tuple[Batch, int]]], rows: int,
+                 prefetch: int, name: str) -> None:
+        self._rows_left = rows
+        self._source: Iterator[tuple[Batch, int]]
+        self._prefetcher: Prefetcher[tuple[Batch, int]] | None = None
+        if prefetch > 0:
+            self._prefetcher = Prefetcher(make, prefetch, name=name)
+            self._source = self._prefetcher
+        else:
+            self._source = make()
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Batch:
+        try:
+            batch, rows = next(self._source)
+        except StopIteration:
+            self._rows_left = 0  # rows dropped after the last batch, or discarded ones
+            raise
+        self._rows_left -= rows
+        return batch
+
+    def rows_remaining(self) -> int:
+        """Rows of this rank's share of the window not yet returned (cheap: no reading)."""
+        return max(0, self._rows_left)
+
+    def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        else:
+            close = getattr(self._source, "close", None)
+            if close is not None:
+                close()  # a generator: its ``finally`` closes what it reads
+
+    def __del__(self) -> None:
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close(timeout_s=0)  # type: ignore[union-attr]

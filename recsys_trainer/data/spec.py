@@ -57,7 +57,7 @@ from recsys_trainer.data.decode import (
 )
 from recsys_trainer.data.errors import DataError, _RowError
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature
-from recsys_trainer.data.vocab import check_tables_share_vocabularies
+from recsys_trainer.data.vocab import Vocabulary, check_tables_share_vocabularies
 
 if TYPE_CHECKING:
     # Annotation only: decoding (what the serving scorer runs) imports no torchrec.
@@ -365,6 +365,33 @@ class FeatureSpec:
                 # A row of the kept rows: name it by its row in ``table`` (the source).
                 raise _RowError(exc.detail, column=exc.column, row=int(keep[exc.row])) from None
         return self._decode_kept(table, src_rows, labels, kept_cum, batch_rows)
+
+    def padding_batch(self) -> Batch:
+        """An all-null row decoded through the spec: shapes a padding batch for a rank that has
+        no row to give (its values never count: ``Batch.as_padding`` zeroes its weights)."""
+        spec = self
+        cols: dict[str, pa.Array] = {c: pa.array([0.0]) for c in spec.labels}
+        for d in spec.dense_features:
+            cols[d.column] = pa.array([0.0])
+        if spec.weight_column:
+            cols[spec.weight_column] = pa.array([0.0])
+        strings = {c for s in spec.id_features for c in s.sources
+                   if isinstance(s.vocab, Vocabulary) and s.vocab.kind == "string"}
+        for s in spec.id_features:
+            for c in s.sources:
+                # A vocabulary of strings maps string ids (to row 0 here).
+                cols[c] = pa.array([""]) if c in strings else pa.array([0], pa.int64())
+            if isinstance(s, SparseFeature) and s.weight_column:
+                cols[s.weight_column] = pa.array([1.0])
+        for c in spec.passthrough:
+            cols.setdefault(c, pa.nulls(1))  # dropped by Batch.as_padding anyway
+        # A column a sequence of max_len > 1 reads must be a list (one id; a sparse feature
+        # reading the same column takes the list too).
+        for q in spec.sequence:
+            if q.max_len > 1:
+                cols[q.source] = (pa.array([[""]], pa.list_(pa.string())) if q.source in strings
+                                  else pa.array([[0]], pa.list_(pa.int64())))
+        return spec.decode(pa.table(cols))
 
     def _decode_kept(self, table: pa.Table, src_rows: int, labels: np.ndarray,
                      kept_cum: np.ndarray | None, batch_rows: int | None = None) -> DecodedChunk:

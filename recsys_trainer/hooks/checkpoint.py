@@ -42,7 +42,8 @@ class CheckpointHook(Hook):
     it), and relays the manager's events to ``trainer``'s hooks (``relay``).
 
     - ``"step"``: commits a finished asynchronous save; ``save_steps`` / ``save_every_n_rows``.
-    - ``"window"`` / ``"epoch"``: ``save_every_n_windows`` / ``save_every_n_epochs`` (fired once
+    - ``"window"`` / ``"epoch"``: ``save_every_n_windows`` (and ``save_every_n_event_seconds``)
+      / ``save_every_n_epochs`` (fired once
       the resume position has moved past the window or epoch, after its evaluation).
     - ``"wait"``: a stream waits for its next window (every rank is at the same heartbeat):
       waits for the save in flight to commit, so that its ``after_save_checkpoint`` (a
@@ -67,6 +68,7 @@ class CheckpointHook(Hook):
             "save_every_n_rows": (s.save_every_n_rows, "rows"),
             "save_every_n_windows": (s.save_every_n_windows, "windows"),
             "save_every_n_epochs": (s.save_every_n_epochs, "epochs"),
+            "save_every_n_event_seconds": (s.save_every_n_event_seconds, "event_seconds"),
         })
         """When this hook saves (the manager's ``settings``' periods)."""
         self._asked: list[SaveRequest] = []  # to save at the end of this resume point

@@ -130,7 +130,9 @@ class PublishHook(Hook):
         every_n_windows / every_n_steps / every_n_seconds / every_eviction_pass: the periods
             (at least one); a publish is due when any of them is: after every N-th train window
             of this run, every N-th step, or the first step or window end N seconds after the
-            last publish (``recsys_trainer.periods``). ``every_eviction_pass``: after
+            last publish (``recsys_trainer.periods``). ``every_n_event_seconds``: after the
+            train window that crosses every N seconds of event time (an event-time source such
+            as a Kafka topic). ``every_eviction_pass``: after
             every admission/eviction pass of the model's dynamic tables (at the end of the step
             that ran it), so serving drops the evicted ids and scores the admitted ones. Training's end always publishes its last step,
             and so does a stop for a preemption (within the grace period).
@@ -157,7 +159,7 @@ class PublishHook(Hook):
 
     def __init__(self, location: str, *, every_n_windows: int | None = None,
                  every_n_steps: int | None = None, every_n_seconds: float | None = None,
-                 every_eviction_pass: bool = False,
+                 every_eviction_pass: bool = False, every_n_event_seconds: float | None = None,
                  full_every: int = 10, max_delta_fraction: float = 0.5, keep_bases: int = 3,
                  background: bool = True, filesystem: pafs.FileSystem | None = None,
                  model: nn.Module | None = None, staging_dir: str | None = None,
@@ -166,15 +168,17 @@ class PublishHook(Hook):
         if not isinstance(location, str | os.PathLike) or not os.fspath(location):
             raise ValueError(f"`location` must be a path or URL, but is {location!r}.")
         if every_n_windows is None and every_n_steps is None and every_n_seconds is None \
-                and not every_eviction_pass:
+                and not every_eviction_pass and every_n_event_seconds is None:
             raise ValueError("PublishHook needs a period: every_n_windows, every_n_steps, "
-                             "every_n_seconds or every_eviction_pass.")
+                             "every_n_seconds, every_n_event_seconds or every_eviction_pass.")
         if not isinstance(every_eviction_pass, bool):
             raise ValueError(f"`every_eviction_pass` must be true or false, but is "
                              f"{every_eviction_pass!r}.")
         self._trigger = Trigger.of({"every_n_windows": (every_n_windows, "windows"),
                                     "every_n_steps": (every_n_steps, "steps"),
-                                    "every_n_seconds": (every_n_seconds, "seconds")})
+                                    "every_n_seconds": (every_n_seconds, "seconds"),
+                                    "every_n_event_seconds": (every_n_event_seconds,
+                                                              "event_seconds")})
         _positive("full_every", full_every)
         _positive("keep_bases", keep_bases)
         _positive("max_delta_fraction", max_delta_fraction, (int, float))
@@ -184,6 +188,7 @@ class PublishHook(Hook):
         self.every_n_steps = every_n_steps
         self.every_n_seconds = every_n_seconds
         self.every_eviction_pass = every_eviction_pass
+        self.every_n_event_seconds = every_n_event_seconds
         self._id_maps: list[Any] = []
         self._pass_steps: tuple[int, ...] = ()
         self.full_every = full_every
