@@ -940,7 +940,7 @@ def tt_build(root: str) -> tuple[Any, Any]:
     import torch
 
     from recsys_trainer.data.generators.interactions_synthetic import interaction_features
-    from recsys_trainer.retrieval.models import TwoTowerModel
+    from recsys_trainer.models import TwoTowerModel
 
     with open(os.path.join(root, "_signal.json")) as f:
         meta = json.load(f)

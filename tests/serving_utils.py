@@ -24,9 +24,8 @@ from recsys_trainer.data.generators.criteo_synthetic import (
 )
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable
-from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.models import DINClassifier, DLRMClassifier, MMoEClassifier
 from recsys_trainer.predict import read_predictions
-from recsys_trainer.ranking_models import DINClassifier, MMoEClassifier
 
 ROWS = 160
 NUM_EMB = 500

@@ -247,7 +247,7 @@ def test_yaml_makes_every_table_dynamic_or_only_the_features_it_names_each_with_
 def test_a_model_class_with_a_dynamic_table_argument_takes_its_fields_from_yaml() -> None:
     from recsys_trainer.dynamic import dynamic_table_names, mc_modules
 
-    raw = apply_overrides(TINY, [("model", "{class: recsys_trainer.ranking_models.DINClassifier, "
+    raw = apply_overrides(TINY, [("model", "{class: recsys_trainer.models.DINClassifier, "
                                            "sparse_features: [cat_0], num_dense: 4, num_embeddings: 200, "
                                            "num_items: 100, dynamic: {num_slots: 64, buckets: 1}}")])
     model = RunConfig.from_dict(raw).model.build()

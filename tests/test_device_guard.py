@@ -56,8 +56,15 @@ PACKAGE = Path(recsys_trainer.__file__).resolve().parent
 DEVICE_SIDE: tuple[str, ...] = (
     # metrics, losses, models
     "metrics.py",
-    "models.py",
-    "ranking_models.py",
+    "models/__init__.py",
+    "models/blocks.py",
+    "models/losses.py",
+    "models/dlrm.py",
+    "models/din.py",
+    "models/mmoe.py",
+    "models/retrieval_base.py",
+    "models/two_tower.py",
+    "models/sasrec.py",
     # the training loop and what it runs on the model's device: the step, autocast and loss
     # scaling, the batch's move to the device, sharding (DMP/DDP), the optimizers' state, the
     # per-device generators
@@ -78,7 +85,6 @@ DEVICE_SIDE: tuple[str, ...] = (
     "hooks/dynamic_tables.py",
     # retrieval: models, losses, frequencies, collectives, evaluation, the export's embedding
     "retrieval/__init__.py",
-    "retrieval/base.py",
     "retrieval/candidates.py",
     "retrieval/catalog.py",
     "retrieval/checks.py",
@@ -88,7 +94,6 @@ DEVICE_SIDE: tuple[str, ...] = (
     "retrieval/kjt.py",
     "retrieval/losses.py",
     "retrieval/metrics.py",
-    "retrieval/models.py",
     "retrieval/protocol.py",
     # dynamic tables: the id maps and what runs on their buffers
     "dynamic/__init__.py",
@@ -185,10 +190,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("retrieval/frequency.py", "ItemFrequencyEstimator.__init__", "torch.Generator"):
         "hash parameters drawn on the host from the seed (the same on every device and rank), "
         "registered as buffers and moved with the module",
-    ("retrieval/base.py", "_fixed_draw", "torch.Generator"):
+    ("models/retrieval_base.py", "_fixed_draw", "torch.Generator"):
         "evaluation negatives drawn once on the host so that every device gets the same ids; "
         "the caller moves them to the device once and keeps them there",
-    ("retrieval/base.py", "_fixed_draw", "torch.randint"):
+    ("models/retrieval_base.py", "_fixed_draw", "torch.randint"):
         "as above",
     ("retrieval/catalog.py", "load_item_catalog", "torch.from_numpy"):
         "reads the catalog file on the host; the model registers the columns as buffers",
@@ -802,8 +807,10 @@ def test_retrieval_metric_hook_evaluates_on_the_device(meta_reads: None, two_met
 def test_retrieval_model_parts_stay_on_the_device(meta_reads: None) -> None:
     """Uniform negatives (training: drawn on the device; evaluation: a fixed draw kept there),
     the item tower's lookup input, the frequency estimate and the logQ of candidates."""
+    from recsys_trainer.models import TwoTowerModel
+    from recsys_trainer.retrieval.candidates import candidate_log_q
     from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
-    from recsys_trainer.retrieval.models import TwoTowerModel, candidate_log_q, items_only_input
+    from recsys_trainer.retrieval.kjt import items_only_input
 
     model = TwoTowerModel(["u"], num_items=50, user_num_embeddings=10, num_uniform_negatives=6,
                           loss="sampled")

@@ -19,7 +19,7 @@ from recsys_trainer.retrieval.metrics import (
     full_corpus_metrics,
     seen_exclusions,
 )
-from recsys_trainer.retrieval.models import find_retrieval_model
+from recsys_trainer.retrieval.protocol import find_retrieval_model
 
 if TYPE_CHECKING:
     from recsys_trainer.batch import Batch

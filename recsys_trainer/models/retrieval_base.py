@@ -1,7 +1,41 @@
-"""What the two retrieval models (``retrieval.models``) share: ``RetrievalBase`` (the item
-and side tables, the user tables, the uniform negatives, the in-batch candidates, the loss and
-the item embeddings of the corpus), the towers' building blocks and ``retrieval_step``, the
-``torch.fx`` leaf that runs everything of a forward after its table lookups.
+"""What the retrieval models (``models.two_tower``, ``models.sasrec``, ``models.hstu``) share:
+``RetrievalBase`` (the item and side tables, the user tables, the uniform negatives, the
+in-batch candidates, the loss and the item embeddings of the corpus), their keyword options and
+``retrieval_step``, the ``torch.fx`` leaf that runs everything of a forward after its table
+lookups. The losses, candidates, checks and lookups' KJTs they call are the retrieval package's
+(``recsys_trainer.retrieval``).
+
+The retrieval models (``TwoTowerModel``, ``SASRecModel``, ``HSTURetrievalModel``) follow the
+model contract (docs/models.md): ``forward(batch)`` returns ``(loss, outputs)`` with a
+functional, padding-safe loss (``retrieval.losses``), and take their ids from
+``batch.sequence`` (an ``EmbeddingCollection``) and ``batch.sparse`` (an
+``EmbeddingBagCollection``). Each has **one item table** (``t_<item_feature>``) read by the
+candidate item and by the history, so both towers embed items in one space; tables are on the
+meta device and sharded by DMP.
+
+``outputs`` is the dict a ``RetrievalModel`` gives its evaluation (``RetrievalMetricHook``):
+``query [B, D]`` (the user embedding), ``target [B]`` (the item that followed), and
+``history_lengths [B]`` / ``history_ids`` (the items already seen, for "exclude the history").
+``item_embeddings(ids)`` embeds any items (the corpus, in evaluation and export); under DMP
+every rank calls it together (the sharded table lookup is a collective).
+
+Negatives (``loss=`` / ``num_uniform_negatives=``): ``"in_batch"`` uses the other rows'
+items, plus ``num_uniform_negatives`` items drawn uniformly from the corpus (*mixed*
+negatives), with the logQ correction from a streaming ``ItemFrequencyEstimator`` (a module of
+the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the other ranks'
+items (an all-gather whose backward returns every rank's gradient to each rank's items).
+``"sampled"`` is a sampled softmax against the uniform negatives only. ``"full"`` is the full
+softmax: every item of the corpus is a negative (no sampling, no logQ; for a corpus small
+enough that a ``[queries, num_items]`` logit matrix fits); it refuses ``num_uniform_negatives
+> 0`` (a ValueError) rather than ignore it. Uniformly sampled ids (and, with
+``"full"``, the whole corpus) are looked up in the same call as the batch (one more row of the
+sequence KJT), so the item table is read once per step.
+
+The data-dependent parts (checks, collectives with per-rank sizes, the assembled lookup) are
+``torch.fx`` leaves: TorchRec's ``pipeline="sparse_dist"`` traces the forward. The item table
+is pipelined when it reads ``batch.sequence`` unchanged (in-batch negatives only); with
+uniform negatives its input is assembled in the forward and TorchRec runs that lookup
+unpipelined (same results, less overlap).
 
 ``torch.fx.wrap`` patches a function in the globals of the module that calls it, so the leaves
 this module calls by name (checks, KJT builders, candidates) are registered here as well as
@@ -24,8 +58,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.models import make_tables
-from recsys_trainer.ranking_models import mlp
+from recsys_trainer.models.blocks import make_tables
 from recsys_trainer.retrieval import collectives
 from recsys_trainer.retrieval.candidates import (
     candidate_log_q,
@@ -70,14 +103,6 @@ for _leaf in ("retrieval_step", "check_history_lengths", "check_sequence_keys", 
 
 
 # ----------------------------------------------------------------------------- shared parts
-
-
-def tower(sizes: Sequence[int]) -> nn.Sequential:
-    """Linear + ReLU through ``sizes[:-1]``, then a final Linear without activation (the
-    embedding)."""
-    if len(sizes) < 2:
-        raise ValueError(f"a tower needs an input and an output width, but has sizes {list(sizes)}.")
-    return nn.Sequential(mlp(sizes[:-1]), nn.Linear(sizes[-2], sizes[-1]))
 
 
 def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int], embedding_dim: int,
@@ -408,4 +433,4 @@ def takes_retrieval_options(init: _Init) -> _Init:
 
 
 __all__ = ["LossKind", "RetrievalBase", "RetrievalOptions", "retrieval_step",
-           "takes_retrieval_options", "tower", "user_tables"]
+           "takes_retrieval_options", "user_tables"]

@@ -3,7 +3,7 @@ one more row of ids (uniform negatives, looked up in the same call as the batch)
 items outside a batch (the corpus). ``torch.fx`` leaves: their sizes depend on data.
 
 ``torch.fx.wrap`` patches the function in the globals of the module that calls it: a module
-that calls these by name (``retrieval.base``) registers them again.
+that calls these by name (``models.retrieval_base``) registers them again.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ def behaviour_features(num_embeddings: int = 50_000, *, num_items: int = 2000, m
 
     ``sequence=True``: ``item`` (the candidate, one id per row) and ``hist_item`` (its last
     ``max_len`` ids) as sequence features, for an ``EmbeddingCollection`` whose one table both
-    read (``ranking_models.DINClassifier``). ``sequence=False``: no history, ``item`` as a
+    read (``models.DINClassifier``). ``sequence=False``: no history, ``item`` as a
     pooled sparse feature (what a DLRM without the sequence sees). ``labels``: ``("label",)``,
     ``("like",)`` or both (``[B, 2]``, for a multi-task model)."""
     base = criteo_features(num_embeddings)
