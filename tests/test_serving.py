@@ -86,7 +86,7 @@ def test_the_dlrm_example_scores_exactly_as_predict_including_unseen_strings_and
     assert {t["name"]: (t["rows"], t["dim"]) for t in m["tables"]}["t_C1"] == (su.NUM_EMB, 8)
 
 
-@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed"])
+@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed", "dcn", "hstu"])
 def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, tmp_path) -> None:
     case = _train_export(kind, str(tmp_path))
     _check_parity(case)

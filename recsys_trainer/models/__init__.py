@@ -26,8 +26,10 @@ from recsys_trainer.models.blocks import (
     tower,
     uniform_init,
 )
+from recsys_trainer.models.dcn import DCNClassifier
 from recsys_trainer.models.din import DINClassifier, TargetAttention, check_sequence_lengths
 from recsys_trainer.models.dlrm import DLRMClassifier
+from recsys_trainer.models.hstu import HSTUEncoder, HSTULayer, HSTURankingModel, HSTURetrievalModel
 from recsys_trainer.models.losses import (
     BINARY_LABELS,
     check_binary_labels,
@@ -42,8 +44,13 @@ from recsys_trainer.models.two_tower import TwoTowerModel
 
 __all__ = [
     "BINARY_LABELS",
+    "DCNClassifier",
     "DINClassifier",
     "DLRMClassifier",
+    "HSTUEncoder",
+    "HSTULayer",
+    "HSTURankingModel",
+    "HSTURetrievalModel",
     "LossKind",
     "MMoEClassifier",
     "RetrievalBase",

@@ -69,7 +69,7 @@ from recsys_trainer.retrieval.candidates import (
 from recsys_trainer.retrieval.catalog import load_item_catalog
 from recsys_trainer.retrieval.checks import check_history_lengths, check_sequence_keys
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
-from recsys_trainer.retrieval.kjt import items_only_input, with_extra_row
+from recsys_trainer.retrieval.kjt import items_only_input, table_input, with_extra_row
 from recsys_trainer.retrieval.losses import (
     check_temperature,
     in_batch_softmax_loss,
@@ -97,7 +97,7 @@ def retrieval_step(model: Any, batch: Batch, seq: Any, pooled: Any,
 
 
 for _leaf in ("retrieval_step", "check_history_lengths", "check_sequence_keys", "with_extra_row",
-              "items_only_input", "start_candidates", "gather_candidates", "count_items",
+              "items_only_input", "table_input", "start_candidates", "gather_candidates", "count_items",
               "candidate_log_q"):
     torch.fx.wrap(_leaf)
 
@@ -148,13 +148,14 @@ class RetrievalOptions(TypedDict, total=False):
 
 
 class RetrievalBase(nn.Module):
-    """What the two models share: the item (and side) tables, the user tables, the negatives,
-    the loss and the item embeddings of the corpus. The keywords after
-    ``num_uniform_negatives`` are ``RetrievalOptions``, with their defaults."""
+    """What the retrieval models share: the item (and side) tables, the user tables, the
+    negatives, the loss and the item embeddings of the corpus. ``value_features``: keys of
+    ``batch.sequence`` after the tables' that carry values no table reads (event times). The
+    keywords after ``value_features`` are ``RetrievalOptions``, with their defaults."""
 
     def __init__(self, *, num_items: int, history_feature: str | None, user_features: Sequence[str],
                  side_tables: Mapping[str, int], history_side_features: Mapping[str, str],
-                 num_uniform_negatives: int,
+                 num_uniform_negatives: int, value_features: Sequence[str] = (),
                  user_num_embeddings: int | Sequence[int] = 10_000, item_feature: str = "item",
                  item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                  item_id_column: str = "item_id", max_len: int = 50, embedding_dim: int = 32,
@@ -205,9 +206,10 @@ class RetrievalBase(nn.Module):
         self.row_id_features: tuple[str, ...] = tuple(names)
         """Features whose ids are table rows (the catalog, the metrics and the export map id i
         to row i): the Trainer makes the datasets refuse to hash them (``data.spec.apply_model_to_specs``)."""
-        if len(set(names)) != len(names):
+        values = list(value_features)
+        if len(set(names + values)) != len(names) + len(values):
             raise ValueError(f"feature names must be distinct, but are {item_features}, "
-                             f"{sorted(side_tables)} and {hist_side}.")
+                             f"{sorted(side_tables)}, {hist_side} and {values}.")
         init = {} if item_init_max is None else {
             "weight_init_min": -item_init_max, "weight_init_max": item_init_max}
         tables = [EmbeddingConfig(name=f"t_{item_feature}", embedding_dim=embedding_dim,
@@ -218,8 +220,11 @@ class RetrievalBase(nn.Module):
                                    feature_names=[name, *([self.history_side_features[name]]
                                                           if name in self.history_side_features else [])])
                    for name, rows in side_tables.items()]
-        self.sequence_keys = names
-        """The keys of ``batch.sequence`` the model reads, in this order."""
+        self.table_keys = names
+        """The keys of ``batch.sequence`` the tables read, in this order."""
+        self.sequence_keys = names + values
+        """The keys of ``batch.sequence`` the model reads, in this order: the tables', then the
+        value features."""
         self.side_features = list(side_tables)
         catalog: dict[str, torch.Tensor] = {}
         if side_tables:
@@ -304,8 +309,9 @@ class RetrievalBase(nn.Module):
         # is one fx leaf, ``retrieval_step``.
         check_sequence_keys(batch.sequence, self.sequence_keys)
         neg_ids = self._uniform_negatives(batch.labels.device)
-        kjt = batch.sequence if neg_ids is None else with_extra_row(
-            batch.sequence, self._item_features(neg_ids))
+        kjt = table_input(batch.sequence, len(self.table_keys))
+        if neg_ids is not None:
+            kjt = with_extra_row(kjt, self._item_features(neg_ids))
         seq = self.items(kjt)
         pooled = self.users(batch.sparse) if self.users is not None else None
         return retrieval_step(self, batch, seq, pooled, neg_ids)
@@ -321,12 +327,12 @@ class RetrievalBase(nn.Module):
     def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` embeddings of item ids ``[n]`` (side features from the catalog), as the
         loss scores them. Under DMP every rank calls this together."""
-        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
+        seq = self.items(items_only_input(self.table_keys, self._item_features(ids)))
         return self._item_vectors(self._by_key(seq), slice(None))
 
     def _by_key(self, out: Any) -> dict[str, JaggedTensor]:
         # Index by key (a sharded collection's output is a lazy dict: no `in`, no iteration).
-        return {k: out[k] for k in self.sequence_keys}
+        return {k: out[k] for k in self.table_keys}
 
     def _history(self, seq: dict[str, JaggedTensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(embeddings [B, L, E], lengths [B])`` of the history, oldest first, left-aligned
@@ -397,6 +403,36 @@ class RetrievalBase(nn.Module):
             item_weights=item_weights, item_log_q=log_q, negatives=negatives,
             negative_ids=negative_ids, negative_log_q=neg_log_q)
 
+
+    def _sequence_loss(self, queries: torch.Tensor, positives: torch.Tensor, positive_ids: torch.Tensor,
+                       weights: torch.Tensor | None, row_items: torch.Tensor, row_ids: torch.Tensor,
+                       row_weights: torch.Tensor | None, negatives: torch.Tensor | None,
+                       negative_ids: torch.Tensor | None) -> torch.Tensor:
+        """Every position's query against its positive and the shared negatives: the batch's
+        target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
+        uniform ones; with ``loss="full"`` every item of the corpus."""
+        if self.loss_kind == "full":
+            assert negatives is not None and negative_ids is not None
+            return sampled_softmax_loss(queries, positives, positive_ids, negatives, negative_ids,
+                                        weights, temperature=self.temperature)
+        cand, cand_ids, cand_valid, _, num_in_batch = self._candidates(row_items, row_ids, row_weights)
+        s = self.num_uniform_negatives
+        parts, ids, weights_n = [], [], []
+        if self.loss_kind == "in_batch":
+            parts, ids, weights_n = [cand], [cand_ids], [cand_valid.to(queries.dtype)]
+        if negatives is not None and negative_ids is not None:
+            parts.append(negatives)
+            ids.append(negative_ids)
+            weights_n.append(torch.ones_like(negative_ids, dtype=queries.dtype))
+        neg, neg_ids = torch.cat(parts), torch.cat(ids)
+        pos_log_q = neg_log_q = None
+        if self.log_q_correction:
+            pos_log_q = candidate_log_q(self.frequency, positive_ids, num_in_batch, s, self.num_items)
+            neg_log_q = candidate_log_q(self.frequency, neg_ids, num_in_batch, s, self.num_items)
+        return sampled_softmax_loss(
+            queries, positives, positive_ids, neg, neg_ids, weights, temperature=self.temperature,
+            positive_log_q=pos_log_q, negative_log_q=neg_log_q,
+            negative_weights=torch.cat(weights_n))
 
 _Init = TypeVar("_Init", bound=Callable[..., None])
 

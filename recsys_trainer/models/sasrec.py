@@ -20,9 +20,7 @@ from recsys_trainer.models.retrieval_base import (
     RetrievalOptions,
     takes_retrieval_options,
 )
-from recsys_trainer.retrieval.candidates import candidate_log_q
 from recsys_trainer.retrieval.checks import check_aligned_history, check_one_id_per_row
-from recsys_trainer.retrieval.losses import sampled_softmax_loss
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -31,7 +29,7 @@ else:  # typing_extensions comes with torch
 
 # ``torch.fx.wrap`` patches a function in the globals of the module that calls it: every leaf
 # this module calls by name is registered here too, so that it stays one node of the traced graph.
-for _leaf in ("check_one_id_per_row", "check_aligned_history", "candidate_log_q"):
+for _leaf in ("check_one_id_per_row", "check_aligned_history"):
     torch.fx.wrap(_leaf)
 
 
@@ -228,36 +226,6 @@ class SASRecModel(RetrievalBase):
         outputs = {"query": query.detach(), "target": target_ids, "history_lengths": lengths,
                    "history_ids": hist_ids_jt.values()}
         return loss, outputs
-
-    def _sequence_loss(self, queries: torch.Tensor, positives: torch.Tensor, positive_ids: torch.Tensor,
-                       weights: torch.Tensor | None, row_items: torch.Tensor, row_ids: torch.Tensor,
-                       row_weights: torch.Tensor | None, negatives: torch.Tensor | None,
-                       negative_ids: torch.Tensor | None) -> torch.Tensor:
-        """Every position's query against its positive and the shared negatives: the batch's
-        target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
-        uniform ones; with ``loss="full"`` every item of the corpus."""
-        if self.loss_kind == "full":
-            assert negatives is not None and negative_ids is not None
-            return sampled_softmax_loss(queries, positives, positive_ids, negatives, negative_ids,
-                                        weights, temperature=self.temperature)
-        cand, cand_ids, cand_valid, _, num_in_batch = self._candidates(row_items, row_ids, row_weights)
-        s = self.num_uniform_negatives
-        parts, ids, weights_n = [], [], []
-        if self.loss_kind == "in_batch":
-            parts, ids, weights_n = [cand], [cand_ids], [cand_valid.to(queries.dtype)]
-        if negatives is not None and negative_ids is not None:
-            parts.append(negatives)
-            ids.append(negative_ids)
-            weights_n.append(torch.ones_like(negative_ids, dtype=queries.dtype))
-        neg, neg_ids = torch.cat(parts), torch.cat(ids)
-        pos_log_q = neg_log_q = None
-        if self.log_q_correction:
-            pos_log_q = candidate_log_q(self.frequency, positive_ids, num_in_batch, s, self.num_items)
-            neg_log_q = candidate_log_q(self.frequency, neg_ids, num_in_batch, s, self.num_items)
-        return sampled_softmax_loss(
-            queries, positives, positive_ids, neg, neg_ids, weights, temperature=self.temperature,
-            positive_log_q=pos_log_q, negative_log_q=neg_log_q,
-            negative_weights=torch.cat(weights_n))
 
 
 __all__ = ["SASRecModel"]
