@@ -65,6 +65,9 @@ DEVICE_SIDE: tuple[str, ...] = (
     "models/retrieval_base.py",
     "models/two_tower.py",
     "models/sasrec.py",
+    "models/dcn.py",
+    "models/hstu.py",
+    "models/jagged.py",
     # the training loop and what it runs on the model's device: the step, autocast and loss
     # scaling, the batch's move to the device, sharding (DMP/DDP), the optimizers' state, the
     # per-device generators
@@ -159,7 +162,8 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "vocab/features", "vocab/lookup", "vocab/state", "windows", "stream_writer",
             "generators/__init__", "generators/churn_dataset", "generators/criteo_synthetic",
             "generators/generated", "generators/id_stream", "generators/interactions_synthetic",
-            "generators/open_bandit", "generators/stream_writer", "generators/synthetic")),
+            "generators/open_bandit", "generators/stream_writer", "generators/synthetic",
+            "generators/sequences_synthetic")),
         "the input pipeline: rows decoded into host (CPU) batches; the Trainer moves each batch "
         "to the device (Batch.to), and the exit flag all-reduces on the control gang (gloo)"),
     **dict.fromkeys(
@@ -717,6 +721,26 @@ def test_ranking_losses_stay_on_the_device(meta_reads: None) -> None:
     _on_meta(weighted_bce_with_logits(_m(5), _m(5), _m(5)), weighted_bce_with_logits(_m(5), _m(5), None))
     _on_meta(multi_task_bce_with_logits(_m(5, 2), _m(5, 2), _m(5), [1.0, 0.5]),
              multi_task_bce_with_logits(_m(5, 2), _m(5, 2), None))
+
+
+def test_hstu_and_dcn_compute_on_their_inputs_device(meta_reads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HSTU's layers with their relative bias and time buckets, its jagged step by length
+    bucket (the buckets' sizes are read on the host, a crossing meta cannot make: one bucket
+    stands in) and its serving path (every bucket length); DCN-v2's cross and deep parts."""
+    from recsys_trainer.models import DCNClassifier, HSTUEncoder, jagged
+
+    enc = HSTUEncoder(8, num_layers=1, num_heads=2, attention_dim=None, linear_dim=None,
+                      max_tokens=9, time_bias=True, dropout=0.0).to(META)
+    long = torch.long
+    _on_meta(enc(_m(3, 9, 8), _m(3, 9, dtype=long), _m(3, 9, dtype=long)))
+    counts = torch.full((3,), 4, dtype=long, device=META)
+    _on_meta(enc.run_padded(_m(3, 9, 8), counts, _m(3, 9, dtype=long), _m(3, 9, dtype=long), counts - 1))
+    monkeypatch.setattr(jagged, "buckets_of", lambda c, m, p="length": [
+        jagged.Bucket(torch.arange(c.numel(), device=c.device), 8)])
+    _on_meta(enc.run(_m(12, 8), counts, _m(12, dtype=long), _m(12, dtype=long), "length"))
+    dcn = DCNClassifier(["a", "b"], 3, 10, 4, cross="mixture", low_rank=2, num_experts=2,
+                        deep_arch=(4,), structure="parallel").to(META)
+    _on_meta(dcn._logits(_m(5, 3), _m(5, 2, 4)))
 
 
 # ----------------------------------------------------------------------------- retrieval

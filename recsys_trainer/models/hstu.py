@@ -90,8 +90,9 @@ NUM_TIME_BUCKETS = len(TIME_BOUNDARIES) + 1
 
 def time_bucket(delta: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
     """The bucket of each time difference (integers): how many boundaries it reaches. Exact
-    integer comparisons, the same on every device and in the serving program."""
-    return torch.bucketize(delta, boundaries, right=True)
+    integer comparisons, the same on every device and in the serving program; int32, as the
+    ``[rows, L, L]`` buckets are the size of the attention matrix."""
+    return torch.bucketize(delta, boundaries, right=True, out_int32=True)
 
 
 def check_value_feature(lengths: torch.Tensor, expected: torch.Tensor, feature: str,
