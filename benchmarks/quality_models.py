@@ -169,12 +169,12 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if a.study == "hstu":
         a.data = a.data or "data/quality_sequences"
-        a.hours, a.rows_per_hour, a.epochs = a.hours or 5, a.rows_per_hour or 20_000, a.epochs or 3
+        a.hours, a.rows_per_hour, a.epochs = a.hours or 4, a.rows_per_hour or 15_000, a.epochs or 3
         metrics, results, ceilings = hstu(a)
         print(report(metrics, results, ceilings, "sasrec"))
     else:
         a.data = a.data or "data/quality_crosses"
-        a.hours, a.rows_per_hour, a.epochs = a.hours or 6, a.rows_per_hour or 30_000, a.epochs or 2
+        a.hours, a.rows_per_hour, a.epochs = a.hours or 5, a.rows_per_hour or 20_000, a.epochs or 2
         metrics, results, ceilings = dcn(a)
         print(report(metrics, results, ceilings, "dlrm"))
 

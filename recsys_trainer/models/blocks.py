@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from recsys_trainer.dynamic import ID_SPACE, DynamicTable
+from recsys_trainer.dynamic import ID_SPACE, DynamicTable, pooled_collection
 
 # ----------------------------------------------------------------------------- MLPs and heads
 
@@ -185,6 +185,22 @@ def table_sizes(features: list[str], num_embeddings: int | list[int],
     return [dynamic[f].num_slots if f in dynamic else n for f, n in zip(features, rows, strict=True)]
 
 
+
+def pooled_tables(features: list[str], num_embeddings: int | list[int], embedding_dim: int,
+                  dynamic: DynamicTable | Mapping[str, DynamicTable] | None,
+                  init: TableInit | Mapping[str, TableInit] | None, table_device: str) -> nn.Module:
+    """The pooled collection of one table ``t_<feature>`` per feature (``make_tables``): hashed
+    tables of ``num_embeddings`` rows, and the dynamic ones ``dynamic`` names (one
+    ``DynamicTable`` for all, or per feature; ``table_sizes`` checks them), on
+    ``table_device``."""
+    specs = dynamic_specs(features, dynamic)
+    sizes = table_sizes(features, num_embeddings, specs)
+    # A table per feature, ``t_<feature>``: ``dynamic`` by feature name is by table name.
+    return pooled_collection(make_tables(features, sizes, embedding_dim, init),
+                             {f"t_{f}": spec for f, spec in specs.items()},
+                             device=torch.device(table_device))
+
+
 __all__ = ["TableInit", "TaskHeads", "check_task_weights", "check_tasks", "dynamic_specs",
-           "init_last_bias", "init_task_priors", "make_tables", "mlp", "normal_init", "stack_pooled", "table_sizes",
-           "tower", "uniform_init"]
+           "init_last_bias", "init_task_priors", "make_tables", "mlp", "normal_init", "pooled_tables",
+           "stack_pooled", "table_sizes", "tower", "uniform_init"]

@@ -28,15 +28,13 @@ from torchrec.models.dlrm import DenseArch, SparseArch
 from torchrec.modules.crossnet import CrossNet, LowRankCrossNet, LowRankMixtureCrossNet
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.dynamic import DynamicTable, pooled_collection
+from recsys_trainer.dynamic import DynamicTable
 from recsys_trainer.models.blocks import (
     TableInit,
-    dynamic_specs,
     init_last_bias,
-    make_tables,
     mlp,
+    pooled_tables,
     stack_pooled,
-    table_sizes,
 )
 from recsys_trainer.models.losses import BINARY_LABELS, weighted_bce_with_logits
 
@@ -112,11 +110,8 @@ class DCNClassifier(nn.Module):
         self.dense_log1p, self.structure = dense_log1p, structure
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
-        specs = dynamic_specs(sparse_features, dynamic)
-        sizes = table_sizes(sparse_features, num_embeddings, specs)
-        ebc = pooled_collection(
-            make_tables(sparse_features, sizes, embedding_dim, embedding_init),
-            {f"t_{f}": spec for f, spec in specs.items()}, device=torch.device(table_device))
+        ebc = pooled_tables(sparse_features, num_embeddings, embedding_dim, dynamic, embedding_init,
+                            table_device)
         self.sparse_arch = SparseArch(ebc)  # type: ignore[arg-type]  # dynamic: EBC look-alikes
         self.dense_arch = DenseArch(num_dense, list(dense_arch))
         width = embedding_dim * (len(sparse_features) + 1)

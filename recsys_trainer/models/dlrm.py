@@ -12,14 +12,12 @@ from torch import nn
 from torchrec.models.dlrm import DLRM
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.dynamic import DynamicTable, pooled_collection
+from recsys_trainer.dynamic import DynamicTable
 from recsys_trainer.models.blocks import (
     TableInit,
-    dynamic_specs,
     init_last_bias,
-    make_tables,
+    pooled_tables,
     stack_pooled,
-    table_sizes,
 )
 from recsys_trainer.models.losses import BINARY_LABELS, weighted_bce_with_logits
 
@@ -63,12 +61,8 @@ class DLRMClassifier(nn.Module):
         self.dense_log1p = dense_log1p
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
-        specs = dynamic_specs(sparse_features, dynamic)
-        sizes = table_sizes(sparse_features, num_embeddings, specs)
-        # A table per feature, ``t_<feature>``: ``dynamic`` by feature name is by table name.
-        ebc = pooled_collection(
-            make_tables(sparse_features, sizes, embedding_dim, embedding_init),
-            {f"t_{f}": spec for f, spec in specs.items()}, device=torch.device(table_device))
+        ebc = pooled_tables(sparse_features, num_embeddings, embedding_dim, dynamic, embedding_init,
+                            table_device)
         self.dlrm = DLRM(
             embedding_bag_collection=ebc,  # type: ignore[arg-type]  # dynamic: EBC look-alikes
             dense_in_features=num_dense,
