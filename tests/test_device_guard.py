@@ -67,6 +67,7 @@ DEVICE_SIDE: tuple[str, ...] = (
     "models/sasrec.py",
     "models/dcn.py",
     "models/hstu.py",
+    "models/hstu_layer.py",
     "models/jagged.py",
     # the training loop and what it runs on the model's device: the step, autocast and loss
     # scaling, the batch's move to the device, sharding (DMP/DDP), the optimizers' state, the

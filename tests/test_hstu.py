@@ -32,7 +32,7 @@ from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
 from recsys_trainer.models import HSTUEncoder, HSTULayer, HSTURetrievalModel
-from recsys_trainer.models.hstu import TIME_BOUNDARIES
+from recsys_trainer.models.hstu_layer import TIME_BOUNDARIES
 from recsys_trainer.models.jagged import bucket_lengths
 from recsys_trainer.serving import Scorer, export_for_serving
 
@@ -219,12 +219,14 @@ def test_hstu_retrieval_learns_the_event_times_beyond_the_best_time_blind_rankin
     assert got[True] < oracle
 
 
-def test_hstu_ranking_trains_window_by_window_on_two_tasks(tmp_path) -> None:
+def test_hstu_ranking_trains_window_by_window_on_two_tasks_through_the_pipeline(tmp_path) -> None:
     windows = su.write_data(str(tmp_path / "data"), "hstu", hours=3, rows=400)
     spec, model = su.spec_and_model("hstu")
     metrics = MetricReportHook(metrics=["auc"], per_window=True)
     trainer = Trainer(
-        model, TrainingArguments(output_dir=str(tmp_path / "out"), log_steps=10**6),
+        # Through TorchRec's pipeline: the forward traces (its lookups, then one fx leaf).
+        model, TrainingArguments(output_dir=str(tmp_path / "out"), log_steps=10**6,
+                                 pipeline="sparse_dist"),
         train_dataset=ParquetWindowDataset(windows[:-1], spec, batch_size=64),
         eval_dataset=ParquetWindowDataset(windows[1:], spec, batch_size=128),
         dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
@@ -276,3 +278,14 @@ def test_hstu_names_misaligned_times_a_long_history_and_missing_time_features() 
     # Rows without history (only BOS) and rows at max_len train.
     loss, out = model(_batch([[], [1, 2, 3, 4]], [[], [1, 2, 3, 4]], [5, 6]))
     assert torch.isfinite(loss) and out["query"].shape == (2, 8)
+
+
+@pytest.mark.parametrize("loss", ["sampled", "full"])
+def test_hstu_retrieval_trains_with_the_sampled_and_the_full_softmax(loss: str) -> None:
+    torch.manual_seed(0)
+    model = HSTURetrievalModel(num_items=30, max_len=4, embedding_dim=8, table_device="cpu",
+                               loss=loss, num_uniform_negatives=5 if loss == "sampled" else 0)  # type: ignore[arg-type]
+    value, out = model(_batch([[1, 2], [3], []], [[10, 20], [30], []], [40, 50, 60]))
+    value.backward()
+    assert torch.isfinite(value) and out["query"].shape == (3, 8)
+    assert model.bos.grad is not None and model.encoder.layers[0].time_bias.grad is not None

@@ -11,7 +11,7 @@ metrics, the item export) is ``recsys_trainer.retrieval``'s.
 
 Shared pieces: ``blocks`` (MLPs, towers, multi-task heads, the tables and their
 initialisers), ``losses`` (the ranking losses and their label check), ``jagged`` (histories by
-length bucket). Import any of these names from ``recsys_trainer.models``; the modules are the
+length bucket), ``hstu_layer`` (the HSTU layer). Import any of these names from ``recsys_trainer.models``; the modules are the
 layout, not the interface.
 """
 
@@ -29,7 +29,8 @@ from recsys_trainer.models.blocks import (
 from recsys_trainer.models.dcn import DCNClassifier
 from recsys_trainer.models.din import DINClassifier, TargetAttention, check_sequence_lengths
 from recsys_trainer.models.dlrm import DLRMClassifier
-from recsys_trainer.models.hstu import HSTUEncoder, HSTULayer, HSTURankingModel, HSTURetrievalModel
+from recsys_trainer.models.hstu import HSTURankingModel, HSTURetrievalModel
+from recsys_trainer.models.hstu_layer import HSTUEncoder, HSTULayer
 from recsys_trainer.models.losses import (
     BINARY_LABELS,
     check_binary_labels,
