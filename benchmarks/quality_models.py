@@ -1,8 +1,8 @@
 """Model quality on planted signals, several seeds: the newer model against its baseline at the
 same size, data and training budget.
 
-    python benchmarks/quality_models.py hstu [--seeds 0 1 2]     # HSTU vs SASRec (~20 min)
-    python benchmarks/quality_models.py dcn  [--seeds 0 1 2]     # DCN-v2 vs DLRM (~10 min)
+    python benchmarks/quality_models.py hstu [--seeds 0 1 2]     # HSTU vs SASRec (~10 min idle)
+    python benchmarks/quality_models.py dcn  [--seeds 0 1 2]     # DCN-v2 vs DLRM (~10 min idle)
 
 **hstu**: the timed-sequence log (``data.generators.sequences_synthetic``: the next item needs
 the last item *and* how long ago it was; 2,000 items, histories of 0..50 items with a
@@ -17,7 +17,8 @@ times (``oracle_without_time``: what a time-blind model can reach at best).
 **dcn**: the Criteo-schema click log with planted crosses (``criteo_synthetic --crosses``: C1 x
 C2, C3 x C4, C5 x C6 x C7, pure interactions). ``DCNClassifier`` (low-rank mixture and full
 rank, stacked) against ``DLRMClassifier``: embedding dim 16, the same bottom MLP (64, 16) and a
-deep/top MLP of (64, 32), ``--epochs`` passes over the train windows, AUC on the last window.
+deep/top MLP of (64, 32), ``--epochs`` passes over the train windows (default one: the
+streaming protocol; a second pass over this log overfits the tables), AUC on the last window.
 The ceilings: the AUC of the true probabilities (``oracle_auc``) and of the probabilities
 without the crosses (``oracle_auc_without_crosses``: a model blind to crosses at best).
 
@@ -174,7 +175,7 @@ def main() -> None:
         print(report(metrics, results, ceilings, "sasrec"))
     else:
         a.data = a.data or "data/quality_crosses"
-        a.hours, a.rows_per_hour, a.epochs = a.hours or 5, a.rows_per_hour or 20_000, a.epochs or 2
+        a.hours, a.rows_per_hour, a.epochs = a.hours or 8, a.rows_per_hour or 25_000, a.epochs or 1
         metrics, results, ceilings = dcn(a)
         print(report(metrics, results, ceilings, "dlrm"))
 
