@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer import SparseOptimizer, Trainer, TrainingArguments
 from recsys_trainer.batch import Batch
+from recsys_trainer.data.features import DataError
 from recsys_trainer.data.generators.sequences_synthetic import (
     SequenceSignal,
     sequence_features,
@@ -200,6 +201,11 @@ def test_hstu_retrieval_serves_the_query_it_trains_bitwise_times_included(timed_
     for r in later:
         r["ts"] += 7 * 86400
     assert not np.array_equal(scorer.score(later), query[:4])
+    # A request without its time is refused, naming the column and row, as training refuses it.
+    later[1]["ts"] = None
+    with pytest.raises(DataError, match=r"row 1, column 'ts': the model reads exactly one id per "
+                                        r"row of sequence feature 'ts'"):
+        scorer.score(later)
 
 
 def test_hstu_retrieval_learns_the_event_times_beyond_the_best_time_blind_ranking(timed_log, tmp_path) -> None:

@@ -62,6 +62,7 @@ for _leaf in ("check_one_id_per_row", "check_history_lengths",
               "check_sequence_lengths", "table_input"):
     torch.fx.wrap(_leaf)
 
+
 def check_value_feature(lengths: torch.Tensor, expected: torch.Tensor, feature: str,
                         what: str) -> None:
     """A value feature (event times) must have as many values per row as ``expected``."""
@@ -78,6 +79,18 @@ def check_value_feature(lengths: torch.Tensor, expected: torch.Tensor, feature: 
 
 
 torch.fx.wrap("check_value_feature")
+
+
+def assert_served_times(lengths: dict[str, torch.Tensor], history: str, times: str,
+                        query_time: str) -> None:
+    """In the serving program: the times must be as training refuses otherwise (one per
+    history item, one query time per row). Asserts kept in the exported program; the Scorer
+    names the column and row of a query time missing from a row."""
+    torch._assert_async((lengths[query_time] == 1).all(),
+                        f"HSTU: the query time feature {query_time!r} must have exactly one id "
+                        "per row (a null in its column gives none)")
+    torch._assert_async((lengths[times] == lengths[history]).all(),
+                        f"HSTU: {times!r} must hold one time per {history!r} item")
 
 
 # ----------------------------------------------------------------------------- token layouts
@@ -276,6 +289,8 @@ class HSTURetrievalModel(RetrievalBase):
         x = torch.cat([self.bos.view(1, 1, -1).expand(b, 1, -1), hist], dim=1)
         tau = theta = None
         if self.time_feature is not None and self.query_time_feature is not None:
+            assert_served_times(lengths, self.history_feature, self.time_feature,
+                                self.query_time_feature)
             times = sequences[self.time_feature]
             at = lens.long().view(-1, 1)
             theta = torch.cat([times, times.new_zeros(b, 1)], dim=1).scatter(
@@ -488,6 +503,8 @@ class HSTURankingModel(nn.Module):
             1, at.unsqueeze(-1).expand(-1, 1, d), sequences[self.item_feature][:, :1])
         tau = theta = None
         if self.time_feature is not None and self.query_time_feature is not None:
+            assert_served_times(lengths, self.history_feature, self.time_feature,
+                                self.query_time_feature)
             times, query = sequences[self.time_feature], sequences[self.query_time_feature][:, :1]
             tau = torch.cat([times, times.new_zeros(b, 1)], dim=1).scatter(1, at, query)
             theta = torch.cat([tau[:, 1:], tau.new_zeros(b, 1)], dim=1).scatter(1, at, query)
@@ -497,4 +514,5 @@ class HSTURankingModel(nn.Module):
         return self._head(candidate, ctx)
 
 
-__all__ = ["HSTURankingModel", "HSTURetrievalModel", "check_value_feature", "hstu_ranking_step"]
+__all__ = ["HSTURankingModel", "HSTURetrievalModel", "assert_served_times", "check_value_feature",
+           "hstu_ranking_step"]
