@@ -225,19 +225,14 @@ def test_hstu_retrieval_serves_the_query_it_trains_bitwise_times_included(timed_
 
 def test_hstu_retrieval_learns_the_event_times_beyond_the_best_time_blind_ranking(timed_log, tmp_path) -> None:
     root, meta = timed_log
-    got = {}
-    for times in (True, False):
-        hook = RetrievalMetricHook(k=[10], log=False)
-        trainer = _retrieval_trainer(root, meta, str(tmp_path / str(times)), times=times,
-                                     hooks=[hook], train_epoch=6)
-        trainer.train()
-        got[times] = trainer.evaluate()["recall@10"]
+    hook = RetrievalMetricHook(k=[10], log=False)
+    trainer = _retrieval_trainer(root, meta, str(tmp_path / "t"), hooks=[hook], train_epoch=6)
+    trainer.train()
+    got = trainer.evaluate()["recall@10"]
     blind, oracle = meta["oracle_without_time"]["recall@10"], meta["oracle"]["recall@10"]
-    # Measured: 0.659 with the times, 0.584 without; the oracle 0.695, without the times 0.634
-    # (the best any ranking blind to the times can reach on average).
-    assert got[True] > blind, (got, blind)
-    assert got[True] > got[False] + 0.04, got
-    assert got[True] < oracle
+    # Measured: 0.659 (0.584 with the same layers without the times); the oracle 0.695, without
+    # the times 0.634: the best any ranking blind to the times can reach on average.
+    assert blind < got < oracle, (got, blind, oracle)
 
 
 def test_hstu_ranking_trains_window_by_window_on_two_tasks_through_the_pipeline(tmp_path) -> None:
