@@ -1,6 +1,6 @@
 """HSTU for sequential retrieval: the next item from a user's history and the event times.
 
-    python examples/train_hstu.py                                         (one process, ~30 s)
+    python examples/train_hstu.py                                         (one process, ~20 s)
     torchrun --standalone --nproc_per_node=2 examples/train_hstu.py      (scripts/train-example)
     python examples/train_hstu.py --models hstu sasrec --epochs 3        (against SASRec)
 
