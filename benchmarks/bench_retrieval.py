@@ -37,9 +37,8 @@ from common import device_name, markdown_table, quiet_torchrec, torchrun, worker
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.models import weighted_bce_with_logits
+from recsys_trainer.models import TwoTowerModel, weighted_bce_with_logits
 from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics
-from recsys_trainer.retrieval.models import TwoTowerModel
 
 NUM_USERS, NUM_CATS, MAX_LEN = 100_000, 100, 50
 LOSS_VARIANTS = ("pointwise", "in_batch", "in_batch_no_logq", "mixed", "sampled", "cross_rank",

@@ -46,8 +46,7 @@ from recsys_trainer.data.generators.criteo_synthetic import (
 )
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.metrics import weighted_auc
-from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.ranking_models import DINClassifier
+from recsys_trainer.models import DINClassifier, DLRMClassifier
 from recsys_trainer.serving import Scorer, export_for_serving
 
 NUM_EMB, DIM = 50_000, 16

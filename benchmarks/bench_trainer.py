@@ -21,7 +21,7 @@ steps each), so machine drift hits all of them alike:
   with one more table, a candidate item (100k rows) read as a pooled feature, and then that
   table as an unpooled ``EmbeddingCollection`` read by the candidate *and* a max_len-50 history
   (1..50 items per row, uniform), attention-pooled into one more interaction vector
-  (``ranking_models.DINClassifier``); both through the Trainer (pipeline="none"). The report
+  (``models.DINClassifier``); both through the Trainer (pipeline="none"). The report
   gives the step-time ratio sequence / no sequence.
 
 Each measured segment is one "window" of --steps batches for every variant (pipelines are

@@ -24,8 +24,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.generators.synthetic import PlantedSignal, synthetic_batches
 from recsys_trainer.distributed import shutdown
-from recsys_trainer.models import DLRMClassifier, weighted_bce_with_logits
-from recsys_trainer.ranking_models import DINClassifier
+from recsys_trainer.models import DINClassifier, DLRMClassifier, weighted_bce_with_logits
 
 NUM_DENSE = 13
 DENSE_ARCH = (512, 256, 64)

@@ -9,7 +9,7 @@ candidate ``item`` and the user's ``hist_item`` list, where the click depends on
 candidate repeats a history item and on the share of the history in its category. Both models
 train on hour t and evaluate on hour t+1 through TorchRec's ``TrainPipelineSparseDist``:
 
-- ``din``: ``ranking_models.DINClassifier``, the 26 categoricals pooled, the candidate and the
+- ``din``: ``models.DINClassifier``, the 26 categoricals pooled, the candidate and the
   history (last ``--max-len`` items) looked up in one shared item table, attention-pooled;
 - ``dlrm``: ``models.DLRMClassifier`` with the same categoricals and the candidate ``item`` as
   a pooled feature, but no history: the planted attention term is out of its reach.
@@ -44,8 +44,7 @@ from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.metrics import MetricReportHook
-from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.ranking_models import DINClassifier
+from recsys_trainer.models import DINClassifier, DLRMClassifier
 
 
 def common_arguments(description: str, output_dir: str) -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ The dataset is the one of ``train_din.py`` (written with ``--behaviour`` if miss
 probability reuses the click's hidden categorical scores. Both models see the 26 categoricals
 and the candidate ``item`` (no history), train on hour t and evaluate on hour t+1:
 
-- ``mmoe``: ``ranking_models.MMoEClassifier`` on ``labels=["label", "like"]`` (4 experts, one
+- ``mmoe``: ``models.MMoEClassifier`` on ``labels=["label", "like"]`` (4 experts, one
   gate and tower per task; ``--num-experts 1`` is shared-bottom), per-task eval metrics
   (``auc/label``, ``auc/like``);
 - ``dlrm``: ``models.DLRMClassifier`` on ``labels=["like"]`` only: it learns the shared scores
@@ -24,8 +24,7 @@ from train_din import common_arguments, fit, prepare, report
 
 from recsys_trainer import seed_everything, setup_logging, shutdown
 from recsys_trainer.data.generators.criteo_synthetic import SPARSE_COLUMNS, behaviour_features
-from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.ranking_models import MMoEClassifier
+from recsys_trainer.models import DLRMClassifier, MMoEClassifier
 
 
 def main() -> None:

@@ -61,9 +61,9 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.distributed import init_distributed
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+from recsys_trainer.models import SASRecModel, TwoTowerModel
 from recsys_trainer.optimizers import SparseLRSchedule, linear_decay
 from recsys_trainer.retrieval.export import export_item_embeddings, read_item_embeddings
-from recsys_trainer.retrieval.models import SASRecModel, TwoTowerModel
 
 KS = (10, 50, 100)
 

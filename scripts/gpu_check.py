@@ -13,7 +13,8 @@ Checks (``--only`` takes groups or names, comma-separated: ``--only a,c`` or ``-
 - ``b.*``: every example on one device, small settings, its final figures and the device each
   Trainer actually used (``TrainingArguments(device="auto")``): ``b.dlrm``, ``b.din``,
   ``b.multitask``, ``b.dynamic`` (with its serving export), ``b.two_tower`` (two_tower and
-  sasrec, with evaluation).
+  sasrec, with evaluation), ``b.dcn`` (DCN-v2 on planted crosses), ``b.hstu`` (HSTU retrieval
+  with event times, evaluated, exported and its served queries compared).
 - ``c.async`` / ``c.sync``: a run saving every 4 steps (``async_save`` True / False) is
   SIGKILLed mid-training after a committed checkpoint, resumed by a fresh process, and compared
   bitwise with an uninterrupted run (the pattern of tests/test_recovery.py). c.async fails
@@ -21,7 +22,8 @@ Checks (``--only`` takes groups or names, comma-separated: ``--only a,c`` or ``-
   before the kill; whether a save was still being written at the kill is reported
   (``save_in_flight_at_kill``: its future not done), as it is a race.
 - ``d.*``: serving parity of a trained model of each bundled kind (``dlrm``, ``din``, ``mmoe``,
-  ``dynamic``, ``mixed``, ``two_tower``'s user side): the CPU ``Scorer`` against ``predict``
+  ``dynamic``, ``mixed``, ``dcn``, ``hstu`` (ranking, with event times), ``two_tower``'s and
+  ``hstu_retrieval``'s user side): the CPU ``Scorer`` against ``predict``
   (or the live model's query vectors), max |diff| <= 1e-5, (i) from ``export_for_serving`` on
   the live trainer and (ii) from its committed checkpoint exported by a process that sees no
   GPU (``CUDA_VISIBLE_DEVICES=``), as a CPU serving host would.
@@ -90,8 +92,10 @@ class Check:
         return self.name.split(".")[0]
 
 
-D_KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed", "two_tower")
-EXAMPLE_NAMES = ("dlrm", "din", "multitask", "dynamic", "two_tower")
+D_KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed", "two_tower", "dcn", "hstu", "hstu_retrieval")
+QUERY_KINDS = ("two_tower", "hstu_retrieval")
+"""Retrieval kinds: their served query vectors are compared with the live model's."""
+EXAMPLE_NAMES = ("dlrm", "din", "multitask", "dynamic", "two_tower", "dcn", "hstu")
 
 # The gpu tier in three parts that run side by side (-k expressions of tests/test_gpu.py): the
 # precision runs (one process, 5 configurations), the fused optimizers (4 processes), the rest.
@@ -634,6 +638,13 @@ EXAMPLE_PARSERS: dict[str, list[tuple[str, str]]] = {
     "two_tower": [("", r"two_tower final recall@10 [\d.]+ recall@50 (?P<two_tower_recall50>[\d.]+)"),
                   ("", r"sasrec\s+final recall@10 [\d.]+ recall@50 (?P<sasrec_recall50>[\d.]+)"),
                   ("", r"oracle .*recall@50 (?P<oracle_recall50>[\d.]+)")],
+    "dcn": [("", r"dcn\s+final eval AUC (?P<dcn_auc>[\d.]+)"),
+            ("", r"best possible AUC (?P<oracle>[\d.]+); without the crosses "
+                 r"(?P<oracle_without_crosses>[\d.]+)")],
+    "hstu": [("", r"hstu\s+recall@10 (?P<hstu_recall10>[\d.]+)"),
+             ("", r"oracle\s+recall@10 (?P<oracle_recall10>[\d.]+)"),
+             ("", r"oracle w/o times\s+recall@10 (?P<oracle_without_time_recall10>[\d.]+)"),
+             ("", r"max \|served - trained\| query = (?P<served_max_diff>[-+.\de]+)")],
 }
 
 
@@ -655,6 +666,14 @@ def example_args(name: str, ctx: Ctx) -> list[str]:
         sizes = (["--hours", "3", "--rows-per-hour", "3072", "--ids", "3000", "--slots", "400"]
                  if ctx.small else ["--hours", "4", "--rows-per-hour", "10240"])
         return ["--data", os.path.join(w, "data"), *sizes, *common]
+    if name == "dcn":
+        sizes = (["--hours", "3", "--rows-per-hour", "4000", "--num-embeddings", "5000"]
+                 if ctx.small else ["--hours", "4", "--rows-per-hour", "25000"])
+        return ["--data", os.path.join(w, "data"), *sizes, *common]
+    if name == "hstu":
+        sizes = (["--hours", "3", "--rows-per-hour", "3000"] if ctx.small else
+                 ["--hours", "4", "--rows-per-hour", "20000"])
+        return ["--data", os.path.join(w, "data"), "--serve", os.path.join(w, "art"), *sizes, *common]
     assert name == "two_tower"
     sizes = (["--hours", "3", "--rows-per-hour", "3000"] if ctx.small else
              ["--hours", "4", "--rows-per-hour", "15000"])
@@ -940,7 +959,7 @@ def tt_build(root: str) -> tuple[Any, Any]:
     import torch
 
     from recsys_trainer.data.generators.interactions_synthetic import interaction_features
-    from recsys_trainer.retrieval.models import TwoTowerModel
+    from recsys_trainer.models import TwoTowerModel
 
     with open(os.path.join(root, "_signal.json")) as f:
         meta = json.load(f)
@@ -955,6 +974,22 @@ def tt_build(root: str) -> tuple[Any, Any]:
     return spec, model
 
 
+def hr_build(root: str) -> tuple[Any, Any]:
+    """HSTU retrieval on a small timed-sequence log (``root`` holds it): (spec, model); built
+    the same in the trainer and in the CPU export process."""
+    import torch
+
+    from recsys_trainer.data.generators.sequences_synthetic import sequence_features
+    from recsys_trainer.models import HSTURetrievalModel
+
+    with open(os.path.join(root, "_signal.json")) as f:
+        meta = json.load(f)
+    torch.manual_seed(0)
+    model = HSTURetrievalModel(num_items=meta["num_items"], max_len=meta["max_len"], embedding_dim=16,
+                               num_heads=2, num_uniform_negatives=8)
+    return sequence_features(meta), model
+
+
 def d_export_on_cpu(kind: str, ckpt: str, art: str, rows: str, data: str, out_npz: str) -> None:
     """The CPU serving host's side (``CUDA_VISIBLE_DEVICES=``): export the committed checkpoint
     a GPU run wrote, score ``rows`` (a parquet file) with the Scorer, save the scores."""
@@ -964,8 +999,8 @@ def d_export_on_cpu(kind: str, ckpt: str, art: str, rows: str, data: str, out_np
     from recsys_trainer.serving import export_for_serving
 
     assert not torch.cuda.is_available(), "the CPU export process sees a GPU"
-    if kind == "two_tower":
-        spec, model = tt_build(data)
+    if kind in QUERY_KINDS:
+        spec, model = (tt_build if kind == "two_tower" else hr_build)(data)
         summary = export_for_serving(ckpt, art, model=model, features=spec, activation="none")
     else:
         import serving_utils as su
@@ -986,7 +1021,7 @@ def _d_train(kind: str, root: str) -> tuple[Any, dict[int, Any], str, str, dict[
     import torch
 
     data = os.path.join(root, "data")
-    if kind != "two_tower":
+    if kind not in QUERY_KINDS:
         import serving_utils as su
 
         windows = su.write_data(data, kind)
@@ -994,7 +1029,7 @@ def _d_train(kind: str, root: str) -> tuple[Any, dict[int, Any], str, str, dict[
         trainer.train()
         return (trainer, su.predicted(trainer, windows[-1], os.path.join(root, "pred")),
                 windows[-1], data, {})
-    # The two-tower's user side: the query vectors the live model ranks the corpus with (the
+    # A retrieval model's user side: the query vectors the live model ranks the corpus with (the
     # pattern of test_retrieval_trainer.py's serving test), on the eval window's first batch.
     import pyarrow.parquet as pq
 
@@ -1006,10 +1041,17 @@ def _d_train(kind: str, root: str) -> tuple[Any, dict[int, Any], str, str, dict[
     from recsys_trainer.data.parquet import ParquetWindowDataset
     from recsys_trainer.data.windows import partitioned_windows
 
-    write_dataset(data, hours=3, rows_per_hour=4000, ks=(20,),
-                  signal=InteractionSignal.make(num_users=300, num_items=600, num_clusters=12,
-                                                max_len=20))
-    spec, model = tt_build(data)
+    if kind == "two_tower":
+        write_dataset(data, hours=3, rows_per_hour=4000, ks=(20,),
+                      signal=InteractionSignal.make(num_users=300, num_items=600, num_clusters=12,
+                                                    max_len=20))
+        spec, model = tt_build(data)
+    else:  # HSTU retrieval's user side, the event times included
+        from recsys_trainer.data.generators import sequences_synthetic as seqs
+
+        seqs.write_dataset(data, hours=3, rows_per_hour=4000, ks=(10,),
+                           signal=seqs.SequenceSignal.make(num_items=600, num_clusters=12, max_len=20))
+        spec, model = hr_build(data)
     windows = partitioned_windows(data)
     trainer = Trainer(
         model, TrainingArguments(output_dir=os.path.join(root, "ckpt"), log_steps=10**6,
@@ -1291,7 +1333,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = select(a.only)
     if a.list:
         for c in checks:
-            print(f"{c.name:12s} {c.timeout_gpu:4.0f} s on cuda  {c.what}")
+            print(f"{c.name:16s} {c.timeout_gpu:4.0f} s on cuda  {c.what}")
         return 0
     t0 = time.monotonic()
     results = drive(a, checks)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -21,19 +22,25 @@ from recsys_trainer.data.generators.criteo_synthetic import (
     criteo_features,
     generate_hour,
 )
-from recsys_trainer.data.inputs import SparseFeature
+from recsys_trainer.data.inputs import SequenceFeature, SparseFeature
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable
-from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.models import (
+    DCNClassifier,
+    DINClassifier,
+    DLRMClassifier,
+    HSTURankingModel,
+    MMoEClassifier,
+)
 from recsys_trainer.predict import read_predictions
-from recsys_trainer.ranking_models import DINClassifier, MMoEClassifier
 
 ROWS = 160
 NUM_EMB = 500
 NUM_ITEMS = 60
 MAX_LEN = 6
-KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed")
+KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed", "dcn", "hstu")
+HSTU_FEATURES = ["C1", "C2", "C3", "C4"]
 
 
 def write_data(root: str, kind: str, hours: int = 2, rows: int = ROWS, seed: int = 0) -> list[str]:
@@ -41,12 +48,14 @@ def write_data(root: str, kind: str, hours: int = 2, rows: int = ROWS, seed: int
     edge rows: strings never seen in training, nulls in dense and id columns."""
     signal = CriteoSignal.make(max_vocab=300)
     behaviour = BehaviourSignal.make(num_items=NUM_ITEMS, num_categories=4, max_len=MAX_LEN) \
-        if kind in ("din", "mmoe") else None
+        if kind in ("din", "mmoe", "hstu") else None
     rng, brng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
     dirs = []
     for h in range(hours):
         table, _ = generate_hour(signal, rows, rng, first_row_id=h * rows, behaviour=behaviour,
                                  behaviour_rng=brng)
+        if kind == "hstu":
+            table = _with_times(table, rng)
         if kind in ("dynamic", "mixed"):  # raw int64 ids in a wide range: most unseen, some repeated
             for c in SPARSE_COLUMNS[:3]:
                 ids = rng.integers(0, 40, rows) * 1_000_003 + (h if c == "C1" else 0)
@@ -59,6 +68,23 @@ def write_data(root: str, kind: str, hours: int = 2, rows: int = ROWS, seed: int
         pq.write_table(table, os.path.join(d, "part-0.parquet"), row_group_size=64)
         dirs.append(os.path.join(d, "part-0.parquet"))
     return dirs
+
+
+def _with_times(table: pa.Table, rng: np.random.Generator) -> pa.Table:
+    """``ts`` (the request's time, seconds) and ``hist_ts`` (one time per history item, oldest
+    first, minutes to days before): HSTU's time features."""
+    hist = table.column("hist_item").combine_chunks()
+    lens = pc.list_value_length(hist).to_numpy()
+    ts = 1_800_000_000 + rng.integers(0, 3600, len(lens))
+    ago = np.exp(rng.uniform(0, 13, int(lens.sum()))).astype(np.int64)
+    owner = np.repeat(np.arange(len(lens)), lens)
+    offsets = np.r_[0, np.cumsum(lens)]
+    # Oldest first: within a row, the larger ages first.
+    order = np.lexsort((-ago, owner))
+    times = ts[owner] - ago[order]
+    return (table.append_column("ts", pa.array(ts.astype(np.int64)))
+            .append_column("hist_ts", pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)),
+                                                              pa.array(times))))
 
 
 def _with_edge_rows(table: pa.Table, kind: str) -> pa.Table:
@@ -93,6 +119,19 @@ def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
             feats, 13, ["label", "like"], num_embeddings=[NUM_EMB] * 26 + [NUM_ITEMS],
             embedding_dim=8, dense_arch=(16, 8), num_experts=2, expert_arch=(16,), tower_arch=(8,),
             dense_log1p=True)
+    if kind == "dcn":
+        return criteo_features(NUM_EMB), DCNClassifier(
+            SPARSE_COLUMNS, 13, NUM_EMB, 8, dense_arch=(16, 8), cross="mixture", num_cross_layers=2,
+            low_rank=8, num_experts=2, deep_arch=(16,), structure="parallel", dense_log1p=True)
+    if kind == "hstu":
+        spec = behaviour_features(NUM_EMB, num_items=NUM_ITEMS, max_len=MAX_LEN, labels=["label", "like"])
+        spec = dataclasses.replace(spec, sparse=spec.sparse[:len(HSTU_FEATURES)], sequence=[
+            *spec.sequence, SequenceFeature(name="hist_ts", num_embeddings=ID_SPACE, max_len=MAX_LEN),
+            SequenceFeature(name="ts", num_embeddings=ID_SPACE)])
+        return spec, HSTURankingModel(
+            HSTU_FEATURES, 13, ["label", "like"], num_items=NUM_ITEMS, max_len=MAX_LEN,
+            num_embeddings=NUM_EMB, embedding_dim=8, num_heads=2, dense_arch=(16, 8),
+            tower_arch=(8,), dense_log1p=True)
     table = DynamicTable(num_slots=64, eviction_interval=2, fallback_rows=4)
     dynamic = SPARSE_COLUMNS[:3]
     if kind == "dynamic":

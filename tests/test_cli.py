@@ -247,7 +247,7 @@ def test_yaml_makes_every_table_dynamic_or_only_the_features_it_names_each_with_
 def test_a_model_class_with_a_dynamic_table_argument_takes_its_fields_from_yaml() -> None:
     from recsys_trainer.dynamic import dynamic_table_names, mc_modules
 
-    raw = apply_overrides(TINY, [("model", "{class: recsys_trainer.ranking_models.DINClassifier, "
+    raw = apply_overrides(TINY, [("model", "{class: recsys_trainer.models.DINClassifier, "
                                            "sparse_features: [cat_0], num_dense: 4, num_embeddings: 200, "
                                            "num_items: 100, dynamic: {num_slots: 64, buckets: 1}}")])
     model = RunConfig.from_dict(raw).model.build()
@@ -256,6 +256,30 @@ def test_a_model_class_with_a_dynamic_table_argument_takes_its_fields_from_yaml(
     raw["model"]["dynamic"] = {"num_slots": 64, "half_life": 2}
     with pytest.raises(ConfigError, match=r"unknown key `model.dynamic.half_life`; allowed keys"):
         RunConfig.from_dict(raw)
+
+
+def test_a_bundled_model_named_by_its_short_name_is_built_with_its_arguments() -> None:
+    from recsys_trainer.config import MODEL_CLASSES
+    from recsys_trainer.dynamic import dynamic_table_names
+    from recsys_trainer.models import DCNClassifier, HSTURetrievalModel
+
+    raw = apply_overrides(TINY, [("model", "{class: dcn, sparse_features: [cat_0, cat_1], num_dense: 4, "
+                                           "num_embeddings: 200, cross: full, num_cross_layers: 2, "
+                                           "dynamic: {cat_0: {num_slots: 64, buckets: 1}}}")])
+    model = RunConfig.from_dict(raw).model.build()
+    assert isinstance(model, DCNClassifier) and len(model.cross.kernels) == 2
+    assert dynamic_table_names(model) == {"t_cat_0"}  # per-feature dynamic tables, as the DLRM's
+    raw["model"]["crosses"] = 3
+    with pytest.raises(ConfigError, match=r"crosses"):
+        RunConfig.from_dict(raw)
+    # The example configs name theirs so, with the event times as value features.
+    hstu = load_config(str(REPO / "examples/configs/hstu_sequences.yaml")).model.build()
+    assert isinstance(hstu, HSTURetrievalModel)
+    assert hstu.sequence_keys == ["item", "hist_item", "hist_ts", "ts"]
+    assert isinstance(load_config(str(REPO / "examples/configs/dcn_crosses.yaml")).model.build(),
+                      DCNClassifier)
+    assert set(MODEL_CLASSES) == {"dcn", "din", "mmoe", "two_tower", "sasrec", "hstu_ranking",
+                                  "hstu_retrieval"}
 
 
 def test_run_evaluate_loads_the_newest_checkpoint_of_a_cli_training_run(tmp_path: Path) -> None:

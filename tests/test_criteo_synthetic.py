@@ -84,3 +84,27 @@ def test_a_generated_dataset_rank_0_cannot_write_is_an_error_on_every_rank(tmp_p
     assert r1["error"] == (f"RuntimeError: rank 0 could not write the generated dataset (1 hour) "
                            f"at {root}: {r0['error']}")
     assert r1["seconds"] < 30
+
+
+def test_planted_crosses_are_pure_interactions_that_only_move_the_click(tmp_path) -> None:
+    import numpy as np
+
+    from recsys_trainer.data.generators.criteo_synthetic import CrossSignal
+
+    crosses = CrossSignal.make()
+    # Centred along every axis: no column (for the 3-column cross, no pair) carries any of it.
+    for table in crosses.tables:
+        for axis in range(table.ndim):
+            assert np.allclose(table.mean(axis=axis), 0.0)
+    plain = write_dataset(tmp_path / "plain", hours=2, rows_per_hour=4000)
+    crossed = write_dataset(tmp_path / "crossed", hours=2, rows_per_hour=4000, crosses=crosses)
+    assert crossed["crosses"] == [["C1", "C2"], ["C3", "C4"], ["C5", "C6", "C7"]]
+    # The ceiling rises with the crosses; a model blind to them can reach the lower one at best.
+    assert crossed["oracle_auc"] > crossed["oracle_auc_without_crosses"] + 0.03
+    a = pq.read_table(next((tmp_path / "plain").glob("dt=*/hour=00/part-0.parquet")))
+    b = pq.read_table(next((tmp_path / "crossed").glob("dt=*/hour=00/part-0.parquet")))
+    # Every input column as without the crosses; only the clicks differ.
+    assert a.drop(["label"]).equals(b.drop(["label"])) and not a.column("label").equals(b.column("label"))
+    assert "crosses" not in plain
+    with pytest.raises(ValueError, match="each cross must name 2 or more distinct columns"):
+        CrossSignal.make(columns=[(0, 0)])

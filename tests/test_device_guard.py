@@ -56,8 +56,19 @@ PACKAGE = Path(recsys_trainer.__file__).resolve().parent
 DEVICE_SIDE: tuple[str, ...] = (
     # metrics, losses, models
     "metrics.py",
-    "models.py",
-    "ranking_models.py",
+    "models/__init__.py",
+    "models/blocks.py",
+    "models/losses.py",
+    "models/dlrm.py",
+    "models/din.py",
+    "models/mmoe.py",
+    "models/retrieval_base.py",
+    "models/two_tower.py",
+    "models/sasrec.py",
+    "models/dcn.py",
+    "models/hstu.py",
+    "models/hstu_layer.py",
+    "models/jagged.py",
     # the training loop and what it runs on the model's device: the step, autocast and loss
     # scaling, the batch's move to the device, sharding (DMP/DDP), the optimizers' state, the
     # per-device generators
@@ -78,7 +89,6 @@ DEVICE_SIDE: tuple[str, ...] = (
     "hooks/dynamic_tables.py",
     # retrieval: models, losses, frequencies, collectives, evaluation, the export's embedding
     "retrieval/__init__.py",
-    "retrieval/base.py",
     "retrieval/candidates.py",
     "retrieval/catalog.py",
     "retrieval/checks.py",
@@ -88,7 +98,6 @@ DEVICE_SIDE: tuple[str, ...] = (
     "retrieval/kjt.py",
     "retrieval/losses.py",
     "retrieval/metrics.py",
-    "retrieval/models.py",
     "retrieval/protocol.py",
     # dynamic tables: the id maps and what runs on their buffers
     "dynamic/__init__.py",
@@ -153,7 +162,7 @@ NOT_DEVICE_SIDE: dict[str, str] = {
             "generators/__init__", "generators/churn_dataset", "generators/criteo_synthetic",
             "generators/generated", "generators/id_stream", "generators/interactions_synthetic",
             "generators/open_bandit", "generators/stream_writer", "generators/synthetic",
-            "generators/kafka_producer",
+            "generators/kafka_producer", "generators/sequences_synthetic",
             "kafka/__init__", "kafka/client", "kafka/dataset", "kafka/formats",
             "kafka/mock_broker", "kafka/options", "kafka/positions", "kafka/reading",
             "kafka/tracker", "kafka/windowing")),
@@ -188,10 +197,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("retrieval/frequency.py", "ItemFrequencyEstimator.__init__", "torch.Generator"):
         "hash parameters drawn on the host from the seed (the same on every device and rank), "
         "registered as buffers and moved with the module",
-    ("retrieval/base.py", "_fixed_draw", "torch.Generator"):
+    ("models/retrieval_base.py", "_fixed_draw", "torch.Generator"):
         "evaluation negatives drawn once on the host so that every device gets the same ids; "
         "the caller moves them to the device once and keeps them there",
-    ("retrieval/base.py", "_fixed_draw", "torch.randint"):
+    ("models/retrieval_base.py", "_fixed_draw", "torch.randint"):
         "as above",
     ("retrieval/catalog.py", "load_item_catalog", "torch.from_numpy"):
         "reads the catalog file on the host; the model registers the columns as buffers",
@@ -717,6 +726,26 @@ def test_ranking_losses_stay_on_the_device(meta_reads: None) -> None:
              multi_task_bce_with_logits(_m(5, 2), _m(5, 2), None))
 
 
+def test_hstu_and_dcn_compute_on_their_inputs_device(meta_reads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HSTU's layers with their relative bias and time buckets, its jagged step by length
+    bucket (the buckets' sizes are read on the host, a crossing meta cannot make: one bucket
+    stands in) and its serving path (every bucket length); DCN-v2's cross and deep parts."""
+    from recsys_trainer.models import DCNClassifier, HSTUEncoder, jagged
+
+    enc = HSTUEncoder(8, num_layers=1, num_heads=2, attention_dim=None, linear_dim=None,
+                      max_tokens=9, time_bias=True, dropout=0.0).to(META)
+    long = torch.long
+    _on_meta(enc(_m(3, 9, 8), _m(3, 9, dtype=long), _m(3, 9, dtype=long)))
+    counts = torch.full((3,), 4, dtype=long, device=META)
+    _on_meta(enc.run_padded(_m(3, 9, 8), counts, _m(3, 9, dtype=long), _m(3, 9, dtype=long), counts - 1))
+    monkeypatch.setattr(jagged, "buckets_of", lambda c, m, p="length": [
+        jagged.Bucket(torch.arange(c.numel(), device=c.device), 8)])
+    _on_meta(enc.run(_m(12, 8), counts, _m(12, dtype=long), _m(12, dtype=long), "length"))
+    dcn = DCNClassifier(["a", "b"], 3, 10, 4, cross="mixture", low_rank=2, num_experts=2,
+                        deep_arch=(4,), structure="parallel").to(META)
+    _on_meta(dcn._logits(_m(5, 3), _m(5, 2, 4)))
+
+
 # ----------------------------------------------------------------------------- retrieval
 
 
@@ -805,8 +834,10 @@ def test_retrieval_metric_hook_evaluates_on_the_device(meta_reads: None, two_met
 def test_retrieval_model_parts_stay_on_the_device(meta_reads: None) -> None:
     """Uniform negatives (training: drawn on the device; evaluation: a fixed draw kept there),
     the item tower's lookup input, the frequency estimate and the logQ of candidates."""
+    from recsys_trainer.models import TwoTowerModel
+    from recsys_trainer.retrieval.candidates import candidate_log_q
     from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
-    from recsys_trainer.retrieval.models import TwoTowerModel, candidate_log_q, items_only_input
+    from recsys_trainer.retrieval.kjt import items_only_input
 
     model = TwoTowerModel(["u"], num_items=50, user_num_embeddings=10, num_uniform_negatives=6,
                           loss="sampled")

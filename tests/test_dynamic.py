@@ -991,7 +991,7 @@ def test_the_merge_of_two_pooled_outputs_is_a_reordering_in_values_and_gradients
 
 
 def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_path: Any) -> None:
-    from recsys_trainer.ranking_models import DINClassifier
+    from recsys_trainer.models import DINClassifier
 
     g = torch.Generator().manual_seed(1)
     data = []

@@ -103,15 +103,16 @@ def test_a_check_the_budget_cannot_fit_is_skipped_not_started(tmp_path: Path,
 
 
 def test_the_real_async_resume_and_serving_checks_pass_on_the_cpu(tmp_path: Path) -> None:
-    """The real ``c.async`` and ``d.dlrm`` through the driver, as a rehearsal runs them (about
-    25 s on two cores). c.async must show that the victim saved through the async path (its
+    """The real ``c.async``, ``d.dlrm`` and ``d.hstu_retrieval`` (the served query vectors of
+    HSTU with its event times) through the driver, as a rehearsal runs them (about 40 s on two
+    cores). c.async must show that the victim saved through the async path (its
     manager in async mode, saves staged before the kill) and resumed bitwise; whether the step
     12 save was still being written at the kill is a race, reported but not asserted."""
     summary = tmp_path / "summary.md"
     a = gc.parse_args(["--device", "cpu", "--summary", str(summary), "--work", str(tmp_path / "w"),
-                       "--only", "c.async,d.dlrm", "--jobs", "2"])
+                       "--only", "c.async,d.dlrm,d.hstu_retrieval", "--jobs", "2"])
     results = {r.name: r for r in gc.drive(a, gc.select(a.only))}
-    c, d = results["c.async"], results["d.dlrm"]
+    c, d, h = results["c.async"], results["d.dlrm"], results["d.hstu_retrieval"]
     assert c.status == "PASS", (c.error, c.figures)
     assert c.figures["victim_async_mode"] is True
     assert c.figures["victim_staged_saves"] >= 2 and c.figures["victim_staged_bytes"] > 0
@@ -121,5 +122,7 @@ def test_the_real_async_resume_and_serving_checks_pass_on_the_cpu(tmp_path: Path
     assert d.status == "PASS", (d.error, d.figures)
     assert d.figures["same_content_hash"] == "yes"
     assert d.figures["live_max_diff"] <= 1e-5 and d.figures["ckpt_cpu_max_diff"] <= 1e-5
+    assert h.status == "PASS", (h.error, h.figures)
+    assert h.figures["live_max_diff"] == 0.0 and h.figures["ckpt_cpu_max_diff"] == 0.0
     lines = _jsonl(summary)
     assert lines["c.async"]["status"] == "PASS" and lines["d.dlrm"]["status"] == "PASS"

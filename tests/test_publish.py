@@ -34,11 +34,12 @@ from recsys_trainer.serving import published as pub
 from recsys_trainer.serving.runtime.follow import Follower
 
 
-def _stream(root: str, windows: int, end: bool = True) -> tuple[StreamingWindows, str]:
-    """``windows`` landed windows (with ``_SUCCESS``) of the DLRM example's data and (``end``)
-    the end marker; returns the stream and a held-out window's file to score."""
+def _stream(root: str, windows: int, end: bool = True, kind: str = "dlrm") -> tuple[StreamingWindows, str]:
+    """``windows`` landed windows (with ``_SUCCESS``) of the ``kind`` example's data (the DLRM
+    example's by default) and (``end``) the end marker; returns the stream and a held-out
+    window's file to score."""
     data = os.path.join(root, "data")
-    files = su.write_data(data, "dlrm", hours=windows + 1)
+    files = su.write_data(data, kind, hours=windows + 1)
     for f in files[:-1]:
         open(os.path.join(os.path.dirname(f), "_SUCCESS"), "w").close()
     held_out = os.path.join(root, "held_out.parquet")
@@ -87,8 +88,8 @@ class _QuietStream(threading.Thread):
         return self.served_at - self.trained_at
 
 
-def _trainer(root: str, stream: StreamingWindows, hooks: list[Any]) -> Trainer:
-    spec, model = su.spec_and_model("dlrm")
+def _trainer(root: str, stream: StreamingWindows, hooks: list[Any], kind: str = "dlrm") -> Trainer:
+    spec, model = su.spec_and_model(kind)
     return Trainer(
         model=model,
         args=TrainingArguments(output_dir=os.path.join(root, "ckpt"), log_steps=1000, seed=0,
@@ -101,7 +102,7 @@ def _trainer(root: str, stream: StreamingWindows, hooks: list[Any]) -> Trainer:
 
 
 def _check_pointer_scores_as_a_full_export(root: str, location: str, fs: Any,
-                                           held_out: str) -> pub.Pointer:
+                                           held_out: str, kind: str = "dlrm") -> pub.Pointer:
     """The pointer's chain, applied in order, scores bitwise as the full export of its step's
     checkpoint, and holds that export's content hash."""
     pointer = pub.read_pointer(location, fs)
@@ -110,7 +111,7 @@ def _check_pointer_scores_as_a_full_export(root: str, location: str, fs: Any,
     scorer = Scorer(base.url, filesystem=fs)
     for d in deltas:
         scorer.apply_delta(d.url, filesystem=fs)
-    spec, model = su.spec_and_model("dlrm")
+    spec, model = su.spec_and_model(kind)
     full = os.path.join(root, f"full-{pointer.step}")
     export_for_serving(os.path.join(root, "ckpt", f"step_{pointer.step:08d}"), full, model=model,
                        features=spec)
@@ -336,6 +337,33 @@ def test_every_n_steps_publishes_at_those_steps_and_the_end_publishes_the_last_o
     hook = PublishHook(os.path.join(root, "published"), every_n_steps=4, background=False)
     _trainer(root, stream, [hook]).train()
     assert [(r.kind, r.step) for r in hook.records] == [("base", 4), ("delta", 8), ("delta", 10)]
+
+
+@pytest.mark.timeout(180)
+def test_hstu_ranking_publishes_and_the_chain_scores_as_a_full_export(tmp_path: Any) -> None:
+    # Exported with its event times read as values; the published chain scores as a full
+    # export of the step (the publisher process gets the model pickled: the test below).
+    root = str(tmp_path)
+    stream, held_out = _stream(root, 2, kind="hstu")
+    hook = PublishHook(os.path.join(root, "published"), every_n_steps=4, background=False)
+    _trainer(root, stream, [hook], kind="hstu").train()
+    # Bases or deltas: a delta bigger than max_delta_fraction of its base (here its dense
+    # program, against tiny tables) is published as a base instead.
+    assert [r.step for r in hook.records] == [4, 8, 10]
+    assert hook.records[0].kind == "base" and {r.kind for r in hook.records} <= {"base", "delta"}
+    _check_pointer_scores_as_a_full_export(root, os.path.join(root, "published"), None, held_out,
+                                           kind="hstu")
+
+
+def test_dcn_and_hstu_pickle_whole_for_the_publisher_process() -> None:
+    from recsys_trainer.models import HSTURetrievalModel
+
+    _, dcn = su.spec_and_model("dcn")  # torchrec's mixture cross network holds torch.relu
+    _, hstu_ranking = su.spec_and_model("hstu")
+    hstu = HSTURetrievalModel(num_items=40, max_len=8, embedding_dim=8)
+    for model in (dcn, hstu_ranking, hstu):
+        copy = pickle.loads(pickle.dumps(model))
+        assert copy.state_dict().keys() == model.state_dict().keys()
 
 
 @pytest.mark.timeout(120)

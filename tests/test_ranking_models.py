@@ -36,8 +36,7 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks import LambdaHook
 from recsys_trainer.hooks.metrics import MetricReportHook
-from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.ranking_models import DINClassifier, MMoEClassifier
+from recsys_trainer.models import DINClassifier, DLRMClassifier, MMoEClassifier
 
 MAX_LEN = 20
 NUM_ITEMS = 2000

@@ -21,6 +21,7 @@ from recsys_trainer.data.generators.interactions_synthetic import (
     oracle_ranks,
     write_dataset,
 )
+from recsys_trainer.models import SASRecModel, TwoTowerModel
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
 from recsys_trainer.retrieval.losses import (
     expected_candidate_log_q,
@@ -28,7 +29,6 @@ from recsys_trainer.retrieval.losses import (
     sampled_softmax_loss,
 )
 from recsys_trainer.retrieval.metrics import Jagged, full_corpus_metrics, sharded_top_k
-from recsys_trainer.retrieval.models import SASRecModel, TwoTowerModel
 
 
 def _manual_softmax(logits: np.ndarray, pos: np.ndarray, masked: np.ndarray) -> np.ndarray:
@@ -333,7 +333,7 @@ def test_both_models_take_each_shared_option_by_name_as_their_callers_and_config
     import inspect
 
     from recsys_trainer.component import ComponentSpec
-    from recsys_trainer.retrieval.base import RetrievalBase, RetrievalOptions
+    from recsys_trainer.models import RetrievalBase, RetrievalOptions
 
     base = inspect.signature(RetrievalBase.__init__).parameters
     for cls in (TwoTowerModel, SASRecModel):
@@ -353,7 +353,7 @@ def test_both_models_take_each_shared_option_by_name_as_their_callers_and_config
     with pytest.raises(TypeError, match=r"^TwoTowerModel.__init__\(\) got an unexpected keyword argument 'tempreature'$"):
         TwoTowerModel(["u"], num_items=5, tempreature=0.2)  # type: ignore[call-arg]
     # A config's `model:` section: an option is a key the model takes, a misspelt one is named.
-    path = "recsys_trainer.retrieval.models.SASRecModel"
+    path = "recsys_trainer.models.SASRecModel"
     ComponentSpec.from_mapping("model", {"class": path, "num_items": 5, "temperature": 0.1}).check()
     with pytest.raises(ValueError, match=r"unknown argument `model.tempreature` for .*SASRecModel .*"
                                          r"its arguments: num_items, .*, temperature, "):
@@ -469,7 +469,7 @@ def test_recent_items_give_the_two_tower_the_order_of_the_history_and_the_mean_a
 
 def test_the_metric_hook_names_what_a_model_lacks_for_full_corpus_evaluation() -> None:
     from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
-    from recsys_trainer.retrieval.models import find_retrieval_model
+    from recsys_trainer.retrieval.protocol import find_retrieval_model
 
     with pytest.raises(TypeError, match=r"need a model with `num_items` and `item_embeddings\(ids\)"):
         find_retrieval_model(torch.nn.Linear(2, 2))

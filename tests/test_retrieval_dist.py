@@ -26,16 +26,11 @@ from recsys_trainer.data.generators.interactions_synthetic import (
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+from recsys_trainer.models import SASRecModel, TwoTowerModel
+from recsys_trainer.retrieval.candidates import count_items, gather_candidates, start_candidates
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
 from recsys_trainer.retrieval.losses import in_batch_softmax_loss
-from recsys_trainer.retrieval.models import (
-    SASRecModel,
-    TwoTowerModel,
-    count_items,
-    find_retrieval_model,
-    gather_candidates,
-    start_candidates,
-)
+from recsys_trainer.retrieval.protocol import find_retrieval_model
 from recsys_trainer.serving import Scorer, export_for_serving
 
 B, D = 6, 8

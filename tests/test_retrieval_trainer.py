@@ -26,8 +26,8 @@ from recsys_trainer.data.generators.interactions_synthetic import (
 from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
+from recsys_trainer.models import SASRecModel, TwoTowerModel
 from recsys_trainer.retrieval.export import export_item_embeddings, read_item_embeddings
-from recsys_trainer.retrieval.models import SASRecModel, TwoTowerModel
 from recsys_trainer.serving import Scorer, export_for_serving
 
 pytestmark = pytest.mark.timeout(300)

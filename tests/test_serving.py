@@ -82,7 +82,7 @@ def test_the_dlrm_example_scores_exactly_as_predict_including_unseen_strings_and
     assert {t["name"]: (t["rows"], t["dim"]) for t in m["tables"]}["t_C1"] == (su.NUM_EMB, 8)
 
 
-@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed"])
+@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed", "dcn", "hstu"])
 def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, tmp_path) -> None:
     case = _train_export(kind, str(tmp_path))
     _check_parity(case)
@@ -100,7 +100,7 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
     if kind == "din":
         # A null candidate: no id in the row. Served: named by column, feature and row (the
         # program's assert holds no row); trained (CPU): named by feature and batch row.
-        from recsys_trainer.ranking_models import check_sequence_lengths
+        from recsys_trainer.models import check_sequence_lengths
 
         row = {k: v for k, v in pq.read_table(case["windows"][-1]).to_pylist()[0].items()
                if k != "label"}

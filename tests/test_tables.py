@@ -283,7 +283,7 @@ def test_an_embedding_dim_not_a_multiple_of_4_is_refused_at_construction_naming_
 
 def test_a_sequence_table_dim_not_a_multiple_of_4_is_refused_at_construction_too(tmp_path: Any) -> None:
     """EmbeddingCollection (``batch.sequence``) tables go through the same FBGEMM kernels."""
-    from recsys_trainer.ranking_models import DINClassifier
+    from recsys_trainer.models import DINClassifier
 
     with pytest.raises(ValueError, match=r"embedding table 't_a' has embedding_dim=6, .* \(2 such "
                                          r"table\(s\): 't_a'=6, 't_item'=6\)\. Give it embedding_dim=8"):

@@ -56,7 +56,7 @@ from recsys_trainer.config.data import (
 )
 from recsys_trainer.config.factory import ConfigError
 from recsys_trainer.config.hooks import BUILTIN_HOOKS, HookConfig
-from recsys_trainer.config.model import MODEL_ALIASES, ClassModelConfig, ModelConfig
+from recsys_trainer.config.model import MODEL_ALIASES, MODEL_CLASSES, ClassModelConfig, ModelConfig
 from recsys_trainer.config.optimizers import (
     DENSE_OPTIMIZER_ALIASES,
     DENSE_OPTIMIZERS,
@@ -87,6 +87,7 @@ __all__ = [
     "HookConfig",
     "LR_SCHEDULER_ALIASES",
     "MODEL_ALIASES",
+    "MODEL_CLASSES",
     "ModelConfig",
     "KafkaDataConfig",
     "ParquetDataConfig",

@@ -18,6 +18,13 @@ from recsys_trainer.validation import check_choice, check_int
 # Short names of ``class:`` values in `model` (import paths work too).
 MODEL_ALIASES = {"dlrm": "recsys_trainer.models.DLRMClassifier"}
 
+MODEL_CLASSES = {name: f"recsys_trainer.models.{cls}" for name, cls in (
+    ("dcn", "DCNClassifier"), ("din", "DINClassifier"), ("mmoe", "MMoEClassifier"),
+    ("two_tower", "TwoTowerModel"), ("sasrec", "SASRecModel"),
+    ("hstu_ranking", "HSTURankingModel"), ("hstu_retrieval", "HSTURetrievalModel"))}
+"""The other bundled models by short name: ``model: {class: dcn, <its arguments>}`` is the class
+at that import path with those arguments (unlike ``dlrm``, nothing is derived from the data)."""
+
 
 def _dynamic_table(key: str, raw: Any) -> DynamicTable:
     """The ``DynamicTable`` that the mapping at config key ``key`` gives by field names
@@ -205,11 +212,14 @@ class ClassModelConfig:
 
 
 def _model_config(raw: Any) -> ModelConfig | ClassModelConfig:
-    """The bundled DLRM (``kind: dlrm`` or ``class: dlrm``) or a model class by import path."""
+    """The bundled DLRM (``kind: dlrm`` or ``class: dlrm``), another bundled model by short
+    name (``MODEL_CLASSES``) or a model class by import path."""
     if not is_component(raw):
         return _build(ModelConfig, "model", raw)
     if raw[CLASS_KEY] in MODEL_ALIASES:
         # The alias keeps the bundled model's config: its schema still comes from the data.
         return _build(ModelConfig, "model", {k: v for k, v in raw.items() if k != CLASS_KEY})
+    if raw[CLASS_KEY] in MODEL_CLASSES:
+        raw = {**raw, CLASS_KEY: MODEL_CLASSES[raw[CLASS_KEY]]}
     return ClassModelConfig(_component("model", raw))
 

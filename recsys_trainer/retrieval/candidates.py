@@ -4,7 +4,7 @@ of candidates. ``torch.fx`` leaves: collectives with per-rank sizes and masks th
 data.
 
 ``torch.fx.wrap`` patches the function in the globals of the module that calls it: a module
-that calls these by name (``retrieval.base``, ``retrieval.models``) registers them again.
+that calls these by name (``models.retrieval_base``, ``models.sasrec``, ...) registers them again.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Each check refuses a malformed batch with a ``ValueError`` naming the row on the
 an asynchronous device assert (no host sync) on any other device.
 
 ``torch.fx.wrap`` patches the function in the globals of the module that calls it: a module
-that calls these by name (``retrieval.base``, ``retrieval.models``) registers them again.
+that calls these by name (``models.retrieval_base``, ``models.sasrec``, ...) registers them again.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The sequence KJTs the retrieval models assemble for their item-table lookups: the batch with
-one more row of ids (uniform negatives, looked up in the same call as the batch) and a KJT of
-items outside a batch (the corpus). ``torch.fx`` leaves: their sizes depend on data.
+one more row of ids (uniform negatives, looked up in the same call as the batch), a KJT of
+items outside a batch (the corpus), and the batch's keys that tables read (``table_input``). ``torch.fx`` leaves: their sizes depend on data.
 
 ``torch.fx.wrap`` patches the function in the globals of the module that calls it: a module
-that calls these by name (``retrieval.base``) registers them again.
+that calls these by name (``models.retrieval_base``) registers them again.
 """
 
 from __future__ import annotations
@@ -51,8 +51,17 @@ def items_only_input(keys: list[str], item_ids: Mapping[str, torch.Tensor]) -> K
         lengths=torch.cat(lengths))
 
 
-for _leaf in ("with_extra_row", "items_only_input"):
+def table_input(sequence: KeyedJaggedTensor, num_table_keys: int) -> KeyedJaggedTensor:
+    """The first ``num_table_keys`` keys of ``sequence``: what the model's tables read, without
+    the keys after them that carry values (event times), not ids of a table. A slice of the
+    key-major values, no copy of the ids; a sharded collection refuses keys it has no table for."""
+    if num_table_keys == len(sequence.keys()):
+        return sequence
+    return sequence.split([num_table_keys, len(sequence.keys()) - num_table_keys])[0]
+
+
+for _leaf in ("with_extra_row", "items_only_input", "table_input"):
     torch.fx.wrap(_leaf)
 
 
-__all__ = ["items_only_input", "with_extra_row"]
+__all__ = ["items_only_input", "table_input", "with_extra_row"]

@@ -31,6 +31,16 @@ gets a user's recent behaviour and a second label, for sequence and multi-task m
 
 ``_signal.json`` then also holds ``oracle_auc_per_label`` (``{"label": ..., "like": ...}``) and
 ``like_rate``. Without ``--behaviour`` the files are exactly as before (same seed, same bytes).
+
+With ``--crosses`` (``write_dataset(..., crosses=CrossSignal.make())``) the click logit also
+holds planted **feature crosses**, for explicit-cross models (DCN-v2): each cross is a tuple of
+categorical columns (two or three); every value of a column belongs to one of ``groups`` hidden
+groups, and the cross adds ``table[g_1, ..., g_k]`` for the row's groups, a table centred along
+every axis. So a cross is a pure interaction: no single column (and, for a three-column cross,
+no pair of them) carries any of it on average; only a model that multiplies the columns'
+embeddings together, to the cross's degree, can learn it. ``_signal.json`` then records the
+crosses and the oracle AUC of the probabilities with them (what no model can beat) and without
+them (``oracle_auc_without_crosses``: what a model blind to the crosses can reach at best).
 """
 
 from __future__ import annotations
@@ -162,21 +172,63 @@ class BehaviourSignal:
         return flat[starts[cats] + pos]
 
 
+@dataclass(frozen=True)
+class CrossSignal:
+    """Planted feature crosses of the click logit (see the module docstring); fixed by
+    ``seed``. ``columns``: per cross, the indices of its categorical columns (0 is ``C1``);
+    ``tables``: per cross, its centred table over the columns' value groups."""
+
+    columns: tuple[tuple[int, ...], ...]
+    groups: int
+    tables: tuple[np.ndarray, ...]
+
+    @staticmethod
+    def make(seed: int = 2026, columns: Sequence[Sequence[int]] = ((0, 1), (2, 3), (4, 5, 6)),
+             groups: int = 4, strength: float = 1.0) -> CrossSignal:
+        cols = tuple(tuple(int(c) for c in cross) for cross in columns)
+        if groups < 2 or not cols or any(
+                len(c) < 2 or len(set(c)) != len(c) or not all(0 <= i < NUM_SPARSE for i in c)
+                for c in cols):
+            raise ValueError(
+                f"each cross must name 2 or more distinct columns in [0, {NUM_SPARSE}) and "
+                f"`groups` must be >= 2, but the crosses are {columns!r} and groups {groups}.")
+        rng = np.random.default_rng(seed)
+        tables = []
+        for cross in cols:
+            t = rng.normal(0.0, strength, size=(groups,) * len(cross))
+            for axis in range(t.ndim):  # centred along every axis: no lower-order part
+                t = t - t.mean(axis=axis, keepdims=True)
+            tables.append(t)
+        return CrossSignal(columns=cols, groups=groups, tables=tuple(tables))
+
+    def term(self, idx: Sequence[np.ndarray]) -> np.ndarray:
+        """The crosses' logit term of rows whose value index per column is ``idx[c]``."""
+        out = np.zeros(len(idx[0]), dtype=np.float64)
+        for cross, table in zip(self.columns, self.tables, strict=True):
+            out += table[tuple(idx[c] % self.groups for c in cross)]
+        return out
+
+
 def generate_hour(signal: CriteoSignal, rows: int, rng: np.random.Generator,
                   first_row_id: int, behaviour: BehaviourSignal | None = None,
                   behaviour_rng: np.random.Generator | None = None,
+                  crosses: CrossSignal | None = None,
                   ) -> tuple[pa.Table, dict[str, np.ndarray]]:
     """One hour of rows and the true probability of each label column (``label``, and ``like``
     with ``behaviour``). ``behaviour_rng`` draws the behaviour columns: the other columns are
-    the same with and without them."""
+    the same with and without them. ``crosses`` add their term to the click logit (no random
+    draw: every column is as without them); the probability without it is returned as
+    ``label_without_crosses``."""
     counts = np.floor(rng.lognormal(mean=1.0, sigma=1.2, size=(rows, NUM_DENSE)))
     logit = np.full(rows, signal.bias, dtype=np.float64)
     logit += np.log1p(counts) @ signal.dense_w
     cols: dict[str, pa.Array] = {}
     shared = np.zeros(rows, dtype=np.float64)  # the categorical scores, which `like` reuses
+    indices = []
     for c, name in enumerate(SPARSE_COLUMNS):
         v = len(signal.vocab[c])
         idx = (rng.zipf(1.2, size=rows) - 1) % v
+        indices.append(idx)
         logit += signal.scores[c][idx]
         shared += signal.scores[c][idx]
         cols[name] = pa.array(signal.vocab[c][idx], type=pa.string())
@@ -184,12 +236,18 @@ def generate_hour(signal: CriteoSignal, rows: int, rng: np.random.Generator,
         brng = behaviour_rng if behaviour_rng is not None else np.random.default_rng()
         seq_cols, term = behaviour.sample(rows, brng)
         logit += term
+    without = None
+    if crosses is not None:
+        without = 1.0 / (1.0 + np.exp(-logit))
+        logit += crosses.term(indices)
     p = 1.0 / (1.0 + np.exp(-logit))
     label = (rng.random(rows) < p).astype(np.int64)
     nulls = rng.random((rows, NUM_DENSE)) < 0.05
     table = {"row_id": pa.array(np.arange(first_row_id, first_row_id + rows, dtype=np.int64)),
              "label": pa.array(label)}
     probs = {"label": p}
+    if without is not None:
+        probs["label_without_crosses"] = without
     if behaviour is not None:
         item = seq_cols["item"].to_numpy()
         q = 1.0 / (1.0 + np.exp(-(behaviour.like_bias + behaviour.like_w * shared
@@ -207,11 +265,13 @@ def generate_hour(signal: CriteoSignal, rows: int, rng: np.random.Generator,
 def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: int = 50_000,
                   seed: int = 0, signal_seed: int = 2024, row_group_size: int = 8192,
                   start: dt.datetime = dt.datetime(2026, 11, 20),
-                  behaviour: BehaviourSignal | None = None) -> dict[str, Any]:
+                  behaviour: BehaviourSignal | None = None,
+                  crosses: CrossSignal | None = None) -> dict[str, Any]:
     """Write ``hours`` hourly windows under ``out``; returns (and writes) ``_signal.json``.
 
-    ``behaviour``: also write the ``item``/``hist_item`` columns and the ``like`` label (see the
-    module docstring); None writes exactly the files of earlier versions."""
+    ``behaviour``: also write the ``item``/``hist_item`` columns and the ``like`` label;
+    ``crosses``: plant feature crosses in the click (see the module docstring). None for both
+    writes exactly the files of earlier versions."""
     if hours < 1 or rows_per_hour < 1:
         raise ValueError(f"`hours` and `rows_per_hour` must be >= 1, but are {hours} and {rows_per_hour}.")
     root = Path(out)
@@ -225,11 +285,12 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: i
         part = root / f"dt={t:%Y-%m-%d}" / f"hour={t:%H}"
         part.mkdir(parents=True, exist_ok=True)
         table, p = generate_hour(signal, rows_per_hour, rng, first_row_id=h * rows_per_hour,
-                                 behaviour=behaviour, behaviour_rng=brng)
+                                 behaviour=behaviour, behaviour_rng=brng, crosses=crosses)
         write_whole(part / "part-0.parquet", table, row_group_size)
         for name, prob in p.items():
             probs.setdefault(name, []).append(prob)
-            labels.setdefault(name, []).append(table.column(name).to_numpy())
+            column = "label" if name == "label_without_crosses" else name
+            labels.setdefault(name, []).append(table.column(column).to_numpy())
     oracle = {}
     for name in probs:
         p_all, y_all = np.concatenate(probs[name]), np.concatenate(labels[name])
@@ -239,8 +300,13 @@ def write_dataset(out: str | os.PathLike[str], hours: int = 12, rows_per_hour: i
     meta: dict[str, Any] = {
         "hours": hours, "rows_per_hour": rows_per_hour, "ctr": float(y_click.mean()),
         "oracle_auc": oracle["label"], "seed": seed, "signal_seed": signal_seed}
+    if crosses is not None:
+        meta.update(crosses=[[SPARSE_COLUMNS[c] for c in cross] for cross in crosses.columns],
+                    cross_groups=crosses.groups,
+                    oracle_auc_without_crosses=oracle["label_without_crosses"])
     if behaviour is not None:
-        meta.update(oracle_auc_per_label=oracle,
+        meta.update(oracle_auc_per_label={k: v for k, v in oracle.items()
+                                          if k != "label_without_crosses"},
                     like_rate=float(np.concatenate(labels["like"]).mean()),
                     num_items=behaviour.num_items, max_len=behaviour.max_len)
     write_signal(root, meta)
@@ -262,7 +328,7 @@ def behaviour_features(num_embeddings: int = 50_000, *, num_items: int = 2000, m
 
     ``sequence=True``: ``item`` (the candidate, one id per row) and ``hist_item`` (its last
     ``max_len`` ids) as sequence features, for an ``EmbeddingCollection`` whose one table both
-    read (``ranking_models.DINClassifier``). ``sequence=False``: no history, ``item`` as a
+    read (``models.DINClassifier``). ``sequence=False``: no history, ``item`` as a
     pooled sparse feature (what a DLRM without the sequence sees). ``labels``: ``("label",)``,
     ``("like",)`` or both (``[B, 2]``, for a multi-task model)."""
     base = criteo_features(num_embeddings)
@@ -275,13 +341,17 @@ def behaviour_features(num_embeddings: int = 50_000, *, num_items: int = 2000, m
 
 
 def ensure_dataset(root: str | os.PathLike[str], hours: int, rows_per_hour: int,
-                   behaviour: BehaviourSignal | None = None) -> dict[str, Any]:
+                   behaviour: BehaviourSignal | None = None,
+                   crosses: CrossSignal | None = None) -> dict[str, Any]:
     """The dataset at ``root``'s ``_signal.json``, rank 0 writing the dataset first if it is
     missing (``generated.written_once``: join the job first). An existing dataset is reused as
     it is: delete it to change its size or its behaviour columns."""
     meta = written_once(root, lambda: write_dataset(root, hours=hours, rows_per_hour=rows_per_hour,
-                                                    behaviour=behaviour),
+                                                    behaviour=behaviour, crosses=crosses),
                         f"{hours} hourly windows x {rows_per_hour} rows")
+    if crosses is not None and "crosses" not in meta:
+        raise ValueError(f"{root} holds a dataset without planted crosses; delete it or pass "
+                         "another directory.")
     if behaviour is not None and "oracle_auc_per_label" not in meta:
         raise ValueError(f"{root} holds a dataset without the behaviour columns (item, hist_item, "
                          "like); delete it or pass another directory.")
@@ -298,14 +368,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="add the item/hist_item behaviour columns and the `like` label")
     ap.add_argument("--max-len", type=int, default=50, help="longest hist_item list (--behaviour)")
     ap.add_argument("--num-items", type=int, default=2000, help="item ids (--behaviour)")
+    ap.add_argument("--crosses", action="store_true",
+                    help="plant feature crosses in the click: C1 x C2, C3 x C4, C5 x C6 x C7")
     a = ap.parse_args(argv)
     behaviour = (BehaviourSignal.make(num_items=a.num_items, max_len=a.max_len)
                  if a.behaviour else None)
-    meta = write_dataset(a.out, a.hours, a.rows_per_hour, a.seed, behaviour=behaviour)
+    meta = write_dataset(a.out, a.hours, a.rows_per_hour, a.seed, behaviour=behaviour,
+                         crosses=CrossSignal.make() if a.crosses else None)
     print(json.dumps(meta))
 
 
-__all__ = ["BehaviourSignal", "CriteoSignal", "DENSE_COLUMNS", "NUM_DENSE", "NUM_SPARSE",
+__all__ = ["BehaviourSignal", "CriteoSignal", "CrossSignal", "DENSE_COLUMNS", "NUM_DENSE", "NUM_SPARSE",
            "SPARSE_COLUMNS", "behaviour_features", "criteo_features", "ensure_dataset",
            "generate_hour", "main", "vocab_sizes", "write_dataset"]
 

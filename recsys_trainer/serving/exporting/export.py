@@ -27,6 +27,9 @@ saves, blocking, so that the export is of a committed step):
         '''The logits forward(batch) returns, from the looked-up embeddings.'''
     def serving_sequence_lengths(self) -> dict[str, int]:   # only with sequence features
         '''L per sequence feature the model reads (its padding length).'''
+    def serving_value_features(self) -> set[str]:           # optional
+        '''Sequence features read as raw values (event times): sequences[f] is then
+        their integers, [B, L] int64, 0-padded, not embeddings.'''
 
 ``serving_logits`` must not call the embedding modules (they are not in the program).
 """
@@ -315,7 +318,9 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
             "inputs": {
                 "dense": spec.num_dense,
                 "pooled": [{"feature": f, "dim": int(v.shape[1])} for f, v in example[1].items()],
+                # A value feature (raw integers, no table: event times) has no dim.
                 "sequences": [{"feature": f, "length": lengths[f], "dim": int(v.shape[2])}
+                              if v.dim() == 3 else {"feature": f, "length": lengths[f], "values": True}
                               for f, v in example[2].items()],
             },
             "outputs": outputs,

@@ -196,6 +196,14 @@ def check_contract(model: nn.Module, has_sequences: bool) -> None:
                         "`serving_sequence_lengths()` (the padded length per feature).")
 
 
+def value_features(model: nn.Module) -> set[str]:
+    """The sequence features ``model``'s ``serving_logits`` reads as raw integer values (event
+    times, ``[B, L]`` int64, zero-padded) instead of embeddings: its optional
+    ``serving_value_features()``; none without it."""
+    f = getattr(model, "serving_value_features", None)
+    return set(f()) if callable(f) else set()
+
+
 def example_inputs(model: nn.Module, spec: FeatureSpec, modules: list[TableModule],
                    lengths: Mapping[str, int]) -> tuple[Any, ...]:
     """Zero inputs of ``serving_logits`` (dense, pooled, sequences, lengths) to trace it with."""
@@ -204,11 +212,18 @@ def example_inputs(model: nn.Module, spec: FeatureSpec, modules: list[TableModul
               for c in tm.configs for f in c.feature_names}
     dims = {f: c.embedding_dim for tm in modules if tm.kind == "sequence" for c in tm.configs
             for f in c.feature_names}
-    missing = sorted(set(lengths) - set(dims))
+    values = value_features(model)
+    missing = sorted(set(lengths) - set(dims) - values)
     if missing:
         raise ValueError(f"serving_sequence_lengths() names {missing}, which no sequence table of "
-                         f"the model reads (they read {sorted(dims)}).")
-    sequences = {f: torch.zeros(b, n, dims[f]) for f, n in lengths.items()}
+                         f"the model reads (they read {sorted(dims)}) and serving_value_features() "
+                         "does not list.")
+    unknown = sorted(values - {q.name for q in spec.sequence})
+    if unknown:
+        raise ValueError(f"serving_value_features() names {unknown}, which are not sequence "
+                         "features of the FeatureSpec.")
+    sequences = {f: torch.zeros(b, n, dtype=torch.int64) if f in values else torch.zeros(b, n, dims[f])
+                 for f, n in lengths.items()}
     lens = {f: torch.full((b,), n, dtype=torch.int64) for f, n in lengths.items()}
     return (torch.zeros(b, spec.num_dense), pooled, sequences, lens)
 

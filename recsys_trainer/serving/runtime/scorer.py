@@ -41,7 +41,7 @@ from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.serving import manifest as mf
 from recsys_trainer.serving import program as dense_program
 from recsys_trainer.serving.delta import apply_table_delta, read_delta
-from recsys_trainer.serving.runtime.tables import FusedLookup, Table
+from recsys_trainer.serving.runtime.tables import FusedLookup, Table, padded_values
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class Scorer:
         self.output_names: list[str] = list(program["outputs"])
         self.activation: str = program["activation"]
         self._lengths = {s["feature"]: int(s["length"]) for s in program["inputs"]["sequences"]}
+        self._values = {s["feature"] for s in program["inputs"]["sequences"] if s.get("values")}
         self._pooled_inputs = [p["feature"] for p in program["inputs"]["pooled"]]
         self.aot_inductor = False
         self._program = self._load_program(program, aot_inductor)
@@ -214,7 +215,8 @@ class Scorer:
     def inputs(self, rows: Rows) -> tuple[torch.Tensor, dict[str, torch.Tensor],
                                           dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The dense program's inputs for ``rows``: dense ``[B, D]``, pooled embeddings per
-        feature ``[B, dim]``, padded sequences ``[B, L, dim]`` and their lengths ``[B]``."""
+        feature ``[B, dim]``, padded sequences ``[B, L, dim]`` (a value feature's integers:
+        ``[B, L]``) and their lengths ``[B]``."""
         table = self._table(rows)
         try:
             chunk = self._decode_spec.decode_chunk(table)
@@ -262,7 +264,9 @@ class Scorer:
         sequences: dict[str, torch.Tensor] = {}
         lengths: dict[str, torch.Tensor] = {}
         for f, (vals, lens) in chunk.sequence_arrays().items():
-            if f in self._lengths:
+            if f in self._values:
+                sequences[f], lengths[f] = padded_values(vals, lens, self._lengths[f], f)
+            elif f in self._lengths:
                 sequences[f], lengths[f] = self._sequence[f].padded(vals, lens, self._lengths[f], f)
         return torch.from_numpy(chunk.dense), pooled, sequences, lengths
 

@@ -133,12 +133,7 @@ class Table:
         ``JaggedTensor.to_padded_dense`` gives the model in training)."""
         lens = _tensor(lengths, np.int64)
         b = len(lens)
-        if b and int(lens.max()) > length:
-            row = int(torch.nonzero(lens > length)[0, 0])
-            raise ValueError(
-                f"row {row} has {int(lens[row])} ids for sequence feature {feature!r}, but the "
-                f"model reads at most {length} (training refuses such a row too); give the "
-                f"SequenceFeature max_len={length}.")
+        _check_length(lens, length, feature)
         out = torch.zeros(b, length, self.dim, dtype=torch.float32)
         n = int(lens.sum())
         if n:
@@ -147,6 +142,31 @@ class Table:
             starts = torch.cumsum(lens, 0) - lens
             out[row_of, torch.arange(n) - starts[row_of]] = self.rows(idx)
         return out, lens
+
+
+def _check_length(lens: torch.Tensor, length: int, feature: str) -> None:
+    if len(lens) and int(lens.max()) > length:
+        row = int(torch.nonzero(lens > length)[0, 0])
+        raise ValueError(
+            f"row {row} has {int(lens[row])} ids for sequence feature {feature!r}, but the "
+            f"model reads at most {length} (training refuses such a row too); give the "
+            f"SequenceFeature max_len={length}.")
+
+
+def padded_values(values: np.ndarray, lengths: np.ndarray, length: int, feature: str,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, length] int64, [B])``: a value feature's integers (event times; no table), each
+    row's in order and zero-padded, as the model's ``serving_value_features`` reads them."""
+    lens = _tensor(lengths, np.int64)
+    _check_length(lens, length, feature)
+    b = len(lens)
+    out = torch.zeros(b, length, dtype=torch.int64)
+    n = int(lens.sum())
+    if n:
+        row_of = torch.repeat_interleave(torch.arange(b), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        out[row_of, torch.arange(n) - starts[row_of]] = _tensor(values, np.int64)
+    return out, lens
 
 
 class FusedLookup:

@@ -1,7 +1,41 @@
-"""What the two retrieval models (``retrieval.models``) share: ``RetrievalBase`` (the item
-and side tables, the user tables, the uniform negatives, the in-batch candidates, the loss and
-the item embeddings of the corpus), the towers' building blocks and ``retrieval_step``, the
-``torch.fx`` leaf that runs everything of a forward after its table lookups.
+"""What the retrieval models (``models.two_tower``, ``models.sasrec``, ``models.hstu``) share:
+``RetrievalBase`` (the item and side tables, the user tables, the uniform negatives, the
+in-batch candidates, the loss and the item embeddings of the corpus), their keyword options and
+``retrieval_step``, the ``torch.fx`` leaf that runs everything of a forward after its table
+lookups. The losses, candidates, checks and lookups' KJTs they call are the retrieval package's
+(``recsys_trainer.retrieval``).
+
+The retrieval models (``TwoTowerModel``, ``SASRecModel``, ``HSTURetrievalModel``) follow the
+model contract (docs/models.md): ``forward(batch)`` returns ``(loss, outputs)`` with a
+functional, padding-safe loss (``retrieval.losses``), and take their ids from
+``batch.sequence`` (an ``EmbeddingCollection``) and ``batch.sparse`` (an
+``EmbeddingBagCollection``). Each has **one item table** (``t_<item_feature>``) read by the
+candidate item and by the history, so both towers embed items in one space; tables are on the
+meta device and sharded by DMP.
+
+``outputs`` is the dict a ``RetrievalModel`` gives its evaluation (``RetrievalMetricHook``):
+``query [B, D]`` (the user embedding), ``target [B]`` (the item that followed), and
+``history_lengths [B]`` / ``history_ids`` (the items already seen, for "exclude the history").
+``item_embeddings(ids)`` embeds any items (the corpus, in evaluation and export); under DMP
+every rank calls it together (the sharded table lookup is a collective).
+
+Negatives (``loss=`` / ``num_uniform_negatives=``): ``"in_batch"`` uses the other rows'
+items, plus ``num_uniform_negatives`` items drawn uniformly from the corpus (*mixed*
+negatives), with the logQ correction from a streaming ``ItemFrequencyEstimator`` (a module of
+the model, so checkpoints carry it); ``cross_rank_negatives=True`` adds the other ranks'
+items (an all-gather whose backward returns every rank's gradient to each rank's items).
+``"sampled"`` is a sampled softmax against the uniform negatives only. ``"full"`` is the full
+softmax: every item of the corpus is a negative (no sampling, no logQ; for a corpus small
+enough that a ``[queries, num_items]`` logit matrix fits); it refuses ``num_uniform_negatives
+> 0`` (a ValueError) rather than ignore it. Uniformly sampled ids (and, with
+``"full"``, the whole corpus) are looked up in the same call as the batch (one more row of the
+sequence KJT), so the item table is read once per step.
+
+The data-dependent parts (checks, collectives with per-rank sizes, the assembled lookup) are
+``torch.fx`` leaves: TorchRec's ``pipeline="sparse_dist"`` traces the forward. The item table
+is pipelined when it reads ``batch.sequence`` unchanged (in-batch negatives only); with
+uniform negatives its input is assembled in the forward and TorchRec runs that lookup
+unpipelined (same results, less overlap).
 
 ``torch.fx.wrap`` patches a function in the globals of the module that calls it, so the leaves
 this module calls by name (checks, KJT builders, candidates) are registered here as well as
@@ -24,8 +58,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from recsys_trainer.batch import Batch
-from recsys_trainer.models import make_tables
-from recsys_trainer.ranking_models import mlp
+from recsys_trainer.models.blocks import make_tables
 from recsys_trainer.retrieval import collectives
 from recsys_trainer.retrieval.candidates import (
     candidate_log_q,
@@ -36,7 +69,7 @@ from recsys_trainer.retrieval.candidates import (
 from recsys_trainer.retrieval.catalog import load_item_catalog
 from recsys_trainer.retrieval.checks import check_history_lengths, check_sequence_keys
 from recsys_trainer.retrieval.frequency import ItemFrequencyEstimator
-from recsys_trainer.retrieval.kjt import items_only_input, with_extra_row
+from recsys_trainer.retrieval.kjt import items_only_input, table_input, with_extra_row
 from recsys_trainer.retrieval.losses import (
     check_temperature,
     in_batch_softmax_loss,
@@ -64,20 +97,12 @@ def retrieval_step(model: Any, batch: Batch, seq: Any, pooled: Any,
 
 
 for _leaf in ("retrieval_step", "check_history_lengths", "check_sequence_keys", "with_extra_row",
-              "items_only_input", "start_candidates", "gather_candidates", "count_items",
+              "items_only_input", "table_input", "start_candidates", "gather_candidates", "count_items",
               "candidate_log_q"):
     torch.fx.wrap(_leaf)
 
 
 # ----------------------------------------------------------------------------- shared parts
-
-
-def tower(sizes: Sequence[int]) -> nn.Sequential:
-    """Linear + ReLU through ``sizes[:-1]``, then a final Linear without activation (the
-    embedding)."""
-    if len(sizes) < 2:
-        raise ValueError(f"a tower needs an input and an output width, but has sizes {list(sizes)}.")
-    return nn.Sequential(mlp(sizes[:-1]), nn.Linear(sizes[-2], sizes[-1]))
 
 
 def user_tables(user_features: Sequence[str], num_embeddings: int | Sequence[int], embedding_dim: int,
@@ -123,13 +148,14 @@ class RetrievalOptions(TypedDict, total=False):
 
 
 class RetrievalBase(nn.Module):
-    """What the two models share: the item (and side) tables, the user tables, the negatives,
-    the loss and the item embeddings of the corpus. The keywords after
-    ``num_uniform_negatives`` are ``RetrievalOptions``, with their defaults."""
+    """What the retrieval models share: the item (and side) tables, the user tables, the
+    negatives, the loss and the item embeddings of the corpus. ``value_features``: keys of
+    ``batch.sequence`` after the tables' that carry values no table reads (event times). The
+    keywords after ``value_features`` are ``RetrievalOptions``, with their defaults."""
 
     def __init__(self, *, num_items: int, history_feature: str | None, user_features: Sequence[str],
                  side_tables: Mapping[str, int], history_side_features: Mapping[str, str],
-                 num_uniform_negatives: int,
+                 num_uniform_negatives: int, value_features: Sequence[str] = (),
                  user_num_embeddings: int | Sequence[int] = 10_000, item_feature: str = "item",
                  item_catalog: str | os.PathLike[str] | Mapping[str, Any] | None = None,
                  item_id_column: str = "item_id", max_len: int = 50, embedding_dim: int = 32,
@@ -180,9 +206,10 @@ class RetrievalBase(nn.Module):
         self.row_id_features: tuple[str, ...] = tuple(names)
         """Features whose ids are table rows (the catalog, the metrics and the export map id i
         to row i): the Trainer makes the datasets refuse to hash them (``data.spec.apply_model_to_specs``)."""
-        if len(set(names)) != len(names):
+        values = list(value_features)
+        if len(set(names + values)) != len(names) + len(values):
             raise ValueError(f"feature names must be distinct, but are {item_features}, "
-                             f"{sorted(side_tables)} and {hist_side}.")
+                             f"{sorted(side_tables)}, {hist_side} and {values}.")
         init = {} if item_init_max is None else {
             "weight_init_min": -item_init_max, "weight_init_max": item_init_max}
         tables = [EmbeddingConfig(name=f"t_{item_feature}", embedding_dim=embedding_dim,
@@ -193,8 +220,11 @@ class RetrievalBase(nn.Module):
                                    feature_names=[name, *([self.history_side_features[name]]
                                                           if name in self.history_side_features else [])])
                    for name, rows in side_tables.items()]
-        self.sequence_keys = names
-        """The keys of ``batch.sequence`` the model reads, in this order."""
+        self.table_keys = names
+        """The keys of ``batch.sequence`` the tables read, in this order."""
+        self.sequence_keys = names + values
+        """The keys of ``batch.sequence`` the model reads, in this order: the tables', then the
+        value features."""
         self.side_features = list(side_tables)
         catalog: dict[str, torch.Tensor] = {}
         if side_tables:
@@ -279,8 +309,9 @@ class RetrievalBase(nn.Module):
         # is one fx leaf, ``retrieval_step``.
         check_sequence_keys(batch.sequence, self.sequence_keys)
         neg_ids = self._uniform_negatives(batch.labels.device)
-        kjt = batch.sequence if neg_ids is None else with_extra_row(
-            batch.sequence, self._item_features(neg_ids))
+        kjt = table_input(batch.sequence, len(self.table_keys))
+        if neg_ids is not None:
+            kjt = with_extra_row(kjt, self._item_features(neg_ids))
         seq = self.items(kjt)
         pooled = self.users(batch.sparse) if self.users is not None else None
         return retrieval_step(self, batch, seq, pooled, neg_ids)
@@ -296,12 +327,12 @@ class RetrievalBase(nn.Module):
     def item_embeddings(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, D]`` embeddings of item ids ``[n]`` (side features from the catalog), as the
         loss scores them. Under DMP every rank calls this together."""
-        seq = self.items(items_only_input(self.sequence_keys, self._item_features(ids)))
+        seq = self.items(items_only_input(self.table_keys, self._item_features(ids)))
         return self._item_vectors(self._by_key(seq), slice(None))
 
     def _by_key(self, out: Any) -> dict[str, JaggedTensor]:
         # Index by key (a sharded collection's output is a lazy dict: no `in`, no iteration).
-        return {k: out[k] for k in self.sequence_keys}
+        return {k: out[k] for k in self.table_keys}
 
     def _history(self, seq: dict[str, JaggedTensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(embeddings [B, L, E], lengths [B])`` of the history, oldest first, left-aligned
@@ -373,6 +404,36 @@ class RetrievalBase(nn.Module):
             negative_ids=negative_ids, negative_log_q=neg_log_q)
 
 
+    def _sequence_loss(self, queries: torch.Tensor, positives: torch.Tensor, positive_ids: torch.Tensor,
+                       weights: torch.Tensor | None, row_items: torch.Tensor, row_ids: torch.Tensor,
+                       row_weights: torch.Tensor | None, negatives: torch.Tensor | None,
+                       negative_ids: torch.Tensor | None) -> torch.Tensor:
+        """Every position's query against its positive and the shared negatives: the batch's
+        target items (``loss="in_batch"``, all ranks' with ``cross_rank_negatives``) and the
+        uniform ones; with ``loss="full"`` every item of the corpus."""
+        if self.loss_kind == "full":
+            assert negatives is not None and negative_ids is not None
+            return sampled_softmax_loss(queries, positives, positive_ids, negatives, negative_ids,
+                                        weights, temperature=self.temperature)
+        cand, cand_ids, cand_valid, _, num_in_batch = self._candidates(row_items, row_ids, row_weights)
+        s = self.num_uniform_negatives
+        parts, ids, weights_n = [], [], []
+        if self.loss_kind == "in_batch":
+            parts, ids, weights_n = [cand], [cand_ids], [cand_valid.to(queries.dtype)]
+        if negatives is not None and negative_ids is not None:
+            parts.append(negatives)
+            ids.append(negative_ids)
+            weights_n.append(torch.ones_like(negative_ids, dtype=queries.dtype))
+        neg, neg_ids = torch.cat(parts), torch.cat(ids)
+        pos_log_q = neg_log_q = None
+        if self.log_q_correction:
+            pos_log_q = candidate_log_q(self.frequency, positive_ids, num_in_batch, s, self.num_items)
+            neg_log_q = candidate_log_q(self.frequency, neg_ids, num_in_batch, s, self.num_items)
+        return sampled_softmax_loss(
+            queries, positives, positive_ids, neg, neg_ids, weights, temperature=self.temperature,
+            positive_log_q=pos_log_q, negative_log_q=neg_log_q,
+            negative_weights=torch.cat(weights_n))
+
 _Init = TypeVar("_Init", bound=Callable[..., None])
 
 
@@ -408,4 +469,4 @@ def takes_retrieval_options(init: _Init) -> _Init:
 
 
 __all__ = ["LossKind", "RetrievalBase", "RetrievalOptions", "retrieval_step",
-           "takes_retrieval_options", "tower", "user_tables"]
+           "takes_retrieval_options", "user_tables"]

@@ -1,12 +1,10 @@
-"""Ranking models beyond the DLRM: DIN-style target attention over a behaviour sequence, and a
-multi-task MMoE (shared-bottom with one expert). Both are DLRMs at heart (torchrec's dense
-arch, pooled tables, pairwise interaction), so each differs from ``models.DLRMClassifier`` only
-by what it adds.
+"""``DINClassifier``: a DLRM plus DIN-style target attention over a behaviour sequence (Zhou
+et al., 2018), and its input check.
 
-Like ``recsys_trainer.models``: ``forward(batch)`` returns ``(loss, logits)``, the loss is
+Like every bundled ranking model: ``forward(batch)`` returns ``(loss, logits)``, the loss is
 functional and honours ``batch.weights`` (zero-weight padding batches contribute nothing), the
 KJTs reach the embedding collections unchanged and there is no data-dependent Python control
-flow in ``forward``, so TorchRec's pipelines can trace them (``pipeline="sparse_dist"``).
+flow in ``forward``, so TorchRec's pipelines can trace it (``pipeline="sparse_dist"``).
 Tables are created on the meta device; ``DistributedModelParallel`` materialises the shards.
 """
 
@@ -22,22 +20,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicTable, dynamic_embedding_collection
-from recsys_trainer.models import (
-    BinaryClassifier,
-    init_last_bias,
-    make_tables,
-    multi_task_bce_with_logits,
-    stack_pooled,
-    weighted_bce_with_logits,
-)
-
-
-def mlp(sizes: Sequence[int]) -> nn.Sequential:
-    """Linear + ReLU layers through ``sizes`` (``sizes[0]`` is the input width)."""
-    layers: list[nn.Module] = []
-    for a, b in zip(sizes[:-1], sizes[1:], strict=True):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers)
+from recsys_trainer.models.blocks import init_last_bias, make_tables, mlp, stack_pooled
+from recsys_trainer.models.losses import BinaryClassifier, weighted_bce_with_logits
 
 
 def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int,
@@ -107,6 +91,7 @@ class DINClassifier(BinaryClassifier):
     num_embeddings=num_items), SequenceFeature(name="hist_item", num_embeddings=num_items,
     max_len=max_len)]``.
     """
+
 
     positions: torch.Tensor
 
@@ -213,88 +198,4 @@ class DINClassifier(BinaryClassifier):
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
 
 
-class MMoEClassifier(BinaryClassifier):
-    """Multi-gate mixture of experts (Ma et al., 2018) on a DLRM bottom: one logit per task.
-
-    The DLRM's dense arch, pooled tables and pairwise interaction make one shared vector; each
-    of ``num_experts`` expert MLPs maps it, each task mixes the experts with its own softmax
-    gate and ends in its own tower. ``num_experts=1`` is the shared-bottom model. Labels:
-    ``batch.labels [B, len(tasks)]`` in ``tasks`` order (``FeatureSpec(labels=tasks)``).
-    Output: logits ``[B, len(tasks)]``; loss: the ``task_weights``-weighted sum of each task's
-    weighted BCE (``models.multi_task_bce_with_logits``).
-    """
-
-    def __init__(
-        self,
-        sparse_features: list[str],
-        num_dense: int,
-        tasks: Sequence[str],
-        *,
-        num_embeddings: int | list[int] = 10_000,
-        embedding_dim: int = 16,
-        dense_arch: tuple[int, ...] = (64,),
-        num_experts: int = 4,
-        expert_arch: tuple[int, ...] = (64, 32),
-        tower_arch: tuple[int, ...] = (16,),
-        task_weights: Sequence[float] | None = None,
-        prior_rates: Sequence[float] | None = None,
-        dense_log1p: bool = False,
-        table_device: str = "meta",
-    ) -> None:
-        super().__init__()
-        self.tasks = list(tasks)
-        if isinstance(tasks, str) or len(self.tasks) < 1 or len(set(self.tasks)) != len(self.tasks):
-            raise ValueError(f"`tasks` must be a list of distinct task (label) names, but is {tasks!r}.")
-        if num_experts < 1:
-            raise ValueError(f"`num_experts` must be >= 1, but is {num_experts}.")
-        self.task_weights = [1.0] * len(self.tasks) if task_weights is None else [float(w) for w in task_weights]
-        if len(self.task_weights) != len(self.tasks) or any(w < 0 for w in self.task_weights):
-            raise ValueError(f"`task_weights` must hold one weight >= 0 per task {self.tasks}, "
-                             f"but is {task_weights!r}.")
-        self.dense_log1p = dense_log1p
-        if dense_arch[-1] != embedding_dim:
-            dense_arch = (*dense_arch, embedding_dim)
-        self.dense_arch = DenseArch(num_dense, list(dense_arch))
-        self.sparse_arch = SparseArch(EmbeddingBagCollection(
-            tables=make_tables(sparse_features, num_embeddings, embedding_dim),
-            device=torch.device(table_device)))
-        f = len(sparse_features)
-        self.interaction = InteractionArch(num_sparse_features=f)
-        width = embedding_dim + f * (f + 1) // 2
-        self.experts = nn.ModuleList(mlp([width, *expert_arch]) for _ in range(num_experts))
-        self.gates = nn.ModuleList(nn.Linear(width, num_experts) for _ in self.tasks)
-        self.towers = nn.ModuleList(
-            nn.Sequential(mlp([expert_arch[-1], *tower_arch]), nn.Linear(tower_arch[-1], 1))
-            for _ in self.tasks)
-        if prior_rates is not None:
-            if len(prior_rates) != len(self.tasks):
-                raise ValueError(f"`prior_rates` must hold one rate per task {self.tasks}, but is {prior_rates!r}.")
-            for tower, rate, task in zip(self.towers, prior_rates, self.tasks, strict=True):
-                init_last_bias(tower, rate, f"the prior rate of task {task!r}")
-
-    def logits(self, batch: Batch) -> torch.Tensor:
-        """``[B, T]`` logits, one column per task."""
-        return self._logits(batch.dense, self.sparse_arch(batch.sparse))
-
-    def serving_logits(self, dense: torch.Tensor, pooled: dict[str, torch.Tensor],
-                       sequences: dict[str, torch.Tensor], lengths: dict[str, torch.Tensor],
-                       ) -> torch.Tensor:
-        """The logits of ``forward`` from looked-up embeddings: the serving contract
-        (``recsys_trainer.serving.exporting.export``)."""
-        return self._logits(dense, stack_pooled(self.sparse_arch, pooled))
-
-    def _logits(self, dense: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        """After the lookups (``embedded``: ``[B, F, D]``): the part training and serving share."""
-        dense = torch.log1p(dense.clamp_min(0)) if self.dense_log1p else dense
-        shared = self.interaction(self.dense_arch(dense), embedded)
-        experts = torch.stack([e(shared) for e in self.experts], dim=1)  # [B, E, H]
-        out = []
-        for gate, tower in zip(self.gates, self.towers, strict=True):
-            mix = torch.softmax(gate(shared), dim=-1).unsqueeze(1)  # [B, 1, E]
-            out.append(tower(torch.bmm(mix, experts).squeeze(1)))
-        return torch.cat(out, dim=1)
-
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.logits(batch)
-        loss = multi_task_bce_with_logits(logits, batch.labels, batch.weights, self.task_weights)
-        return loss, logits.detach()
+__all__ = ["DINClassifier", "TargetAttention", "check_sequence_lengths"]
