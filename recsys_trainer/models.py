@@ -19,6 +19,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable, pooled_collection
+from recsys_trainer.table_precision import data_type
 
 BINARY_LABELS: tuple[float, float] = (0.0, 1.0)
 """What a logistic loss accepts (click-style labels: 0/1, or a rate): ``check_binary_labels``
@@ -154,19 +155,29 @@ def make_tables(
     num_embeddings: int | list[int],
     embedding_dim: int,
     init: TableInit | Mapping[str, TableInit] | None = None,
+    dtype: str | Mapping[str, str] | None = None,
 ) -> list[EmbeddingBagConfig]:
     """One table ``t_<feature>`` per feature. ``init``: one initialiser for every table, or
-    ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init)."""
+    ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init).
+    ``dtype``: the weights' precision (``"fp32"``, ``"fp16"``, ``"bf16"``; torchrec's
+    ``data_type``), one for every table or ``{table name: precision}`` (others fp32)."""
     sizes = num_embeddings if isinstance(num_embeddings, list) else [num_embeddings] * len(feature_names)
     names = [f"t_{f}" for f in feature_names]
     inits = dict(init) if isinstance(init, Mapping) else dict.fromkeys(names, init)
     unknown = sorted(set(inits) - set(names))
     if unknown:
         raise ValueError(f"`init` names tables {unknown} that do not exist; the tables are {names}.")
+    dtypes = dict(dtype) if isinstance(dtype, Mapping) else dict.fromkeys(names, dtype or "fp32")
+    unknown = sorted(set(dtypes) - set(names))
+    if unknown:
+        raise ValueError(f"`embedding_dtype` names tables {unknown} that do not exist; the tables "
+                         f"are {names}.")
     return [
         EmbeddingBagConfig(
             name=name, embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f],
             init_fn=inits.get(name),
+            data_type=data_type(dtypes.get(name, "fp32"), f"embedding_dtype[{name!r}]"
+                                if isinstance(dtype, Mapping) else "embedding_dtype"),
         )
         for name, f, n in zip(names, feature_names, sizes, strict=True)
     ]
@@ -238,6 +249,7 @@ class DLRMClassifier(nn.Module):
         prior_ctr: float | None = None,
         dynamic: DynamicTable | Mapping[str, DynamicTable] | None = None,
         embedding_init: TableInit | Mapping[str, TableInit] | None = None,
+        embedding_dtype: str | Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         # Count-valued dense inputs (Criteo's I1..I13) span orders of magnitude; log1p is the
@@ -254,7 +266,7 @@ class DLRMClassifier(nn.Module):
         sizes = _table_sizes(sparse_features, num_embeddings, specs)
         # A table per feature, ``t_<feature>``: ``dynamic`` by feature name is by table name.
         ebc = pooled_collection(
-            make_tables(sparse_features, sizes, embedding_dim, embedding_init),
+            make_tables(sparse_features, sizes, embedding_dim, embedding_init, embedding_dtype),
             {f"t_{f}": spec for f, spec in specs.items()}, device=torch.device(table_device))
         self.dlrm = DLRM(
             embedding_bag_collection=ebc,  # type: ignore[arg-type]  # dynamic: EBC look-alikes
