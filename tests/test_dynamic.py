@@ -387,9 +387,10 @@ def test_the_history_is_bounded_keeps_the_most_seen_ids_and_counts_the_dropped(
     t = build(str(tmp_path), spec, [batch])
     t.train()
     m: Any = mc_modules(t.model)["t_u"]
-    # 62 distinct ids into a history of 2 x 8 entries: coalesced, the 8 most seen kept.
-    assert m._input_history_buffer_size == 16
-    assert table_memory(t.model)["t_u"]["history"] == 16 * 16
+    # 62 distinct ids into a history of 8 waiting ids (and room for 8 sightings): coalesced,
+    # the 8 most seen kept. Its bytes: 8 int64 ids and float32 counts, 8 more int64 ids.
+    assert m._input_history_buffer_size == 16 and m._history_keep == 8
+    assert table_memory(t.model)["t_u"]["history"] == 8 * (8 + 4) + 8 * 8
     assert table_stats(t.model)["t_u"]["dropped"] == 62 - 8
     assert sorted(resident_ids(t, "t_u")[0].tolist()) == [y, z]
 
