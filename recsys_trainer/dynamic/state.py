@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
