@@ -126,7 +126,7 @@ def test_bad_dynamic_settings_name_the_field_and_the_fix(tmp_path: Any) -> None:
     # The measured defaults (docs/dynamic.md): a pass every max(2048, num_slots) rows.
     d = DynamicTable(num_slots=1600)
     assert (d.eviction_policy, d.eviction_interval_rows, d.eviction_interval, d.history_slots,
-            d.fallback_rows, d.admission_threshold) == ("decayed_lfu", 2048, None, 800, 1, 2.0)
+            d.fallback_rows, d.admission_threshold) == ("decayed_lfu", 2048, None, 200, 1, 2.0)
     assert DynamicTable(num_slots=10_000).eviction_interval_rows == 10_000
     assert DynamicTable(num_slots=8, eviction_interval=5).eviction_interval_rows is None
 

@@ -12,7 +12,7 @@ import serving_utils as su
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
-KINDS = ("dynamic", "mixed", "dlrm")
+KINDS = ("dynamic", "mixed_fp16", "dlrm")  # mixed_fp16: hashed and dynamic tables, fp16 and fp32
 
 
 def _train_predict_export(root: str) -> dict[str, Any]:

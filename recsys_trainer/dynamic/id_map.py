@@ -331,16 +331,16 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             return
         # Resident ids are counted in place; only the others wait in the history. Every op
         # here runs per table and forward: on small batches the cost is the number of ops,
-        # not their size. Positions of ids without a row point at another slot: they add 0 to
-        # its count and max it with 0 (iterations are positive), so no compaction of the found
-        # positions is needed.
+        # not their size. Ids without a row are counted on the map's last entry instead of
+        # their own: it is always empty (a protected fallback slot, which is never ranked,
+        # expired, exported or re-routed), so the found positions need no compaction, and a
+        # count and a last access take one op each.
         pos, found = self._lookup(v)
         missing = found.logical_not()
         _set_plain(self, "_lookup_cache", (v, pos, found, missing))
-        counts, last = m._mch_counts, m._mch_last_access_iter
-        m._mch_counts.index_add_(0, pos, found.to(counts.dtype), alpha=COUNT_ONE)
-        # The forward count only grows: the last access of every id seen is this one.
-        last.scatter_reduce_(0, pos, found.to(last.dtype).mul_(m._current_iter), "amax")
+        seen = pos.masked_fill(missing, m._zch_size - 1)
+        m._mch_counts.index_put_((seen,), self._count_one, accumulate=True)
+        m._mch_last_access_iter.index_fill_(0, seen, m._current_iter)
         self._record(v.masked_select(missing))
 
     def _end_forward(self) -> None:
@@ -650,6 +650,9 @@ def compact_map(m: Any) -> None:
         buf = torch.zeros(m._zch_size, dtype=dtype, device=slots.device)
         m.register_buffer("_mch_" + name, buf)
         m._mch_metadata[name] = buf
+    # One sighting, as the value ``_observe`` adds (a buffer: it moves with the map).
+    m.register_buffer("_count_one", torch.tensor(COUNT_ONE, dtype=COUNT_DTYPE,
+                                                 device=slots.device), persistent=False)
 
 
 def _allocate_history(m: Any, keep: int) -> None:
