@@ -49,7 +49,7 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def worker(kind: str, dtype: str, dim: int, slots: int) -> dict[str, Any]:
+def worker(kind: str, dtype: str, dim: int, slots: int, steps: int) -> dict[str, Any]:
     """One configuration in this (fresh) process: memory growth and the accounted parts."""
     import torch
     import torch.distributed as dist
@@ -74,8 +74,8 @@ def worker(kind: str, dtype: str, dim: int, slots: int) -> dict[str, Any]:
                            dynamic=spec, embedding_dtype=dtype)
     dmp = shard_model(model, SparseOptimizer("rowwise_adagrad", lr=0.05), torch.device("cpu"))
     # Enough distinct ids that the dynamic table's history fills (and is coalesced) and its
-    # map fills; each batch is large enough to build the bucket index.
-    steps = max(4, -(-4 * slots // BATCH_IDS))
+    # map fills; each batch is large enough to build the bucket index. The same number of
+    # steps at both sizes (the step's own allocations then cancel out).
     space = ID_SPACE - 1 if spec else slots
     for _ in range(steps):
         ids = torch.randint(0, space, (BATCH_IDS,), generator=g)
@@ -94,28 +94,33 @@ def worker(kind: str, dtype: str, dim: int, slots: int) -> dict[str, Any]:
         parts["passes"] = maps[0].counters["passes"]
         parts["dropped"] = maps[0].counters["dropped"]
     else:
-        tbe = _hashed_tbe(dmp)
-        parts = {"rows": int(tbe.split_embedding_weights()[0].nbytes),
-                 "optimizer": int(sum(s.nbytes for s in tbe.split_optimizer_states()[0]))}
+        parts = _hashed_parts(dmp)
     dist.destroy_process_group()
     return {"growth": after - before, "parts": parts}
 
 
-def _hashed_tbe(dmp: Any) -> Any:
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
+def _hashed_parts(dmp: Any) -> dict[str, int]:
+    """The hashed table's weights and fused optimizer state (this rank's shards), in bytes."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    for m in dmp.modules():
-        if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen):
-            return m
-    raise RuntimeError("no table-batched module in the model")
+    def nbytes(t: Any) -> int:
+        if isinstance(t, ShardedTensor):
+            return sum(int(s.tensor.nbytes) for s in t.local_shards())
+        return int(t.nbytes)
+
+    rows = sum(nbytes(v) for k, v in dmp.state_dict().items()
+               if ".embedding_bags." in k and k.endswith(".weight"))
+    state = dmp.fused_optimizer.state_dict()["state"]
+    optim = sum(nbytes(v) for entry in state.values() for v in entry.values()
+                if isinstance(v, ShardedTensor | torch.Tensor))
+    return {"rows": rows, "optimizer": optim}
 
 
-def run(kind: str, dtype: str, dim: int, slots: int) -> dict[str, Any]:
+def run(kind: str, dtype: str, dim: int, slots: int, steps: int) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, __file__, "--worker", kind, dtype, str(dim), str(slots)],
+        [sys.executable, __file__, "--worker", kind, dtype, str(dim), str(slots), str(steps)],
         env=env, capture_output=True, text=True, timeout=900, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{kind} {dtype} dim {dim} slots {slots} failed:\n{out.stderr[-3000:]}")
@@ -130,7 +135,8 @@ def accounted_row(kind: str, dtype: str, dim: int, slots: int) -> tuple[dict[str
     if dtype == "bf16":  # refused on CPU: fp16's parts with bf16's (equal) value size
         small, _ = accounted_row(kind, "fp16", dim, slots)
         return small, None
-    a, b = run(kind, dtype, dim, slots), run(kind, dtype, dim, 2 * slots)
+    steps = max(4, -(-8 * slots // BATCH_IDS))  # 4 batches of ids per slot of the larger table
+    a, b = run(kind, dtype, dim, slots, steps), run(kind, dtype, dim, 2 * slots, steps)
     per = {k: float(b["parts"].get(k, 0)) / (2 * slots) for k in PART_NAMES}
     measured = (b["growth"] - a["growth"]) / slots
     return per, measured
@@ -138,15 +144,15 @@ def accounted_row(kind: str, dtype: str, dim: int, slots: int) -> tuple[dict[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", nargs=4, metavar=("KIND", "DTYPE", "DIM", "SLOTS"))
+    ap.add_argument("--worker", nargs=5, metavar=("KIND", "DTYPE", "DIM", "SLOTS", "STEPS"))
     ap.add_argument("--quick", action="store_true", help="dims 16 and 64, 100,000 slots")
     ap.add_argument("--slots", type=int, default=200_000)
     ap.add_argument("--dims", type=int, nargs="+", default=[8, 16, 64, 128])
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.worker:
-        kind, dtype, dim, slots = a.worker
-        print(json.dumps(worker(kind, dtype, int(dim), int(slots))))
+        kind, dtype, dim, slots, steps = a.worker
+        print(json.dumps(worker(kind, dtype, int(dim), int(slots), int(steps))))
         return
     if a.quick:
         a.dims, a.slots = [16, 64], 100_000
