@@ -26,15 +26,18 @@ from recsys_trainer.checkpoint.dynamic_export import (
 from recsys_trainer.data.generators.id_stream import IdStream
 from recsys_trainer.dynamic import (
     COUNT_ONE,
+    MEMORY_PARTS,
     EMPTY_SLOT,
     ID_SPACE,
     DynamicEmbeddingBagCollection,
     DynamicShardedMaps,
     DynamicTable,
     MixedEmbeddingBagCollection,
+    bookkeeping_per_slot,
     dynamic_collections,
     fallback_index,
     id_map,
+    map_memory,
     mc_modules,
     mix_ids,
     shard_of,
@@ -393,6 +396,31 @@ def test_the_history_is_bounded_keeps_the_most_seen_ids_and_counts_the_dropped(
     assert table_memory(t.model)["t_u"]["history"] == 8 * (8 + 4) + 8 * 8
     assert table_stats(t.model)["t_u"]["dropped"] == 62 - 8
     assert sorted(resident_ids(t, "t_u")[0].tolist()) == [y, z]
+
+
+def test_a_dynamic_tables_bookkeeping_is_at_most_24_bytes_a_slot_counted_from_its_tensors(
+        tmp_path: Any) -> None:
+    # ~1,200 u ids a batch: the bucket index of large lookups is built and counted too.
+    data = list_batches([400] * 3, num_ids=9000, max_len=6, seed=3)
+    t = build(str(tmp_path), DynamicTable(num_slots=4096), data)
+    t.train()
+    m: Any = mc_modules(t.model)["t_u"]
+    parts = map_memory(m)
+    assert parts["index"] > 0 and parts["history"] > 0
+    # Every tensor of the map counted once, in one part ...
+    tensors = {id(b): b for b in m.buffers()} | {id(m._history_accumulator): m._history_accumulator}
+    assert sum(parts.values()) == sum(x.nbytes for x in tensors.values())
+    # ... the map and the policy from their element sizes, per slot ...
+    slots = int(m._zch_size)
+    per_slot = m._mch_sorted_raw_ids.element_size() + m._mch_remapped_ids_mapping.element_size() \
+        + sum(b.element_size() for b in m._mch_metadata.values())
+    assert parts["id_map"] + parts["policy"] == slots * per_slot
+    # ... and the history bounded: its waiting ids and counts, room for as many sightings.
+    keep = m._history_keep
+    assert keep == 4096 // 8 and parts["history"] == keep * (2 * 8 + 4)
+    assert bookkeeping_per_slot(m) <= 24.0, parts
+    assert table_memory(t.model)["t_u"]["total"] == sum(
+        table_memory(t.model)["t_u"][k] for k in MEMORY_PARTS)
 
 
 def test_ids_without_a_row_read_their_fallback_row_which_trains_and_the_export_serves(

@@ -658,7 +658,8 @@ def compact_map(m: Any) -> None:
 def _allocate_history(m: Any, keep: int) -> None:
     """``decayed_lfu``'s history on one shard: ``keep`` waiting ids with their float32 counts,
     and room for as many new sightings (ids alone) before they are coalesced."""
-    m._history_accumulator = torch.empty(2 * keep, dtype=torch.int64, device=m.device)
+    # Zeros, not empty: the buffer is resident from the start, as table_memory counts it.
+    m._history_accumulator = torch.zeros(2 * keep, dtype=torch.int64, device=m.device)
     counts = torch.zeros(keep, dtype=COUNT_DTYPE, device=m.device)
     m.register_buffer("_history_counts", counts, persistent=False)
     m._history_metadata = {"counts": counts}
