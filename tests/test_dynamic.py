@@ -26,9 +26,9 @@ from recsys_trainer.checkpoint.dynamic_export import (
 from recsys_trainer.data.generators.id_stream import IdStream
 from recsys_trainer.dynamic import (
     COUNT_ONE,
-    MEMORY_PARTS,
     EMPTY_SLOT,
     ID_SPACE,
+    MEMORY_PARTS,
     DynamicEmbeddingBagCollection,
     DynamicShardedMaps,
     DynamicTable,
