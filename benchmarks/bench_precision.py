@@ -18,6 +18,13 @@ half-precision value does not had its update rounded away. Printed: that share o
 elements, all rows and the rows visited >= 10,000 times; and what it costs: each table's
 distance to the targets (RMS over the rows visited so far, and over the 100 most visited),
 half precision against float32.
+
+Then the step: one table-batched module of ``--speed-tables`` tables x ``--speed-rows`` rows x
+``--speed-dim`` in float32 and one in ``--dtype`` (the same fused row-wise Adagrad), a forward
+and a backward (the fused update) of batches of 2,048 rows, one Zipf id per table and row;
+the two alternate, ``--speed-rounds`` rounds of 10 steps each. Printed: the median and the
+fastest round's step time, and the half-precision one as a multiple of float32's (the fastest
+rounds are the least disturbed by other jobs on a shared host).
 """
 
 from __future__ import annotations
@@ -64,9 +71,13 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"))
     ap.add_argument("--noise", type=float, default=0.1, help="sd of the label noise")
+    ap.add_argument("--speed-tables", type=int, default=26)
+    ap.add_argument("--speed-rows", type=int, default=100_000)
+    ap.add_argument("--speed-dim", type=int, default=64)
+    ap.add_argument("--speed-rounds", type=int, default=20)
     a = ap.parse_args()
     if a.quick:
-        a.steps = 2_000
+        a.steps, a.speed_rows, a.speed_rounds = 2_000, 10_000, 6
     torch.set_num_threads(1)
     print(f"# bench_precision\n\n{platform.machine()}, {os.cpu_count()} cores, load average "
           f"{os.getloadavg()[0]:.1f}; {a.rows:,} rows x {a.dim}, row-wise Adagrad lr {a.lr}, "
@@ -114,6 +125,50 @@ def main() -> None:
                   f"{rms(wh, targets, seen):.5f} / {rms(wf, targets, seen):.5f} | "
                   f"{rms(wh, targets, top):.5f} / {rms(wf, targets, top):.5f} |", flush=True)
         np.add.at(visits, ids.numpy(), 1)
+    speed(a)
+
+
+def speed(a: argparse.Namespace) -> None:
+    """The fused forward and backward of a half-precision table against a float32 one."""
+    import statistics
+    import time
+
+    rows, tables, dim, batch = a.speed_rows, a.speed_tables, a.speed_dim, 2048
+    rng = np.random.default_rng(1)
+    p = 1.0 / np.arange(1, rows + 1) ** 1.05
+    p /= p.sum()
+    batches = [torch.from_numpy(rng.choice(rows, size=(tables, batch), p=p)) for _ in range(10)]
+    offsets = torch.arange(tables * batch + 1)
+    mods = {}
+    for dt in ("fp32", a.dtype):
+        mods[dt] = SplitTableBatchedEmbeddingBagsCodegen(
+            [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)] * tables,
+            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, weights_precision=SparseType(dt),
+            learning_rate=0.01, eps=1e-8)
+    rounds: dict[str, list[float]] = {dt: [] for dt in mods}
+
+    def run(m: SplitTableBatchedEmbeddingBagsCodegen) -> float:
+        t0 = time.perf_counter()
+        for ids in batches:
+            # Table-major ids, as a KJT gives them: each table's ids are its rows' own.
+            m(ids.reshape(-1), offsets).sum().backward()
+        return (time.perf_counter() - t0) / len(batches)
+
+    for m in mods.values():
+        run(m)  # warm-up
+    for r in range(a.speed_rounds):
+        for dt in (list(mods) if r % 2 == 0 else list(mods)[::-1]):
+            rounds[dt].append(run(mods[dt]))
+    print(f"\nStep of one table-batched module, {tables} tables x {rows:,} x {dim}, batch "
+          f"{batch}, row-wise Adagrad, forward + backward, {a.speed_rounds} alternating rounds "
+          f"(load average {os.getloadavg()[0]:.1f}):\n")
+    print("| precision | median ms | fastest round ms | median x fp32 | fastest x fp32 |")
+    print("|---|---|---|---|---|")
+    base = (statistics.median(rounds["fp32"]), min(rounds["fp32"]))
+    for dt, ts in rounds.items():
+        med, best = statistics.median(ts), min(ts)
+        print(f"| {dt} | {1e3 * med:.2f} | {1e3 * best:.2f} | {med / base[0]:.3f} | "
+              f"{best / base[1]:.3f} |")
 
 
 if __name__ == "__main__":
