@@ -507,8 +507,8 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             _set_plain(self, "_lookup_cache", None)  # the map changes
             uniq, counts = self._coalesce(store=False)
             policy.last_admitted = 0
-            # Ids that did not get a row wait for the next pass with their decayed count.
-            # (Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.)
+            # Ids that did not get a row wait for the next pass with their decayed count,
+            # rounded down to whole COUNT_ONE units (an id seen once reaches 0, and leaves).
             kept = counts.double().mul_(policy.factor).floor_().to(counts.dtype)
             keep = kept > 0
             # Only ids at the threshold can take a row; the ranking of the others with the
