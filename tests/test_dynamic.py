@@ -1050,6 +1050,49 @@ def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_p
 
 # ---------------------------------------------------------------------------- checkpoints
 
+def test_a_map_saved_in_torchrecs_int64_layout_loads_into_the_compact_map(tmp_path: Any) -> None:
+    """Checkpoints from before the compact map hold the map as int64 buffers (slots, counts in
+    COUNT_ONE units, last access) and a format-2 history (every entry with an int64 count, up
+    to twice ``history_slots``): they load, with the same values in the compact dtypes, and
+    the history coalesced into one entry per id."""
+    from recsys_trainer.dynamic import DynamicTablesState
+
+    data = IdStream(FEATS, 400).batches(6, 64, seed=0)
+    spec = DynamicTable(num_slots=64, eviction_interval_rows=128, history_slots=16)
+    t = build(str(tmp_path / "a"), spec, data)
+    t.train()
+    m: Any = mc_modules(t.model)["t_u"]
+    wide = {k: (v.long() if k in ("_mch_remapped_ids_mapping", "_mch_counts",
+                                  "_mch_last_access_iter") else v.clone())
+            for k, v in m.state_dict().items()}
+    assert wide["_mch_counts"].dtype == torch.int64 and int(wide["_mch_counts"].max()) > 0
+    saved = DynamicTablesState(t.model, 1).state_dict()
+    old = {**saved, "format": 2, "tables": {}}
+    for name, st in saved["tables"].items():
+        ids, counts = st["history"], st["history_metadata"]["counts"]
+        # Format 2's buffer: its entries all counted (int64), an id possibly twice.
+        old["tables"][name] = {**{k: v for k, v in st.items() if k != "waiting"},
+                               "history": torch.cat([ids, ids[:3]]),
+                               "history_metadata": {"counts": torch.cat([counts, counts[:3]]).long()},
+                               "used": int(ids.numel()) + 3}
+    fresh = build(str(tmp_path / "b"), spec, data)
+    n: Any = mc_modules(fresh.model)["t_u"]
+    n.load_state_dict(wide)
+    n.validate_state()
+    for k, v in m.state_dict().items():
+        assert n.state_dict()[k].dtype == v.dtype and torch.equal(n.state_dict()[k], v), k
+    DynamicTablesState(fresh.model, 1).load_state_dict(old)
+    ids, counts = n._history_sightings()
+    assert torch.equal(ids, torch.unique(saved["tables"]["t_u"]["history"]))
+    expect = {int(i): 0.0 for i in ids}
+    for i, c in zip(old["tables"]["t_u"]["history"].tolist(),
+                    old["tables"]["t_u"]["history_metadata"]["counts"].tolist(), strict=True):
+        expect[i] += c
+    assert counts.tolist() == [expect[int(i)] for i in ids]
+    fresh.train()  # and it trains on
+    assert table_stats(fresh.model)["t_u"]["passes"] > 0
+
+
 def test_a_checkpoint_of_the_former_format_resumes_and_a_changed_policy_is_named(
         tmp_path: Any) -> None:
     from recsys_trainer.dynamic import DynamicTablesState
