@@ -1,7 +1,7 @@
 """Dynamic vs hashed tables on a churny stream: AUC at equal rows and at equal bytes, step time.
 
     python benchmarks/bench_dynamic.py [--quick] [--seeds 0 1 2] [--slots 1600] [--dim 16]
-        [--set eviction_interval=100 ...]   # DynamicTable fields (default: its defaults)
+        [--dtype fp32|fp16] [--set eviction_interval=100 ...]   # DynamicTable fields
 
 Data (``recsys_trainer.data.generators.id_stream.ChurnStream``): windows ("hours") of rows with a
 ``user`` id (20k ids, Zipf 1.05, stable) and an ``item`` id (20k ids that appear and fade:
@@ -12,15 +12,16 @@ slots. Protocol (streaming): train on window ``w``, then score a held-out sample
 ``w + 1`` (rows never trained on); AUC pooled over those samples. The oracle AUC scores the same
 rows by their true logit.
 
-Models: the bundled DLRM (dim ``--dim``, 16 by default, fused row-wise Adagrad lr 0.05, Adam 3e-3
-on the dense part), one process, batch 512:
+Models: the bundled DLRM (dim ``--dim``, 16 by default, tables stored in ``--dtype``, fused
+row-wise Adagrad lr 0.05, Adam 3e-3 on the dense part), one process, batch 512:
 
 - ``dynamic``: ``DynamicTable(num_slots=--slots, **--set)``;
 - ``hashed_rows``: ids hashed into ``--slots`` rows (same rows);
 - ``hashed_bytes``: ids hashed into as many rows as fit in the dynamic table's **bytes**
   (``recsys_trainer.dynamic.table_memory``, measured after the dynamic model's first step: the
   rows and their optimizer state, the id map with the policy's per-slot metadata, the id
-  history as allocated), at 4 * dim + 4 bytes per hashed row (weights, row-wise Adagrad).
+  history as allocated, the bucket index if built), at ``itemsize * dim + 4`` bytes per
+  hashed row (weights in ``--dtype``, row-wise Adagrad's float32).
   With ``--full``, also ``hashed_large`` (2 x ``--ids`` rows per table, few collisions: the
   reference for rows whose ids the dynamic table does not hold).
 
@@ -54,6 +55,8 @@ from recsys_trainer.batch import Batch
 from recsys_trainer.data.generators.id_stream import ChurnStream
 from recsys_trainer.data.hashing import stable_hash_ints
 from recsys_trainer.dynamic import (
+    BOOKKEEPING,
+    MEMORY_PARTS,
     DynamicTable,
     end_window,
     is_resident,
@@ -62,6 +65,7 @@ from recsys_trainer.dynamic import (
 )
 from recsys_trainer.metrics import weighted_auc
 from recsys_trainer.models import DLRMClassifier
+from recsys_trainer.table_precision import TORCH_DTYPES
 
 FEATS = ("user", "item")
 
@@ -78,10 +82,12 @@ def hashed(batches: list[Batch], rows: int) -> list[Batch]:
     return out
 
 
-def make(rows: int, spec: DynamicTable | None, out: str, dim: int = 16) -> Trainer:
+def make(rows: int, spec: DynamicTable | None, out: str, dim: int = 16,
+         dtype: str = "fp32") -> Trainer:
     torch.manual_seed(0)
     model = DLRMClassifier(list(FEATS), 4, num_embeddings=rows, embedding_dim=dim,
-                           dense_arch=(32,), over_arch=(32, 1), dynamic=spec)
+                           dense_arch=(32,), over_arch=(32, 1), dynamic=spec,
+                           embedding_dtype=dtype)
     return Trainer(model=model, args=TrainingArguments(output_dir=out, log_steps=10**9),
                    dense_optimizers=(lambda p: torch.optim.Adam(p, lr=3e-3), None),
                    sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.05),
@@ -129,19 +135,19 @@ def run_seed(a: argparse.Namespace, seed: int, spec: DynamicTable) -> dict[str, 
     train = [stream.window(w, a.batches, a.batch_size, seed=1) for w in range(a.windows)]
     held_out = [stream.window(w, a.eval_batches, a.batch_size, seed=2) for w in range(1, a.windows)]
     out = os.path.join(a.out, f"seed{seed}")
-    dyn = make(spec.num_slots, spec, out + "/d", a.dim)
+    dyn = make(spec.num_slots, spec, out + "/d", a.dim, a.dtype)
     first = train[0][0]
     times: dict[str, list[float]] = {"dynamic": [train_step(dyn, first)], "hashed_bytes": []}
     cpu: dict[str, list[float]] = {"dynamic": [], "hashed_bytes": []}
     mem = table_memory(dyn.model)
     dyn_bytes = max(m["total"] for m in mem.values())
-    per_row = 4 * a.dim + 4
+    per_row = TORCH_DTYPES[a.dtype].itemsize * a.dim + 4
     rows = {"dynamic": spec.num_slots, "hashed_rows": spec.num_slots,
             "hashed_bytes": dyn_bytes // per_row}
     if a.full:
         rows["hashed_large"] = 2 * a.ids
-    trainers = {"dynamic": dyn, **{k: make(r, None, f"{out}/{k}", a.dim) for k, r in rows.items()
-                                   if k != "dynamic"}}
+    trainers = {"dynamic": dyn, **{k: make(r, None, f"{out}/{k}", a.dim, a.dtype)
+                                   for k, r in rows.items() if k != "dynamic"}}
     timed = ("dynamic", "hashed_bytes")
     preds: dict[str, list[torch.Tensor]] = {k: [] for k in trainers}
     resident: list[torch.Tensor] = []
@@ -236,6 +242,8 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches per window")
     ap.add_argument("--batch-size", type=int, default=512)
     ap.add_argument("--dim", type=int, default=16, help="embedding dim of every table")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(TORCH_DTYPES),
+                    help="precision of every table (bf16: CUDA only)")
     ap.add_argument("--chunk", type=int, default=10)
     ap.add_argument("--full", action="store_true", help="also a hashed table of 2 x --ids rows")
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
@@ -253,13 +261,13 @@ def main() -> None:
     head = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
                        f"threads, load average {load[0]:.1f} (start) "
                        f"{os.getloadavg()[0]:.1f} (end)",
-            "embedding_dim": a.dim,
+            "embedding_dim": a.dim, "dtype": a.dtype,
             "dynamic": {k: v for k, v in dataclasses.asdict(spec).items()},
             "stream": {"windows": a.windows, "batches_per_window": a.batches,
                        "batch_size": a.batch_size, "ids": a.ids, "seeds": a.seeds}}
     if a.json:
         print(json.dumps({**head, "seeds": results}, indent=1, default=str))
-    print(f"# bench_dynamic\n\n{head['machine']}; embedding dim {a.dim}; dynamic table: "
+    print(f"# bench_dynamic\n\n{head['machine']}; embedding dim {a.dim}, {a.dtype}; dynamic table: "
           f"{head['dynamic']}; stream: {head['stream']}\n")
     print("| seed | distinct ids (user/item) | dynamic bytes | hashed_bytes rows | AUC dynamic | "
           "AUC hashed_bytes | AUC hashed_rows | oracle | non-resident rows | non-resident AUC "
@@ -274,6 +282,11 @@ def main() -> None:
               f"{r['non_resident_auc']['hashed_bytes']:.4f} | "
               f"{r['step_ms_mean']['dynamic']:.1f}/{r['step_ms_mean']['hashed_bytes']:.1f} | "
               f"{r['step_ms_median']['dynamic']:.1f}/{r['step_ms_median']['hashed_bytes']:.1f} |")
+    mem = results[0]["dynamic_memory"]
+    slots = spec.num_slots
+    print(f"\ndynamic table bytes per slot (seed {results[0]['seed']}, after the first step): "
+          + ", ".join(f"{k} {mem[k] / slots:.2f}" for k in MEMORY_PARTS)
+          + f"; bookkeeping {sum(mem[k] for k in BOOKKEEPING) / slots:.2f}")
     print("\n| summary (mean ± sd over seeds) | |\n|---|---|")
     for k, v in summary(results).items():
         print(f"| {k} | {v} |")

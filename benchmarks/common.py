@@ -82,10 +82,12 @@ def sequence_models(num_tables: int, num_embeddings: int, embedding_dim: int,
     return without, with_seq
 
 
-def dlrm(num_tables: int, num_embeddings: int, embedding_dim: int) -> DLRMClassifier:
-    """The benchmark model (tables on the meta device, for DMP)."""
+def dlrm(num_tables: int, num_embeddings: int, embedding_dim: int,
+         dtype: str = "fp32") -> DLRMClassifier:
+    """The benchmark model (tables on the meta device, for DMP; stored in ``dtype``)."""
     return DLRMClassifier(sparse_names(num_tables), NUM_DENSE, num_embeddings, embedding_dim,
-                          dense_arch=(*DENSE_ARCH[:-1], embedding_dim), over_arch=OVER_ARCH)
+                          dense_arch=(*DENSE_ARCH[:-1], embedding_dim), over_arch=OVER_ARCH,
+                          embedding_dtype=dtype)
 
 
 class PlainDLRM(nn.Module):

@@ -13,6 +13,9 @@ hashed tables on a churny id stream: AUC at equal rows and bytes, step time),
 ``bench_dynamic_step.py`` (where a dynamic table's step time goes),
 ``bench_mixed_step.py`` (some of a DLRM's tables dynamic vs all hashed),
 ``bench_dynamic_lookup.py`` (a dynamic table's id lookup: binary search vs the bucket index),
+``bench_memory.py`` (bytes per id of hashed and dynamic tables by precision and dim, checked
+against the process's memory growth), ``bench_precision.py`` (updates an fp16 table loses to
+rounding on CPU, and what they cost),
 ``bench_storage.py`` (the reader over a local S3 server vs local disk), ``bench_checkpoint.py
 --s3`` (checkpoints in a local S3 server vs local disk), ``bench_recovery.py faults`` (steps
 lost and time to recover per fault kind, under torchrun), ``bench_retrieval.py`` (the retrieval
@@ -52,6 +55,8 @@ BENCHMARKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "dynamic_step": ("bench_dynamic_step.py", ()),
     "mixed_step": ("bench_mixed_step.py", ()),
     "dynamic_lookup": ("bench_dynamic_lookup.py", ()),
+    "memory": ("bench_memory.py", ()),
+    "precision": ("bench_precision.py", ()),
     "storage": ("bench_storage.py", ()),
     "checkpoint_s3": ("bench_checkpoint.py", ("--s3",)),
     "recovery": ("bench_recovery.py", ("faults",)),

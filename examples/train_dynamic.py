@@ -105,7 +105,8 @@ def main() -> None:
               f"{trainer.world_size} rank(s)")
         for name, m in sorted(memory.items()):
             print(f"{name}: {m['total']:,} bytes on rank 0 ({m['rows'] + m['optimizer']:,} rows "
-                  f"and optimizer state, {m['id_map']:,} id map, {m['history']:,} history)")
+                  f"and optimizer state, {m['id_map']:,} id map, {m['policy']:,} policy, "
+                  f"{m['history']:,} history, {m['index'] + m['fixed']:,} index and fixed)")
         print(f"serving artifact: {art} ({summary.bytes:,} bytes)")
     shutdown()
 

@@ -35,7 +35,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-from recsys_trainer import dynamic
+from recsys_trainer import dynamic, table_precision
 from recsys_trainer.data.spec import FeatureSpec, check_features_fit_tables
 from recsys_trainer.distributed import usable_memory_bytes
 from recsys_trainer.optimizers import SparseOptimizer, TableOptimizers, resolve_table_optimizers
@@ -297,6 +297,8 @@ def shard_model(
         opt.check_device(device.type)
         if table in unbounded:
             dynamic.check_sparse_optimizer(model, opt.name)
+    # A precision FBGEMM cannot train here is refused by name, never trained in fp32 instead.
+    table_precision.check_tables(table_configs(model), device.type, chosen)
     register_sparse_optimizers(model, chosen)
     pg = process_group if process_group is not None else dist.GroupMember.WORLD
     assert pg is not None, "a process group must be initialised before sharding"

@@ -39,7 +39,7 @@ ROWS = 160
 NUM_EMB = 500
 NUM_ITEMS = 60
 MAX_LEN = 6
-KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed", "dcn", "hstu")
+KINDS = ("dlrm", "din", "mmoe", "dynamic", "mixed", "mixed_fp16", "dcn", "hstu")
 HSTU_FEATURES = ["C1", "C2", "C3", "C4"]
 
 
@@ -56,7 +56,7 @@ def write_data(root: str, kind: str, hours: int = 2, rows: int = ROWS, seed: int
                                  behaviour_rng=brng)
         if kind == "hstu":
             table = _with_times(table, rng)
-        if kind in ("dynamic", "mixed"):  # raw int64 ids in a wide range: most unseen, some repeated
+        if kind in ("dynamic", "mixed", "mixed_fp16"):  # raw int64 ids in a wide range: most unseen, some repeated
             for c in SPARSE_COLUMNS[:3]:
                 ids = rng.integers(0, 40, rows) * 1_000_003 + (h if c == "C1" else 0)
                 i = table.schema.get_field_index(c)
@@ -92,7 +92,7 @@ def _with_edge_rows(table: pa.Table, kind: str) -> pa.Table:
     rows[0]["C4"] = "never-seen-string"  # hashed like any string
     rows[0]["I1"] = None  # dense null -> fill_value
     rows[1]["C5"] = None  # id null -> no id (an empty bag)
-    if kind in ("dynamic", "mixed"):
+    if kind in ("dynamic", "mixed", "mixed_fp16"):
         rows[2]["C1"] = 987_654_321_012  # an id no table ever held: the default row
         rows[2]["C2"] = None
     for i, r in enumerate(rows):
@@ -140,15 +140,21 @@ def spec_and_model(kind: str) -> tuple[FeatureSpec, torch.nn.Module]:
         return spec, DLRMClassifier(dynamic, 13, embedding_dim=8, dense_arch=(16, 8),
                                     over_arch=(16, 1), dense_log1p=True, dynamic=table)
     # Three dynamic tables (raw ids) and two hashed ones (strings hashed below NUM_EMB) in one
-    # DLRM: DLRMClassifier(dynamic={feature: DynamicTable}).
-    assert kind == "mixed"
+    # DLRM: DLRMClassifier(dynamic={feature: DynamicTable}); "mixed_fp16" stores two dynamic
+    # tables and a hashed one in fp16 (the others fp32).
+    assert kind in ("mixed", "mixed_fp16")
     hashed = SPARSE_COLUMNS[3:5]
     spec = FeatureSpec(labels=["label"], dense=criteo_features().dense,
                        sparse=[*(SparseFeature(name=c, num_embeddings=ID_SPACE) for c in dynamic),
                                *(SparseFeature(name=c, num_embeddings=NUM_EMB) for c in hashed)])
     return spec, DLRMClassifier([*dynamic, *hashed], 13, [ID_SPACE] * 3 + [NUM_EMB] * 2,
                                 embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1),
-                                dense_log1p=True, dynamic=dict.fromkeys(dynamic, table))
+                                dense_log1p=True, dynamic=dict.fromkeys(dynamic, table),
+                                embedding_dtype=HALF_TABLES if kind == "mixed_fp16" else None)
+
+
+HALF_TABLES = {"t_C1": "fp16", "t_C2": "fp16", "t_C4": "fp16"}
+"""The "mixed_fp16" model's tables stored in fp16."""
 
 
 def dense_on_meta(model: torch.nn.Module) -> torch.nn.Module:

@@ -28,13 +28,16 @@ from recsys_trainer.dynamic import (
     COUNT_ONE,
     EMPTY_SLOT,
     ID_SPACE,
+    MEMORY_PARTS,
     DynamicEmbeddingBagCollection,
     DynamicShardedMaps,
     DynamicTable,
     MixedEmbeddingBagCollection,
+    bookkeeping_per_slot,
     dynamic_collections,
     fallback_index,
     id_map,
+    map_memory,
     mc_modules,
     mix_ids,
     shard_of,
@@ -126,7 +129,7 @@ def test_bad_dynamic_settings_name_the_field_and_the_fix(tmp_path: Any) -> None:
     # The measured defaults (docs/dynamic.md): a pass every max(2048, num_slots) rows.
     d = DynamicTable(num_slots=1600)
     assert (d.eviction_policy, d.eviction_interval_rows, d.eviction_interval, d.history_slots,
-            d.fallback_rows, d.admission_threshold) == ("decayed_lfu", 2048, None, 800, 1, 2.0)
+            d.fallback_rows, d.admission_threshold) == ("decayed_lfu", 2048, None, 200, 1, 2.0)
     assert DynamicTable(num_slots=10_000).eviction_interval_rows == 10_000
     assert DynamicTable(num_slots=8, eviction_interval=5).eviction_interval_rows is None
 
@@ -387,11 +390,37 @@ def test_the_history_is_bounded_keeps_the_most_seen_ids_and_counts_the_dropped(
     t = build(str(tmp_path), spec, [batch])
     t.train()
     m: Any = mc_modules(t.model)["t_u"]
-    # 62 distinct ids into a history of 2 x 8 entries: coalesced, the 8 most seen kept.
-    assert m._input_history_buffer_size == 16
-    assert table_memory(t.model)["t_u"]["history"] == 16 * 16
+    # 62 distinct ids into a history of 8 waiting ids (and room for 8 sightings): coalesced,
+    # the 8 most seen kept. Its bytes: 8 int64 ids and float32 counts, 8 more int64 ids.
+    assert m._input_history_buffer_size == 16 and m._history_keep == 8
+    assert table_memory(t.model)["t_u"]["history"] == 8 * (8 + 4) + 8 * 8
     assert table_stats(t.model)["t_u"]["dropped"] == 62 - 8
     assert sorted(resident_ids(t, "t_u")[0].tolist()) == [y, z]
+
+
+def test_a_dynamic_tables_bookkeeping_is_at_most_24_bytes_a_slot_counted_from_its_tensors(
+        tmp_path: Any) -> None:
+    # ~1,200 u ids a batch: the bucket index of large lookups is built and counted too.
+    data = list_batches([400] * 3, num_ids=9000, max_len=6, seed=3)
+    t = build(str(tmp_path), DynamicTable(num_slots=4096), data)
+    t.train()
+    m: Any = mc_modules(t.model)["t_u"]
+    parts = map_memory(m)
+    assert parts["index"] > 0 and parts["history"] > 0
+    # Every tensor of the map counted once, in one part ...
+    tensors = {id(b): b for b in m.buffers()} | {id(m._history_accumulator): m._history_accumulator}
+    assert sum(parts.values()) == sum(x.nbytes for x in tensors.values())
+    # ... the map and the policy from their element sizes, per slot ...
+    slots = int(m._zch_size)
+    per_slot = m._mch_sorted_raw_ids.element_size() + m._mch_remapped_ids_mapping.element_size() \
+        + sum(b.element_size() for b in m._mch_metadata.values())
+    assert parts["id_map"] + parts["policy"] == slots * per_slot
+    # ... and the history bounded: its waiting ids and counts, room for as many sightings.
+    keep = m._history_keep
+    assert keep == 4096 // 8 and parts["history"] == keep * (2 * 8 + 4)
+    assert bookkeeping_per_slot(m) <= 24.0, parts
+    assert table_memory(t.model)["t_u"]["total"] == sum(
+        table_memory(t.model)["t_u"][k] for k in MEMORY_PARTS)
 
 
 def test_ids_without_a_row_read_their_fallback_row_which_trains_and_the_export_serves(
@@ -1020,6 +1049,49 @@ def test_a_sequence_feature_and_a_candidate_share_one_dynamic_table_in_din(tmp_p
 
 
 # ---------------------------------------------------------------------------- checkpoints
+
+def test_a_map_saved_in_torchrecs_int64_layout_loads_into_the_compact_map(tmp_path: Any) -> None:
+    """Checkpoints from before the compact map hold the map as int64 buffers (slots, counts in
+    COUNT_ONE units, last access) and a format-2 history (every entry with an int64 count, up
+    to twice ``history_slots``): they load, with the same values in the compact dtypes, and
+    the history coalesced into one entry per id."""
+    from recsys_trainer.dynamic import DynamicTablesState
+
+    data = IdStream(FEATS, 400).batches(6, 64, seed=0)
+    spec = DynamicTable(num_slots=64, eviction_interval_rows=128, history_slots=16)
+    t = build(str(tmp_path / "a"), spec, data)
+    t.train()
+    m: Any = mc_modules(t.model)["t_u"]
+    wide = {k: (v.long() if k in ("_mch_remapped_ids_mapping", "_mch_counts",
+                                  "_mch_last_access_iter") else v.clone())
+            for k, v in m.state_dict().items()}
+    assert wide["_mch_counts"].dtype == torch.int64 and int(wide["_mch_counts"].max()) > 0
+    saved = DynamicTablesState(t.model, 1).state_dict()
+    old = {**saved, "format": 2, "tables": {}}
+    for name, st in saved["tables"].items():
+        ids, counts = st["history"], st["history_metadata"]["counts"]
+        # Format 2's buffer: its entries all counted (int64), an id possibly twice.
+        old["tables"][name] = {**{k: v for k, v in st.items() if k != "waiting"},
+                               "history": torch.cat([ids, ids[:3]]),
+                               "history_metadata": {"counts": torch.cat([counts, counts[:3]]).long()},
+                               "used": int(ids.numel()) + 3}
+    fresh = build(str(tmp_path / "b"), spec, data)
+    n: Any = mc_modules(fresh.model)["t_u"]
+    n.load_state_dict(wide)
+    n.validate_state()
+    for k, v in m.state_dict().items():
+        assert n.state_dict()[k].dtype == v.dtype and torch.equal(n.state_dict()[k], v), k
+    DynamicTablesState(fresh.model, 1).load_state_dict(old)
+    ids, counts = n._history_sightings()
+    assert torch.equal(ids, torch.unique(saved["tables"]["t_u"]["history"]))
+    expect = {int(i): 0.0 for i in ids}
+    for i, c in zip(old["tables"]["t_u"]["history"].tolist(),
+                    old["tables"]["t_u"]["history_metadata"]["counts"].tolist(), strict=True):
+        expect[i] += c
+    assert counts.tolist() == [expect[int(i)] for i in ids]
+    fresh.train()  # and it trains on
+    assert table_stats(fresh.model)["t_u"]["passes"] > 0
+
 
 def test_a_checkpoint_of_the_former_format_resumes_and_a_changed_policy_is_named(
         tmp_path: Any) -> None:

@@ -82,11 +82,13 @@ def test_the_dlrm_example_scores_exactly_as_predict_including_unseen_strings_and
     assert {t["name"]: (t["rows"], t["dim"]) for t in m["tables"]}["t_C1"] == (su.NUM_EMB, 8)
 
 
-@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed", "dcn", "hstu"])
+@pytest.mark.parametrize("kind", ["din", "mmoe", "dynamic", "mixed", "mixed_fp16", "dcn", "hstu"])
 def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, tmp_path) -> None:
     case = _train_export(kind, str(tmp_path))
     _check_parity(case)
-    if kind in ("dynamic", "mixed"):
+    if kind == "mixed_fp16":
+        _check_half_precision_tables(case)
+    if kind in ("dynamic", "mixed", "mixed_fp16"):
         # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
         tables = Scorer(case["art"]).tables
         t = tables["t_C1"]
@@ -94,7 +96,7 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
         # The mixed model's two hashed tables are served as such, beside the dynamic ones.
         hashed = [n for n, x in tables.items() if x.dynamic is None]
         assert hashed == ([] if kind == "dynamic" else ["t_C4", "t_C5"])
-        if kind == "mixed":
+        if kind != "dynamic":
             assert tables["t_C4"].weight is not None and tables["t_C4"].weight.shape[0] == su.NUM_EMB
         su.check_delta(case["root"], kind, case["windows"][-1], 3, 5)
     if kind == "din":
@@ -111,6 +113,30 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
         with pytest.raises(ValueError, match=r"DIN's candidate feature 'item' .* must have exactly "
                                              r"one id per row, but row 1 of the batch has 0"):
             check_sequence_lengths(torch.tensor([1, 0]), torch.tensor([1, 1]), 3, "item", "hist_item")
+
+
+def _check_half_precision_tables(case: dict[str, Any]) -> None:
+    """fp16 tables (two dynamic, one hashed) are served in fp16, the rows training read bit
+    for bit (the parity above is bitwise); the artifact says so (schema 2, each table's
+    ``dtype``), and an int8 export quantizes the same rows."""
+    scorer = Scorer(case["art"])
+    m = scorer.manifest
+    assert m["schema_version"] == 2
+    assert {t["name"]: t.get("dtype", "fp32") for t in m["tables"]} == {
+        "t_C1": "fp16", "t_C2": "fp16", "t_C3": "fp32", "t_C4": "fp16", "t_C5": "fp32"}
+    served = {n: t.weight if t.dynamic is None else t.dynamic.vectors
+              for n, t in scorer.tables.items()}
+    assert {n: str(w.dtype) for n, w in served.items() if n in su.HALF_TABLES} == dict.fromkeys(
+        su.HALF_TABLES, "torch.float16")
+    int8 = os.path.join(case["root"], "art_int8")
+    export_for_serving(case["trainer"], int8, quantize="int8")
+    q = Scorer(int8)
+    assert q.manifest["schema_version"] == 1  # quantized rows: no half-precision table
+    for name in ("t_C1", "t_C4"):
+        t = q.tables[name]
+        rows = t.weight if t.dynamic is None else t.dynamic.vectors
+        assert torch.equal(rows, quantize(served[name].float(), "int8"))
+    assert su.max_diff(su.scored(int8, case["windows"][-1]), case["pred"]) < 0.05
 
 
 def test_a_delta_of_plain_tables_reproduces_the_full_export_of_the_later_step(dlrm) -> None:

@@ -14,8 +14,8 @@ import serving_utils as su
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
-KINDS = ("dynamic", "mixed", "dlrm", "dcn", "hstu")
-DELTA_KINDS = ("dynamic", "mixed", "dlrm")  # deltas are the model's tables: these cover them
+KINDS = ("dynamic", "mixed_fp16", "dlrm", "dcn", "hstu")  # mixed_fp16: hashed and dynamic tables, fp16 and fp32
+DELTA_KINDS = ("dynamic", "mixed_fp16", "dlrm")  # deltas are the model's tables: these cover them
 
 
 def _train_predict_export(root: str) -> dict[str, Any]:

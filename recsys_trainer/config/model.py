@@ -13,6 +13,7 @@ from typing import Any, Literal
 from recsys_trainer.component import CLASS_KEY, ComponentSpec, is_component
 from recsys_trainer.config.factory import ConfigError, _build, _component
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable
+from recsys_trainer.table_precision import data_type
 from recsys_trainer.validation import check_choice, check_int
 
 # Short names of ``class:`` values in `model` (import paths work too).
@@ -101,6 +102,9 @@ class ModelConfig:
     ``num_slots`` rows and takes raw ids (give its parquet feature ``num_embeddings:
     9223372036854775807``, the id space, so that ids pass unhashed); ``num_embeddings`` does not
     size it (synthetic data draws ids below it)."""
+    embedding_dtype: str | dict[str, str] = "fp32"
+    """The tables' precision: ``fp32``, ``fp16`` or ``bf16`` (CUDA only), for every table, or
+    ``{t_<feature>: fp16}`` per table (the others fp32); hashed and dynamic tables alike."""
 
     def __post_init__(self) -> None:
         check_choice("model.kind", self.kind, ("dlrm",), quote=False)
@@ -123,6 +127,9 @@ class ModelConfig:
             check_int("model.num_embeddings", self.num_embeddings)
         self._check_dynamic_features()
         check_int("model.embedding_dim", self.embedding_dim)
+        dtypes = self.embedding_dtype
+        for key, value in (dtypes.items() if isinstance(dtypes, dict) else [(None, dtypes)]):
+            data_type(value, "model.embedding_dtype" + (f".{key}" if key else ""))
         for key in ("dense_arch", "over_arch"):
             sizes = getattr(self, key)
             if not (isinstance(sizes, list) and sizes):
@@ -173,6 +180,7 @@ class ModelConfig:
             dense_arch=tuple(self.dense_arch),
             over_arch=tuple(self.over_arch),
             dynamic=None if self.dynamic is None else _dynamic_spec("model.dynamic", self.dynamic),
+            embedding_dtype=self.embedding_dtype,
         )
 
 

@@ -69,7 +69,8 @@ Layout (each module one concern; the arrows point down this list):
   sizes on gloo; the maps sharded by ``sharded_map``);
 * ``reset``: ``install_eviction_reset``;
 * ``relayout`` and ``state``: the checkpoint component and the re-routing at another layout;
-* ``stats``: ``table_stats``, ``table_memory``, ``is_resident``.
+* ``stats``: ``table_stats``, ``table_memory`` (``map_memory``, ``bookkeeping_per_slot``),
+  ``is_resident``.
 
 Everything public is importable from ``recsys_trainer.dynamic``.
 """
@@ -123,7 +124,11 @@ from recsys_trainer.dynamic.state import (
     DynamicTablesState,
 )
 from recsys_trainer.dynamic.stats import (
+    BOOKKEEPING,
+    MEMORY_PARTS,
+    bookkeeping_per_slot,
     is_resident,
+    map_memory,
     table_memory,
     table_stats,
 )
@@ -141,6 +146,7 @@ from recsys_trainer.dynamic.tables import (
 )
 
 __all__ = [
+    "BOOKKEEPING",
     "COUNT_ONE",
     "DEFAULT_ADMISSION",
     "DEFAULT_HALF_LIFE",
@@ -158,10 +164,12 @@ __all__ = [
     "EVICTION_POLICIES",
     "EvictionPolicyName",
     "ID_SPACE",
+    "MEMORY_PARTS",
     "MixedEmbeddingBagCollection",
     "PaddedPooledReduceScatter",
     "STATE_FORMAT",
     "StepBoundaries",
+    "bookkeeping_per_slot",
     "check_buckets",
     "check_sparse_optimizer",
     "dynamic_collections",
@@ -176,6 +184,7 @@ __all__ = [
     "is_resident",
     "lookup_path_hint",
     "make_eviction_policy",
+    "map_memory",
     "mc_modules",
     "mix_ids",
     "rows_key",

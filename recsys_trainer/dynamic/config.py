@@ -20,8 +20,11 @@ DEFAULT_INTERVAL_ROWS = 2048
 sorts the map, so larger tables pass less often (the same cost per row)."""
 DEFAULT_HALF_LIFE = 4.0
 DEFAULT_ADMISSION = 2.0
-DEFAULT_HISTORY_FRACTION = 2
-"""``history_slots`` defaults to ``num_slots // DEFAULT_HISTORY_FRACTION``."""
+DEFAULT_HISTORY_FRACTION = 8
+"""``history_slots`` defaults to ``num_slots // DEFAULT_HISTORY_FRACTION`` (at least 64): 2.5
+bytes a slot, which keeps a dynamic table's bookkeeping within 24 bytes a slot (measured on the
+churny stream, 10 seeds: ``num_slots // 4`` gains +0.0011 AUC for 2.5 more bytes a slot,
+``num_slots // 2`` +0.0017 for 7.5; docs/dynamic.md, "Memory")."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +33,7 @@ class DynamicTable:
 
     The defaults were measured on a churny stream (``benchmarks/bench_dynamic.py``; see
     docs/dynamic.md): a decaying-count policy (admission at 2 sightings, half-life 4 passes), a
-    pass every ``max(2048, num_slots)`` rows, a history of ``num_slots / 2`` ids, one fallback
+    pass every ``max(2048, num_slots)`` rows, a history of ``num_slots / 8`` ids, one fallback
     row per shard."""
 
     num_slots: int
@@ -57,8 +60,9 @@ class DynamicTable:
     """``decayed_lfu``: passes over which a count halves (resident ids' and waiting ids')."""
     history_slots: int | None = None
     """``decayed_lfu``: ids without a row (with their counts) the table holds between passes,
-    split over its shards; 32 bytes each (the buffer is twice that: half for new sightings).
-    Default ``num_slots // 2`` (at least 64). When full it is coalesced, then the least-seen ids are dropped.
+    split over its shards; 20 bytes each (an int64 id and a float32 count, and room for one
+    new sighting, an int64 id, before they are coalesced). Default ``num_slots // 8`` (at least
+    64). When full it is coalesced, then the least-seen ids are dropped.
     The legacy policies keep torchrec's history of every sighting, which grows instead."""
     fallback_rows: int = 1
     """Rows that ids without their own row read (by their position in the id space), split

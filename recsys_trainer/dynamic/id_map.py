@@ -42,6 +42,10 @@ class _Settings:
                          expire_seconds=spec.expire_after_seconds)
 
 
+INDEX_BITS_BELOW = 2
+"""The bucket index has ``2 ** (bit_length(slots - 1) - INDEX_BITS_BELOW)`` buckets: one per 2
+to 4 slots, 1-2 bytes a slot as int32 positions."""
+
 INDEXED_LOOKUP_MIN_IDS = 1024
 """Batches of at least this many ids (per table and shard) look up through the bucket index
 (``DynamicMCHModule._indexed_positions``); smaller ones by binary search, which costs fewer
@@ -56,12 +60,14 @@ class DynamicMCHModule(MCHManagedCollisionModule):
     ``DecayedLFUEvictionPolicy``, a bounded history that carries waiting ids' counts across
     passes (see the module docstring).
 
-    Memory per shard: the map (sorted ids, slots, and the policy's per-slot metadata: 8 bytes
-    each, 32 per slot for ``decayed_lfu``), and the history: ``decayed_lfu`` 16 bytes per entry
-    for ``2 * history_slots / shards`` entries (half is kept for the ids waiting over passes,
-    half takes new sightings before they are coalesced); the legacy policies 8 or 16 bytes per
-    id *sighting* since the last pass, for the larger of torchrec's first size (the first
-    batch's ids x ``eviction_interval`` x 1.25) and twice the most one interval brought.
+    Memory per shard, ``decayed_lfu`` (``compact_map``): 20 bytes a slot for the map (the
+    sorted int64 ids, their slots as int32, the policy's float32 count and int32 last access),
+    and the history: 20 bytes per ``history_slots / shards`` (a waiting id, its float32 count,
+    and room for one new sighting, an int64 id, before they are coalesced). The legacy
+    policies keep torchrec's int64 buffers (8 bytes per slot for the ids, the slots and each
+    metadata buffer) and its history of 8 or 16 bytes per id *sighting* since the last pass,
+    for the larger of torchrec's first size (the first batch's ids x ``eviction_interval`` x
+    1.25) and twice the most one interval brought. ``table_memory`` counts all of it.
 
     torchrec's constructor plus ``settings``; ``rebuild_with_output_id_range`` (sharding) keeps
     them. Reads and writes torchrec 1.8's private attributes of the module; the tests of
@@ -93,9 +99,15 @@ class DynamicMCHModule(MCHManagedCollisionModule):
                  f"{m._zch_size} rows of each of its {self.shards} shard(s)",
                  self._settings.fallback_rows)
         self.decayed = isinstance(m._eviction_policy, DecayedLFUEvictionPolicy)
+        self._waiting = 0
+        """``decayed_lfu``: the history's first entries that carry a count (ids that waited
+        over a pass, or coalesced); those after them are sightings (one each)."""
+        self._history_keep = 0
+        """``decayed_lfu``: the ids (with counts) the history keeps over a pass."""
         if self.decayed:
-            slots = self._settings.history_slots or m._zch_size
-            _resize_history(m, 2 * -(-slots // self.shards))
+            compact_map(m)
+            _allocate_history(m, -(-(self._settings.history_slots or m._zch_size)
+                                   // self.shards))
         self.closes_step = True
         """Whether the current training forward is the last micro-batch of its step."""
         self._steps = 0
@@ -187,7 +199,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         key = (id(sorted_ids), sorted_ids.data_ptr(), sorted_ids._version)
         if self._index_key != key:
             used = int(torch.searchsorted(sorted_ids, self._delimiter).item())
-            bits = max(1, (sorted_ids.numel() - 1).bit_length())
+            # A bucket per 2-4 slots (1-2 bytes a slot): more rounds than a bucket per slot,
+            # a quarter of the memory (docs/dynamic.md, "Memory").
+            bits = max(1, (sorted_ids.numel() - 1).bit_length() - INDEX_BITS_BELOW)
             shift = 63 - bits
             per_bucket = torch.bincount(sorted_ids[:used] >> shift, minlength=1 << bits)
             starts = torch.zeros((1 << bits) + 1, dtype=torch.int64, device=sorted_ids.device)
@@ -239,6 +253,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         return rows
 
     def _rows(self, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The global (int64) row each mixed id ``v`` reads (into ``out`` when given)."""
         m: Any = self
         cached = self._lookup_cache
         if cached is not None and cached[0] is v:
@@ -247,6 +262,16 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             pos, found = self._lookup(v)
             missing = found.logical_not()
         mapping: torch.Tensor = self._mch_remapped_ids_mapping
+        if mapping.dtype != torch.int64:
+            # The compact map's int32 slots: gathered, then widened into the int64 rows.
+            rows = mapping.index_select(0, pos)
+            if self.fallback_per_shard == 1:
+                rows.masked_fill_(missing, m._output_global_offset + m._zch_size - 1)
+            else:
+                rows = torch.where(found, rows, self.fallback_slots(v))
+            if out is None:
+                return rows.long()
+            return out.copy_(rows)
         if self.fallback_per_shard == 1:
             return torch.index_select(mapping, 0, pos, out=out).masked_fill_(
                 missing, m._output_global_offset + m._zch_size - 1)
@@ -306,16 +331,16 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             return
         # Resident ids are counted in place; only the others wait in the history. Every op
         # here runs per table and forward: on small batches the cost is the number of ops,
-        # not their size. Positions of ids without a row point at another slot: they add 0 to
-        # its count and max it with 0 (iterations are positive), so no compaction of the found
-        # positions is needed.
+        # not their size. Ids without a row are counted on the map's last entry instead of
+        # their own: it is always empty (a protected fallback slot, which is never ranked,
+        # expired, exported or re-routed), so the found positions need no compaction, and a
+        # count and a last access take one op each.
         pos, found = self._lookup(v)
         missing = found.logical_not()
         _set_plain(self, "_lookup_cache", (v, pos, found, missing))
-        seen = found.long()
-        m._mch_counts.index_add_(0, pos, seen, alpha=COUNT_ONE)
-        # The forward count only grows: the last access of every id seen is this one.
-        m._mch_last_access_iter.scatter_reduce_(0, pos, seen.mul_(m._current_iter), "amax")
+        seen = pos.masked_fill(missing, m._zch_size - 1)
+        m._mch_counts.index_put_((seen,), self._count_one, accumulate=True)
+        m._mch_last_access_iter.index_fill_(0, seen, m._current_iter)
         self._record(v.masked_select(missing))
 
     def _end_forward(self) -> None:
@@ -353,40 +378,73 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         start = m._current_history_buffer_offset
         end = start + values.numel()
         if end <= m._input_history_buffer_size:
-            # The counts past the used part are COUNT_ONE already (``_set_history``).
+            # A sighting is an id alone (one sighting: ``_history_sightings``).
             m._history_accumulator[start:end] = values
             _set_plain(self, "_current_history_buffer_offset", end)
         else:
             self._coalesce(values)
 
     def _set_history(self, ids: torch.Tensor, counts: torch.Tensor) -> None:
-        """Make ``ids`` with ``counts`` the ``decayed_lfu`` history. The counts after them are
-        set to one sighting, so that ``_record`` only writes ids."""
+        """Make ``ids`` with ``counts`` the ``decayed_lfu`` history (one entry per id), keeping
+        the ``_history_keep`` most-seen if there are more (counted in ``dropped``)."""
         m: Any = self
         n = ids.numel()
+        if n > self._history_keep:
+            top = torch.topk(counts, self._history_keep, sorted=False).indices.sort().values
+            self.counters["dropped"] += n - self._history_keep
+            ids, counts, n = ids[top], counts[top], self._history_keep
         m._history_accumulator[:n] = ids
         m._history_counts[:n] = counts
-        m._history_counts[n:] = COUNT_ONE
+        _set_plain(self, "_waiting", n)
         _set_plain(self, "_current_history_buffer_offset", n)
+
+    def restore_history(self, ids: torch.Tensor | None, counts: torch.Tensor | None,
+                        waiting: int | None) -> None:
+        """Put a checkpoint's ``decayed_lfu`` history back: ``ids`` with ``counts`` (one per
+        entry; None: empty), the first ``waiting`` of them with their own counts, the others
+        sightings. The same entries when they fit this history (a resume); coalesced into one
+        per id otherwise (a smaller ``history_slots``, or format 2's buffer, whose entries were
+        all counted and twice as many), the most-seen kept."""
+        m: Any = self
+        if ids is None or counts is None or ids.numel() == 0:
+            self._set_history(m._history_accumulator[:0], m._history_counts[:0])
+            return
+        counts = counts.to(COUNT_DTYPE)
+        n = ids.numel()
+        if waiting is not None and waiting <= self._history_keep and \
+                n <= m._input_history_buffer_size:
+            m._history_accumulator[:n] = ids
+            m._history_counts[:waiting] = counts[:waiting]
+            _set_plain(self, "_waiting", waiting)
+            _set_plain(self, "_current_history_buffer_offset", n)
+            return
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        self._set_history(uniq, counts.new_zeros(uniq.shape).scatter_add_(0, inverse, counts))
+
+    def _history_sightings(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, counts) of the ``decayed_lfu`` history's entries: the waiting ids with their
+        counts, then the sightings since, one ``COUNT_ONE`` each."""
+        m: Any = self
+        used, waiting = m._current_history_buffer_offset, self._waiting
+        ids = m._history_accumulator[:used]
+        counts = m._history_counts[:waiting]
+        if used > waiting:
+            counts = torch.cat([counts, counts.new_full((used - waiting,), COUNT_ONE)])
+        return ids, counts
 
     def _coalesce(self, incoming: torch.Tensor | None = None, store: bool = True,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Merge the history (and ``incoming`` sightings) into one entry per id, keeping at most
-        half the buffer (the most-seen ids); returns the merged ids and counts, and with
-        ``store`` makes them the history."""
-        m: Any = self
-        used = m._current_history_buffer_offset
-        ids, counts = m._history_accumulator[:used], m._history_counts[:used]
+        """Merge the history (and ``incoming`` sightings) into one entry per id; returns the
+        merged ids and counts, and with ``store`` makes them the history (the most-seen
+        ``_history_keep`` of them)."""
+        ids, counts = self._history_sightings()
         if incoming is not None:
             ids = torch.cat([ids, incoming])
-            counts = torch.cat([counts, torch.full_like(incoming, COUNT_ONE)])
+            counts = torch.cat([counts, counts.new_full((incoming.numel(),), COUNT_ONE)])
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros_like(uniq).scatter_add_(0, inverse, counts)
-        keep = m._input_history_buffer_size // 2
-        if incoming is not None and uniq.numel() > keep:
-            top = torch.topk(summed, keep, sorted=False).indices.sort().values
-            self.counters["dropped"] += uniq.numel() - keep
-            uniq, summed = uniq[top], summed[top]
+        # Counts are whole numbers of COUNT_ONE units below 2**24 (256 sightings): float32
+        # sums them exactly, in any order.
+        summed = counts.new_zeros(uniq.shape).scatter_add_(0, inverse, counts)
         if store:
             self._set_history(uniq, summed)
         return uniq, summed
@@ -419,7 +477,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         m._mch_last_access_iter.index_fill_(0, evicted, m._current_iter)
         policy.last_admitted = int(selected.numel())
         m._mch_sorted_raw_ids.index_copy_(0, evicted, ids.index_select(0, selected))
-        slots = m._mch_remapped_ids_mapping.index_select(0, evicted)
+        slots = m._mch_remapped_ids_mapping.index_select(0, evicted).long()
         _set_plain(self, "_evicted_emb_indices",
                    torch.unique(torch.cat([m._evicted_emb_indices, slots]))
                    if m._evicted else slots)
@@ -449,9 +507,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             _set_plain(self, "_lookup_cache", None)  # the map changes
             uniq, counts = self._coalesce(store=False)
             policy.last_admitted = 0
-            # Ids that did not get a row wait for the next pass with their decayed count.
-            # (Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.)
-            kept = counts.double().mul_(policy.factor).long()
+            # Ids that did not get a row wait for the next pass with their decayed count,
+            # rounded down to whole COUNT_ONE units (an id seen once reaches 0, and leaves).
+            kept = counts.double().mul_(policy.factor).floor_().to(counts.dtype)
             keep = kept > 0
             # Only ids at the threshold can take a row; the ranking of the others with the
             # residents costs little more than sorting them (``rank_new_ids``).
@@ -464,7 +522,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             # next pass both hold their new sightings plus their past ones decayed.
             policy.decay(m._mch_metadata)
             idx = keep.nonzero().squeeze(1)
-            cap = m._input_history_buffer_size // 2
+            cap = self._history_keep
             if idx.numel() > cap:
                 top = torch.topk(kept.index_select(0, idx), cap, sorted=False).indices
                 # In id order (a mask, cheaper than sorting the positions).
@@ -530,7 +588,7 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         ids[idx] = EMPTY_SLOT
         for buf in m._mch_metadata.values():
             buf[idx] = 0
-        slots = m._mch_remapped_ids_mapping[idx]
+        slots = m._mch_remapped_ids_mapping[idx].long()
         if m._evicted:
             m._evicted_emb_indices = torch.unique(torch.cat([m._evicted_emb_indices, slots]))
         else:
@@ -570,9 +628,50 @@ def _write_iteration(module: DynamicMCHModule, *_: Any) -> None:
         m._current_iter_tensor.fill_(m._current_iter)
 
 
+SLOT_DTYPE = torch.int32
+"""The compact map's slots (global rows): int32 while a table has fewer than 2**31 rows."""
+COUNT_DTYPE = torch.float32
+"""``decayed_lfu``'s counts: float32, whole ``COUNT_ONE`` units (exact below 256 sightings,
+and never overflowing above, where an int32 of ``COUNT_ONE`` units would at 32,768)."""
+ITER_DTYPE = torch.int32
+"""The last-access forward count: int32 (2**31 forwards, 68 years at one a second)."""
+
+
+def compact_map(m: Any) -> None:
+    """Give an MCH module's map the compact layout (``decayed_lfu``: 20 bytes a slot instead
+    of torchrec's 32): its slots int32 (int64 from 2**31 rows), the policy's counts float32
+    and last access int32. The buffers keep their names and order (the checkpoint's keys); a
+    checkpoint of torchrec's int64 layout loads into them (DCP casts, the values fit)."""
+    end = int(m._output_global_offset) + int(m._zch_size)
+    slots = m._mch_remapped_ids_mapping
+    if end <= 2**31 - 1:
+        m.register_buffer("_mch_remapped_ids_mapping", slots.to(SLOT_DTYPE))
+    for name, dtype in (("counts", COUNT_DTYPE), ("last_access_iter", ITER_DTYPE)):
+        buf = torch.zeros(m._zch_size, dtype=dtype, device=slots.device)
+        m.register_buffer("_mch_" + name, buf)
+        m._mch_metadata[name] = buf
+    # One sighting, as the value ``_observe`` adds (a buffer: it moves with the map).
+    m.register_buffer("_count_one", torch.tensor(COUNT_ONE, dtype=COUNT_DTYPE,
+                                                 device=slots.device), persistent=False)
+
+
+def _allocate_history(m: Any, keep: int) -> None:
+    """``decayed_lfu``'s history on one shard: ``keep`` waiting ids with their float32 counts,
+    and room for as many new sightings (ids alone) before they are coalesced."""
+    # Zeros, not empty: the buffer is resident from the start, as table_memory counts it.
+    m._history_accumulator = torch.zeros(2 * keep, dtype=torch.int64, device=m.device)
+    counts = torch.zeros(keep, dtype=COUNT_DTYPE, device=m.device)
+    m.register_buffer("_history_counts", counts, persistent=False)
+    m._history_metadata = {"counts": counts}
+    m._input_history_buffer_size = 2 * keep
+    m._current_history_buffer_offset = 0
+    m._history_keep = keep
+    m._waiting = 0
+
+
 def _resize_history(m: Any, size: int) -> None:
-    """(Re)allocate an MCH module's history buffers (the ids seen since the last pass, and the
-    policy's per-id history metadata) at ``size`` ids, keeping the ids already recorded."""
+    """(Re)allocate a legacy policy's history buffers (the ids seen since the last pass, and
+    the policy's per-id history metadata) at ``size`` ids, keeping the ids already recorded."""
     keep = min(m._current_history_buffer_offset, size) if m._input_history_buffer_size > 0 else 0
     acc = torch.empty(size, dtype=torch.int64, device=m.device)
     if keep:
@@ -587,5 +686,3 @@ def _resize_history(m: Any, size: int) -> None:
             m.register_buffer(buf, new, persistent=False)
             m._history_metadata[name] = new
     m._input_history_buffer_size = size
-    if getattr(m, "decayed", False):
-        m._history_counts[keep:] = COUNT_ONE  # see DynamicMCHModule._set_history

@@ -140,7 +140,8 @@ class DynamicEmbeddingBagCollection(nn.Module):
         configs = [EmbeddingConfig(name=t.name, embedding_dim=t.embedding_dim,
                                    num_embeddings=t.num_embeddings, feature_names=t.feature_names,
                                    weight_init_max=t.weight_init_max,
-                                   weight_init_min=t.weight_init_min, init_fn=t.init_fn)
+                                   weight_init_min=t.weight_init_min, init_fn=t.init_fn,
+                                   data_type=t.data_type)
                    for t in tables]
         self.mc_ec = dynamic_embedding_collection(configs, specs, device)
 

@@ -28,7 +28,7 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
     sightings, multiplied by ``2 ** (-1 / half_life)`` at every pass (``decay``), kept in fixed
     point (``COUNT_ONE`` per sighting).
 
-    Metadata: per slot ``counts`` and ``last_access_iter`` (the forward that last saw the id;
+    Metadata: per slot ``counts`` (float32, see ``id_map.compact_map``) and ``last_access_iter`` (the forward that last saw the id;
     expiry reads it), which ``DynamicMCHModule`` updates in every training forward; per history
     entry ``counts`` (the history holds the ids without a row; an entry may stand for several
     sightings: the module coalesces its history in place, and ids that did not get a row wait
@@ -64,9 +64,9 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
     ) -> dict[str, torch.Tensor]:
         counts = history_metadata["counts"]
         if additional_ids is not None:
-            counts = torch.cat([counts, torch.full_like(additional_ids, COUNT_ONE)])
-        summed = torch.zeros_like(unique_ids_counts).scatter_add_(0, unique_inverse_mapping,
-                                                                  counts)
+            counts = torch.cat([counts, counts.new_full(additional_ids.shape, COUNT_ONE)])
+        summed = counts.new_zeros(unique_ids_counts.shape).scatter_add_(
+            0, unique_inverse_mapping, counts)
         return {"counts": summed if threshold_mask is None else summed[threshold_mask]}
 
     @staticmethod
@@ -115,10 +115,10 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
 
     @torch.no_grad()
     def decay(self, mch_metadata: dict[str, torch.Tensor]) -> None:
-        """One pass of decay for the resident ids' counts."""
+        """One pass of decay for the resident ids' counts, rounded down to whole ``COUNT_ONE``
+        units (so a count seen once reaches 0, and float32 counts stay exact integers)."""
         counts = mch_metadata["counts"]
-        # Counts are >= 0: the conversion to int64 truncates, i.e. rounds down.
-        counts.copy_(counts.double().mul_(self.factor))
+        counts.copy_(counts.double().mul_(self.factor).floor_())
 
     def update_metadata_and_generate_eviction_scores(
         self, current_iter: int, mch_size: int,
@@ -140,13 +140,18 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
         new_scores = torch.where(new_counts >= self.threshold, new_counts,
                                  torch.full_like(new_counts, -1))
         scores = counts.clone()
-        scores[mch_size - self.protected:] = torch.iinfo(torch.int64).max
+        scores[mch_size - self.protected:] = _highest(scores.dtype)
         evicted, selected = self._compute_selected_eviction_and_replacement_indices(
             mch_size, torch.cat([scores, new_scores]))
         counts[evicted] = new_counts[selected]
         last[evicted] = current_iter
         self.last_admitted = int(selected.numel())
         return evicted, selected
+
+
+def _highest(dtype: torch.dtype) -> float | int:
+    """The best score of ``dtype`` (protected slots get it: they are never evicted)."""
+    return float("inf") if dtype.is_floating_point else torch.iinfo(dtype).max
 
 
 class _Legacy:

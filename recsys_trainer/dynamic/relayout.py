@@ -94,8 +94,10 @@ def _relayout(model: nn.Module, table: str, saved_world: int, saved_fallback: in
     names = sorted(mm._mch_metadata)
     ids = mm._mch_sorted_raw_ids
     real = ids != EMPTY_SLOT
-    local = torch.stack([ids[real], mm._mch_remapped_ids_mapping[real]]
-                        + [mm._mch_metadata[k][real] for k in names], dim=1).cpu()
+    # One int64 row per resident id (the compact map's int32 slots and float32 counts, whole
+    # numbers of COUNT_ONE units, widen exactly): 8 bytes a column on the wire.
+    local = torch.stack([ids[real], mm._mch_remapped_ids_mapping[real].long()]
+                        + [mm._mch_metadata[k][real].long() for k in names], dim=1).cpu()
     everything = _all_gather_rows(local, group)
     owner = shard_of(everything[:, 0], shards_new)
     src: list[torch.Tensor] = []
@@ -133,7 +135,7 @@ def _relayout(model: nn.Module, table: str, saved_world: int, saved_fallback: in
     for j, key in enumerate(names):
         meta = torch.zeros(z, dtype=torch.int64)
         meta[:n] = mine[:, 2 + j]
-        mm._mch_metadata[key].copy_(meta.to(ids.device))
+        mm._mch_metadata[key].copy_(meta.to(ids.device))  # cast to the buffer's dtype
     mm._evicted = False
     m.loaded_segments = None
     if world != saved_world:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -13,9 +12,10 @@ from recsys_trainer.dynamic.id_map import _COUNTERS, DynamicMCHModule, _resize_h
 from recsys_trainer.dynamic.relayout import _relayout
 from recsys_trainer.dynamic.tables import mc_modules
 
-STATE_FORMAT = 2
-"""``DynamicTablesState`` format: 2 adds the fallback layout, the pass schedule in rows and
-seconds, expiry marks and the counters; 1 (before) loads too."""
+STATE_FORMAT = 3
+"""``DynamicTablesState`` format: 3 adds ``waiting`` (the ``decayed_lfu`` history's entries
+with a count; its counts float32); 2 the fallback layout, the pass schedule in rows and seconds,
+expiry marks and the counters; 1 and 2 (before) load too."""
 
 
 class DynamicTablesState:
@@ -51,15 +51,20 @@ class DynamicTablesState:
         for table, mod in mc_modules(self._model).items():
             m: Any = mod
             used = int(m._current_history_buffer_offset)
+            decayed = isinstance(m, DynamicMCHModule) and m.decayed
             st: dict[str, Any] = {
                 "buffer_size": int(m._input_history_buffer_size),
                 "used": used,
                 "history": (m._history_accumulator[:used].clone()
                             if m._input_history_buffer_size > 0 else None),
-                "history_metadata": {k: v[:used].clone() for k, v in m._history_metadata.items()},
+                "history_metadata": (
+                    {"counts": m._history_sightings()[1].clone()} if decayed else
+                    {k: v[:used].clone() for k, v in m._history_metadata.items()}),
                 "current_iter": int(m._current_iter),
                 "last_eviction_iter": int(m._last_eviction_iter),
             }
+            if decayed:
+                st["waiting"] = int(m._waiting)
             if isinstance(m, DynamicMCHModule):
                 st.update({
                     "steps": m._steps, "last_pass_step": m._last_pass_step,
@@ -111,12 +116,10 @@ def _restore(m: Any, st: dict[str, Any], history: bool) -> None:
     size, used = st["buffer_size"], st["used"] if history else 0
     if size > 0 and (not isinstance(m, DynamicMCHModule) or not m.decayed):
         _resize_history(m, max(size, m._input_history_buffer_size))
-    elif used > m._input_history_buffer_size:  # a smaller history_slots than the checkpoint's
-        _resize_history(m, used)
     if isinstance(m, DynamicMCHModule) and m.decayed:
-        none = torch.empty(0, dtype=torch.int64, device=m._history_accumulator.device)
-        m._set_history(st["history"] if used else none,
-                       st["history_metadata"]["counts"] if used else none)
+        m.restore_history(st["history"][:used] if used else None,
+                          st["history_metadata"]["counts"][:used] if used else None,
+                          st.get("waiting"))
     else:
         if used:
             m._history_accumulator[:used] = st["history"]

@@ -37,29 +37,62 @@ def table_stats(model: nn.Module) -> dict[str, dict[str, int]]:
     return out
 
 
+MEMORY_PARTS = ("rows", "optimizer", "id_map", "policy", "history", "index", "fixed")
+"""The parts of a dynamic table's bytes in ``table_memory`` (and ``bookkeeping`` those after
+the optimizer state, but the fixed ones)."""
+BOOKKEEPING = ("id_map", "policy", "history", "index")
+"""What a dynamic table holds per slot beyond a hashed table's rows and optimizer state."""
+
+
+def map_memory(mod: nn.Module) -> dict[str, int]:
+    """The bytes of one shard's id map ``mod`` (a torchrec MCH module), from its tensors:
+    ``id_map`` (the sorted ids and their slots), ``policy`` (the policy's per-slot metadata:
+    ``decayed_lfu``'s count and last access), ``history`` (the ids held for the next pass,
+    with their metadata, as allocated), ``index`` (the bucket index of large lookups, once
+    built) and ``fixed`` (what does not grow with the slots: torchrec's 1,025-entry table of
+    shard boundaries, the forward count)."""
+    m: Any = mod
+    parts = dict.fromkeys(MEMORY_PARTS[2:], 0)
+    parts["id_map"] = m._mch_sorted_raw_ids.nbytes + m._mch_remapped_ids_mapping.nbytes
+    parts["policy"] = sum(int(v.nbytes) for v in m._mch_metadata.values())
+    if m._input_history_buffer_size > 0:
+        parts["history"] = m._history_accumulator.nbytes + sum(
+            int(v.nbytes) for v in m._history_metadata.values())
+    counted = {id(m._mch_sorted_raw_ids), id(m._mch_remapped_ids_mapping),
+               *(id(v) for v in m._mch_metadata.values()),
+               *(id(v) for v in m._history_metadata.values())}
+    for name, b in m.named_buffers(recurse=False):
+        if id(b) in counted:
+            continue
+        parts["index" if name == "_lookup_index" else "fixed"] += int(b.nbytes)
+    return parts
+
+
+def bookkeeping_per_slot(mod: nn.Module) -> float:
+    """Bytes per slot that one shard's id map ``mod`` holds beyond the rows and their optimizer
+    state: its ``BOOKKEEPING`` parts (``map_memory``) over its slots."""
+    parts = map_memory(mod)
+    m: Any = mod
+    return sum(parts[k] for k in BOOKKEEPING) / int(m._zch_size)
+
+
 def table_memory(model: nn.Module) -> dict[str, dict[str, int]]:
-    """This rank's bytes per dynamic table: ``rows`` (the weights, fallback rows included),
-    ``optimizer`` (the fused optimizer's per-row state), ``id_map`` (the sorted ids, their slots
-    and the policy's per-slot metadata), ``history`` (the ids held for the next pass, with their
-    metadata, as allocated), and ``total``: what a hashed table of equal memory is measured
-    against."""
+    """This rank's bytes per dynamic table: ``rows`` (the weights, fallback rows included, in
+    the table's precision), ``optimizer`` (the fused optimizer's per-row state), the id map's
+    parts (``map_memory``: ``id_map``, ``policy``, ``history``, ``index``, ``fixed``), and
+    ``total``: what a hashed table of equal memory is measured against."""
     out: dict[str, dict[str, int]] = {}
     for _, coll in dynamic_collections(model):
         tbes: dict[str, Any] = getattr(coll, "_table_to_tbe_and_index", {})
         for table, mod in mc_modules(coll).items():
-            m: Any = mod
-            history = 0
-            if m._input_history_buffer_size > 0:
-                history = m._history_accumulator.nbytes + sum(
-                    v.nbytes for v in m._history_metadata.values())
-            id_map = sum(b.nbytes for n, b in m.named_buffers() if not n.startswith("_history_"))
             rows = optim = 0
             if table in tbes:
                 tbe, idx = tbes[table]
                 rows = tbe.split_embedding_weights()[int(idx)].nbytes
                 optim = sum(s.nbytes for s in tbe.split_optimizer_states()[int(idx)])
-            out[table] = {"rows": rows, "optimizer": optim, "id_map": id_map, "history": history,
-                          "total": rows + optim + id_map + history}
+            entry = {"rows": rows, "optimizer": optim, **map_memory(mod)}
+            entry["total"] = sum(entry[k] for k in MEMORY_PARTS)
+            out[table] = entry
     return out
 
 

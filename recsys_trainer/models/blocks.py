@@ -14,6 +14,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable, pooled_collection
+from recsys_trainer.table_precision import data_type
 
 # ----------------------------------------------------------------------------- MLPs and heads
 
@@ -122,19 +123,29 @@ def make_tables(
     num_embeddings: int | list[int],
     embedding_dim: int,
     init: TableInit | Mapping[str, TableInit] | None = None,
+    dtype: str | Mapping[str, str] | None = None,
 ) -> list[EmbeddingBagConfig]:
     """One table ``t_<feature>`` per feature. ``init``: one initialiser for every table, or
-    ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init)."""
+    ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init).
+    ``dtype``: the weights' precision (``"fp32"``, ``"fp16"``, ``"bf16"``; torchrec's
+    ``data_type``), one for every table or ``{table name: precision}`` (others fp32)."""
     sizes = num_embeddings if isinstance(num_embeddings, list) else [num_embeddings] * len(feature_names)
     names = [f"t_{f}" for f in feature_names]
     inits = dict(init) if isinstance(init, Mapping) else dict.fromkeys(names, init)
     unknown = sorted(set(inits) - set(names))
     if unknown:
         raise ValueError(f"`init` names tables {unknown} that do not exist; the tables are {names}.")
+    dtypes = dict(dtype) if isinstance(dtype, Mapping) else dict.fromkeys(names, dtype or "fp32")
+    unknown = sorted(set(dtypes) - set(names))
+    if unknown:
+        raise ValueError(f"`embedding_dtype` names tables {unknown} that do not exist; the tables "
+                         f"are {names}.")
     return [
         EmbeddingBagConfig(
             name=name, embedding_dim=embedding_dim, num_embeddings=n, feature_names=[f],
             init_fn=inits.get(name),
+            data_type=data_type(dtypes.get(name, "fp32"), f"embedding_dtype[{name!r}]"
+                                if isinstance(dtype, Mapping) else "embedding_dtype"),
         )
         for name, f, n in zip(names, feature_names, sizes, strict=True)
     ]
@@ -188,15 +199,16 @@ def table_sizes(features: list[str], num_embeddings: int | list[int],
 
 def pooled_tables(features: list[str], num_embeddings: int | list[int], embedding_dim: int,
                   dynamic: DynamicTable | Mapping[str, DynamicTable] | None,
-                  init: TableInit | Mapping[str, TableInit] | None, table_device: str) -> nn.Module:
+                  init: TableInit | Mapping[str, TableInit] | None, table_device: str,
+                  dtype: str | Mapping[str, str] | None = None) -> nn.Module:
     """The pooled collection of one table ``t_<feature>`` per feature (``make_tables``): hashed
     tables of ``num_embeddings`` rows, and the dynamic ones ``dynamic`` names (one
     ``DynamicTable`` for all, or per feature; ``table_sizes`` checks them), on
-    ``table_device``."""
+    ``table_device``, their weights in ``dtype`` (``make_tables``)."""
     specs = dynamic_specs(features, dynamic)
     sizes = table_sizes(features, num_embeddings, specs)
     # A table per feature, ``t_<feature>``: ``dynamic`` by feature name is by table name.
-    return pooled_collection(make_tables(features, sizes, embedding_dim, init),
+    return pooled_collection(make_tables(features, sizes, embedding_dim, init, dtype),
                              {f"t_{f}": spec for f, spec in specs.items()},
                              device=torch.device(table_device))
 

@@ -68,10 +68,9 @@ class DCNClassifier(BinaryClassifier):
         num_experts: the experts of a ``"mixture"`` layer.
         structure: ``"stacked"`` (cross, then deep) or ``"parallel"`` (side by side).
         deep_arch: the deep MLP's widths (ReLU after each); ``()``: no deep part.
-        dense_log1p, prior_ctr, table_device, dynamic, embedding_init: as
+        dense_log1p, prior_ctr, table_device, dynamic, embedding_init, embedding_dtype: as
             ``DLRMClassifier``'s.
     """
-
 
     def __init__(
         self,
@@ -92,6 +91,7 @@ class DCNClassifier(BinaryClassifier):
         table_device: str = "meta",
         dynamic: DynamicTable | Mapping[str, DynamicTable] | None = None,
         embedding_init: TableInit | Mapping[str, TableInit] | None = None,
+        embedding_dtype: str | Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         if cross not in ("full", "low_rank", "mixture"):
@@ -109,7 +109,7 @@ class DCNClassifier(BinaryClassifier):
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
         ebc = pooled_tables(sparse_features, num_embeddings, embedding_dim, dynamic, embedding_init,
-                            table_device)
+                            table_device, embedding_dtype)
         self.sparse_arch = SparseArch(ebc)  # type: ignore[arg-type]  # dynamic: EBC look-alikes
         self.dense_arch = DenseArch(num_dense, list(dense_arch))
         width = embedding_dim * (len(sparse_features) + 1)

@@ -35,7 +35,6 @@ class DLRMClassifier(BinaryClassifier):
     without ``dynamic``).
     """
 
-
     def __init__(
         self,
         sparse_features: list[str],
@@ -49,6 +48,7 @@ class DLRMClassifier(BinaryClassifier):
         prior_ctr: float | None = None,
         dynamic: DynamicTable | Mapping[str, DynamicTable] | None = None,
         embedding_init: TableInit | Mapping[str, TableInit] | None = None,
+        embedding_dtype: str | Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         # Count-valued dense inputs (Criteo's I1..I13) span orders of magnitude; log1p is the
@@ -57,7 +57,7 @@ class DLRMClassifier(BinaryClassifier):
         if dense_arch[-1] != embedding_dim:
             dense_arch = (*dense_arch, embedding_dim)
         ebc = pooled_tables(sparse_features, num_embeddings, embedding_dim, dynamic, embedding_init,
-                            table_device)
+                            table_device, embedding_dtype)
         self.dlrm = DLRM(
             embedding_bag_collection=ebc,  # type: ignore[arg-type]  # dynamic: EBC look-alikes
             dense_in_features=num_dense,

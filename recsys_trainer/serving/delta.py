@@ -91,10 +91,11 @@ def compute_delta(base: Mapping[str, Any], base_tensors: Mapping[str, torch.Tens
     summary: list[dict[str, Any]] = []
     for name, t in sorted(new_tables.items()):
         o = old_tables[name]
-        if (o.get("quantization"), o["dim"], bool(o.get("dynamic"))) != (
-                t.get("quantization"), t["dim"], bool(t.get("dynamic"))):
-            raise mf.ArtifactError(f"table {name!r} changed its dim, quantization or kind between "
-                                   "the exports; a delta cannot carry that: export in full.")
+        if (o.get("quantization"), o.get("dtype", "fp32"), o["dim"], bool(o.get("dynamic"))) != (
+                t.get("quantization"), t.get("dtype", "fp32"), t["dim"], bool(t.get("dynamic"))):
+            raise mf.ArtifactError(f"table {name!r} changed its dim, precision, quantization or "
+                                   "kind between the exports; a delta cannot carry that: export "
+                                   "in full.")
         dyn = t.get("dynamic")
         if dyn is None:
             old_w, new_w = base_tensors[o["tensor"]], new_tensors[t["tensor"]]
@@ -187,7 +188,7 @@ def delta_manifest(base: Mapping[str, Any], new: Mapping[str, Any],
                    summary: list[dict[str, Any]], program_file: str | None) -> dict[str, Any]:
     """The delta's manifest (without ``files``, which the writer adds)."""
     return {
-        "schema_version": mf.SCHEMA_VERSION,
+        "schema_version": mf.schema_version_of(new["tables"]),
         "kind": "delta",
         "versions": new["versions"],
         "base": {"content_hash": base["content_hash"], "step": base.get("step")},

@@ -31,8 +31,21 @@ from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeat
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData, Vocabulary
 
-SCHEMA_VERSION = 1
-"""Bumped when a reader of the previous version would misread an artifact."""
+SCHEMA_VERSION = 2
+"""Bumped when a reader of the previous version would misread an artifact: 2 adds tables
+stored in half precision (a table entry's ``dtype``, ``fp16`` or ``bf16``; rows are read in
+float32). An artifact without such a table is written as version 1, which readers of both
+versions read (``schema_version_of``)."""
+READABLE_VERSIONS = (1, 2)
+TABLE_DTYPES = ("fp32", "fp16", "bf16")
+"""How a table's unquantized rows are stored (a table entry's ``dtype``; absent: fp32)."""
+
+
+def schema_version_of(tables: Sequence[Mapping[str, Any]]) -> int:
+    """The oldest schema version that can read an artifact (or delta) of ``tables``: 2 once a
+    table is stored in half precision, else 1."""
+    half = any(t.get("dtype", "fp32") != "fp32" for t in tables)
+    return SCHEMA_VERSION if half else 1
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 TABLES = "tables.safetensors"
@@ -178,10 +191,11 @@ def read_manifest(root: storage.Location, *, verify: bool = True) -> dict[str, A
         raise ArtifactError(f"the manifest of {root.url!r} does not match its {MARKER} marker "
                             "(corrupt, or changed after the export committed).")
     manifest = json.loads(data.decode())
-    if manifest.get("schema_version") != SCHEMA_VERSION:
+    if manifest.get("schema_version") not in READABLE_VERSIONS:
         raise ArtifactError(
             f"the serving artifact {root.url!r} has schema version "
-            f"{manifest.get('schema_version')!r}; this reader reads {SCHEMA_VERSION}. Export it "
+            f"{manifest.get('schema_version')!r}; this reader reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Export it "
             "again with this version, or read it with the version that wrote it "
             f"({manifest.get('versions', {}).get('recsys_trainer')}).")
     if verify:

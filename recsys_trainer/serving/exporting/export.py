@@ -145,7 +145,12 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
     prefix = f"{tm.path}." if tm.path else ""
 
     def stored(w: torch.Tensor) -> torch.Tensor:
-        return quantize(w, quant) if quant else w.to(torch.float32).contiguous()
+        # Half-precision tables are served in their own precision: the rows training reads,
+        # bit for bit, at half the bytes (the scorer widens the rows it reads to float32, as
+        # FBGEMM's lookup does before pooling).
+        if quant:
+            return quantize(w, quant)
+        return (w if w.dtype in _SERVED_DTYPES else w.to(torch.float32)).contiguous()
 
     for c in tm.configs:
         name = c.name
@@ -154,6 +159,7 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
             "pooling": tm.pooling[name], "weighted": weighted(tm.module),
             "features": list(c.feature_names), "quantization": quant, "tensor": None, "dynamic": None,
         }
+
         if not tm.dynamic:
             group = "embedding_bags" if tm.kind == "pooled" else "embeddings"
             key = f"{prefix}{group}.{name}.weight"
@@ -162,6 +168,7 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
                                "by params_not_save / save_filter_fn?")
             entry["tensor"] = f"{name}.weight"
             tensors[f"{name}.weight"] = stored(state[key])
+            _note_dtype(entry, state[key], quant)
         else:
             mc = f"{prefix}{_MC}.{name}."
             weight = state[rows_key(state, prefix, name)]
@@ -178,12 +185,23 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
             tensors[f"{name}.ids"] = ids[order].contiguous()
             tensors[f"{name}.vectors"] = stored(weight[slots[keep][order]])
             tensors[f"{name}.default_rows"] = stored(weight[fallback])
+            _note_dtype(entry, weight, quant)
             routing = Routing(rule=RULE, shards=shards, rows_per_shard=per_shard)
             entry["dynamic"] = {"ids": f"{name}.ids", "vectors": f"{name}.vectors",
                                 "default_rows": f"{name}.default_rows", "slots": int(c.num_embeddings),
                                 "routing": routing.to_json()}
         entries.append(entry)
     return entries, tensors
+
+
+_SERVED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _note_dtype(entry: dict[str, Any], weight: torch.Tensor, quant: str | None) -> None:
+    """A half-precision table's entry says so (``dtype``; absent: float32 rows)."""
+    name = _SERVED_DTYPES.get(weight.dtype, "fp32")
+    if not quant and name != "fp32":
+        entry["dtype"] = name
 
 
 def fallback_rows_per_shard(ckpt: storage.Where) -> dict[str, int]:
@@ -299,7 +317,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
             files[mf.AOTI_PROGRAM] = data
     features_canon = json.dumps(features_json, sort_keys=True).encode()
     manifest: dict[str, Any] = {
-        "schema_version": mf.SCHEMA_VERSION,
+        "schema_version": mf.schema_version_of(tables),
         "kind": "full",
         "versions": {"recsys_trainer": metadata.version("recsys_trainer"),
                      "torch": torch.__version__, "safetensors": safetensors.__version__},

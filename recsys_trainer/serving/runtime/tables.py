@@ -36,7 +36,8 @@ def _tensor(values: Any, dtype: Any) -> torch.Tensor:
 @dataclass
 class DynamicRows:
     """A dynamic table's resident rows: sorted raw ``ids`` (int64), their ``vectors`` and the
-    ``default_rows`` unknown ids read (both float32, or quantized bytes)."""
+    ``default_rows`` unknown ids read (both float32, float16 or bfloat16, or quantized
+    bytes)."""
 
     ids: torch.Tensor
     vectors: torch.Tensor
@@ -57,7 +58,8 @@ class Table:
     features: list[str]
     quantization: str | None
     weight: torch.Tensor | None
-    """Plain tables: ``[rows, dim]`` float32 (or quantized bytes). None for dynamic ones."""
+    """Plain tables: ``[rows, dim]`` float32, float16 or bfloat16 (the table's precision in
+    training), or quantized bytes. None for dynamic ones."""
     dynamic: DynamicRows | None = None
 
     @classmethod
@@ -76,7 +78,11 @@ class Table:
     # ------------------------------------------------------------------ rows
 
     def _dequant(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows if self.quantization is None else dequantize(rows, self.quantization, self.dim)
+        # Half-precision rows widen to float32 exactly, as FBGEMM's lookup widens them before
+        # pooling in float32: the same sums, bit for bit.
+        if self.quantization is None:
+            return rows if rows.dtype == torch.float32 else rows.float()
+        return dequantize(rows, self.quantization, self.dim)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """``[n, dim]`` float32 rows of ``ids`` (raw ids for a dynamic table)."""
@@ -119,8 +125,8 @@ class Table:
         offsets = torch.zeros(len(lens) + 1, dtype=torch.int64)
         torch.cumsum(lens, 0, out=offsets[1:])
         psw = None if weights is None else _tensor(weights, np.float32)
-        if self.quantization is not None:
-            # Gather and expand only the rows read, then pool them.
+        if self.quantization is not None or self.weight.dtype != torch.float32:
+            # Gather and expand (or widen) only the rows read, then pool them.
             uniq, inverse = torch.unique(idx, return_inverse=True)
             return F.embedding_bag(inverse, self.rows(uniq), offsets, mode="mean" if mean else "sum",
                                    per_sample_weights=psw, include_last_offset=True)
