@@ -110,9 +110,11 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
                                             r"model reads exactly one id per row of sequence "
                                             r"feature 'item' \(its candidate\), but this row has 0"):
             Scorer(case["art"]).score([row, {**row, "item": None}])
-        with pytest.raises(ValueError, match=r"DIN's candidate feature 'item' .* must have exactly "
-                                             r"one id per row, but row 1 of the batch has 0"):
-            check_sequence_lengths(torch.tensor([1, 0]), torch.tensor([1, 1]), 3, "item", "hist_item")
+        with pytest.raises(ValueError, match=r"DINClassifier's candidate feature 'item' .* must "
+                                             r"have exactly one id per row; at fault: batch row 1 "
+                                             r"\(0 ids\)"):
+            check_sequence_lengths(torch.tensor([1, 0]), torch.tensor([1, 1]), 3, "item", "hist_item",
+                                   model="DINClassifier")
 
 
 def _check_half_precision_tables(case: dict[str, Any]) -> None:
