@@ -146,9 +146,9 @@ class HSTUEncoder(nn.Module):
         program's fixed shapes)."""
         extras = [] if tau is None or theta is None else [tau, theta]
         out = x.new_zeros(x.shape[0], x.shape[2])
-        for length, y, mine in by_static_buckets(self._bucket, x, counts, extras):
-            at = last.clamp_max(length - 1).view(-1, 1, 1).expand(-1, 1, y.shape[2])
-            out = torch.where(mine.unsqueeze(1), y.gather(1, at).squeeze(1), out)
+        for length, y, rows in by_static_buckets(self._bucket, x, counts, extras):
+            at = last[rows].clamp_max(length - 1).view(-1, 1, 1).expand(-1, 1, y.shape[2])
+            out = out.index_copy(0, rows, y.gather(1, at).squeeze(1))
         return out
 
     def _bucket(self, x: torch.Tensor, counts: torch.Tensor, extras: Sequence[torch.Tensor]) -> torch.Tensor:
