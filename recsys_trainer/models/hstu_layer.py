@@ -14,11 +14,12 @@ than Words", ICML 2024) and its stack over padded rows (one length bucket), whic
   of the data's time unit, ``time_bucket``);
 * gating by ``U``: ``x + Linear(Dropout(U * LayerNorm(A V)))``.
 
-As in the authors' code (facebookresearch/generative-recommenders,
-``research/modeling/sequential/hstu.py``), except that attention is divided by the number of
-keys each query sees where theirs divides by the padded length: with the layer norm that
-follows, the two differ only through the norm's epsilon, and this one makes a row's result
-independent of the batch's padding (so jagged equals padded, and serving equals training).
+The authors' code (facebookresearch/generative-recommenders, ``research/modeling/sequential/
+hstu.py``) differs in details the paper leaves open; docs/models.md lists them. The one that
+matters here: attention is divided by the number of keys each query sees where theirs divides
+by the padded length: with the layer norm that follows, the two differ only through the norm's
+epsilon, and this one makes a row's result independent of the batch's padding (so jagged
+equals padded, and serving equals training).
 """
 
 from __future__ import annotations
