@@ -15,7 +15,7 @@ ceilings: the oracle that knows the process (``oracle``) and the one that knows 
 times (``oracle_without_time``: what a time-blind model can reach at best).
 
 **dcn**: the Criteo-schema click log with planted crosses (``criteo_synthetic --crosses``: C1 x
-C2, C3 x C4, C5 x C6 x C7, pure interactions). ``DCNClassifier`` (low-rank mixture and full
+C2, C3 x C4, C5 x C6 x C7, nearly pure interactions: docs/models.md). ``DCNClassifier`` (low-rank mixture and full
 rank, stacked) against ``DLRMClassifier``: embedding dim 16, the same bottom MLP (64, 16) and a
 deep/top MLP of (64, 32), ``--epochs`` passes over the train windows (default one: the
 streaming protocol; a second pass over this log overfits the tables), AUC on the last window.
