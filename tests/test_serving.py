@@ -88,6 +88,12 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
     _check_parity(case)
     if kind == "mixed_fp16":
         _check_half_precision_tables(case)
+    if kind in ("hstu", "dcn"):
+        # A program that reads value features (HSTU's event times: integers, no table) is
+        # schema 3: a reader of 2 would look for their tables and dims.
+        m = Scorer(case["art"]).manifest
+        values = [q["feature"] for q in m["program"]["inputs"]["sequences"] if q.get("values")]
+        assert (m["schema_version"], values) == ((3, ["hist_ts", "ts"]) if kind == "hstu" else (1, []))
     if kind in ("dynamic", "mixed", "mixed_fp16"):
         # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
         tables = Scorer(case["art"]).tables
