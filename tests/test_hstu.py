@@ -35,7 +35,7 @@ from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
 from recsys_trainer.models import HSTUEncoder, HSTULayer, HSTURankingModel, HSTURetrievalModel
 from recsys_trainer.models.hstu_layer import TIME_BOUNDARIES
 from recsys_trainer.models.jagged import bucket_lengths
-from recsys_trainer.serving import Scorer, export_for_serving
+from recsys_trainer.serving import Scorer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -213,15 +213,8 @@ def test_hstu_retrieval_serves_the_query_it_trains_bitwise_times_included(timed_
     root, meta = timed_log
     trainer = _retrieval_trainer(root, meta, str(tmp_path / "t"), train_steps=2)
     trainer.train()
-    export_for_serving(trainer, str(tmp_path / "art"), activation="none")
-    ds: Any = trainer.eval_dataset
-    wid = next(iter(ds.window_ids()))
-    batch = next(iter(ds.iter_window(wid)))
-    rows = next(iter(ds.read_columns(wid, ds.features.columns())))
-    trainer.model.eval()
-    with torch.no_grad():
-        _, out = trainer.model(batch)
-    query = out["query"].numpy()
+    trained, rows = su.export_query_and_rows(trainer, str(tmp_path / "art"))
+    query = trained.numpy()
     scorer = Scorer(str(tmp_path / "art"))
     program = scorer.manifest["program"]["inputs"]["sequences"]
     assert {s["feature"]: s.get("values", False) for s in program} == {
