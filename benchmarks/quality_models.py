@@ -15,16 +15,19 @@ ceilings: the oracle that knows the process (``oracle``) and the one that knows 
 times (``oracle_without_time``: what a time-blind model can reach at best).
 
 **dcn**: the Criteo-schema click log with planted crosses (``criteo_synthetic --crosses``: C1 x
-C2, C3 x C4, C5 x C6 x C7, pure interactions). ``DCNClassifier`` (low-rank mixture and full
+C2, C3 x C4, C5 x C6 x C7, nearly pure interactions: docs/models.md). ``DCNClassifier`` (low-rank mixture and full
 rank, stacked) against ``DLRMClassifier``: embedding dim 16, the same bottom MLP (64, 16) and a
 deep/top MLP of (64, 32), ``--epochs`` passes over the train windows (default one: the
 streaming protocol; a second pass over this log overfits the tables), AUC on the last window.
 The ceilings: the AUC of the true probabilities (``oracle_auc``) and of the probabilities
-without the crosses (``oracle_auc_without_crosses``: a model blind to crosses at best).
+without the crosses (``oracle_auc_without_crosses``: about what a model blind to crosses can
+reach).
 
 The data is generated once (``--data``, reused if present); a seed sets the model's
-initialisation and the shuffling. Reported: every seed's figure, the mean and the spread
-(min..max), and the ratio of the newer model's mean to the baseline's.
+initialisation and the shuffling. Reported, for each study's **headline metric** (printed first
+in every line and table: ``recall@10`` for hstu, ``auc`` for dcn; docs/benchmarks.md): every
+seed's figure, the mean and the spread (min..max), and the ratio of the newer model's mean to
+the baseline's; the other metrics' means and spreads beside it.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def hstu(a: argparse.Namespace) -> tuple[list[str], dict[str, dict[int, dict[str
                   f"({steps} steps, {seconds:.0f} s)", flush=True)
     ceilings = {"oracle": meta["oracle"], "oracle_without_time": meta["oracle_without_time"],
                 "mean_history": statistics.mean(w["mean_history"] for w in meta["per_window"].values())}
-    return ["recall@1", "recall@10", "ndcg@10", "recall@50"], results, ceilings
+    return ["recall@10", "ndcg@10", "recall@1", "recall@50"], results, ceilings
 
 
 def dcn(a: argparse.Namespace) -> tuple[list[str], dict[str, dict[int, dict[str, float]]], dict[str, Any]]:
@@ -137,7 +140,12 @@ def dcn(a: argparse.Namespace) -> tuple[list[str], dict[str, dict[int, dict[str,
 
 def report(metrics: list[str], results: dict[str, dict[int, dict[str, float]]],
            ceilings: dict[str, Any], baseline: str) -> str:
-    lines = ["| model | " + " | ".join(f"{m} (mean, min..max)" for m in metrics) + " | per seed | s / run |",
+    """The markdown table; ``metrics[0]`` is the headline (its column first, its per-seed
+    figures and the ratios to ``baseline``)."""
+    headline = metrics[0]
+    lines = [f"headline: {headline}", "",
+             "| model | " + " | ".join(f"{m} (mean, min..max)" for m in metrics)
+             + f" | {headline} per seed | s / run |",
              "|---|" + "---|" * (len(metrics) + 2)]
     means: dict[str, dict[str, float]] = {}
     for name, per_seed in results.items():
@@ -146,14 +154,15 @@ def report(metrics: list[str], results: dict[str, dict[int, dict[str, float]]],
             vals = [r[m] for r in per_seed.values()]
             means.setdefault(name, {})[m] = statistics.mean(vals)
             cells.append(f"{statistics.mean(vals):.4f} ({min(vals):.4f}..{max(vals):.4f})")
-        seeds = ", ".join(f"{s}: {r[metrics[0]]:.4f}" for s, r in per_seed.items())
+        seeds = ", ".join(f"{s}: {r[headline]:.4f}" for s, r in per_seed.items())
         secs = statistics.mean(r["seconds"] for r in per_seed.values())
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {seeds} | {secs:.0f} |")
     out = "\n".join(lines) + "\n\nceilings: " + json.dumps(ceilings) + "\n"
     if baseline in means:
         for name in means:
             if name != baseline:
-                out += f"{name} / {baseline} ({metrics[0]}): {means[name][metrics[0]] / means[baseline][metrics[0]]:.3f}\n"
+                out += (f"{name} / {baseline} ({headline}): "
+                        f"{means[name][headline] / means[baseline][headline]:.3f}\n")
     return out
 
 

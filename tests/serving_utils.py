@@ -253,3 +253,20 @@ def check_delta(root: str, kind: str, window: str, first: int, last: int) -> Non
     assert len(scorer.applied_deltas) == 1
     assert os.path.getsize(os.path.join(delta, "delta.safetensors")) < \
         os.path.getsize(os.path.join(full, mf.TABLES))
+
+
+def export_query_and_rows(trainer: Trainer, art: str) -> tuple[torch.Tensor, pa.Table]:
+    """A trained retrieval model exported to ``art`` (the query embedding), then the query its
+    ``forward`` gives the first batch of the evaluation's first window (in eval mode) and that
+    batch's raw rows: what a served query is compared with."""
+    from recsys_trainer.serving import export_for_serving
+
+    export_for_serving(trainer, art, activation="none")
+    ds: Any = trainer.eval_dataset
+    wid = next(iter(ds.window_ids()))
+    batch = next(iter(ds.iter_window(wid)))
+    rows = next(iter(ds.read_columns(wid, ds.features.columns())))
+    trainer.model.eval()
+    with torch.no_grad():
+        _, out = trainer.model(batch)
+    return out["query"], rows

@@ -69,6 +69,7 @@ DEVICE_SIDE: tuple[str, ...] = (
     "models/hstu.py",
     "models/hstu_layer.py",
     "models/jagged.py",
+    "models/checks.py",
     # the training loop and what it runs on the model's device: the step, autocast and loss
     # scaling, the batch's move to the device, sharding (DMP/DDP), the optimizers' state, the
     # per-device generators

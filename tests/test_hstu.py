@@ -32,10 +32,10 @@ from recsys_trainer.data.parquet import ParquetWindowDataset
 from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.metrics import MetricReportHook
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
-from recsys_trainer.models import HSTUEncoder, HSTULayer, HSTURetrievalModel
+from recsys_trainer.models import HSTUEncoder, HSTULayer, HSTURankingModel, HSTURetrievalModel
 from recsys_trainer.models.hstu_layer import TIME_BOUNDARIES
 from recsys_trainer.models.jagged import bucket_lengths
-from recsys_trainer.serving import Scorer, export_for_serving
+from recsys_trainer.serving import Scorer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,6 +155,27 @@ def timed_log(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, 
     return str(root), write_dataset(root, hours=3, rows_per_hour=4000, signal=signal, ks=(10,))
 
 
+def test_serving_computes_each_row_once_at_its_own_bucket_length_not_every_row_at_every_length() -> None:
+    """The serving program's padded batch costs what training's buckets cost: each row runs at
+    the bucket length training gives it (the shortest bucket >= its tokens), and only there (a
+    batch of short histories served under max_len=1000 took 2.3 s and 1.4 GiB for 32 rows when
+    every row ran at every length; now 15 ms, docs/serving.md)."""
+    from recsys_trainer.models.jagged import by_static_buckets
+
+    counts = torch.tensor([3, 1001, 9, 8, 40, 1])
+    seen: list[tuple[int, list[int]]] = []
+
+    def fn(x: torch.Tensor, c: torch.Tensor, extras: Any) -> torch.Tensor:
+        seen.append((x.shape[1], c.tolist()))
+        return x
+
+    x = torch.zeros(6, 1001, 2)
+    runs = by_static_buckets(fn, x, counts, [])
+    ran = {int(r): length for length, _, rows in runs for r in rows}
+    assert ran == {0: 8, 1: 1001, 2: 16, 3: 8, 4: 64, 5: 8}
+    assert sum(len(c) for _, c in seen) == len(counts)  # each row once
+
+
 def test_the_timed_log_writes_histories_oldest_first_before_their_target_and_an_honest_ceiling(
         timed_log) -> None:
     import pyarrow.parquet as pq
@@ -192,15 +213,8 @@ def test_hstu_retrieval_serves_the_query_it_trains_bitwise_times_included(timed_
     root, meta = timed_log
     trainer = _retrieval_trainer(root, meta, str(tmp_path / "t"), train_steps=2)
     trainer.train()
-    export_for_serving(trainer, str(tmp_path / "art"), activation="none")
-    ds: Any = trainer.eval_dataset
-    wid = next(iter(ds.window_ids()))
-    batch = next(iter(ds.iter_window(wid)))
-    rows = next(iter(ds.read_columns(wid, ds.features.columns())))
-    trainer.model.eval()
-    with torch.no_grad():
-        _, out = trainer.model(batch)
-    query = out["query"].numpy()
+    trained, rows = su.export_query_and_rows(trainer, str(tmp_path / "art"))
+    query = trained.numpy()
     scorer = Scorer(str(tmp_path / "art"))
     program = scorer.manifest["program"]["inputs"]["sequences"]
     assert {s["feature"]: s.get("values", False) for s in program} == {
@@ -281,19 +295,87 @@ def _batch(hist: list[list[int]], times: list[list[int]] | None, query: list[int
 def test_hstu_names_misaligned_times_a_long_history_and_missing_time_features() -> None:
     model = HSTURetrievalModel(num_items=50, max_len=4, embedding_dim=8, num_uniform_negatives=4,
                                table_device="cpu")
-    with pytest.raises(ValueError, match=r"row 1 of the batch has 1 values of 'hist_ts' but needs 2"):
+    with pytest.raises(ValueError, match=r"HSTURetrievalModel's 'hist_ts' holds one time per "
+                                         r"history item; at fault: batch row 1 \(1 values, needs 2\)"):
         model(_batch([[1, 2], [3, 4]], [[10, 20], [30]], [40, 50]))
-    with pytest.raises(ValueError, match=r"row 0 of the batch has a 'hist_item' history of 5 ids, "
-                                         r"more than the model's max_len=4"):
-        model(_batch([[1, 2, 3, 4, 5]], [[1, 2, 3, 4, 5]], [9]))
-    with pytest.raises(ValueError, match=r"batch.sequence has keys \['item', 'hist_item'\], but the "
-                                         r"model reads \['item', 'hist_item', 'hist_ts', 'ts'\]"):
+    # Every row at fault is named with its count, not the first one only.
+    with pytest.raises(ValueError, match=r"'hist_item' history must hold at most the model's "
+                                         r"max_len=4 ids; at fault: batch rows 0 \(5 ids\), 2 \(6 ids\)\."):
+        model(_batch([[1, 2, 3, 4, 5], [1], [1, 2, 3, 4, 5, 6]], [[1, 2, 3, 4, 5], [1], [1] * 6],
+                     [9, 9, 9]))
+    with pytest.raises(ValueError, match=r"batch.sequence has keys \['item', 'hist_item'\], but "
+                                         r"HSTURetrievalModel reads \['item', 'hist_item', 'hist_ts', "
+                                         r"'ts'\] in this order \(the batch lacks \['hist_ts', 'ts'\]\)"):
         model(_batch([[1, 2]], None, None))
     with pytest.raises(ValueError, match="give both `time_feature`"):
         HSTURetrievalModel(num_items=50, time_feature=None)
     # Rows without history (only BOS) and rows at max_len train.
     loss, out = model(_batch([[], [1, 2, 3, 4]], [[], [1, 2, 3, 4]], [5, 6]))
     assert torch.isfinite(loss) and out["query"].shape == (2, 8)
+
+
+def test_hstu_retrieval_with_times_trains_and_serves_a_batch_whose_histories_are_all_empty() -> None:
+    """A batch of new users only (no history, so no history time at all): a window's last small
+    batch, or a batch of new users to score. It trains, and its query is the served one."""
+    torch.manual_seed(0)
+    model = HSTURetrievalModel(num_items=50, max_len=4, embedding_dim=D, num_uniform_negatives=4,
+                               table_device="cpu")
+    batch = _batch([[], [], []], [[], [], []], [40, 50, 1_000])
+    loss, _ = model(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and model.bos.grad is not None
+    model.eval()
+    with torch.no_grad():
+        _, out = model(batch)
+        b, length = 3, model.max_len
+        served = model.serving_logits(
+            torch.zeros(b, 0), {},
+            {"hist_item": torch.zeros(b, length, D), "hist_ts": torch.zeros(b, length, dtype=torch.int64),
+             "ts": torch.tensor([[40], [50], [1_000]])},
+            {"hist_item": torch.zeros(b, dtype=torch.int64), "hist_ts": torch.zeros(b, dtype=torch.int64),
+             "ts": torch.ones(b, dtype=torch.int64)})
+    torch.testing.assert_close(served, out["query"], rtol=0, atol=1e-6)
+
+
+def _keyed_batch(keys_rows: list[tuple[str, list[list[int]]]]) -> Batch:
+    """A batch whose ``batch.sequence`` has these keys, in this order, with these rows."""
+    values, lengths = [], []
+    for _, rows in keys_rows:
+        for r in rows:
+            values += r
+            lengths.append(len(r))
+    seq = KeyedJaggedTensor.from_lengths_sync(keys=[k for k, _ in keys_rows],
+                                              values=torch.tensor(values, dtype=torch.int64),
+                                              lengths=torch.tensor(lengths))
+    b = len(keys_rows[0][1])
+    return Batch(dense=torch.zeros(b, 0), sparse=KeyedJaggedTensor.empty(), labels=torch.ones(b),
+                 sequence=seq)
+
+
+def test_hstu_ranking_names_missing_or_misordered_sequence_keys_and_its_own_name() -> None:
+    """A spec without the time features, or with the sequence features in another order, is
+    named with the keys and the FeatureSpec that fixes it (was a bare KeyError inside torchrec);
+    a bad row names HSTURankingModel (the shared check said DIN)."""
+    model = HSTURankingModel(num_items=50, max_len=4, embedding_dim=8, table_device="cpu")
+    good = [("item", [[1], [2]]), ("hist_item", [[1, 2], [3]]), ("hist_ts", [[10, 20], [30]]),
+            ("ts", [[40], [50]])]
+    order = r"in the order \['item', 'hist_item', 'hist_ts', 'ts'\]"
+    with pytest.raises(ValueError, match=r"HSTURankingModel reads .* \(the batch lacks "
+                                         r"\['hist_ts', 'ts'\]\): declare FeatureSpec\(sequence=\[\.\.\.\]\) "
+                                         + order):
+        model(_keyed_batch(good[:2]))
+    for keys in ([*good[2:], *good[:2]], [good[1], good[0], *good[2:]]):
+        with pytest.raises(ValueError, match=r"\(the batch has them in another order\).*" + order):
+            model(_keyed_batch(keys))
+    with pytest.raises(ValueError, match=r"^HSTURankingModel's candidate feature 'item' .* at "
+                                         r"fault: batch row 1 \(0 ids\)") as e:
+        model(_keyed_batch([("item", [[1], []]), *good[1:]]))
+    assert "DIN" not in str(e.value)
+    with pytest.raises(ValueError, match=r"HSTURankingModel's 'ts' holds one query time per row; "
+                                         r"at fault: batch row 1 \(0 values, needs 1\)"):
+        model(_keyed_batch([*good[:3], ("ts", [[40], []])]))
+    loss, logits = model(_keyed_batch(good))
+    assert torch.isfinite(loss) and logits.shape == (2,)
 
 
 @pytest.mark.parametrize("loss", ["sampled", "full"])

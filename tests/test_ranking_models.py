@@ -158,13 +158,13 @@ def test_din_names_a_long_history_a_missing_candidate_or_sequence_and_ignores_pa
     assert float(model(batch.as_padding())[0].detach()) == 0.0  # padding rows cost nothing
     with pytest.raises(ValueError, match="declare them as FeatureSpec"):
         model(Batch(dense=batch.dense, sparse=batch.sparse, labels=batch.labels))
-    with pytest.raises(ValueError, match=r"row 1 of the batch has a history of 4 ids, more than the model's max_len=3"):
+    with pytest.raises(ValueError, match=r"at most the model's max_len=3 ids; at fault: batch row 1 \(4 ids\)"):
         model(_batch([1, 2], [[1], [1, 2, 3, 4]]))
     bad = _batch([1, 2], [[1], [2]])
     bad.sequence = KeyedJaggedTensor.from_lengths_sync(
         keys=["item", "hist_item"], values=torch.tensor([1, 1, 2]),
         lengths=torch.tensor([1, 0, 1, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"exactly one id per row, but row 1 of the batch has 0"):
+    with pytest.raises(ValueError, match=r"exactly one id per row; at fault: batch row 1 \(0 ids\)"):
         model(bad)
 
 

@@ -306,7 +306,7 @@ def test_two_tower_ignores_padding_rows_names_bad_inputs_and_embeds_items_like_i
     assert torch.allclose(items, model.item_embeddings(torch.tensor([1, 2, 3])), atol=1e-6)
     with pytest.raises(ValueError, match=r"in the order \['item', 'hist_item', 'item_cat'\]"):
         model(_tt_batch([1], [[2]], keys=("hist_item", "item", "item_cat")))
-    with pytest.raises(ValueError, match="history of 5 ids, more than the model's max_len=4"):
+    with pytest.raises(ValueError, match=r"at most the model's max_len=4 ids; at fault: batch row \d+ \(5 ids\)"):
         model(_tt_batch([1], [[2, 3, 4, 5, 6]]))
     with pytest.raises(ValueError, match="need `item_catalog`"):
         TwoTowerModel(["u"], num_items=5, item_side_features={"c": 2}, table_device="cpu")
@@ -412,7 +412,7 @@ def test_sasrec_user_and_side_features_reach_its_queries_and_candidates_and_padd
     cat_rows = model.items.embeddings["t_item_cat"].weight[ids % 3]
     assert torch.allclose(model.item_embeddings(ids), F.normalize(item_rows + cat_rows, dim=-1), atol=1e-6)
     # A history side feature is one id per history item.
-    with pytest.raises(ValueError, match=r"row 0 of the batch has 1 'hist_item_cat' ids but 2 'hist_item' items"):
+    with pytest.raises(ValueError, match=r"at fault: batch row 0 \(1 'hist_item_cat' ids, 2 'hist_item' items\)"):
         model(_tt_batch([1], [[3, 4]], keys=keys, hist_cats=[[0]]))
     with pytest.raises(ValueError, match=r"in the order \['item', 'hist_item', 'item_cat', 'hist_item_cat'\]"):
         model(_tt_batch([1], [[3, 4]], keys=("item", "hist_item", "item_cat")))

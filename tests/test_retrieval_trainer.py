@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import serving_utils as su
 import torch
 from test_checkpoint_trainer import assert_bitwise_equal, snapshot
 
@@ -28,7 +29,7 @@ from recsys_trainer.data.windows import partitioned_windows
 from recsys_trainer.hooks.retrieval_metrics import RetrievalMetricHook
 from recsys_trainer.models import SASRecModel, TwoTowerModel
 from recsys_trainer.retrieval.export import export_item_embeddings, read_item_embeddings
-from recsys_trainer.serving import Scorer, export_for_serving
+from recsys_trainer.serving import Scorer
 
 pytestmark = pytest.mark.timeout(300)
 REPO = Path(__file__).resolve().parents[1]
@@ -178,18 +179,11 @@ def test_the_serving_export_scores_raw_rows_to_the_query_the_model_ranks_the_cor
     root, meta = log
     trainer = _trainer(root, meta, str(tmp_path / "t"), model=model, train_steps=2, num_uniform_negatives=8)
     trainer.train()
-    export_for_serving(trainer, str(tmp_path / "art"), activation="none")
-    ds = trainer.eval_dataset
-    wid = next(iter(ds.window_ids()))
-    batch = next(iter(ds.iter_window(wid)))
-    rows = next(iter(ds.read_columns(wid, ds.features.columns())))
-    trainer.model.eval()
-    with torch.no_grad():
-        _, out = trainer.model(batch)
+    query, rows = su.export_query_and_rows(trainer, str(tmp_path / "art"))
     # A fresh reader of the artifact (no trainer, no torchrec lookups) on the raw rows.
-    got = Scorer(str(tmp_path / "art")).score(rows.slice(0, len(out["query"])))
-    assert got.shape == tuple(out["query"].shape)
-    np.testing.assert_allclose(got, out["query"].numpy(), atol=1e-5)
+    got = Scorer(str(tmp_path / "art")).score(rows.slice(0, len(query)))
+    assert got.shape == tuple(query.shape)
+    np.testing.assert_allclose(got, query.numpy(), atol=1e-5)
 
 
 def test_string_item_ids_are_refused_not_hashed_into_unrelated_rows(log, tmp_path) -> None:

@@ -88,6 +88,12 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
     _check_parity(case)
     if kind == "mixed_fp16":
         _check_half_precision_tables(case)
+    if kind in ("hstu", "dcn"):
+        # A program that reads value features (HSTU's event times: integers, no table) is
+        # schema 3: a reader of 2 would look for their tables and dims.
+        m = Scorer(case["art"]).manifest
+        values = [q["feature"] for q in m["program"]["inputs"]["sequences"] if q.get("values")]
+        assert (m["schema_version"], values) == ((3, ["hist_ts", "ts"]) if kind == "hstu" else (1, []))
     if kind in ("dynamic", "mixed", "mixed_fp16"):
         # Row 10_000_002 holds an id no table ever held (its default row) and a null id.
         tables = Scorer(case["art"]).tables
@@ -110,9 +116,11 @@ def test_din_mmoe_and_dynamic_table_models_score_exactly_as_predict(kind: str, t
                                             r"model reads exactly one id per row of sequence "
                                             r"feature 'item' \(its candidate\), but this row has 0"):
             Scorer(case["art"]).score([row, {**row, "item": None}])
-        with pytest.raises(ValueError, match=r"DIN's candidate feature 'item' .* must have exactly "
-                                             r"one id per row, but row 1 of the batch has 0"):
-            check_sequence_lengths(torch.tensor([1, 0]), torch.tensor([1, 1]), 3, "item", "hist_item")
+        with pytest.raises(ValueError, match=r"DINClassifier's candidate feature 'item' .* must "
+                                             r"have exactly one id per row; at fault: batch row 1 "
+                                             r"\(0 ids\)"):
+            check_sequence_lengths(torch.tensor([1, 0]), torch.tensor([1, 1]), 3, "item", "hist_item",
+                                   model="DINClassifier")
 
 
 def _check_half_precision_tables(case: dict[str, Any]) -> None:

@@ -11,8 +11,9 @@ metrics, the item export) is ``recsys_trainer.retrieval``'s.
 
 Shared pieces: ``blocks`` (MLPs, towers, multi-task heads, the tables and their
 initialisers), ``losses`` (the ranking losses and their label check), ``jagged`` (histories by
-length bucket), ``hstu_layer`` (the HSTU layer). Import any of these names from ``recsys_trainer.models``; the modules are the
-layout, not the interface.
+length bucket), ``hstu_layer`` (the HSTU layer), ``checks`` (the sequence ranking models' batch
+checks). Import any of these names from ``recsys_trainer.models``; the modules are the layout,
+not the interface.
 """
 
 from recsys_trainer.models.blocks import (
@@ -26,8 +27,9 @@ from recsys_trainer.models.blocks import (
     tower,
     uniform_init,
 )
+from recsys_trainer.models.checks import check_sequence_lengths, check_value_feature
 from recsys_trainer.models.dcn import DCNClassifier
-from recsys_trainer.models.din import DINClassifier, TargetAttention, check_sequence_lengths
+from recsys_trainer.models.din import DINClassifier, TargetAttention
 from recsys_trainer.models.dlrm import DLRMClassifier
 from recsys_trainer.models.hstu import HSTURankingModel, HSTURetrievalModel
 from recsys_trainer.models.hstu_layer import HSTUEncoder, HSTULayer
@@ -65,6 +67,7 @@ __all__ = [
     "TwoTowerModel",
     "check_binary_labels",
     "check_sequence_lengths",
+    "check_value_feature",
     "check_task_shapes",
     "init_last_bias",
     "make_tables",

@@ -1,5 +1,5 @@
 """``DINClassifier``: a DLRM plus DIN-style target attention over a behaviour sequence (Zhou
-et al., 2018), and its input check.
+et al., 2018).
 
 Like every bundled ranking model: ``forward(batch)`` returns ``(loss, logits)``, the loss is
 functional and honours ``batch.weights`` (zero-weight padding batches contribute nothing), the
@@ -21,39 +21,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from recsys_trainer.batch import Batch
 from recsys_trainer.dynamic import DynamicTable, dynamic_embedding_collection
 from recsys_trainer.models.blocks import init_last_bias, make_tables, mlp, stack_pooled
+from recsys_trainer.models.checks import check_sequence_lengths
 from recsys_trainer.models.losses import BinaryClassifier, weighted_bce_with_logits
 
-
-def check_sequence_lengths(candidate: torch.Tensor, history: torch.Tensor, max_len: int,
-                           candidate_feature: str = "candidate",
-                           history_feature: str = "history") -> None:
-    """Refuse candidate features without exactly one id per row and histories longer than
-    ``max_len``: padding would silently take the first id (or the *oldest* ``max_len`` items).
-    Off the CPU an asynchronous device assert avoids a host sync per step; its message is fixed
-    when the step runs (no row), so it names the features."""
-    ok_c, ok_h = (candidate == 1).all(), (history <= max_len).all()
-    if candidate.device.type != "cpu":
-        torch._assert_async(ok_c & ok_h, f"DIN: the candidate feature {candidate_feature!r} must "
-                            "have exactly one id per row (a null in its column gives none), and "
-                            f"the history {history_feature!r} at most max_len={max_len} ids")
-        return
-    if not bool(ok_c):
-        row = int(torch.nonzero(candidate != 1)[0, 0])
-        raise ValueError(
-            f"DIN's candidate feature {candidate_feature!r} (the SequenceFeature of that name, "
-            "read from its column) must have exactly one id per row, but row "
-            f"{row} of the batch has {int(candidate[row])} (a null or an empty list in its "
-            "column gives none). Read it from a scalar column (SequenceFeature on a non-list "
-            "column) with no nulls, or give the SequenceFeature a null_id.")
-    if not bool(ok_h):
-        row = int(torch.nonzero(history > max_len)[0, 0])
-        raise ValueError(
-            f"row {row} of the batch has a history of {int(history[row])} ids, more than the "
-            f"model's max_len={max_len} (feature {history_feature!r}). Give the SequenceFeature "
-            f"max_len={max_len} (the reader keeps the most recent ids) or build the model with a "
-            "larger max_len.")
-
-
+# ``torch.fx.wrap`` patches a function in the globals of the module that calls it: the check
+# stays one node of the traced graph here too.
 torch.fx.wrap("check_sequence_lengths")
 
 
@@ -161,7 +133,7 @@ class DINClassifier(BinaryClassifier):
         cand_jt, hist_jt = seq[self.item_feature], seq[self.history_feature]
         hist_len = hist_jt.lengths()
         check_sequence_lengths(cand_jt.lengths(), hist_len, self.max_len, self.item_feature,
-                               self.history_feature)
+                               self.history_feature, model=type(self).__name__)
         candidate = cand_jt.to_padded_dense(desired_length=1).squeeze(1)  # [B, D]
         history = hist_jt.to_padded_dense(desired_length=self.max_len)  # [B, L, D]
         return self._logits(dense, self.sparse_arch(batch.sparse), candidate, history, hist_len)
@@ -198,4 +170,4 @@ class DINClassifier(BinaryClassifier):
         return weighted_bce_with_logits(logits, batch.labels, batch.weights), logits.detach()
 
 
-__all__ = ["DINClassifier", "TargetAttention", "check_sequence_lengths"]
+__all__ = ["DINClassifier", "TargetAttention"]

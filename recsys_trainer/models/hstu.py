@@ -32,7 +32,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.models.blocks import TaskHeads, check_task_weights, check_tasks, make_tables
-from recsys_trainer.models.din import check_sequence_lengths
+from recsys_trainer.models.checks import check_sequence_lengths, check_value_feature
 from recsys_trainer.models.hstu_layer import HSTUEncoder
 from recsys_trainer.models.jagged import BucketPolicy
 from recsys_trainer.models.losses import (
@@ -48,6 +48,7 @@ from recsys_trainer.models.retrieval_base import (
 from recsys_trainer.retrieval.checks import (
     check_history_lengths,
     check_one_id_per_row,
+    check_sequence_keys,
 )
 from recsys_trainer.retrieval.kjt import table_input
 
@@ -58,27 +59,9 @@ else:  # typing_extensions comes with torch
 
 # ``torch.fx.wrap`` patches a function in the globals of the module that calls it: every leaf
 # this module calls by name is registered here too, so that it stays one node of the traced graph.
-for _leaf in ("check_one_id_per_row", "check_history_lengths",
-              "check_sequence_lengths", "table_input"):
+for _leaf in ("check_one_id_per_row", "check_history_lengths", "check_sequence_keys",
+              "check_sequence_lengths", "check_value_feature", "table_input"):
     torch.fx.wrap(_leaf)
-
-
-def check_value_feature(lengths: torch.Tensor, expected: torch.Tensor, feature: str,
-                        what: str) -> None:
-    """A value feature (event times) must have as many values per row as ``expected``."""
-    ok = (lengths == expected).all()
-    if lengths.device.type != "cpu":
-        torch._assert_async(ok, f"HSTU: a row's {what} count is wrong")
-        return
-    if not bool(ok):
-        row = int(torch.nonzero(lengths != expected)[0, 0])
-        raise ValueError(
-            f"row {row} of the batch has {int(lengths[row])} values of {feature!r} but needs "
-            f"{int(expected[row])}: {feature!r} holds {what}. Write it with the history (one "
-            "time per history item, the same max_len) or one per row for the query time.")
-
-
-torch.fx.wrap("check_value_feature")
 
 
 def assert_served_times(lengths: dict[str, torch.Tensor], history: str, times: str,
@@ -210,18 +193,20 @@ class HSTURetrievalModel(RetrievalBase):
             return None, None
         assert batch.sequence is not None
         times, query = batch.sequence[self.time_feature], batch.sequence[self.query_time_feature]
-        check_value_feature(times.lengths(), lengths, self.time_feature, "one time per history item")
+        model = type(self).__name__
+        check_value_feature(times.lengths(), lengths, self.time_feature,
+                            "one time per history item", model=model)
         check_value_feature(query.lengths(), torch.ones_like(lengths), self.query_time_feature,
-                            "one query time per row")
+                            "one query time per row", model=model)
         n = times.values().numel()
         hist_at = _offsets(lengths)[row] + pos  # the history index of h_{pos+1}
         # theta: h_{p+1}'s time, the query time after the last item.
-        theta = _gather([times.values(), query.values()],
-                        torch.where(pos < lengths[row], hist_at, n + row))
-        # tau: BOS takes theta's (what it predicts), h_p its own time.
-        tau = torch.where(pos == 0, theta, _gather([times.values(), times.values()[:1]],
-                                                   (hist_at - 1).clamp_min(0)))
-        return tau, theta
+        theta_at = torch.where(pos < lengths[row], hist_at, n + row)
+        # tau: BOS takes theta's (what it predicts), h_p its own time. Indexed into the same
+        # two parts as theta: a batch of empty histories has no history time to index.
+        tau_at = torch.where(pos == 0, theta_at, hist_at - 1)
+        both = torch.cat([times.values(), query.values()])
+        return both[tau_at], both[theta_at]
 
     def _step(self, batch: Batch, seq_out: Any, pooled: Any,
               neg_ids: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -415,9 +400,10 @@ class HSTURankingModel(BinaryClassifier):
         return [*self.table_keys, *self.value_keys]
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        if batch.sequence is None:  # (always false while fx traces: a Proxy is not None)
-            raise ValueError(f"HSTURankingModel reads batch.sequence (keys {self.sequence_keys}), "
-                             "but the batch has none: declare them as FeatureSpec(sequence=[...]).")
+        # The keys checked before the lookup: a missing or misplaced key (a time feature) would
+        # otherwise be a bare KeyError inside torchrec.
+        check_sequence_keys(batch.sequence, self.sequence_keys, type(self).__name__)
+        assert batch.sequence is not None
         seq = self.items(table_input(batch.sequence, len(self.table_keys)))
         pooled = self.pooled(batch.sparse) if self.pooled is not None else None
         logits = hstu_ranking_step(self, batch, seq, pooled)
@@ -441,8 +427,9 @@ class HSTURankingModel(BinaryClassifier):
         assert batch.sequence is not None
         cand_jt, hist_jt = seq_out[self.item_feature], seq_out[self.history_feature]
         lengths = hist_jt.lengths()
+        model = type(self).__name__
         check_sequence_lengths(cand_jt.lengths(), lengths, self.max_len, self.item_feature,
-                               self.history_feature)
+                               self.history_feature, model=model)
         counts = lengths + 1
         row, pos = _positions(counts)
         hist, cand = hist_jt.values(), cand_jt.values()
@@ -454,9 +441,9 @@ class HSTURankingModel(BinaryClassifier):
         if self.time_feature is not None and self.query_time_feature is not None:
             times, query = batch.sequence[self.time_feature], batch.sequence[self.query_time_feature]
             check_value_feature(times.lengths(), lengths, self.time_feature,
-                                "one time per history item")
+                                "one time per history item", model=model)
             check_value_feature(query.lengths(), torch.ones_like(lengths), self.query_time_feature,
-                                "one query time per row")
+                                "one query time per row", model=model)
             t = times.values()
             tau = _gather([t, query.values()], torch.where(is_cand, n + row, hist_at))
             # theta: the next token's time; the candidate's for the last item and itself.
@@ -512,5 +499,4 @@ class HSTURankingModel(BinaryClassifier):
         return self._head(candidate, ctx)
 
 
-__all__ = ["HSTURankingModel", "HSTURetrievalModel", "assert_served_times", "check_value_feature",
-           "hstu_ranking_step"]
+__all__ = ["HSTURankingModel", "HSTURetrievalModel", "assert_served_times", "hstu_ranking_step"]

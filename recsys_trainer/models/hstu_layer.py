@@ -14,11 +14,12 @@ than Words", ICML 2024) and its stack over padded rows (one length bucket), whic
   of the data's time unit, ``time_bucket``);
 * gating by ``U``: ``x + Linear(Dropout(U * LayerNorm(A V)))``.
 
-As in the authors' code (facebookresearch/generative-recommenders,
-``research/modeling/sequential/hstu.py``), except that attention is divided by the number of
-keys each query sees where theirs divides by the padded length: with the layer norm that
-follows, the two differ only through the norm's epsilon, and this one makes a row's result
-independent of the batch's padding (so jagged equals padded, and serving equals training).
+The authors' code (facebookresearch/generative-recommenders, ``research/modeling/sequential/
+hstu.py``) differs in details the paper leaves open; docs/models.md lists them. The one that
+matters here: attention is divided by the number of keys each query sees where theirs divides
+by the padded length: with the layer norm that follows, the two differ only through the norm's
+epsilon, and this one makes a row's result independent of the batch's padding (so jagged
+equals padded, and serving equals training).
 """
 
 from __future__ import annotations
@@ -146,9 +147,9 @@ class HSTUEncoder(nn.Module):
         program's fixed shapes)."""
         extras = [] if tau is None or theta is None else [tau, theta]
         out = x.new_zeros(x.shape[0], x.shape[2])
-        for length, y, mine in by_static_buckets(self._bucket, x, counts, extras):
-            at = last.clamp_max(length - 1).view(-1, 1, 1).expand(-1, 1, y.shape[2])
-            out = torch.where(mine.unsqueeze(1), y.gather(1, at).squeeze(1), out)
+        for length, y, rows in by_static_buckets(self._bucket, x, counts, extras):
+            at = last[rows].clamp_max(length - 1).view(-1, 1, 1).expand(-1, 1, y.shape[2])
+            out = out.index_copy(0, rows, y.gather(1, at).squeeze(1))
         return out
 
     def _bucket(self, x: torch.Tensor, counts: torch.Tensor, extras: Sequence[torch.Tensor]) -> torch.Tensor:

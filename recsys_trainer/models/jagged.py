@@ -15,9 +15,9 @@ torch or in FBGEMM's CPU operators to use instead.
 
 A row's result depends only on the row: the same computation on the same padded length,
 whatever else is in its bucket. ``by_static_buckets`` runs a padded batch (the serving
-program's input, fixed shapes for ``torch.export``) through every bucket length and keeps, for
-each row, the result of its own bucket: the exported program computes each row exactly as
-training did.
+program's input, of a fixed padded length for ``torch.export``) bucket by bucket, each row at
+its own bucket's length: the exported program computes each row exactly as training did, at
+training's cost.
 
 ``policy="padded"`` (one bucket: the batch's longest row) is the padded baseline the benchmark
 (``benchmarks/bench_hstu.py``) and the tests compare against.
@@ -129,15 +129,21 @@ def by_static_buckets(
     counts: torch.Tensor,
     extras: Sequence[torch.Tensor],
 ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """``fn`` over a padded batch ``x [B, T, D]`` (``T``: the most tokens a row can have) at
-    every bucket length: ``[(length, fn(x[:, :length], ...), rows whose bucket it is [B])]``.
-    Fixed shapes (what ``torch.export`` traces); each row's own bucket computes it exactly as
-    ``run_by_bucket`` does in training."""
+    """``fn`` over a padded batch ``x [B, T, D]`` (``T``: the most tokens a row can have),
+    bucket by bucket: ``[(length, fn(x[rows, :length], ...), rows [R])]`` for every bucket
+    length, ``rows`` the indices of the rows whose bucket it is (none for an empty bucket).
+    Each row is computed once, at its own bucket's length, exactly as ``run_by_bucket`` does
+    in training, so serving costs what training does (not every row at every length). The
+    padded length stays fixed (what ``torch.export`` traces); only the rows per bucket vary."""
     t = x.shape[1]
     lengths = bucket_lengths(t)
     which = torch.bucketize(counts, torch.tensor(lengths, dtype=counts.dtype, device=counts.device))
-    return [(length, fn(x[:, :length], counts, [e[:, :length] for e in extras]), which == i)
-            for i, length in enumerate(lengths)]
+    out = []
+    for i, length in enumerate(lengths):
+        rows = torch.nonzero(which == i).flatten()
+        out.append((length, fn(x[rows, :length], counts[rows], [e[rows, :length] for e in extras]),
+                    rows))
+    return out
 
 
 __all__ = ["MIN_BUCKET", "Bucket", "BucketPolicy", "bucket_lengths", "buckets_of", "by_static_buckets",

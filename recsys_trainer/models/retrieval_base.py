@@ -307,7 +307,7 @@ class RetrievalBase(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # Only the table lookups happen here (TorchRec's pipeline traces this far); the rest
         # is one fx leaf, ``retrieval_step``.
-        check_sequence_keys(batch.sequence, self.sequence_keys)
+        check_sequence_keys(batch.sequence, self.sequence_keys, type(self).__name__)
         neg_ids = self._uniform_negatives(batch.labels.device)
         kjt = table_input(batch.sequence, len(self.table_keys))
         if neg_ids is not None:

@@ -188,7 +188,7 @@ def delta_manifest(base: Mapping[str, Any], new: Mapping[str, Any],
                    summary: list[dict[str, Any]], program_file: str | None) -> dict[str, Any]:
     """The delta's manifest (without ``files``, which the writer adds)."""
     return {
-        "schema_version": mf.schema_version_of(new["tables"]),
+        "schema_version": mf.schema_version_of(new["tables"], new["program"]["inputs"]["sequences"]),
         "kind": "delta",
         "versions": new["versions"],
         "base": {"content_hash": base["content_hash"], "step": base.get("step")},

@@ -31,21 +31,26 @@ from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeat
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData, Vocabulary
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped when a reader of the previous version would misread an artifact: 2 adds tables
 stored in half precision (a table entry's ``dtype``, ``fp16`` or ``bf16``; rows are read in
-float32). An artifact without such a table is written as version 1, which readers of both
-versions read (``schema_version_of``)."""
-READABLE_VERSIONS = (1, 2)
+float32); 3 adds the program's value inputs (a ``program.inputs.sequences`` entry with
+``"values": true`` and no ``dim``: raw integers the program reads, such as HSTU's event times,
+looked up in no table). An artifact is written as the oldest version that reads it
+(``schema_version_of``)."""
+READABLE_VERSIONS = (1, 2, 3)
 TABLE_DTYPES = ("fp32", "fp16", "bf16")
 """How a table's unquantized rows are stored (a table entry's ``dtype``; absent: fp32)."""
 
 
-def schema_version_of(tables: Sequence[Mapping[str, Any]]) -> int:
-    """The oldest schema version that can read an artifact (or delta) of ``tables``: 2 once a
-    table is stored in half precision, else 1."""
-    half = any(t.get("dtype", "fp32") != "fp32" for t in tables)
-    return SCHEMA_VERSION if half else 1
+def schema_version_of(tables: Sequence[Mapping[str, Any]],
+                      sequence_inputs: Sequence[Mapping[str, Any]]) -> int:
+    """The oldest schema version that can read an artifact (or delta) of ``tables`` whose
+    program reads ``sequence_inputs`` (the manifest's ``program.inputs.sequences``): 3 once
+    the program reads value features, 2 once a table is stored in half precision, else 1."""
+    if any(q.get("values", False) for q in sequence_inputs):
+        return 3
+    return 2 if any(t.get("dtype", "fp32") != "fp32" for t in tables) else 1
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 TABLES = "tables.safetensors"

@@ -36,11 +36,14 @@ With ``--crosses`` (``write_dataset(..., crosses=CrossSignal.make())``) the clic
 holds planted **feature crosses**, for explicit-cross models (DCN-v2): each cross is a tuple of
 categorical columns (two or three); every value of a column belongs to one of ``groups`` hidden
 groups, and the cross adds ``table[g_1, ..., g_k]`` for the row's groups, a table centred along
-every axis. So a cross is a pure interaction: no single column (and, for a three-column cross,
-no pair of them) carries any of it on average; only a model that multiplies the columns'
-embeddings together, to the cross's degree, can learn it. ``_signal.json`` then records the
-crosses and the oracle AUC of the probabilities with them (what no model can beat) and without
-them (``oracle_auc_without_crosses``: what a model blind to the crosses can reach at best).
+every axis with equal weight per group. The groups are not equally frequent under the columns'
+Zipf values (shares about 0.36, 0.25, 0.21, 0.19), so a cross is *nearly* a pure interaction:
+single columns carry 3.8% of the crosses' variance as main effects (measured over 400,000 rows
+of the default signals); the rest only a model that multiplies the columns' embeddings
+together, to the cross's degree, can learn. ``_signal.json`` then records the crosses and the
+oracle AUC of the probabilities with them (what no model can beat) and without them
+(``oracle_auc_without_crosses``: about what a model blind to the crosses can reach; one that
+learnt the crosses' main effects too would reach 0.786 where it is 0.784, oracle 0.855).
 """
 
 from __future__ import annotations

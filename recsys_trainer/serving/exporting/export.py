@@ -316,8 +316,12 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
         if data is not None:
             files[mf.AOTI_PROGRAM] = data
     features_canon = json.dumps(features_json, sort_keys=True).encode()
+    # A value feature (raw integers, no table: event times) has no dim.
+    sequence_inputs = [{"feature": f, "length": lengths[f], "dim": int(v.shape[2])}
+                       if v.dim() == 3 else {"feature": f, "length": lengths[f], "values": True}
+                       for f, v in example[2].items()]
     manifest: dict[str, Any] = {
-        "schema_version": mf.schema_version_of(tables),
+        "schema_version": mf.schema_version_of(tables, sequence_inputs),
         "kind": "full",
         "versions": {"recsys_trainer": metadata.version("recsys_trainer"),
                      "torch": torch.__version__, "safetensors": safetensors.__version__},
@@ -336,10 +340,7 @@ def build(ckpt_dir: str, model: nn.Module, features: FeatureSpec, *, output_name
             "inputs": {
                 "dense": spec.num_dense,
                 "pooled": [{"feature": f, "dim": int(v.shape[1])} for f, v in example[1].items()],
-                # A value feature (raw integers, no table: event times) has no dim.
-                "sequences": [{"feature": f, "length": lengths[f], "dim": int(v.shape[2])}
-                              if v.dim() == 3 else {"feature": f, "length": lengths[f], "values": True}
-                              for f, v in example[2].items()],
+                "sequences": sequence_inputs,
             },
             "outputs": outputs,
             "activation": activation,
