@@ -18,8 +18,6 @@ train steps, one eval batch, a checkpoint save and a resume, in a temporary dire
 from __future__ import annotations
 
 import argparse
-import atexit
-import gc
 import logging
 import os
 import sys
@@ -250,10 +248,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     from recsys_trainer.logs import setup_logging
     from recsys_trainer.preemption import Preempted
 
-    # At the interpreter's exit, skip collecting the ~400k objects torch and torchrec made at
-    # import: ~1 s of CPU per rank that a job's end and every torchrun restart wait for. Exit
-    # handlers still run; the frozen objects are freed with the process.
-    atexit.register(gc.freeze)
     setup_logging()
     try:
         summary = run(cfg)
