@@ -155,6 +155,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout_s: floa
                 p.join(5)
 
 
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """``recsys_trainer.cli.main(argv)`` in a rank of ``run_distributed``: its exit status and
+    what it printed (the rank's summary line). The CLI's own code path, without the start of a
+    torchrun agent and of workers that import the stack: for a job a test needs the result of
+    (a trained checkpoint, a reference model), not the launch."""
+    import contextlib
+    import io
+
+    from recsys_trainer.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
 def train_recording_failure(trainer: Any, out: str, rank: int, since: list[float]) -> None:
     """``trainer.train()``; if it raises, write ``out/rank{rank}.json`` (the error's type, its
     message and the seconds since ``since[0]``, when a peer was stopped) before re-raising: what a
