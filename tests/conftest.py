@@ -8,12 +8,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(autouse=True)
-def _tier(request: pytest.FixtureRequest) -> None:
-    """Only tests marked ``distributed`` may start process groups (see ``dist_utils``)."""
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Only tests marked ``distributed`` may start process groups (see ``dist_utils``); said
+    before any fixture of the test is set up, so a module-scoped one of such a test may too."""
     import dist_utils
 
-    dist_utils.current_test_is_distributed = request.node.get_closest_marker("distributed") is not None
+    dist_utils.current_test_is_distributed = item.get_closest_marker("distributed") is not None
 
 
 @pytest.fixture(scope="session")

@@ -282,24 +282,11 @@ def test_a_bundled_model_named_by_its_short_name_is_built_with_its_arguments() -
                                   "hstu_retrieval"}
 
 
-def test_run_evaluate_loads_the_newest_checkpoint_of_a_cli_training_run(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, tiny(**{"args.train_steps": 3, "args.save_end": "true"}))
-    train = subprocess.run([PY, "-m", "recsys_trainer", str(cfg)], capture_output=True, text=True,
-                           timeout=150, env=_env(), cwd=REPO)
-    assert train.returncode == 0, train.stdout + train.stderr
-    ev = subprocess.run([PY, "-m", "recsys_trainer", str(cfg), "--run", "evaluate",
-                         "--args.resume_from", "auto"],
-                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
-    assert ev.returncode == 0, ev.stdout + ev.stderr
-    # The restored step counter shows the checkpoint was loaded before evaluating.
-    m = re.search(r"rank 0/1 done: global_step=3 .*eval=\{'loss': ([0-9.]+), 'num_samples': 64", ev.stdout)
-    assert m, ev.stdout + ev.stderr[-3000:]
-    assert "untrained model" not in ev.stderr
-
-
-def test_two_cli_runs_of_one_config_with_a_seed_save_bitwise_equal_models(tmp_path: Path) -> None:
+def test_two_cli_runs_of_one_seeded_config_save_bitwise_equal_models_and_run_evaluate_loads_the_newest(
+        tmp_path: Path) -> None:
     """``args.seed`` seeds before the CLI builds the model (its dense layers are initialised in
-    the constructor), so a YAML run is reproducible; fresh processes seed torch at random."""
+    the constructor), so a YAML run is reproducible; fresh processes seed torch at random. Then
+    ``--run evaluate`` on the first run's output_dir loads its newest checkpoint."""
     from recsys_trainer.checkpoint import export_model_state_dict
 
     cfg = write_config(tmp_path, tiny(**{"args.train_steps": 3, "args.save_end": "true",
@@ -314,6 +301,15 @@ def test_two_cli_runs_of_one_config_with_a_seed_save_bitwise_equal_models(tmp_pa
     a, b = models
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+    ev = subprocess.run([PY, "-m", "recsys_trainer", str(cfg), "--run", "evaluate",
+                         "--args.output_dir", str(tmp_path / "a"), "--args.resume_from", "auto"],
+                        capture_output=True, text=True, timeout=150, env=_env(), cwd=REPO)
+    assert ev.returncode == 0, ev.stdout + ev.stderr
+    # The restored step counter shows the checkpoint was loaded before evaluating.
+    m = re.search(r"rank 0/1 done: global_step=3 .*eval=\{'loss': ([0-9.]+), 'num_samples': 64", ev.stdout)
+    assert m, ev.stdout + ev.stderr[-3000:]
+    assert "untrained model" not in ev.stderr
 
 
 def _kill(procs: list[subprocess.Popen[str]]) -> None:

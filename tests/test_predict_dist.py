@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_cli, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -137,7 +137,8 @@ def test_run_predict_and_evaluate_score_with_a_train_runs_checkpoint_under_anoth
         tmp_path) -> None:
     """``run: train`` saves no eval-data state and a position in its own batches; scoring must
     restore the model only, so the data section may differ: eval data, another batch size and
-    seed, passthrough columns. Through the CLI under torchrun, 2 ranks."""
+    seed, passthrough columns. Through the CLI on 2 ranks: the scoring runs under torchrun, the
+    training run (the checkpoint they need) on ``run_distributed``'s ranks."""
     import math
     import re
 
@@ -167,7 +168,12 @@ def test_run_predict_and_evaluate_score_with_a_train_runs_checkpoint_under_anoth
     for run, cfg in configs.items():
         path = tmp_path / f"{run}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        out[run] = _torchrun(str(path))
+        if run == "train":
+            ranks = run_distributed(run_cli, 2, TIMEOUT, args=([str(path)],))
+            assert [code for code, _ in ranks] == [0, 0], ranks
+            out[run] = "".join(text for _, text in ranks)
+        else:
+            out[run] = _torchrun(str(path))
     steps = {run: sorted(re.findall(r"rank (\d)/2 done: global_step=(\d+) ", o))
              for run, o in out.items()}
     trained = steps["train"][0][1]

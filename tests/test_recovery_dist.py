@@ -156,11 +156,16 @@ def assert_same_model(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The uninterrupted run's final model (2 ranks, one torchrun agent)."""
+    """The uninterrupted run's final model: the CLI on the same config on 2 ranks of
+    ``run_distributed`` (a torchrun agent would only add its start and its workers' imports;
+    the model is the same, bitwise)."""
+    from dist_utils import run_cli, run_distributed
+
     tmp = tmp_path_factory.mktemp("reference")
     out = tmp / "out"
-    job = Job(config(tmp, out, pace_s=0.0), tmp / "log", "--standalone", "--nproc_per_node=2")
-    assert job.wait() == 0, job.text()[-4000:]
+    runs = run_distributed(run_cli, 2, JOB_TIMEOUT_S, args=([str(config(tmp, out, pace_s=0.0))],),
+                           env=env())
+    assert [code for code, _ in runs] == [0, 0], runs
     return final_model(out)
 
 
