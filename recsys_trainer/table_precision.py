@@ -153,5 +153,30 @@ def check_tables(configs: list[Any], device_type: str, optimizers: Mapping[str, 
                    else "."))
 
 
-__all__ = ["TABLE_DTYPES", "TORCH_DTYPES", "check_tables", "data_type", "dtype_name",
+def check_sharding(configs: list[Any], sharding_types: Mapping[str, str],
+                   pinned: Mapping[str, str] | None = None) -> None:
+    """Refuse a half-precision table sharded ``data_parallel`` (``sharding_types``: ``{table:
+    sharding type}`` of the plan; ``pinned``: the user's ``sharding_types`` setting, named in the
+    message when it asked for it). Such a table is not an FBGEMM table-batched one: its
+    weight is a plain parameter that the dense optimizer updates in place in its own dtype,
+    rounding to nearest, and torch's Adam turns an fp16 one to NaN in one step, silently (its
+    ``eps`` of 1e-8 is 0 in fp16)."""
+    dtypes = {c.name: dtype_name(c.data_type) for c in configs}
+    bad = sorted(t for t, st in sharding_types.items()
+                 if st == "data_parallel" and dtypes.get(t, "fp32") != "fp32")
+    if bad:
+        t = bad[0]
+        asked = (f"`sharding_types[{t!r}]` asks for it" if pinned and t in pinned
+                 else "the sharding plan says so")
+        raise ValueError(
+            f"embedding table {t!r} is stored in {dtypes[t]} and sharded data_parallel ({asked}; "
+            f"{len(bad)} such table(s): {', '.join(map(repr, bad))}), but a data_parallel table "
+            f"is a plain parameter that the dense optimizer updates in {dtypes[t]} (with Adam, "
+            "whose eps is 0 in fp16, every row is NaN after one step). Shard it "
+            f"table_wise or column_wise (`sharding_types={{{t!r}: 'table_wise'}}`): FBGEMM's "
+            f"fused optimizer then trains it in {dtypes[t]}; or store it in fp32 "
+            "(`embedding_dtype`, torchrec's `data_type`).")
+
+
+__all__ = ["TABLE_DTYPES", "TORCH_DTYPES", "check_sharding", "check_tables", "data_type", "dtype_name",
            "kernel_trains", "rounds_stochastically", "table_dtype_names"]

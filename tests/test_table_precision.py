@@ -153,6 +153,22 @@ def test_a_bf16_table_on_cpu_is_refused_by_name_before_sharding(tmp_path: Any) -
                 sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1))
 
 
+def test_a_half_precision_table_sharded_data_parallel_is_refused_by_name(tmp_path: Any) -> None:
+    # Such a table would be a plain parameter of the dense optimizer: with Adam every row NaN
+    # after one step, silently.
+    model = DLRMClassifier(["a", "b"], 4, 50, embedding_dim=8, dense_arch=(16,),
+                           over_arch=(16, 1), embedding_dtype={"t_b": "fp16"})
+    with pytest.raises(ValueError, match=r"embedding table 't_b' is stored in fp16 and sharded "
+                                         r"data_parallel \(`sharding_types\['t_b'\]` asks for it"
+                                         r".*Shard it table_wise or column_wise .* or store it in "
+                                         r"fp32 \(`embedding_dtype`, torchrec's `data_type`\)"):
+        Trainer(model=model, args=TrainingArguments(
+                    output_dir=str(tmp_path), sharding_types={"t_b": "data_parallel"}),
+                train_dataset=_batches(0), add_logger_hook=False,
+                dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1))
+
+
 def test_a_precision_is_a_per_table_setting_checked_by_name_in_python_and_yaml() -> None:
     from recsys_trainer.config import ConfigError, RunConfig
 
