@@ -400,9 +400,10 @@ def test_the_history_is_bounded_keeps_the_most_seen_ids_and_counts_the_dropped(
 
 def test_a_dynamic_tables_bookkeeping_is_at_most_24_bytes_a_slot_counted_from_its_tensors(
         tmp_path: Any) -> None:
-    # ~1,200 u ids a batch: the bucket index of large lookups is built and counted too.
+    # ~1,200 u ids a batch: the bucket index of large lookups is built and counted too (a size
+    # just above a power of two, where the index is relatively largest).
     data = list_batches([400] * 3, num_ids=9000, max_len=6, seed=3)
-    t = build(str(tmp_path), DynamicTable(num_slots=4096), data)
+    t = build(str(tmp_path), DynamicTable(num_slots=4097), data)
     t.train()
     m: Any = mc_modules(t.model)["t_u"]
     parts = map_memory(m)
@@ -417,10 +418,35 @@ def test_a_dynamic_tables_bookkeeping_is_at_most_24_bytes_a_slot_counted_from_it
     assert parts["id_map"] + parts["policy"] == slots * per_slot
     # ... and the history bounded: its waiting ids and counts, room for as many sightings.
     keep = m._history_keep
-    assert keep == 4096 // 8 and parts["history"] == keep * (2 * 8 + 4)
+    assert keep == 4097 // 8 and parts["history"] == keep * (2 * 8 + 4)
     assert bookkeeping_per_slot(m) <= 24.0, parts
     assert table_memory(t.model)["t_u"]["total"] == sum(
         table_memory(t.model)["t_u"][k] for k in MEMORY_PARTS)
+
+
+def test_the_bookkeeping_is_at_most_24_bytes_a_slot_at_any_size_from_512_slots() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    def id_map_of(slots: int) -> Any:
+        table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=slots,
+                                   feature_names=["f"])
+        spec = DynamicTable(num_slots=slots)
+        return mc_modules(DynamicEmbeddingBagCollection([table], spec))["t"]
+
+    g = torch.Generator().manual_seed(0)
+    # Just above a power of two (the index relatively largest), at the finest index
+    # (5,464 slots: 1.5 bytes a slot), and between.
+    for slots in (512, 513, 2049, 4097, 5464, 8193, 100_000, 131_073):
+        m = id_map_of(slots)
+        m._lookup(torch.randint(0, 2**63 - 1, (2 * id_map.INDEXED_LOOKUP_MIN_IDS,),
+                                generator=g))
+        assert map_memory(m)["index"] > 0
+        assert bookkeeping_per_slot(m) <= 24.0, (slots, map_memory(m))
+    # Below 512 slots the history keeps 64 ids (1,280 bytes) whatever the size.
+    for slots in (64, 300):
+        m = id_map_of(slots)
+        assert m._history_keep == 64
+        assert bookkeeping_per_slot(m) == 20 + 64 * 20 / slots
 
 
 def test_ids_without_a_row_read_their_fallback_row_which_trains_and_the_export_serves(
@@ -743,7 +769,7 @@ def test_large_batches_look_up_by_the_bucket_index_exactly_as_by_binary_search(
     g = torch.Generator().manual_seed(0)
     ids = m._mch_sorted_raw_ids
     n = ids.numel()
-    shift = 63 - (n - 1).bit_length()
+    shift = 63 - id_map.index_bits(n)  # ids on the buckets' edges
     for used in (0, 1, n // 2, n - 1):  # the last slot is always empty (a fallback row)
         pool = torch.cat([torch.randint(0, 2**63 - 1, (used,), generator=g),
                           torch.arange(1, 4) << shift, (torch.arange(1, 4) << shift) - 1,

@@ -42,9 +42,17 @@ class _Settings:
                          expire_seconds=spec.expire_after_seconds)
 
 
-INDEX_BITS_BELOW = 2
-"""The bucket index has ``2 ** (bit_length(slots - 1) - INDEX_BITS_BELOW)`` buckets: one per 2
-to 4 slots, 1-2 bytes a slot as int32 positions."""
+INDEX_BYTES_PER_SLOT = 1.5
+"""The most the bucket index of large lookups may hold a slot: the compact map (20 bytes) and
+the default history (2.5) leave 1.5 of a dynamic table's 24 (``index_bits``)."""
+
+
+def index_bits(slots: int) -> int:
+    """The bucket index's bits for a map of ``slots``: the most buckets (a power of two, each
+    an int32 position, and one past the last) within ``INDEX_BYTES_PER_SLOT`` bytes a slot: a
+    bucket per 2.7-5.3 slots (1-1.5 bytes a slot; a finer index needs fewer rounds)."""
+    return max(1, (int(slots * INDEX_BYTES_PER_SLOT) // 4 - 1).bit_length() - 1)
+
 
 INDEXED_LOOKUP_MIN_IDS = 1024
 """Batches of at least this many ids (per table and shard) look up through the bucket index
@@ -199,9 +207,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         key = (id(sorted_ids), sorted_ids.data_ptr(), sorted_ids._version)
         if self._index_key != key:
             used = int(torch.searchsorted(sorted_ids, self._delimiter).item())
-            # A bucket per 2-4 slots (1-2 bytes a slot): more rounds than a bucket per slot,
-            # a quarter of the memory (docs/dynamic.md, "Memory").
-            bits = max(1, (sorted_ids.numel() - 1).bit_length() - INDEX_BITS_BELOW)
+            # A bucket per 2.7-5.3 slots (1-1.5 bytes a slot): more rounds than a bucket per
+            # slot, a quarter of the memory or less (docs/dynamic.md, "Memory").
+            bits = index_bits(sorted_ids.numel())
             shift = 63 - bits
             per_bucket = torch.bincount(sorted_ids[:used] >> shift, minlength=1 << bits)
             starts = torch.zeros((1 << bits) + 1, dtype=torch.int64, device=sorted_ids.device)
