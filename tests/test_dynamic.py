@@ -45,6 +45,7 @@ from recsys_trainer.dynamic import (
     table_stats,
     unmix_ids,
 )
+from recsys_trainer.dynamic.id_map import ITER_REBASE
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.storage import StorageError
 
@@ -556,6 +557,37 @@ def test_ids_unseen_for_n_seconds_expire_at_a_pass(tmp_path: Any, monkeypatch: A
     assert all(there for now, there in seen if now < gone[0])
     assert resident_ids(t, "t_u")[0].tolist() == [a]
     assert table_stats(t.model)["t_u"]["expired"] == 1
+
+
+@pytest.mark.parametrize("start", [ITER_REBASE - 3, 2**31 - 3])
+def test_a_map_resumed_near_2_31_forwards_admits_evicts_and_expires_as_one_counting_from_zero(
+        tmp_path: Any, start: int) -> None:
+    """The last access of every slot is an int32 forward count: a map resumed after ``start``
+    forwards (a long-running online job) rebases it as it passes ``ITER_REBASE``, and every pass
+    and expiry decides as in the run that started from zero."""
+    from recsys_trainer.dynamic import DynamicTablesState
+    from recsys_trainer.hooks import LambdaHook
+
+    data = list_batches([32] * 8, num_ids=100, max_len=3, seed=1)
+    spec = DynamicTable(num_slots=16, eviction_interval=1, expire_after_windows=1)
+    runs = []
+    for name, begin in (("zero", None), ("late", start)):
+        t = build(str(tmp_path / name), spec, _Windows(data, per_window=2))
+        if begin is not None:
+            saved = DynamicTablesState(t.model, 1).state_dict()
+            for st in saved["tables"].values():
+                st["current_iter"] = st["last_eviction_iter"] = begin
+            DynamicTablesState(t.model, 1).load_state_dict(saved)
+        maps: list[list[int]] = []
+        t.add_hook(LambdaHook(after_window=lambda tr, _w, maps=maps: maps.append(
+            sorted(resident_ids(tr, "t_u")[0].tolist()))))
+        t.train()
+        runs.append((maps, table_stats(t.model)["t_u"],
+                     mc_modules(t.model)["t_u"].state_dict()["_mch_last_access_iter"]))
+    (maps0, stats0, _), (maps1, stats1, last) = runs
+    assert maps1 == maps0 and len(maps0) == 4
+    assert stats1 == stats0 and stats0["expired"] > 0 and stats0["evicted"] > 0
+    assert last.dtype == torch.int32 and int(last.max()) < ITER_REBASE
 
 
 # --------------------------------------------------------------------------- shared tables

@@ -327,8 +327,25 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             m._current_iter = int(m._current_iter_tensor.item())
             m._last_eviction_iter = m._current_iter
         _set_plain(self, "_current_iter", m._current_iter + 1)
+        if m._current_iter >= ITER_REBASE and self.decayed:
+            self._rebase_iterations()
         if self._last_pass_time == 0.0:
             self._last_pass_time = time.time()
+
+    def _rebase_iterations(self) -> None:
+        """Take a whole number of ``ITER_REBASE`` from the forward count and from everything
+        that holds one (the int32 last accesses, expiry marks), so that the count stays within
+        int32 for the life of a job: comparisons between them, all that expiry reads, keep
+        their outcome. Last accesses more than 2**31 forwards back stay at int32's lowest."""
+        m: Any = self
+        shift = m._current_iter - m._current_iter % ITER_REBASE
+        last: torch.Tensor = m._mch_last_access_iter
+        last.copy_(last.long().sub_(shift).clamp_(min=ITER_MIN))
+        for name, value in (("_current_iter", m._current_iter - shift),
+                            ("_last_eviction_iter", m._last_eviction_iter - shift),
+                            ("_window_marks", [it - shift for it in self._window_marks]),
+                            ("_time_marks", [(it - shift, t) for it, t in self._time_marks])):
+            _set_plain(self, name, value)
 
     def _observe(self, v: torch.Tensor, batch_rows: int) -> None:
         """Count this forward's ids ``v`` (from ``batch_rows`` rows of the batch)."""
@@ -584,7 +601,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         for torchrec's row reset. Returns how many."""
         m: Any = self
         ids: torch.Tensor = m._mch_sorted_raw_ids
-        old = (ids != EMPTY_SLOT) & (m._mch_metadata["last_access_iter"] <= horizon_iter)
+        # A horizon below int32 (more than 2**31 forwards back, after rebases) reaches the
+        # last accesses kept at int32's lowest.
+        old = (ids != EMPTY_SLOT) & (m._mch_metadata["last_access_iter"]
+                                     <= max(horizon_iter, ITER_MIN))
         used = m._current_history_buffer_offset
         if keep_history and used > 0:
             old &= ~torch.isin(ids, m._history_accumulator[:used])
@@ -642,7 +662,12 @@ COUNT_DTYPE = torch.float32
 """``decayed_lfu``'s counts: float32, whole ``COUNT_ONE`` units (exact below 256 sightings,
 and never overflowing above, where an int32 of ``COUNT_ONE`` units would at 32,768)."""
 ITER_DTYPE = torch.int32
-"""The last-access forward count: int32 (2**31 forwards, 68 years at one a second)."""
+"""The last-access forward count: int32, kept in range by rebasing (``ITER_REBASE``)."""
+ITER_MIN = torch.iinfo(ITER_DTYPE).min
+ITER_REBASE = 1 << 30
+"""A ``decayed_lfu`` map's forward count is rebased (``_rebase_iterations``) when it reaches
+this: a whole number of it is taken from the count and from the last accesses, so the count
+never passes 2**31 (an int32) in a job's life, however long it runs or resumes."""
 
 
 def compact_map(m: Any) -> None:
