@@ -20,7 +20,7 @@ from recsys_trainer.checkpoint.dynamic_export import export_dynamic
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable, table_stats
 from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.table_precision import kernel_trains
+from recsys_trainer.table_precision import kernel_trains, rounds_stochastically
 
 TIMEOUT = 240
 FEATS = ["u", "i", "c"]
@@ -146,11 +146,28 @@ def test_a_bf16_table_on_cpu_is_refused_by_name_before_sharding(tmp_path: Any) -
     with pytest.raises(ValueError, match=r"embedding table 't_b' is stored in bf16 .* FBGEMM's "
                                          r"table-batched kernel on cpu cannot train a bf16 table "
                                          r"with the rowwise_adagrad optimizer \(NotImplementedError"
-                                         r".*On cpu use one of fp32, fp16 for it; bf16 tables "
-                                         r"train on CUDA"):
+                                         r".*On cpu store it in one of fp32, fp16: set the "
+                                         r"model's `embedding_dtype=\{'t_b': 'fp16'\}` "
+                                         r"\(`model.embedding_dtype` in YAML; `data_type` in your "
+                                         r"own torchrec table configs\); or train on CUDA"):
         Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path)),
                 train_dataset=_batches(0), add_logger_hook=False,
                 sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1))
+
+
+def test_the_rounding_probe_says_the_cpu_kernel_rounds_fp16_to_nearest_and_names_what_it_cannot_probe(
+        ) -> None:
+    # docs/tables.md: FBGEMM's CPU kernel rounds half-precision updates to nearest.
+    assert rounds_stochastically("cpu", "fp16") is False
+    assert rounds_stochastically("cpu", "fp32") is False
+    with pytest.raises(ValueError, match=r"`dtype` must be one of 'fp32', 'fp16', 'bf16', but "
+                                         r"is 'half'"):
+        rounds_stochastically("cpu", "half")
+    if kernel_trains("cpu", "bf16", "sgd") is not None:
+        with pytest.raises(ValueError, match=r"FBGEMM's table-batched kernel on cpu cannot "
+                                             r"train a bf16 table \(NotImplementedError.*\), so "
+                                             r"it has no rounding to probe"):
+            rounds_stochastically("cpu", "bf16")
 
 
 def test_a_half_precision_table_sharded_data_parallel_is_refused_by_name(tmp_path: Any) -> None:
