@@ -363,13 +363,13 @@ def test_admission_counts_sightings_over_a_decaying_window_not_one_interval(tmp_
     t.train()
     assert resident == [False, False, True, True]
     # The ids seen once wait with their decayed count, and never reach the threshold.
-    m: Any = mc_modules(t.model)["t_u"]
-    assert m._current_history_buffer_offset == 12
+    ids, counts, waiting = mc_modules(t.model)["t_u"].history_state()
+    assert ids.numel() == waiting == 12
     decayed, count = [], COUNT_ONE
     for _ in range(4):  # the fillers of steps 4, 3, 2, 1: decayed 1 to 4 times
         count = int(count * 2 ** -0.25)
         decayed += [count] * 3
-    assert sorted(m._history_counts[:12].tolist()) == sorted(decayed)
+    assert sorted(counts.tolist()) == sorted(decayed)
     assert resident_ids(t, "t_u")[0].tolist() == [often]
     # Counted within one interval (torchrec's policies), the id never gets a row.
     legacy = build(str(tmp_path / "legacy"), DynamicTable(
@@ -1140,7 +1140,7 @@ def test_a_map_saved_in_torchrecs_int64_layout_loads_into_the_compact_map(tmp_pa
     for k, v in m.state_dict().items():
         assert n.state_dict()[k].dtype == v.dtype and torch.equal(n.state_dict()[k], v), k
     DynamicTablesState(fresh.model, 1).load_state_dict(old)
-    ids, counts = n._history_sightings()
+    ids, counts, _ = n.history_state()
     assert torch.equal(ids, torch.unique(saved["tables"]["t_u"]["history"]))
     expect = {int(i): 0.0 for i in ids}
     for i, c in zip(old["tables"]["t_u"]["history"].tolist(),

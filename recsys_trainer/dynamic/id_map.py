@@ -446,6 +446,14 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         uniq, inverse = torch.unique(ids, return_inverse=True)
         self._set_history(uniq, counts.new_zeros(uniq.shape).scatter_add_(0, inverse, counts))
 
+    def history_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``decayed_lfu``'s history as a checkpoint keeps it (copies): its ids, one count per
+        entry (``COUNT_ONE`` for a sighting), and how many of the first entries are waiting ids
+        with counts of their own (the others are sightings since). ``restore_history`` takes
+        the three back."""
+        ids, counts = self._history_sightings()
+        return ids.clone(), counts.clone(), self._waiting
+
     def _history_sightings(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, counts) of the ``decayed_lfu`` history's entries: the waiting ids with their
         counts, then the sightings since, one ``COUNT_ONE`` each."""
