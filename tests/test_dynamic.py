@@ -1151,6 +1151,57 @@ def test_a_map_saved_in_torchrecs_int64_layout_loads_into_the_compact_map(tmp_pa
     assert table_stats(fresh.model)["t_u"]["passes"] > 0
 
 
+def test_a_checkpoint_holding_the_maps_in_torchrecs_int64_layout_resumes_bitwise(
+        tmp_path: Any) -> None:
+    """A checkpoint written before the compact map holds the maps' slots, counts and last
+    accesses as int64 DCP tensors: the Trainer's resume casts them into the compact map (the
+    same values) and goes on as the uninterrupted run. (Its format-2 history: the test above.)"""
+    import json
+    import zlib
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    data = IdStream(FEATS, 400).batches(6, 64, seed=0)
+    spec = DynamicTable(num_slots=64, eviction_interval_rows=128, history_slots=16)
+    full = build(str(tmp_path / "full"), spec, data, train_steps=6)
+    full.train()
+    out = str(tmp_path / "resumed")
+    build(out, spec, data, train_steps=3, save_steps=3).train()
+    step = os.path.join(out, "step_00000003")
+    whole = str(tmp_path / "whole.pt")
+    dcp_to_torch_save(step, whole)
+    state = torch.load(whole, weights_only=False)
+    wide = ("_mch_remapped_ids_mapping", "_mch_counts", "_mch_last_access_iter")
+    widened = [k for k in state["model"] if k.endswith(wide)]
+    assert len(widened) == 6 and state["model"][widened[1]].dtype != torch.int64
+    for k in widened:
+        state["model"][k] = state["model"][k].long()
+    torch.save(state, whole)
+    for name in os.listdir(step):
+        if name.endswith(".distcp") or name == ".metadata":
+            os.remove(os.path.join(step, name))
+    torch_save_to_dcp(whole, step)
+    with open(os.path.join(step, "COMMITTED")) as f:
+        marker = json.load(f)
+    files = {}
+    for name in sorted(os.listdir(step)):
+        if name != "COMMITTED":
+            with open(os.path.join(step, name), "rb") as f:
+                raw = f.read()
+            files[name] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+    with open(os.path.join(step, "COMMITTED"), "w") as f:
+        json.dump({**marker, "files": files}, f)
+    from recsys_trainer.hooks import LambdaHook
+
+    resumed = build(out, spec, data, train_steps=6)
+    steps: list[int] = []
+    resumed.add_hook(LambdaHook(after_step=lambda tr, _: steps.append(1)))
+    resumed.train()
+    assert len(steps) == 3  # from the checkpoint of step 3
+    assert bitwise_verdict(snapshot(resumed), snapshot(full)) == "yes"
+    assert table_stats(resumed.model) == table_stats(full.model)
+
+
 def test_a_checkpoint_of_the_former_format_resumes_and_a_changed_policy_is_named(
         tmp_path: Any) -> None:
     from recsys_trainer.dynamic import DynamicTablesState
