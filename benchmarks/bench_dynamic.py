@@ -65,7 +65,7 @@ from recsys_trainer.dynamic import (
 )
 from recsys_trainer.metrics import weighted_auc
 from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.table_precision import TORCH_DTYPES
+from recsys_trainer.table_dtypes import TORCH_DTYPES
 
 FEATS = ("user", "item")
 

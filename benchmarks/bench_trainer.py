@@ -16,8 +16,10 @@ steps each), so machine drift hits all of them alike:
   backward, Adam on the dense parameters, a plain Python loop. **The baseline.**
 - ``torchrec_pipeline``: the same with TorchRec's ``TrainPipelineSparseDist``.
 - ``torchrec_loop_fp16`` / ``torchrec_loop_bf16``: ``torchrec_loop`` with every table stored in
-  fp16 / bf16 (``DLRMClassifier(embedding_dtype=...)``; bf16 trains on CUDA only, so it is not
-  in the default list): the half-precision step against the fp32 one, in the same run.
+  fp16 / bf16 (``DLRMClassifier(embedding_dtype=...)``): the half-precision step against the
+  fp32 one, in the same run. Opt-in, so the default run is the one of before half precision:
+  ``--half-precision`` adds fp16 (and bf16 with ``--device cuda``, where it trains), or name
+  them in ``--variants``.
 - ``trainer``: ``recsys_trainer.Trainer`` (pipeline="none"), no hooks.
 - ``trainer_pipeline``: ``Trainer`` with ``pipeline="sparse_dist"``.
 - ``trainer_no_sequence`` / ``trainer_sequence``: the cost of a sequence feature. The same DLRM
@@ -72,7 +74,8 @@ from common import (  # noqa: E402
 VARIANTS = ("plain_pytorch", "torchrec_loop", "torchrec_pipeline", "torchrec_loop_fp16",
             "torchrec_loop_bf16", "trainer", "trainer_pipeline", "trainer_no_sequence",
             "trainer_sequence")
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "torchrec_loop_bf16"]  # bf16: CUDA only
+HALF_VARIANTS = ("torchrec_loop_fp16", "torchrec_loop_bf16")
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in HALF_VARIANTS]
 
 
 class Variant:
@@ -324,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--distinct-batches", type=int, default=8)
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=VARIANTS)
+    p.add_argument("--half-precision", action="store_true",
+                   help="also torchrec_loop with fp16 tables (and bf16 with --device cuda)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per world size")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="cuda: one GPU per rank (cuda:LOCAL_RANK, nccl)")
@@ -336,6 +341,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.worker:
         worker(a)
         return
+    if a.half_precision:
+        half = HALF_VARIANTS if a.device == "cuda" else HALF_VARIANTS[:1]  # bf16: CUDA only
+        a.variants = [*a.variants, *(v for v in half if v not in a.variants)]
     forwarded = [f"--num-tables={a.num_tables}", f"--num-embeddings={a.num_embeddings}",
                  f"--embedding-dim={a.embedding_dim}", f"--batch-size={a.batch_size}",
                  f"--sparse-optimizer={a.sparse_optimizer}", f"--warmup={a.warmup}",

@@ -246,6 +246,12 @@ def plan_sharding(
     return result
 
 
+def _planned_sharding_types(plan: ShardingPlan) -> dict[str, str]:
+    """``{table: sharding type}`` (``"table_wise"``, ``"data_parallel"``...) of a plan."""
+    return {table: ps.sharding_type for module_plan in plan.plan.values()
+            for table, ps in module_plan.items()}  # type: ignore[attr-defined]
+
+
 def _does_not_fit(model: nn.Module, device: torch.device, memory_note: str, e: Exception) -> str:
     """The message for tables that do not fit: the largest tables with their sizes, the
     memory per rank and where that figure came from, and what to do."""
@@ -306,6 +312,9 @@ def shard_model(
     dynamic.check_buckets(model, env.world_size)
     if plan is None:
         plan = plan_sharding(model, env, device, sharding_types, local_world_size)
+    # Every rank holds the same plan (rank 0's, broadcast), so every rank refuses it here.
+    table_precision.check_sharding(table_configs(model), _planned_sharding_types(plan),
+                                   sharding_types)
     with quiet_stack_notices():
         dmp = DistributedModelParallel(
             module=model,

@@ -28,12 +28,11 @@ from typing import Any
 import torch
 from torchrec.modules.embedding_configs import DataType
 
-TABLE_DTYPES: dict[str, DataType] = {"fp32": DataType.FP32, "fp16": DataType.FP16,
-                                     "bf16": DataType.BF16}
-"""The precisions a training table may be stored in, by the names configs use."""
+from recsys_trainer.table_dtypes import TORCH_DTYPES
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16,
-                                        "bf16": torch.bfloat16}
+TABLE_DTYPES: dict[str, DataType] = {name: DataType[name.upper()] for name in TORCH_DTYPES}
+"""The precisions a training table may be stored in, by the names configs use (those of
+``table_dtypes``), as torchrec's ``DataType``."""
 
 # FBGEMM's names for the fused optimizers recsys_trainer.optimizers offers (EmbOptimType).
 _EMB_OPT = {"sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD",
@@ -96,9 +95,16 @@ def kernel_trains(device_type: str, dtype: str, optimizer: str) -> str | None:
 def rounds_stochastically(device_type: str, dtype: str) -> bool:
     """Whether FBGEMM's kernel on ``device_type`` rounds ``dtype`` updates stochastically (as
     torchrec asks: ``stochastic_rounding=True``): 64 SGD steps of a quarter of the weight's
-    unit in the last place move a row of 1.0 on average, where rounding to nearest leaves it."""
+    unit in the last place move a row of 1.0 on average, where rounding to nearest leaves it.
+    A ``ValueError`` names a precision the kernel cannot train there (no rounding to probe)."""
+    data_type(dtype, "dtype")
     if dtype == "fp32":
         return False
+    error = kernel_trains(device_type, dtype, "sgd")
+    if error is not None:
+        raise ValueError(f"FBGEMM's table-batched kernel on {device_type} cannot train a {dtype} "
+                         f"table ({error}), so it has no rounding to probe; ask about a "
+                         "precision it trains there.")
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -109,20 +115,20 @@ def rounds_stochastically(device_type: str, dtype: str) -> bool:
     cuda = device_type == "cuda"
     dev = torch.device("cuda") if cuda else torch.device("cpu")
     ulp = float(torch.finfo(TORCH_DTYPES[dtype]).eps)  # at 1.0
-    try:
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(1, 64, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
-              ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
-            optimizer=EmbOptimType.EXACT_SGD, weights_precision=SparseType(dtype),
-            learning_rate=ulp / 4, stochastic_rounding=True, device=dev if cuda else None)
-        with torch.no_grad():
-            tbe.split_embedding_weights()[0].fill_(1.0)
-        idx, off = torch.tensor([0], device=dev), torch.tensor([0, 1], device=dev)
-        for _ in range(64):
-            tbe(idx, off).sum().backward()
-        return bool((tbe.split_embedding_weights()[0].float() < 1.0).any())
-    except Exception:
-        return False
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(1, 64, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
+          ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
+        optimizer=EmbOptimType.EXACT_SGD, weights_precision=SparseType(dtype),
+        learning_rate=ulp / 4, stochastic_rounding=True, device=dev if cuda else None)
+    with torch.no_grad():
+        tbe.split_embedding_weights()[0].fill_(1.0)
+    idx, off = torch.tensor([0], device=dev), torch.tensor([0, 1], device=dev)
+    # Each step is a quarter ulp: to nearest, 1.0 stays 1.0 forever; stochastically, each
+    # step moves it down one ulp with probability 1/4, so 64 steps leave it at 1.0 with
+    # probability (3/4)**64, about 1e-8.
+    for _ in range(64):
+        tbe(idx, off).sum().backward()
+    return bool((tbe.split_embedding_weights()[0].float() < 1.0).any())
 
 
 def check_tables(configs: list[Any], device_type: str, optimizers: Mapping[str, Any]) -> None:
@@ -147,11 +153,38 @@ def check_tables(configs: list[Any], device_type: str, optimizers: Mapping[str, 
             raise ValueError(
                 f"embedding table {c.name!r} is stored in {name} (data_type={c.data_type}), but "
                 f"FBGEMM's table-batched kernel on {device_type} cannot train a {name} table "
-                f"with the {opt} optimizer ({error}). On {device_type} use one of "
-                f"{', '.join(works)} for it"
-                + ("; bf16 tables train on CUDA." if name == "bf16" and device_type == "cpu"
-                   else "."))
+                f"with the {opt} optimizer ({error}). On {device_type} store it in one of "
+                f"{', '.join(works)}: set the model's `embedding_dtype={{{c.name!r}: "
+                f"{works[-1]!r}}}` (`model.embedding_dtype` in YAML; `data_type` in your own "
+                "torchrec table configs)"
+                + ("; or train on CUDA, where bf16 tables train." if name == "bf16"
+                   and device_type == "cpu" else "."))
 
 
-__all__ = ["TABLE_DTYPES", "TORCH_DTYPES", "check_tables", "data_type", "dtype_name",
+def check_sharding(configs: list[Any], sharding_types: Mapping[str, str],
+                   pinned: Mapping[str, str] | None = None) -> None:
+    """Refuse a half-precision table sharded ``data_parallel`` (``sharding_types``: ``{table:
+    sharding type}`` of the plan; ``pinned``: the user's ``sharding_types`` setting, named in the
+    message when it asked for it). Such a table is not an FBGEMM table-batched one: its
+    weight is a plain parameter that the dense optimizer updates in place in its own dtype,
+    rounding to nearest, and torch's Adam turns an fp16 one to NaN in one step, silently (its
+    ``eps`` of 1e-8 is 0 in fp16)."""
+    dtypes = {c.name: dtype_name(c.data_type) for c in configs}
+    bad = sorted(t for t, st in sharding_types.items()
+                 if st == "data_parallel" and dtypes.get(t, "fp32") != "fp32")
+    if bad:
+        t = bad[0]
+        asked = (f"`sharding_types[{t!r}]` asks for it" if pinned and t in pinned
+                 else "the sharding plan says so")
+        raise ValueError(
+            f"embedding table {t!r} is stored in {dtypes[t]} and sharded data_parallel ({asked}; "
+            f"{len(bad)} such table(s): {', '.join(map(repr, bad))}), but a data_parallel table "
+            f"is a plain parameter that the dense optimizer updates in {dtypes[t]} (with Adam, "
+            "whose eps is 0 in fp16, every row is NaN after one step). Shard it "
+            f"table_wise or column_wise (`sharding_types={{{t!r}: 'table_wise'}}`): FBGEMM's "
+            f"fused optimizer then trains it in {dtypes[t]}; or store it in fp32 "
+            "(`embedding_dtype`, torchrec's `data_type`).")
+
+
+__all__ = ["TABLE_DTYPES", "TORCH_DTYPES", "check_sharding", "check_tables", "data_type", "dtype_name",
            "kernel_trains", "rounds_stochastically", "table_dtype_names"]

@@ -139,6 +139,7 @@ NOT_DEVICE_SIDE: dict[str, str] = {
          "hooks/publish.py"),
         "configuration, entry points and plumbing: Python values, makes no tensors"),
     "placement.py": "decides the model's device once (torch.device values); makes no tensors",
+    "table_dtypes.py": "names torch dtypes, makes no tensor",
     "table_precision.py": "probes FBGEMM's kernels on a 4-row table of its own, every tensor "
                           "made on the device it probes; touches no model tensor",
     "plot.py": "renders a run's metrics log (JSON lines) to PNG files on the host",

@@ -45,6 +45,7 @@ from recsys_trainer.dynamic import (
     table_stats,
     unmix_ids,
 )
+from recsys_trainer.dynamic.id_map import ITER_REBASE
 from recsys_trainer.models import DLRMClassifier
 from recsys_trainer.storage import StorageError
 
@@ -362,13 +363,13 @@ def test_admission_counts_sightings_over_a_decaying_window_not_one_interval(tmp_
     t.train()
     assert resident == [False, False, True, True]
     # The ids seen once wait with their decayed count, and never reach the threshold.
-    m: Any = mc_modules(t.model)["t_u"]
-    assert m._current_history_buffer_offset == 12
+    ids, counts, waiting = mc_modules(t.model)["t_u"].history_state()
+    assert ids.numel() == waiting == 12
     decayed, count = [], COUNT_ONE
     for _ in range(4):  # the fillers of steps 4, 3, 2, 1: decayed 1 to 4 times
         count = int(count * 2 ** -0.25)
         decayed += [count] * 3
-    assert sorted(m._history_counts[:12].tolist()) == sorted(decayed)
+    assert sorted(counts.tolist()) == sorted(decayed)
     assert resident_ids(t, "t_u")[0].tolist() == [often]
     # Counted within one interval (torchrec's policies), the id never gets a row.
     legacy = build(str(tmp_path / "legacy"), DynamicTable(
@@ -400,9 +401,10 @@ def test_the_history_is_bounded_keeps_the_most_seen_ids_and_counts_the_dropped(
 
 def test_a_dynamic_tables_bookkeeping_is_at_most_24_bytes_a_slot_counted_from_its_tensors(
         tmp_path: Any) -> None:
-    # ~1,200 u ids a batch: the bucket index of large lookups is built and counted too.
+    # ~1,200 u ids a batch: the bucket index of large lookups is built and counted too (a size
+    # just above a power of two, where the index is relatively largest).
     data = list_batches([400] * 3, num_ids=9000, max_len=6, seed=3)
-    t = build(str(tmp_path), DynamicTable(num_slots=4096), data)
+    t = build(str(tmp_path), DynamicTable(num_slots=4097), data)
     t.train()
     m: Any = mc_modules(t.model)["t_u"]
     parts = map_memory(m)
@@ -417,10 +419,35 @@ def test_a_dynamic_tables_bookkeeping_is_at_most_24_bytes_a_slot_counted_from_it
     assert parts["id_map"] + parts["policy"] == slots * per_slot
     # ... and the history bounded: its waiting ids and counts, room for as many sightings.
     keep = m._history_keep
-    assert keep == 4096 // 8 and parts["history"] == keep * (2 * 8 + 4)
+    assert keep == 4097 // 8 and parts["history"] == keep * (2 * 8 + 4)
     assert bookkeeping_per_slot(m) <= 24.0, parts
     assert table_memory(t.model)["t_u"]["total"] == sum(
         table_memory(t.model)["t_u"][k] for k in MEMORY_PARTS)
+
+
+def test_the_bookkeeping_is_at_most_24_bytes_a_slot_at_any_size_from_512_slots() -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    def id_map_of(slots: int) -> Any:
+        table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=slots,
+                                   feature_names=["f"])
+        spec = DynamicTable(num_slots=slots)
+        return mc_modules(DynamicEmbeddingBagCollection([table], spec))["t"]
+
+    g = torch.Generator().manual_seed(0)
+    # Just above a power of two (the index relatively largest), at the finest index
+    # (5,464 slots: 1.5 bytes a slot), and between.
+    for slots in (512, 513, 2049, 4097, 5464, 8193, 100_000, 131_073):
+        m = id_map_of(slots)
+        m._lookup(torch.randint(0, 2**63 - 1, (2 * id_map.INDEXED_LOOKUP_MIN_IDS,),
+                                generator=g))
+        assert map_memory(m)["index"] > 0
+        assert bookkeeping_per_slot(m) <= 24.0, (slots, map_memory(m))
+    # Below 512 slots the history keeps 64 ids (1,280 bytes) whatever the size.
+    for slots in (64, 300):
+        m = id_map_of(slots)
+        assert m._history_keep == 64
+        assert bookkeeping_per_slot(m) == 20 + 64 * 20 / slots
 
 
 def test_ids_without_a_row_read_their_fallback_row_which_trains_and_the_export_serves(
@@ -530,6 +557,37 @@ def test_ids_unseen_for_n_seconds_expire_at_a_pass(tmp_path: Any, monkeypatch: A
     assert all(there for now, there in seen if now < gone[0])
     assert resident_ids(t, "t_u")[0].tolist() == [a]
     assert table_stats(t.model)["t_u"]["expired"] == 1
+
+
+@pytest.mark.parametrize("start", [ITER_REBASE - 3, 2**31 - 3])
+def test_a_map_resumed_near_2_31_forwards_admits_evicts_and_expires_as_one_counting_from_zero(
+        tmp_path: Any, start: int) -> None:
+    """The last access of every slot is an int32 forward count: a map resumed after ``start``
+    forwards (a long-running online job) rebases it as it passes ``ITER_REBASE``, and every pass
+    and expiry decides as in the run that started from zero."""
+    from recsys_trainer.dynamic import DynamicTablesState
+    from recsys_trainer.hooks import LambdaHook
+
+    data = list_batches([32] * 8, num_ids=100, max_len=3, seed=1)
+    spec = DynamicTable(num_slots=16, eviction_interval=1, expire_after_windows=1)
+    runs = []
+    for name, begin in (("zero", None), ("late", start)):
+        t = build(str(tmp_path / name), spec, _Windows(data, per_window=2))
+        if begin is not None:
+            saved = DynamicTablesState(t.model, 1).state_dict()
+            for st in saved["tables"].values():
+                st["current_iter"] = st["last_eviction_iter"] = begin
+            DynamicTablesState(t.model, 1).load_state_dict(saved)
+        maps: list[list[int]] = []
+        t.add_hook(LambdaHook(after_window=lambda tr, _w, maps=maps: maps.append(
+            sorted(resident_ids(tr, "t_u")[0].tolist()))))
+        t.train()
+        runs.append((maps, table_stats(t.model)["t_u"],
+                     mc_modules(t.model)["t_u"].state_dict()["_mch_last_access_iter"]))
+    (maps0, stats0, _), (maps1, stats1, last) = runs
+    assert maps1 == maps0 and len(maps0) == 4
+    assert stats1 == stats0 and stats0["expired"] > 0 and stats0["evicted"] > 0
+    assert last.dtype == torch.int32 and int(last.max()) < ITER_REBASE
 
 
 # --------------------------------------------------------------------------- shared tables
@@ -743,7 +801,7 @@ def test_large_batches_look_up_by_the_bucket_index_exactly_as_by_binary_search(
     g = torch.Generator().manual_seed(0)
     ids = m._mch_sorted_raw_ids
     n = ids.numel()
-    shift = 63 - (n - 1).bit_length()
+    shift = 63 - id_map.index_bits(n)  # ids on the buckets' edges
     for used in (0, 1, n // 2, n - 1):  # the last slot is always empty (a fallback row)
         pool = torch.cat([torch.randint(0, 2**63 - 1, (used,), generator=g),
                           torch.arange(1, 4) << shift, (torch.arange(1, 4) << shift) - 1,
@@ -1082,7 +1140,7 @@ def test_a_map_saved_in_torchrecs_int64_layout_loads_into_the_compact_map(tmp_pa
     for k, v in m.state_dict().items():
         assert n.state_dict()[k].dtype == v.dtype and torch.equal(n.state_dict()[k], v), k
     DynamicTablesState(fresh.model, 1).load_state_dict(old)
-    ids, counts = n._history_sightings()
+    ids, counts, _ = n.history_state()
     assert torch.equal(ids, torch.unique(saved["tables"]["t_u"]["history"]))
     expect = {int(i): 0.0 for i in ids}
     for i, c in zip(old["tables"]["t_u"]["history"].tolist(),
@@ -1091,6 +1149,57 @@ def test_a_map_saved_in_torchrecs_int64_layout_loads_into_the_compact_map(tmp_pa
     assert counts.tolist() == [expect[int(i)] for i in ids]
     fresh.train()  # and it trains on
     assert table_stats(fresh.model)["t_u"]["passes"] > 0
+
+
+def test_a_checkpoint_holding_the_maps_in_torchrecs_int64_layout_resumes_bitwise(
+        tmp_path: Any) -> None:
+    """A checkpoint written before the compact map holds the maps' slots, counts and last
+    accesses as int64 DCP tensors: the Trainer's resume casts them into the compact map (the
+    same values) and goes on as the uninterrupted run. (Its format-2 history: the test above.)"""
+    import json
+    import zlib
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    data = IdStream(FEATS, 400).batches(6, 64, seed=0)
+    spec = DynamicTable(num_slots=64, eviction_interval_rows=128, history_slots=16)
+    full = build(str(tmp_path / "full"), spec, data, train_steps=6)
+    full.train()
+    out = str(tmp_path / "resumed")
+    build(out, spec, data, train_steps=3, save_steps=3).train()
+    step = os.path.join(out, "step_00000003")
+    whole = str(tmp_path / "whole.pt")
+    dcp_to_torch_save(step, whole)
+    state = torch.load(whole, weights_only=False)
+    wide = ("_mch_remapped_ids_mapping", "_mch_counts", "_mch_last_access_iter")
+    widened = [k for k in state["model"] if k.endswith(wide)]
+    assert len(widened) == 6 and state["model"][widened[1]].dtype != torch.int64
+    for k in widened:
+        state["model"][k] = state["model"][k].long()
+    torch.save(state, whole)
+    for name in os.listdir(step):
+        if name.endswith(".distcp") or name == ".metadata":
+            os.remove(os.path.join(step, name))
+    torch_save_to_dcp(whole, step)
+    with open(os.path.join(step, "COMMITTED")) as f:
+        marker = json.load(f)
+    files = {}
+    for name in sorted(os.listdir(step)):
+        if name != "COMMITTED":
+            with open(os.path.join(step, name), "rb") as f:
+                raw = f.read()
+            files[name] = {"size": len(raw), "crc32": zlib.crc32(raw)}
+    with open(os.path.join(step, "COMMITTED"), "w") as f:
+        json.dump({**marker, "files": files}, f)
+    from recsys_trainer.hooks import LambdaHook
+
+    resumed = build(out, spec, data, train_steps=6)
+    steps: list[int] = []
+    resumed.add_hook(LambdaHook(after_step=lambda tr, _: steps.append(1)))
+    resumed.train()
+    assert len(steps) == 3  # from the checkpoint of step 3
+    assert bitwise_verdict(snapshot(resumed), snapshot(full)) == "yes"
+    assert table_stats(resumed.model) == table_stats(full.model)
 
 
 def test_a_checkpoint_of_the_former_format_resumes_and_a_changed_policy_is_named(

@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -145,6 +146,23 @@ def _check_half_precision_tables(case: dict[str, Any]) -> None:
         rows = t.weight if t.dynamic is None else t.dynamic.vectors
         assert torch.equal(rows, quantize(served[name].float(), "int8"))
     assert su.max_diff(su.scored(int8, case["windows"][-1]), case["pred"]) < 0.05
+    # A precision this reader does not know (a newer writer's) is named, not read as float32.
+    newer = os.path.join(case["root"], "art_newer")
+    shutil.copytree(case["art"], newer)
+    with open(os.path.join(newer, mf.MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["tables"][0]["dtype"] = "fp8"
+    data = json.dumps(manifest).encode()
+    with open(os.path.join(newer, mf.MANIFEST), "wb") as f:
+        f.write(data)
+    with open(os.path.join(newer, mf.MARKER)) as f:
+        marker = json.load(f)
+    with open(os.path.join(newer, mf.MARKER), "w") as f:
+        json.dump({**marker, "manifest_sha256": mf.sha256_bytes(data)}, f)
+    with pytest.raises(ArtifactError, match=rf"table {manifest['tables'][0]['name']!r} of the "
+                                            r"serving artifact .*art_newer' is stored in 'fp8'; "
+                                            r"this reader reads fp32, fp16, bf16"):
+        Scorer(newer)
 
 
 def test_a_delta_of_plain_tables_reproduces_the_full_export_of_the_later_step(dlrm) -> None:

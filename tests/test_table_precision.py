@@ -20,7 +20,7 @@ from recsys_trainer.checkpoint.dynamic_export import export_dynamic
 from recsys_trainer.checkpoint.export import read_full, saved_keys
 from recsys_trainer.dynamic import ID_SPACE, DynamicTable, table_stats
 from recsys_trainer.models import DLRMClassifier
-from recsys_trainer.table_precision import kernel_trains
+from recsys_trainer.table_precision import kernel_trains, rounds_stochastically
 
 TIMEOUT = 240
 FEATS = ["u", "i", "c"]
@@ -138,19 +138,52 @@ def test_fp16_tables_train_checkpoint_resume_bitwise_and_reshard_on_2_ranks(
     _check(run_distributed(_run, world_size=2, timeout_s=TIMEOUT, args=(root,)), root)
 
 
+def _refused_for_t_b(out: str, dtype: str, match: str, **args: Any) -> None:
+    """Building a Trainer for a DLRM whose table ``t_b`` is stored in ``dtype`` raises a
+    ``ValueError`` matching ``match``."""
+    model = DLRMClassifier(["a", "b"], 4, 50, embedding_dim=8, dense_arch=(16,),
+                           over_arch=(16, 1), embedding_dtype={"t_b": dtype})
+    with pytest.raises(ValueError, match=match):
+        Trainer(model=model, args=TrainingArguments(output_dir=out, **args),
+                train_dataset=_batches(0), add_logger_hook=False,
+                dense_optimizers=(lambda p: torch.optim.Adam(p, lr=1e-2), None),
+                sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1))
+
+
 @pytest.mark.skipif(kernel_trains("cpu", "bf16", "rowwise_adagrad") is None,
                     reason="this FBGEMM trains bf16 tables on CPU")
 def test_a_bf16_table_on_cpu_is_refused_by_name_before_sharding(tmp_path: Any) -> None:
-    model = DLRMClassifier(["a", "b"], 4, 50, embedding_dim=8, dense_arch=(16,),
-                           over_arch=(16, 1), embedding_dtype={"t_b": "bf16"})
-    with pytest.raises(ValueError, match=r"embedding table 't_b' is stored in bf16 .* FBGEMM's "
-                                         r"table-batched kernel on cpu cannot train a bf16 table "
-                                         r"with the rowwise_adagrad optimizer \(NotImplementedError"
-                                         r".*On cpu use one of fp32, fp16 for it; bf16 tables "
-                                         r"train on CUDA"):
-        Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path)),
-                train_dataset=_batches(0), add_logger_hook=False,
-                sparse_optimizer=SparseOptimizer("rowwise_adagrad", lr=0.1))
+    _refused_for_t_b(str(tmp_path), "bf16",
+                     r"embedding table 't_b' is stored in bf16 .* FBGEMM's table-batched kernel "
+                     r"on cpu cannot train a bf16 table with the rowwise_adagrad optimizer "
+                     r"\(NotImplementedError.*On cpu store it in one of fp32, fp16: set the "
+                     r"model's `embedding_dtype=\{'t_b': 'fp16'\}` \(`model.embedding_dtype` in "
+                     r"YAML; `data_type` in your own torchrec table configs\); or train on CUDA")
+
+
+def test_the_rounding_probe_says_the_cpu_kernel_rounds_fp16_to_nearest_and_names_what_it_cannot_probe(
+        ) -> None:
+    # docs/tables.md: FBGEMM's CPU kernel rounds half-precision updates to nearest.
+    assert rounds_stochastically("cpu", "fp16") is False
+    assert rounds_stochastically("cpu", "fp32") is False
+    with pytest.raises(ValueError, match=r"`dtype` must be one of 'fp32', 'fp16', 'bf16', but "
+                                         r"is 'half'"):
+        rounds_stochastically("cpu", "half")
+    if kernel_trains("cpu", "bf16", "sgd") is not None:
+        with pytest.raises(ValueError, match=r"FBGEMM's table-batched kernel on cpu cannot "
+                                             r"train a bf16 table \(NotImplementedError.*\), so "
+                                             r"it has no rounding to probe"):
+            rounds_stochastically("cpu", "bf16")
+
+
+def test_a_half_precision_table_sharded_data_parallel_is_refused_by_name(tmp_path: Any) -> None:
+    # Such a table would be a plain parameter of the dense optimizer: with Adam every row NaN
+    # after one step, silently.
+    _refused_for_t_b(str(tmp_path), "fp16",
+                     r"embedding table 't_b' is stored in fp16 and sharded data_parallel "
+                     r"\(`sharding_types\['t_b'\]` asks for it.*Shard it table_wise or "
+                     r"column_wise .* or store it in fp32 \(`embedding_dtype`, torchrec's "
+                     r"`data_type`\)", sharding_types={"t_b": "data_parallel"})
 
 
 def test_a_precision_is_a_per_table_setting_checked_by_name_in_python_and_yaml() -> None:

@@ -58,6 +58,9 @@ def _copy_overlap(live: Any, full: torch.Tensor) -> None:
         src = full[r0:r1]
         if t.dim() > 1:
             src = src[:, off[1]: off[1] + t.shape[1]]
+        # A source of another precision (an fp32 bank into an fp16 table) is rounded to
+        # nearest, as DCP rounds a checkpoint of another precision: the warm start is the
+        # table a resume of that checkpoint would hold.
         t[: r1 - r0].copy_(src.to(t.dtype))
 
 

@@ -22,9 +22,11 @@ DEFAULT_HALF_LIFE = 4.0
 DEFAULT_ADMISSION = 2.0
 DEFAULT_HISTORY_FRACTION = 8
 """``history_slots`` defaults to ``num_slots // DEFAULT_HISTORY_FRACTION`` (at least 64): 2.5
-bytes a slot, which keeps a dynamic table's bookkeeping within 24 bytes a slot (measured on the
-churny stream, 10 seeds: ``num_slots // 4`` gains +0.0011 AUC for 2.5 more bytes a slot,
-``num_slots // 2`` +0.0017 for 7.5; docs/dynamic.md, "Memory")."""
+bytes a slot, which keeps a dynamic table's bookkeeping within 24 bytes a slot from 512 slots up
+(the map 20, the lookup index at most 1.5); below 512 slots the 64 ids' 1,280 bytes make it
+20 + 1,280 / num_slots (measured on the churny stream, 10 seeds: ``num_slots // 4`` gains
++0.0011 AUC for 2.5 more bytes a slot, ``num_slots // 2`` +0.0017 for 7.5; docs/dynamic.md,
+"Memory")."""
 
 
 @dataclass(frozen=True, kw_only=True)

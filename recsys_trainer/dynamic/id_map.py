@@ -42,9 +42,17 @@ class _Settings:
                          expire_seconds=spec.expire_after_seconds)
 
 
-INDEX_BITS_BELOW = 2
-"""The bucket index has ``2 ** (bit_length(slots - 1) - INDEX_BITS_BELOW)`` buckets: one per 2
-to 4 slots, 1-2 bytes a slot as int32 positions."""
+INDEX_BYTES_PER_SLOT = 1.5
+"""The most the bucket index of large lookups may hold a slot: the compact map (20 bytes) and
+the default history (2.5) leave 1.5 of a dynamic table's 24 (``index_bits``)."""
+
+
+def index_bits(slots: int) -> int:
+    """The bucket index's bits for a map of ``slots``: the most buckets (a power of two, each
+    an int32 position, and one past the last) within ``INDEX_BYTES_PER_SLOT`` bytes a slot: a
+    bucket per 2.7-5.3 slots (1-1.5 bytes a slot; a finer index needs fewer rounds)."""
+    return max(1, (int(slots * INDEX_BYTES_PER_SLOT) // 4 - 1).bit_length() - 1)
+
 
 INDEXED_LOOKUP_MIN_IDS = 1024
 """Batches of at least this many ids (per table and shard) look up through the bucket index
@@ -199,9 +207,9 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         key = (id(sorted_ids), sorted_ids.data_ptr(), sorted_ids._version)
         if self._index_key != key:
             used = int(torch.searchsorted(sorted_ids, self._delimiter).item())
-            # A bucket per 2-4 slots (1-2 bytes a slot): more rounds than a bucket per slot,
-            # a quarter of the memory (docs/dynamic.md, "Memory").
-            bits = max(1, (sorted_ids.numel() - 1).bit_length() - INDEX_BITS_BELOW)
+            # A bucket per 2.7-5.3 slots (1-1.5 bytes a slot): more rounds than a bucket per
+            # slot, a quarter of the memory or less (docs/dynamic.md, "Memory").
+            bits = index_bits(sorted_ids.numel())
             shift = 63 - bits
             per_bucket = torch.bincount(sorted_ids[:used] >> shift, minlength=1 << bits)
             starts = torch.zeros((1 << bits) + 1, dtype=torch.int64, device=sorted_ids.device)
@@ -319,8 +327,25 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             m._current_iter = int(m._current_iter_tensor.item())
             m._last_eviction_iter = m._current_iter
         _set_plain(self, "_current_iter", m._current_iter + 1)
+        if m._current_iter >= ITER_REBASE and self.decayed:
+            self._rebase_iterations()
         if self._last_pass_time == 0.0:
             self._last_pass_time = time.time()
+
+    def _rebase_iterations(self) -> None:
+        """Take a whole number of ``ITER_REBASE`` from the forward count and from everything
+        that holds one (the int32 last accesses, expiry marks), so that the count stays within
+        int32 for the life of a job: comparisons between them, all that expiry reads, keep
+        their outcome. Last accesses more than 2**31 forwards back stay at int32's lowest."""
+        m: Any = self
+        shift = m._current_iter - m._current_iter % ITER_REBASE
+        last: torch.Tensor = m._mch_last_access_iter
+        last.copy_(last.long().sub_(shift).clamp_(min=ITER_MIN))
+        for name, value in (("_current_iter", m._current_iter - shift),
+                            ("_last_eviction_iter", m._last_eviction_iter - shift),
+                            ("_window_marks", [it - shift for it in self._window_marks]),
+                            ("_time_marks", [(it - shift, t) for it, t in self._time_marks])):
+            _set_plain(self, name, value)
 
     def _observe(self, v: torch.Tensor, batch_rows: int) -> None:
         """Count this forward's ids ``v`` (from ``batch_rows`` rows of the batch)."""
@@ -420,6 +445,14 @@ class DynamicMCHModule(MCHManagedCollisionModule):
             return
         uniq, inverse = torch.unique(ids, return_inverse=True)
         self._set_history(uniq, counts.new_zeros(uniq.shape).scatter_add_(0, inverse, counts))
+
+    def history_state(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``decayed_lfu``'s history as a checkpoint keeps it (copies): its ids, one count per
+        entry (``COUNT_ONE`` for a sighting), and how many of the first entries are waiting ids
+        with counts of their own (the others are sightings since). ``restore_history`` takes
+        the three back."""
+        ids, counts = self._history_sightings()
+        return ids.clone(), counts.clone(), self._waiting
 
     def _history_sightings(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, counts) of the ``decayed_lfu`` history's entries: the waiting ids with their
@@ -576,7 +609,10 @@ class DynamicMCHModule(MCHManagedCollisionModule):
         for torchrec's row reset. Returns how many."""
         m: Any = self
         ids: torch.Tensor = m._mch_sorted_raw_ids
-        old = (ids != EMPTY_SLOT) & (m._mch_metadata["last_access_iter"] <= horizon_iter)
+        # A horizon below int32 (more than 2**31 forwards back, after rebases) reaches the
+        # last accesses kept at int32's lowest.
+        old = (ids != EMPTY_SLOT) & (m._mch_metadata["last_access_iter"]
+                                     <= max(horizon_iter, ITER_MIN))
         used = m._current_history_buffer_offset
         if keep_history and used > 0:
             old &= ~torch.isin(ids, m._history_accumulator[:used])
@@ -634,7 +670,12 @@ COUNT_DTYPE = torch.float32
 """``decayed_lfu``'s counts: float32, whole ``COUNT_ONE`` units (exact below 256 sightings,
 and never overflowing above, where an int32 of ``COUNT_ONE`` units would at 32,768)."""
 ITER_DTYPE = torch.int32
-"""The last-access forward count: int32 (2**31 forwards, 68 years at one a second)."""
+"""The last-access forward count: int32, kept in range by rebasing (``ITER_REBASE``)."""
+ITER_MIN = torch.iinfo(ITER_DTYPE).min
+ITER_REBASE = 1 << 30
+"""A ``decayed_lfu`` map's forward count is rebased (``_rebase_iterations``) when it reaches
+this: a whole number of it is taken from the count and from the last accesses, so the count
+never passes 2**31 (an int32) in a job's life, however long it runs or resumes."""
 
 
 def compact_map(m: Any) -> None:

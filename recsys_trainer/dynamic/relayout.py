@@ -171,6 +171,9 @@ def _move_rows(coll: Any, table: str, src: torch.Tensor, dst: torch.Tensor,
     dst_rank = torch.searchsorted(ends, dst, right=True)
 
     def payload(local_rows: torch.Tensor) -> torch.Tensor:
+        # One float32 tensor for rows and optimizer state, so one all_to_all moves both: fp16
+        # and bf16 rows widen to float32 exactly and narrow back unchanged on arrival, so a
+        # re-routed half-precision row is bit for bit the saved one.
         parts = [weights[local_rows].float()] + [s[local_rows].float() for s in states]
         return torch.cat(parts, dim=1)
 

@@ -51,20 +51,20 @@ class DynamicTablesState:
         for table, mod in mc_modules(self._model).items():
             m: Any = mod
             used = int(m._current_history_buffer_offset)
-            decayed = isinstance(m, DynamicMCHModule) and m.decayed
             st: dict[str, Any] = {
                 "buffer_size": int(m._input_history_buffer_size),
                 "used": used,
-                "history": (m._history_accumulator[:used].clone()
-                            if m._input_history_buffer_size > 0 else None),
-                "history_metadata": (
-                    {"counts": m._history_sightings()[1].clone()} if decayed else
-                    {k: v[:used].clone() for k, v in m._history_metadata.items()}),
                 "current_iter": int(m._current_iter),
                 "last_eviction_iter": int(m._last_eviction_iter),
             }
-            if decayed:
-                st["waiting"] = int(m._waiting)
+            if isinstance(m, DynamicMCHModule) and m.decayed:
+                ids, counts, waiting = m.history_state()
+                st.update(history=ids, history_metadata={"counts": counts}, waiting=waiting)
+            else:  # torchrec's history (the legacy policies)
+                st.update(history=(m._history_accumulator[:used].clone()
+                                   if m._input_history_buffer_size > 0 else None),
+                          history_metadata={k: v[:used].clone()
+                                            for k, v in m._history_metadata.items()})
             if isinstance(m, DynamicMCHModule):
                 st.update({
                     "steps": m._steps, "last_pass_step": m._last_pass_step,

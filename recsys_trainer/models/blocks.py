@@ -128,7 +128,10 @@ def make_tables(
     """One table ``t_<feature>`` per feature. ``init``: one initialiser for every table, or
     ``{table name: initialiser}`` (tables not named keep torchrec's default uniform init).
     ``dtype``: the weights' precision (``"fp32"``, ``"fp16"``, ``"bf16"``; torchrec's
-    ``data_type``), one for every table or ``{table name: precision}`` (others fp32)."""
+    ``data_type``), one for every table or ``{table name: precision}`` (others fp32). The
+    initialiser fills the weight in that precision, so a half-precision table starts from its
+    draws rounded to it; they are the rows training reads, hence what a checkpoint and a
+    serving export hold (no fp32 master copy exists to drift from)."""
     sizes = num_embeddings if isinstance(num_embeddings, list) else [num_embeddings] * len(feature_names)
     names = [f"t_{f}" for f in feature_names]
     inits = dict(init) if isinstance(init, Mapping) else dict.fromkeys(names, init)

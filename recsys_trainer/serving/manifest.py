@@ -30,6 +30,7 @@ from recsys_trainer import storage
 from recsys_trainer.data.inputs import DenseFeature, SequenceFeature, SparseFeature, _IdFeature
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.vocab import VocabFromData, Vocabulary
+from recsys_trainer.table_dtypes import TORCH_DTYPES
 
 SCHEMA_VERSION = 3
 """Bumped when a reader of the previous version would misread an artifact: 2 adds tables
@@ -39,7 +40,7 @@ float32); 3 adds the program's value inputs (a ``program.inputs.sequences`` entr
 looked up in no table). An artifact is written as the oldest version that reads it
 (``schema_version_of``)."""
 READABLE_VERSIONS = (1, 2, 3)
-TABLE_DTYPES = ("fp32", "fp16", "bf16")
+TABLE_DTYPES = tuple(TORCH_DTYPES)
 """How a table's unquantized rows are stored (a table entry's ``dtype``; absent: fp32)."""
 
 
@@ -203,9 +204,24 @@ def read_manifest(root: storage.Location, *, verify: bool = True) -> dict[str, A
             f"{', '.join(map(str, READABLE_VERSIONS))}. Export it "
             "again with this version, or read it with the version that wrote it "
             f"({manifest.get('versions', {}).get('recsys_trainer')}).")
+    check_table_dtypes(manifest, root.url)
     if verify:
         verify_files(root, manifest["files"], skip=(MANIFEST,))
     return manifest
+
+
+def check_table_dtypes(manifest: Mapping[str, Any], source: str) -> None:
+    """Refuse a table stored in a precision this reader does not know (an artifact of a newer
+    writer, or an edited manifest), naming the artifact, the table and the precision: read
+    as float32 its bytes would be garbage rows."""
+    for t in manifest.get("tables", []):
+        dtype = t.get("dtype", "fp32")
+        if dtype not in TABLE_DTYPES:
+            raise ArtifactError(
+                f"table {t.get('name')!r} of the serving artifact {source!r} is stored in "
+                f"{dtype!r}; this reader reads {', '.join(TABLE_DTYPES)}. Export it again "
+                "with this version, or read it with the version that wrote it "
+                f"({manifest.get('versions', {}).get('recsys_trainer')}).")
 
 
 def verify_files(root: storage.Location, files: Mapping[str, Mapping[str, Any]],

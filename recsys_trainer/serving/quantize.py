@@ -23,6 +23,8 @@ def quantize(weight: torch.Tensor, kind: str) -> torch.Tensor:
     """A float32 table ``[rows, dim]`` -> its fused row-wise quantized bytes (uint8)."""
     try:
         ops = torch.ops.fbgemm
+        # Half-precision rows widen to float32 exactly: they quantize as the same values in an
+        # fp32 table would, by one path for every precision.
         if kind == "int8":
             return ops.FloatToFused8BitRowwiseQuantized(weight.float().contiguous())
         if kind == "int4":

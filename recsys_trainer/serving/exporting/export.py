@@ -76,6 +76,7 @@ from recsys_trainer.serving.exporting.model_parts import (
 )
 from recsys_trainer.serving.quantize import QUANTIZATIONS, quantize
 from recsys_trainer.serving.routing import RULE, Routing
+from recsys_trainer.table_dtypes import DTYPE_NAMES
 from recsys_trainer.validation import check_choice, check_type
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
         # FBGEMM's lookup does before pooling).
         if quant:
             return quantize(w, quant)
-        return (w if w.dtype in _SERVED_DTYPES else w.to(torch.float32)).contiguous()
+        return (w if w.dtype in DTYPE_NAMES else w.to(torch.float32)).contiguous()
 
     for c in tm.configs:
         name = c.name
@@ -194,12 +195,9 @@ def _table_tensors(tm: TableModule, state: Mapping[str, torch.Tensor], quant: st
     return entries, tensors
 
 
-_SERVED_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-
-
 def _note_dtype(entry: dict[str, Any], weight: torch.Tensor, quant: str | None) -> None:
     """A half-precision table's entry says so (``dtype``; absent: float32 rows)."""
-    name = _SERVED_DTYPES.get(weight.dtype, "fp32")
+    name = DTYPE_NAMES.get(weight.dtype, "fp32")
     if not quant and name != "fp32":
         entry["dtype"] = name
 
