@@ -453,3 +453,15 @@ def test_a_gap_in_the_traffic_closes_its_empty_windows_and_reading_goes_on(
             for w in ids}
     assert list(rest.values()) == [[5, 6], [7, 8]]
     ds.close()
+
+
+@pytest.mark.parametrize("key,value", [("auto.offset.reset", "earliest"),
+                                       ("enable.auto.commit", True),
+                                       ("enable.partition.eof", False),
+                                       ("group.id", "shared-group")])
+def test_consumer_config_cannot_override_the_settings_exactly_once_relies_on(key: str,
+                                                                              value: Any) -> None:
+    # auto.offset.reset=earliest skipped offsets deleted by retention without a count.
+    with pytest.raises(ValueError, match=f"consumer_config.*{key}"):
+        KafkaWindowDataset(_spec(), **source_options("127.0.0.1:9", "t",
+                                                     consumer_config={key: value}))

@@ -77,7 +77,9 @@ class KafkaSourceOptions:
     """Also commit the offsets of trained windows to this consumer group (for lag monitoring;
     the checkpoint's offsets stay the truth)."""
     consumer_config: dict[str, Any] = field(default_factory=dict)
-    """More librdkafka settings for every consumer (security, SASL, timeouts)."""
+    """More librdkafka settings for every consumer (security, SASL, timeouts); the settings
+    the source owns (``OWNED_CONSUMER_SETTINGS``: its offsets, its group, the ends of
+    partitions) are refused by name."""
     cache_mb: float = 512.0
     """Decoded rows a rank keeps from its own partitions for training (beyond: read again)."""
     max_windows_ahead: int = 2
@@ -130,6 +132,12 @@ class KafkaSourceOptions:
         check_number("broker_timeout_s", self.broker_timeout_s, above=0)
         check_number("poll_interval_s", self.poll_interval_s, above=0)
         check_type("consumer_config", self.consumer_config, (dict,), "a mapping of settings")
+        owned = sorted(set(self.consumer_config) & set(OWNED_CONSUMER_SETTINGS))
+        if owned:
+            key = owned[0]
+            raise ValueError(
+                f"`consumer_config` sets {key!r}={self.consumer_config[key]!r}, a setting the "
+                f"Kafka source owns: {OWNED_CONSUMER_SETTINGS[key]} Remove it.")
         check_number("cache_mb", self.cache_mb, at_least=0)
         check_int("max_windows_ahead", self.max_windows_ahead)
 
@@ -155,6 +163,25 @@ class KafkaSourceOptions:
                 "allowed_lateness_s": self.allowed_lateness_s, "late_rows": self.late_rows,
                 "time_column": self.time_column, "time_unit": self.time_unit,
                 "start_time": self.start_time, "batch_size": self.batch_size}
+
+
+OWNED_CONSUMER_SETTINGS: dict[str, str] = {
+    "bootstrap.servers": "it is `bootstrap_servers`.",
+    "metadata.broker.list": "it is `bootstrap_servers`.",
+    "group.id": "every consumer reads by assignment in a group of its own (the checkpoint "
+                "holds the offsets); `commit_group` commits the trained offsets to a group.",
+    "enable.auto.commit": "offsets are committed only by `commit_group`, once their rows are "
+                          "trained (the checkpoint stays the truth).",
+    "auto.commit.enable": "offsets are committed only by `commit_group`, once their rows are "
+                          "trained (the checkpoint stays the truth).",
+    "enable.auto.offset.store": "offsets are committed only by `commit_group`.",
+    "auto.offset.reset": "an offset out of range is never skipped silently: "
+                         "`on_out_of_range` names it or skips and counts the lost messages.",
+    "enable.partition.eof": "the end of a partition is how it is found idle.",
+    "allow.auto.create.topics": "reading never creates a topic (a missing one is named).",
+}
+"""librdkafka settings ``consumer_config`` may not change, and why: with them changed, rows
+could be skipped or committed without a trace in the checkpoint."""
 
 
 def _type(name: Any) -> pa.DataType:
