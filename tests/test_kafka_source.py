@@ -13,12 +13,14 @@ import glob
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 import torch
 from kafka_utils import T0, all_row_ids, produce, rows_table, send, source_options
@@ -465,3 +467,62 @@ def test_consumer_config_cannot_override_the_settings_exactly_once_relies_on(key
     with pytest.raises(ValueError, match=f"consumer_config.*{key}"):
         KafkaWindowDataset(_spec(), **source_options("127.0.0.1:9", "t",
                                                      consumer_config={key: value}))
+
+
+def _walk(ds: KafkaWindowDataset, skip: int, limit_s: float) -> list[Any]:
+    """(window id, row ids) per window from window ``skip`` on (the Trainer skips the earlier
+    ones by position), then 'ended' or the error; gives up after ``limit_s``."""
+    got: list[Any] = []
+
+    def run() -> None:
+        try:
+            for i, wid in enumerate(ds.window_ids()):
+                if i >= skip:
+                    got.append((wid, [r for b in ds.iter_window(wid)
+                                      for r in b.passthrough["row_id"].to_pylist()]))
+            got.append("ended")
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            got.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit_s)
+    ds.close()
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_a_resumed_run_ends_where_its_own_end_offsets_say_not_where_the_first_run_ended(
+        broker: MockBroker) -> None:
+    # A bounded run (log_end) resumed as a stream reads what was produced after its end...
+    broker.command("create endres 2")
+    table = rows_table("dlrm", windows=6, rows=20, window_s=10.0)
+    ts = pa.compute.less(table.column("ts"), T0 + 30)
+    produce(broker.bootstrap, "endres", table.filter(ts), partitions=2)
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres"))
+    list(ds.iter_window(next(ds.window_ids())))
+    state = ds.state_dict()
+    ds.close()
+    produce(broker.bootstrap, "endres", table.filter(pa.compute.invert(ts)), partitions=2)
+    again = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres",
+                                                         end_offsets=None, end_time=T0 + 50))
+    again.load_state_dict(state)
+    got = _walk(again, skip=1, limit_s=30.0)
+    assert got[-1] == "ended", got
+    want = [r for r, t in zip(table.column("row_id").to_pylist(), table.column("ts").to_pylist(),
+                              strict=True) if T0 + 10 <= t < T0 + 50]
+    assert sorted(r for _, rows in got[:-1] for r in rows) == sorted(want)
+    # ... and a stream resumed with log_end ends at the log's end (it waited for ever).
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres",
+                                                      end_offsets=None, idle_timeout_s=30.0))
+    list(ds.iter_window(next(ds.window_ids())))
+    state = ds.state_dict()
+    ds.close()
+    again = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres",
+                                                         idle_timeout_s=30.0))
+    again.load_state_dict(state)
+    got = _walk(again, skip=1, limit_s=15.0)
+    assert got and got[-1] == "ended", f"still waiting after 15 s: {got}"
+    assert sorted(r for _, rows in got[:-1] for r in rows) == sorted(
+        r for r, t in zip(table.column("row_id").to_pylist(), table.column("ts").to_pylist(),
+                          strict=True) if t >= T0 + 10)

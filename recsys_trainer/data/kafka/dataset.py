@@ -62,8 +62,10 @@ from recsys_trainer.data.kafka.positions import (
     KafkaStats,
     PartitionPosition,
     SourceState,
+    ends_now,
     first_state,
     lost_early_rows,
+    saved_end_offsets,
 )
 from recsys_trainer.data.kafka.reading import KafkaWindowIterator, ShareReader
 from recsys_trainer.data.kafka.tracker import RankReport, Tracker
@@ -147,6 +149,8 @@ class KafkaWindowDataset(WindowedDataset):
         self._current = -1
         self._by_id: dict[str, WindowPlan] = {}
         self._fmt: MessageFormat | None = None
+        self._saved_ends: Any = saved_end_offsets(o)
+        """The ``end_offsets`` of the run that wrote the checkpoint resumed from."""
 
     # ------------------------------------------------------------------ WindowedDataset
 
@@ -213,7 +217,8 @@ class KafkaWindowDataset(WindowedDataset):
             "closed": st.closed, "next_index": st.next_index,
             "plans": [p.to_json() for i, p in sorted(st.plans.items()) if i >= self._current],
             "partitions": {str(p): v.to_json() for p, v in sorted(st.partitions.items())},
-            "id_kinds": dict(st.id_kinds), "stats": dataclasses.asdict(self.stats)})
+            "id_kinds": dict(st.id_kinds), "stats": dataclasses.asdict(self.stats),
+            "end_offsets": self._saved_ends})
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,6 +237,8 @@ class KafkaWindowDataset(WindowedDataset):
         self._floor = min([p.index for p in plans] + [self._state.next_index])
         self.stats = KafkaStats(**state.get("stats", {}))
         self._base = dataclasses.replace(self.stats)
+        # Older checkpoints did not say: their ends stand.
+        self._saved_ends = state.get("end_offsets", saved_end_offsets(self.options))
 
     def load_resharded_state_dict(self, state: dict[str, Any], world_size: int) -> None:
         """The state is the same on every rank (rank 0's serves any world size): the partitions
@@ -315,24 +322,14 @@ class KafkaWindowDataset(WindowedDataset):
             return
         gang = self._gang or FakeGang()
         if self._state is None:
-            message: tuple[str, Any]
-            if gang.rank == 0:
-                try:
-                    message = ("ok", first_state(self.options, self._settings(),
-                                                 self.start_window))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                    message = ("error", (type(exc).__name__, str(exc)))
-            else:
-                message = ("ok", None)
-            kind, payload = gang.broadcast_object(message, src=0)
-            if kind == "error":
-                raise _ERRORS.get(payload[0], KafkaSourceError)(
-                    f"rank 0 could not start reading: {payload[1]}")
-            self._state = payload
-        elif self.options.on_out_of_range == "skip":
-            lost = lost_early_rows(self._state, self.options.topic, self._settings()) \
-                if gang.rank == 0 else None
-            self._drop_early_rows(gang.broadcast_object(lost, src=0))
+            self._state = _from_rank0(gang, lambda: first_state(
+                self.options, self._settings(), self.start_window))
+        else:
+            self._set_ends(gang)
+            if self.options.on_out_of_range == "skip":
+                lost = lost_early_rows(self._state, self.options.topic, self._settings()) \
+                    if gang.rank == 0 else None
+                self._drop_early_rows(gang.broadcast_object(lost, src=0))
         st = self._state
         assert st is not None
         o = self.options
@@ -353,6 +350,22 @@ class KafkaWindowDataset(WindowedDataset):
         logger.info("%s: rank %d reads partitions %s (of %s) from offsets %s", o.topic,
                     self.rank, sorted(mine), sorted(st.partitions),
                     {p: v.frontier for p, v in sorted(st.partitions.items())})
+
+    def _set_ends(self, gang: Gang) -> None:
+        """A resumed run whose ``end_offsets`` differs from the checkpoint's run ends where its
+        own setting says (a bounded run resumed as a stream reads on; a stream resumed with
+        ``"log_end"`` ends at the log's end now); the same setting keeps the checkpoint's ends
+        (one job through its restarts)."""
+        st, o = self._state, self.options
+        assert st is not None
+        if self._saved_ends == saved_end_offsets(o):
+            return
+        ends = _from_rank0(gang, lambda: ends_now(o, sorted(st.partitions), self._settings()))
+        for p, v in st.partitions.items():
+            v.end = ends.get(p)
+        logger.info("%s: end_offsets changed since the checkpoint (%r -> %r): the partitions "
+                    "end at %s", o.topic, self._saved_ends, o.end_offsets, ends)
+        self._saved_ends = saved_end_offsets(o)
 
     def _drop_early_rows(self, lost: dict[int, list[int]] | None) -> None:
         st = self._state
@@ -541,6 +554,22 @@ class KafkaWindowDataset(WindowedDataset):
 
     def _iterator(self, plan: WindowPlan, sh: Share) -> KafkaWindowIterator:
         return self._reading.iterator(plan, sh)
+
+
+def _from_rank0(gang: Gang, ask: Callable[[], Any]) -> Any:
+    """What rank 0 asks the broker, on every rank; rank 0's error raised on every rank."""
+    message: tuple[str, Any] = ("ok", None)
+    if gang.rank == 0:
+        try:
+            message = ("ok", ask())
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            message = ("error", (type(exc).__name__, str(exc)))
+    kind, payload = gang.broadcast_object(message, src=0)
+    if kind == "error":
+        raise _ERRORS.get(payload[0], KafkaSourceError)(
+            f"rank 0 could not start reading: {payload[1]}")
+    return payload
+
 
 class KafkaFollowingWindows(WindowedDataset):
     """The evaluation side of ``train_and_evaluate`` over a ``KafkaWindowDataset``: its window

@@ -146,17 +146,49 @@ def first_state(o: KafkaSourceOptions, settings: dict[str, Any],
             else:
                 first = low if o.start == "earliest" else high
             start[p] = first
-            end = None
-            if o.end_offsets == "log_end":
-                end = high
-            elif isinstance(o.end_offsets, dict) and p in o.end_offsets:
-                end = o.end_offsets[p]
-            out[p] = PartitionPosition(first, end=end)
+            out[p] = PartitionPosition(first, end=end_of(o, p, high))
         closed = None if start_window is None else start_window - 1
         logger.info("%s: a new run reads partitions %s from %s%s", o.topic, parts, start,
                     "" if o.end_offsets is None else
                     f" to {({p: v.end for p, v in out.items()})}")
         return SourceState(out, closed)
+    finally:
+        c.close()
+
+
+def end_of(o: KafkaSourceOptions, partition: int, high: int) -> int | None:
+    """Where the source's ``end_offsets`` ends ``partition`` (``high``: its log end now)."""
+    if o.end_offsets == "log_end":
+        return high
+    if isinstance(o.end_offsets, dict):
+        return o.end_offsets.get(partition)
+    return None
+
+
+def saved_end_offsets(o: KafkaSourceOptions) -> Any:
+    """``end_offsets`` as a checkpoint keeps it (JSON: partitions as strings)."""
+    ends = o.end_offsets
+    return {str(p): v for p, v in sorted(ends.items())} if isinstance(ends, dict) else ends
+
+
+def ends_now(o: KafkaSourceOptions, partitions: list[int],
+             settings: dict[str, Any]) -> dict[int, int | None]:
+    """A resumed run's end offsets when its ``end_offsets`` differs from the checkpoint's run
+    (rank 0 asks the broker for ``"log_end"``): the run's own setting applies, not the
+    first run's."""
+    if o.end_offsets != "log_end":
+        return {p: end_of(o, p, 0) for p in partitions}
+    c = Consumer(settings)
+    try:
+        out: dict[int, int | None] = {}
+        for p in partitions:
+            marks = watermarks(c, o.topic, p, 10.0)
+            if marks is None:
+                raise BrokerUnavailableError(
+                    f"{where(o.topic, p)}: the broker did not give its offsets (for "
+                    "end_offsets='log_end').")
+            out[p] = marks[1]
+        return out
     finally:
         c.close()
 
