@@ -526,3 +526,23 @@ def test_a_resumed_run_ends_where_its_own_end_offsets_say_not_where_the_first_ru
     assert sorted(r for _, rows in got[:-1] for r in rows) == sorted(
         r for r, t in zip(table.column("row_id").to_pylist(), table.column("ts").to_pylist(),
                           strict=True) if t >= T0 + 10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cache_mb", [512.0, 0.0])
+def test_a_bad_value_found_in_a_window_is_named_by_its_topic_partition_and_offset(
+        broker: MockBroker, cache_mb: float) -> None:
+    # cache_mb=0: the rows are read again from the broker, not from the owner's memory.
+    topic = f"badlabel{int(cache_mb)}"
+    broker.command(f"create {topic} 2")
+    rows = [{"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b", "row_id": i,
+             "ts": T0 + i} for i in range(10)]
+    rows[6]["label"] = None
+    send(broker.bootstrap, topic, [(1, json.dumps(r).encode(), T0 + i)
+                                   for i, r in enumerate(rows)])
+    send(broker.bootstrap, topic, [(0, json.dumps({**rows[0], "row_id": 100}).encode(), T0 + 9)])
+    got = _walk(KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, topic,
+                                                             batch_size=4, cache_mb=cache_mb)),
+                skip=0, limit_s=30.0)
+    assert isinstance(got[-1], DataError), got
+    assert f"{topic}[1]@6" in str(got[-1]) and "label" in str(got[-1])
