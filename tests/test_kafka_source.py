@@ -546,3 +546,18 @@ def test_a_bad_value_found_in_a_window_is_named_by_its_topic_partition_and_offse
                 skip=0, limit_s=30.0)
     assert isinstance(got[-1], DataError), got
     assert f"{topic}[1]@6" in str(got[-1]) and "label" in str(got[-1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", ["json", "arrow"])
+def test_a_time_column_the_messages_lack_is_named_not_replaced_by_message_timestamps(
+        broker: MockBroker, fmt: str) -> None:
+    # A typo in time_column windowed every row by the time the broker stamped, silently.
+    topic = f"notime{fmt}"
+    broker.command(f"create {topic} 2")
+    produce(broker.bootstrap, topic, rows_table("dlrm", windows=2, rows=20, window_s=10.0),
+            partitions=2, fmt=fmt)
+    got = _walk(KafkaWindowDataset(_spec(), **source_options(
+        broker.bootstrap, topic, format=fmt, time_column="event_ts")), skip=0, limit_s=30.0)
+    assert isinstance(got[-1], DataError), got
+    assert "event_ts" in str(got[-1]) and f"{topic}[" in str(got[-1])

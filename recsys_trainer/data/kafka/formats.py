@@ -10,7 +10,8 @@ decoded with (the owner of a partition decodes messages in whatever groups arriv
 reading a span again in others): the spec's numeric columns as float64, its id columns of
 no type (every value null) as int64, and, for JSON, the spec's columns a message lacks as
 nulls. Then the file readers' schema rules apply (``FeatureSpec.check_schema``: a declared
-column missing or of the wrong type is a ``DataError``).
+column missing or of the wrong type is a ``DataError``); a message without the time column
+(``time_column``: an Arrow schema without it, a JSON object without the key) is one too.
 
 A message that cannot be decoded is reported as a ``Corrupt`` (the source's ``on_corrupt``
 decides: stop, or skip it, count it and write its offset to the dead-letter file).
@@ -69,7 +70,8 @@ class MessageFormat:
             columns' types (default: inferred, then normalized).
         time_column: the column holding each row's event time (a timestamp, or a number in
             ``time_unit``s since the epoch); None: the message's timestamp. A row whose
-            event time is null takes the message's timestamp.
+            event time is null takes the message's timestamp; a message without the column
+            (a JSON object without the key) is a ``DataError`` naming it.
     """
 
     def __init__(self, spec: FeatureSpec, format: FormatName | Decoder, *,
@@ -134,6 +136,7 @@ class MessageFormat:
                 continue
             if not any(t.schema.equals(s) for s in checked):
                 self.spec.check_schema(t.schema, name(i))
+                self._check_time_column(t.schema.names, name(i))
                 checked.append(t.schema)
             rows[i] = t.num_rows
             tables.append(t)
@@ -158,6 +161,10 @@ class MessageFormat:
             except (pa.ArrowException, ValueError):
                 table = None
             if table is not None and table.num_rows == len(values):
+                self._check_time_column(table.column_names, name(0))
+                if self.time_column is not None and table.column(self.time_column).null_count:
+                    table = None  # a message without the key, or a null: one by one below
+            if table is not None and table.num_rows == len(values):
                 table = self._normalize(table, fill_missing=True)
                 try:
                     self.spec.check_schema(table.schema, name(0))
@@ -165,12 +172,13 @@ class MessageFormat:
                 except DataError:
                     pass  # one by one below: the error names the message that breaks the rules
         out: list[pa.Table | Corrupt] = []
-        for v in values:
+        for i, v in enumerate(values):
             if not v:
                 out.append(Corrupt("the message is empty (a JSON message holds one object)"))
                 continue
             try:
-                if not isinstance(json.loads(v), dict):
+                obj = json.loads(v)
+                if not isinstance(obj, dict):
                     raise ValueError("the message is JSON, but not one object")
                 table = self._json(v.replace(b"\n", b" "))
             except (pa.ArrowException, ValueError) as exc:
@@ -180,8 +188,20 @@ class MessageFormat:
                 out.append(Corrupt(f"the message holds {table.num_rows} rows; a JSON message "
                                    "is one object"))
                 continue
+            self._check_time_column(list(obj), name(i))
             out.append(self._normalize(table, fill_missing=True))
         return self._join(out, name)
+
+    def _check_time_column(self, names: Sequence[str], message: str) -> None:
+        """A message must hold the time column (a null in it takes the message's timestamp):
+        one without it is a producer's or a setting's mistake, never windowed silently by
+        the time the broker stamped."""
+        if self.time_column is not None and self.time_column not in names:
+            raise DataError(
+                f"the message has no time column {self.time_column!r} (its columns: "
+                f"{sorted(names)}): set time_column to the column of the rows' event time, or "
+                "None to window by the messages' timestamps.", file=message,
+                column=self.time_column)
 
     def _json(self, data: bytes) -> pa.Table:
         parse = pajson.ParseOptions(explicit_schema=self.schema,
