@@ -54,7 +54,8 @@ class KafkaSourceOptions:
     """The stream ends after the last window starting before this event time (unix s)."""
     end_offsets: Literal["log_end"] | dict[int, int] | None = None
     """The stream ends at these offsets (``"log_end"``: each partition's end when the run
-    starts); None: no end."""
+    starts); None: no end. A resumed run keeps its checkpoint's ends when this is what that
+    run had (one job through its restarts), else its own apply from the resume."""
     batch_size: int = 512
     """Rows per batch (per rank)."""
     prefetch_batches: int = 4
