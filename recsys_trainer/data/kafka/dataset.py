@@ -87,9 +87,6 @@ from recsys_trainer.distributed import FakeGang, Gang
 
 logger = logging.getLogger("recsys_trainer.data.kafka")
 
-_CHUNK_ROWS = 16384
-"""Rows decoded at once (whole batches)."""
-
 _ERRORS: dict[str, type[Exception]] = {
     c.__name__: c for c in (BrokerUnavailableError, TopicMissingError, OffsetsOutOfRangeError,
                             PartitionsChangedError, KafkaSourceError, DataError)}
