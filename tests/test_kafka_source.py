@@ -561,3 +561,18 @@ def test_a_time_column_the_messages_lack_is_named_not_replaced_by_message_timest
         broker.bootstrap, topic, format=fmt, time_column="event_ts")), skip=0, limit_s=30.0)
     assert isinstance(got[-1], DataError), got
     assert "event_ts" in str(got[-1]) and f"{topic}[" in str(got[-1])
+
+
+@pytest.mark.timeout(60)
+def test_event_times_in_another_unit_are_named_by_message_with_the_unit_they_look_like(
+        broker: MockBroker) -> None:
+    # Milliseconds read as seconds stopped the job with "ValueError: year 58692 is out of range".
+    broker.command("create msunit 2")
+    send(broker.bootstrap, "msunit", [
+        (i % 2, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
+                            "row_id": i, "ts": int((T0 + i) * 1000)}).encode(), T0 + i)
+        for i in range(20)])
+    got = _walk(KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "msunit")),
+                skip=0, limit_s=30.0)
+    assert isinstance(got[-1], DataError), got
+    assert "msunit[" in str(got[-1]) and "time_unit='ms'" in str(got[-1])

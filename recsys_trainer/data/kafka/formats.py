@@ -41,6 +41,18 @@ FormatName = Literal["arrow", "json"]
 
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
+MAX_EVENT_TIME_S = 253402300800.0
+"""Event times are within this many seconds of the epoch (years 1 to 9999, what a window's
+id, its UTC start, can name)."""
+
+
+class EventTimeError(ValueError):
+    """A row's event time that is no time (``row``: its row in the table decoded)."""
+
+    def __init__(self, message: str, row: int) -> None:
+        super().__init__(message)
+        self.row = row
+
 
 @dataclass(frozen=True)
 class Corrupt:
@@ -82,6 +94,7 @@ class MessageFormat:
         self.schema = schema
         self.time_column = time_column
         self.time_scale = TIME_UNITS[time_unit]
+        self._unit = time_unit
         self.columns = list(dict.fromkeys(
             [*spec.columns(), *([time_column] if time_column else [])]))
         numeric = {*spec.labels, *(d.column for d in spec.dense_features)}
@@ -258,4 +271,15 @@ class MessageFormat:
         nulls = np.asarray(col.is_null().to_numpy(zero_copy_only=False))
         if nulls.any():
             t[nulls] = fallback[nulls]
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.abs(t) < MAX_EVENT_TIME_S)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            value = raw[row].as_py()
+            hint = next((f": the values look like {u}, set time_unit={u!r}"
+                         for u in ("ms", "us", "ns")
+                         if np.abs(t[row]) * TIME_UNITS[u] < MAX_EVENT_TIME_S), "")
+            raise EventTimeError(
+                f"the time column {self.time_column!r} holds {value!r}, which in "
+                f"time_unit={self._unit!r} is no time between the years 1 and 9999{hint}.", row)
         return t

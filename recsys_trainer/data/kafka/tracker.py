@@ -41,7 +41,7 @@ from recsys_trainer.data.kafka.client import (
     watermarks,
     where,
 )
-from recsys_trainer.data.kafka.formats import MessageFormat
+from recsys_trainer.data.kafka.formats import EventTimeError, MessageFormat
 from recsys_trainer.data.kafka.windowing import Closed, PartitionLog, PartitionStatus, Run
 from recsys_trainer.data.spec import FeatureSpec
 
@@ -339,6 +339,10 @@ class Tracker:
             times = self.fmt.event_times(batch.table, row_ms)
         except TypeError as exc:
             raise DataError(str(exc), file=where(self.topic, p, msgs[0].offset())) from None
+        except EventTimeError as exc:
+            i = int(np.searchsorted(np.cumsum(batch.rows), exc.row, side="right"))
+            raise DataError(str(exc), file=where(self.topic, p, msgs[i].offset()),
+                            column=self.fmt.time_column) from None
         for c, kind in self.spec.id_kinds(batch.table.schema).items():
             if not pa.types.is_null(batch.table.schema.field(c).type):
                 self._kinds.setdefault(c, kind)
