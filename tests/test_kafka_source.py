@@ -576,3 +576,30 @@ def test_event_times_in_another_unit_are_named_by_message_with_the_unit_they_loo
                 skip=0, limit_s=30.0)
     assert isinstance(got[-1], DataError), got
     assert "msunit[" in str(got[-1]) and "time_unit='ms'" in str(got[-1])
+
+
+@pytest.mark.timeout(60)
+def test_a_row_stamped_far_ahead_of_its_message_does_not_hold_back_its_partitions_later_rows(
+        broker: MockBroker) -> None:
+    # One row from a clock 11 days ahead took its partition's watermark there: the partition's
+    # later rows waited (unassigned) until event time caught up, then trained 11 days late.
+    broker.command("create ahead 2")
+
+    def msg(p: int, row_id: int, ts: float, sent: float) -> tuple[int, bytes, float]:
+        return (p, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
+                               "row_id": row_id, "ts": ts}).encode(), sent)
+
+    msgs = [msg(0, i, T0 + i, T0 + i) for i in range(5)] + [msg(0, 999, T0 + 1e6, T0 + 5)]
+    msgs += [msg(0, i, T0 + i, T0 + i) for i in range(5, 40)]
+    msgs += [msg(1, 1000 + i, T0 + i, T0 + i) for i in range(40)]
+    send(broker.bootstrap, "ahead", msgs)
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "ahead"))
+    got = _walk(ds, skip=0, limit_s=30.0)
+    assert got[-1] == "ended", got
+    window_of = {wid: i for i, wid in enumerate(Clock(10.0, 0.0).name(int(T0 // 10) + k)
+                                                 for k in range(4))}
+    for wid, rows in got[:-1]:
+        for r in rows:  # every row in the window of its event time; the far one, its message's
+            assert window_of.get(wid) == (0 if r == 999 else (r % 1000) // 10), (wid, r)
+    assert sum(len(rows) for _, rows in got[:-1]) == 81
+    assert ds.stats.ahead_of_message == 1

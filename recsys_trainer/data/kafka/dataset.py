@@ -305,7 +305,7 @@ class KafkaWindowDataset(WindowedDataset):
             o = self.options
             self._fmt = MessageFormat(self.features, self.decoder or o.format,
                                       schema=o.arrow_schema(), time_column=o.time_column,
-                                      time_unit=o.time_unit)
+                                      time_unit=o.time_unit, max_ahead_s=o.max_event_ahead_s)
         return self._fmt
 
     def _settings(self, group_id: str | None = None) -> dict[str, Any]:
@@ -405,6 +405,8 @@ class KafkaWindowDataset(WindowedDataset):
         self.stats.corrupt_skipped = self._base.corrupt_skipped + sum(
             rep.corrupt for rep, _ in reports)
         self.stats.lost_messages = self._base.lost_messages + sum(rep.lost for rep, _ in reports)
+        self.stats.ahead_of_message = self._base.ahead_of_message + sum(
+            rep.ahead for rep, _ in reports)
         for rep, _ in reports:
             for column, kind in rep.kinds.items():
                 st.id_kinds.setdefault(column, kind)

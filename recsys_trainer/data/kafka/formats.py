@@ -88,13 +88,14 @@ class MessageFormat:
 
     def __init__(self, spec: FeatureSpec, format: FormatName | Decoder, *,
                  schema: pa.Schema | None = None, time_column: str | None = None,
-                 time_unit: str = "s") -> None:
+                 time_unit: str = "s", max_ahead_s: float | None = None) -> None:
         self.spec = spec
         self.format = format
         self.schema = schema
         self.time_column = time_column
         self.time_scale = TIME_UNITS[time_unit]
         self._unit = time_unit
+        self.max_ahead_s = max_ahead_s
         self.columns = list(dict.fromkeys(
             [*spec.columns(), *([time_column] if time_column else [])]))
         numeric = {*spec.labels, *(d.column for d in spec.dense_features)}
@@ -253,10 +254,18 @@ class MessageFormat:
 
     def event_times(self, table: pa.Table, message_ms: np.ndarray) -> np.ndarray:
         """Each row's event time in seconds since the epoch (float64); ``message_ms``: each
-        row's message timestamp (milliseconds), the time of a row without one."""
+        row's message timestamp (milliseconds), the time of a row without one, or of a row
+        more than ``max_ahead_s`` ahead of it (``ahead``)."""
+        return self.times_and_ahead(table, message_ms)[0]
+
+    def times_and_ahead(self, table: pa.Table,
+                        message_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``event_times``, and which rows were more than ``max_ahead_s`` ahead of their
+        message's timestamp (they take it: a rule of the message alone, so that every reader
+        of the log windows them alike)."""
         fallback = np.asarray(message_ms, dtype=np.float64) / 1000.0
         if self.time_column is None or self.time_column not in table.column_names:
-            return fallback.copy()
+            return fallback.copy(), np.zeros(len(fallback), dtype=bool)
         col = table.column(self.time_column)
         if pa.types.is_timestamp(col.type):
             scale = TIME_UNITS[col.type.unit]
@@ -282,4 +291,8 @@ class MessageFormat:
             raise EventTimeError(
                 f"the time column {self.time_column!r} holds {value!r}, which in "
                 f"time_unit={self._unit!r} is no time between the years 1 and 9999{hint}.", row)
-        return t
+        ahead = np.zeros(len(t), dtype=bool)
+        if self.max_ahead_s is not None:
+            ahead = t - fallback > self.max_ahead_s
+            t[ahead] = fallback[ahead]
+        return t, ahead

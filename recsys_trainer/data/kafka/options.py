@@ -37,6 +37,11 @@ class KafkaSourceOptions:
     allowed_lateness_s: float = 0.0
     """A window closes once every partition's watermark (its largest event time read) is this
     far past its end."""
+    max_event_ahead_s: float | None = 3600.0
+    """A row whose event time is more than this past its message's timestamp (a clock far
+    ahead) takes the message's timestamp instead (counted: ``KafkaStats.ahead_of_message``;
+    logged): one such row would hold its partition's later rows back until event time caught
+    up with it. None: event times as they are."""
     late_rows: Literal["train", "drop"] = "train"
     """A row whose window had closed when it was read: trained in the window open then, or
     dropped; counted either way."""
@@ -106,6 +111,7 @@ class KafkaSourceOptions:
         check_choice("time_unit", self.time_unit, ("s", "ms", "us", "ns"))
         check_number("window_s", self.window_s, above=0)
         check_number("allowed_lateness_s", self.allowed_lateness_s, at_least=0)
+        check_number("max_event_ahead_s", self.max_event_ahead_s, at_least=0, allow_none=True)
         check_choice("late_rows", self.late_rows, ("train", "drop"))
         check_number("idle_timeout_s", self.idle_timeout_s, above=0)
         if not (self.start in ("earliest", "latest") or (
@@ -163,6 +169,7 @@ class KafkaSourceOptions:
         return {"topic": self.topic, "partitions": self.partitions, "window_s": self.window_s,
                 "allowed_lateness_s": self.allowed_lateness_s, "late_rows": self.late_rows,
                 "time_column": self.time_column, "time_unit": self.time_unit,
+                "max_event_ahead_s": self.max_event_ahead_s,
                 "start_time": self.start_time, "batch_size": self.batch_size}
 
 

@@ -51,6 +51,9 @@ class KafkaStats:
     the resumed job trained them (``on_out_of_range="skip"``)."""
     idle_closes: int = 0
     """Windows closed while a partition was idle."""
+    ahead_of_message: int = 0
+    """Rows whose event time was more than ``max_event_ahead_s`` past their message's
+    timestamp, windowed by the message's timestamp."""
 
 
 

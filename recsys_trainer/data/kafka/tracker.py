@@ -68,6 +68,8 @@ class RankReport:
     """The id kinds (integer / string) read, per id column."""
     corrupt: int = 0
     lost: int = 0
+    ahead: int = 0
+    """Rows windowed by their message's timestamp (``max_event_ahead_s``)."""
     """Messages lost to retention and skipped (``on_out_of_range="skip"``)."""
     partitions: list[int] | None = None
     """The topic's partitions as this rank last saw them (rank 0's are taken)."""
@@ -109,6 +111,7 @@ class Tracker:
         self._kinds: dict[str, str] = {}
         self.corrupt = 0
         self.lost = 0
+        self.ahead = 0
         self.cached = 0
         """Bytes of decoded rows held (pending here, and in closed windows' buckets)."""
         self._closed_window: int | None = None
@@ -154,8 +157,8 @@ class Tracker:
                                                 log.last_window(), idle, finished))
             down = None if self._down_since is None else now - self._down_since
             return RankReport(statuses, self._error, down, self._down_reason,
-                              dict(self._kinds), self.corrupt, self.lost, self._partitions,
-                              time.time())
+                              dict(self._kinds), self.corrupt, self.lost, self.ahead,
+                              self._partitions, time.time())
 
     def close(self, first: int, last: int, forced: set[int]) -> dict[int, Closed]:
         """Close windows ``first..last`` in every owned partition (``forced``: the partitions
@@ -336,13 +339,15 @@ class Tracker:
         row_ms = np.repeat(np.array([m.timestamp()[1] for m in msgs], dtype=np.int64),
                            batch.rows)
         try:
-            times = self.fmt.event_times(batch.table, row_ms)
+            times, ahead = self.fmt.times_and_ahead(batch.table, row_ms)
         except TypeError as exc:
             raise DataError(str(exc), file=where(self.topic, p, msgs[0].offset())) from None
         except EventTimeError as exc:
             i = int(np.searchsorted(np.cumsum(batch.rows), exc.row, side="right"))
             raise DataError(str(exc), file=where(self.topic, p, msgs[i].offset()),
                             column=self.fmt.time_column) from None
+        if ahead.any():
+            self._ahead(p, msgs, batch.rows, ahead)
         for c, kind in self.spec.id_kinds(batch.table.schema).items():
             if not pa.types.is_null(batch.table.schema.field(c).type):
                 self._kinds.setdefault(c, kind)
@@ -360,6 +365,16 @@ class Tracker:
                 logger.warning("%s: messages again after an idle time", where(self.topic, p))
             if end is not None and log.position >= end:
                 logger.info("%s: read to its end offset %d", where(self.topic, p), end)
+
+    def _ahead(self, p: int, msgs: list[Any], rows: np.ndarray, ahead: np.ndarray) -> None:
+        row = int(np.flatnonzero(ahead)[0])
+        m = msgs[int(np.searchsorted(np.cumsum(rows), row, side="right"))]
+        self.ahead += int(ahead.sum())
+        logger.warning("%s: %d row(s) with event times more than max_event_ahead_s=%g s past "
+                       "their message's timestamp (a producer's clock ahead?): windowed by the "
+                       "message's timestamp (counted: ahead_of_message)",
+                       where(self.topic, p, m.offset()), int(ahead.sum()),
+                       self.fmt.max_ahead_s)
 
     def _corrupt(self, p: int, m: Any, error: str) -> None:
         name = where(self.topic, p, m.offset())
