@@ -603,3 +603,30 @@ def test_a_row_stamped_far_ahead_of_its_message_does_not_hold_back_its_partition
             assert window_of.get(wid) == (0 if r == 999 else (r % 1000) // 10), (wid, r)
     assert sum(len(rows) for _, rows in got[:-1]) == 81
     assert ds.stats.ahead_of_message == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_quiet_partition_is_idle_again_after_a_broker_outage_and_holds_no_window_open(
+        own_broker: MockBroker) -> None:
+    # After any outage a quiet partition never counted as idle again (its end is reported once,
+    # and no new message came): every window waited for it, without a word.
+    b = own_broker
+    b.command("create quiet 2")
+
+    def msg(p: int, i: int, t: float) -> tuple[int, bytes, float]:
+        return (p, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
+                               "row_id": i, "ts": t}).encode(), t)
+
+    send(b.bootstrap, "quiet", [msg(1, 1000 + i, T0 + i) for i in range(5)]
+         + [msg(0, i, T0 + i) for i in range(25)])
+    ds = KafkaWindowDataset(_spec(), **source_options(b.bootstrap, "quiet", end_offsets=None,
+                                                      end_time=T0 + 50))
+    ids = ds.window_ids()
+    assert next(ids) == Clock(10.0, 0.0).name(int(T0 // 10))  # partition 1 idle after 1 s
+    b.command("down")
+    time.sleep(3)
+    b.command("up")
+    send(b.bootstrap, "quiet", [msg(0, i, T0 + i) for i in range(25, 60)])
+    got = _walk(ds, skip=1, limit_s=30.0)
+    assert got[-1] == "ended", f"windows held open by the quiet partition: {got}"
+    assert [len(rows) for _, rows in got[:-1]] == [10, 10, 10, 10]

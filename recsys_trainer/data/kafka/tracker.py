@@ -118,6 +118,7 @@ class Tracker:
         self._paused: set[int] = set()
         self._partitions: list[int] | None = None
         self._added: dict[int, PartitionLog] = {}
+        self._ends_unknown = False
 
     # ------------------------------------------------------------------ life
 
@@ -191,9 +192,12 @@ class Tracker:
                            "offsets %s", self.topic, time.monotonic() - self._down_since,
                            {p: log.position for p, log in sorted(self.logs.items())})
             self._down_since = None
-            # What each partition's end was before the outage says nothing now.
+            # What each partition's end was before the outage says nothing now; the broker
+            # reports a partition's end once per new end, so a quiet partition would never be
+            # idle again: its end is asked for (``_recheck_ends``).
             for p in self._caught_up:
                 self._caught_up[p] = False
+            self._ends_unknown = True
 
     def _fail(self, exc: Exception) -> None:
         if self._error is None:
@@ -256,6 +260,8 @@ class Tracker:
                 if now - last_check >= interval:
                     last_check = now
                     self._check(consumer)
+                if self._ends_unknown and self._down_since is None:
+                    self._recheck_ends(consumer)
         finally:
             consumer.close()
 
@@ -285,6 +291,19 @@ class Tracker:
             self._fail(TopicMissingError(
                 f"{where(self.topic, missing[0])}: the partition no longer exists (the topic "
                 f"has {len(parts)}); the job cannot read its windows. Start a new run."))
+
+    def _recheck_ends(self, consumer: Consumer) -> None:
+        """After an outage: a partition read to the log's end is caught up again (it may turn
+        idle); one with messages past its position is not until they are read."""
+        for p, log in sorted(self.logs.items()):
+            if self._caught_up[p]:
+                continue
+            marks = watermarks(consumer, self.topic, p, 2.0)
+            if marks is None:
+                return  # the broker is not answering yet: asked again on the next turn
+            if marks[1] <= log.position:
+                self._caught_up[p] = True
+        self._ends_unknown = False
 
     def _at_end(self, p: int, offset: int) -> None:
         """Partition ``p`` is read to its end, ``offset`` (every message before it added)."""
