@@ -630,3 +630,15 @@ def test_a_quiet_partition_is_idle_again_after_a_broker_outage_and_holds_no_wind
     got = _walk(ds, skip=1, limit_s=30.0)
     assert got[-1] == "ended", f"windows held open by the quiet partition: {got}"
     assert [len(rows) for _, rows in got[:-1]] == [10, 10, 10, 10]
+
+
+@pytest.mark.timeout(60)
+def test_start_or_end_offsets_naming_a_partition_the_source_does_not_read_is_refused_by_name(
+        broker: MockBroker) -> None:
+    broker.command("create startkeys 2")
+    for name, value in (("start", {0: 0, 7: 3}), ("end_offsets", {5: 10})):
+        ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "startkeys",
+                                                          **{name: value}))
+        with pytest.raises(TopicMissingError, match=rf"`{name}` names partitions \[\d\]"):
+            next(ds.window_ids())
+        ds.close()

@@ -118,6 +118,12 @@ def first_state(o: KafkaSourceOptions, settings: dict[str, Any],
                     f"topic {o.topic!r} has partitions {parts}, not {missing}: fix "
                     "`partitions`.")
             parts = sorted(o.partitions)
+        for name, given in (("start", o.start), ("end_offsets", o.end_offsets)):
+            unknown = sorted(set(given) - set(parts)) if isinstance(given, dict) else []
+            if unknown:
+                raise TopicMissingError(
+                    f"`{name}` names partitions {unknown} of topic {o.topic!r}, which the "
+                    f"source does not read (it reads {parts}): fix `{name}`.")
         start: dict[int, int] = {}
         times: dict[int, int] = {}
         if o.start_time is not None:
