@@ -255,6 +255,7 @@ class KafkaWindowDataset(WindowedDataset):
         self._reading.close()
         if self._committer is not None:
             with contextlib.suppress(Exception):
+                self._committer.poll(0.5)  # the last commit's answer
                 self._committer.close()
             self._committer = None
 
@@ -543,13 +544,24 @@ class KafkaWindowDataset(WindowedDataset):
             offsets[p] = min(firsts)
         try:
             if self._committer is None:
-                self._committer = Consumer(self._settings(group_id=o.commit_group))
+                self._committer = Consumer({**self._settings(group_id=o.commit_group),
+                                            "on_commit": self._committed})
+            self._committer.poll(0)  # the last commit's answer (``_committed``)
             self._committer.commit(offsets=[TopicPartition(o.topic, p, off)
                                             for p, off in sorted(offsets.items())],
                                    asynchronous=True)
         except Exception as exc:  # noqa: BLE001 - monitoring only: never stops training
             logger.warning("%s: committing offsets to consumer group %r failed: %s", o.topic,
                            o.commit_group, exc)
+
+    def _committed(self, err: Any, partitions: Any) -> None:
+        """The broker's answer to an asynchronous commit: a refusal is logged (monitoring
+        only, never stops training), else it went unseen."""
+        failed = [tp for tp in partitions or [] if tp.error is not None]
+        if err is not None or failed:
+            logger.warning("%s: committing offsets to consumer group %r failed: %s",
+                           self.options.topic, self.options.commit_group,
+                           err if err is not None else failed[0].error)
 
     def _iterator(self, plan: WindowPlan, sh: Share) -> KafkaWindowIterator:
         return self._reading.iterator(plan, sh)
