@@ -13,12 +13,14 @@ import glob
 import json
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - pa.compute
 import pytest
 import torch
 from kafka_utils import T0, all_row_ids, produce, rows_table, send, source_options
@@ -453,3 +455,190 @@ def test_a_gap_in_the_traffic_closes_its_empty_windows_and_reading_goes_on(
             for w in ids}
     assert list(rest.values()) == [[5, 6], [7, 8]]
     ds.close()
+
+
+@pytest.mark.parametrize("key,value", [("auto.offset.reset", "earliest"),
+                                       ("enable.auto.commit", True),
+                                       ("enable.partition.eof", False),
+                                       ("group.id", "shared-group")])
+def test_consumer_config_cannot_override_the_settings_exactly_once_relies_on(key: str,
+                                                                              value: Any) -> None:
+    # auto.offset.reset=earliest skipped offsets deleted by retention without a count.
+    with pytest.raises(ValueError, match=f"consumer_config.*{key}"):
+        KafkaWindowDataset(_spec(), **source_options("127.0.0.1:9", "t",
+                                                     consumer_config={key: value}))
+
+
+def _walk(ds: KafkaWindowDataset, skip: int, limit_s: float) -> list[Any]:
+    """(window id, row ids) per window from window ``skip`` on (the Trainer skips the earlier
+    ones by position), then 'ended' or the error; gives up after ``limit_s``."""
+    got: list[Any] = []
+
+    def run() -> None:
+        try:
+            for i, wid in enumerate(ds.window_ids()):
+                if i >= skip:
+                    got.append((wid, [r for b in ds.iter_window(wid)
+                                      for r in b.passthrough["row_id"].to_pylist()]))
+            got.append("ended")
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            got.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(limit_s)
+    ds.close()
+    return got
+
+
+@pytest.mark.timeout(90)
+def test_a_resumed_run_ends_where_its_own_end_offsets_say_not_where_the_first_run_ended(
+        broker: MockBroker) -> None:
+    # A bounded run (log_end) resumed as a stream reads what was produced after its end...
+    broker.command("create endres 2")
+    table = rows_table("dlrm", windows=6, rows=20, window_s=10.0)
+    ts = pa.compute.less(table.column("ts"), T0 + 30)
+    produce(broker.bootstrap, "endres", table.filter(ts), partitions=2)
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres"))
+    list(ds.iter_window(next(ds.window_ids())))
+    state = ds.state_dict()
+    ds.close()
+    produce(broker.bootstrap, "endres", table.filter(pa.compute.invert(ts)), partitions=2)
+    again = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres",
+                                                         end_offsets=None, end_time=T0 + 50))
+    again.load_state_dict(state)
+    got = _walk(again, skip=1, limit_s=30.0)
+    assert got[-1] == "ended", got
+    want = [r for r, t in zip(table.column("row_id").to_pylist(), table.column("ts").to_pylist(),
+                              strict=True) if T0 + 10 <= t < T0 + 50]
+    assert sorted(r for _, rows in got[:-1] for r in rows) == sorted(want)
+    # ... and a stream resumed with log_end ends at the log's end (it waited for ever).
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres",
+                                                      end_offsets=None, idle_timeout_s=30.0))
+    list(ds.iter_window(next(ds.window_ids())))
+    state = ds.state_dict()
+    ds.close()
+    again = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "endres",
+                                                         idle_timeout_s=30.0))
+    again.load_state_dict(state)
+    got = _walk(again, skip=1, limit_s=15.0)
+    assert got and got[-1] == "ended", f"still waiting after 15 s: {got}"
+    assert sorted(r for _, rows in got[:-1] for r in rows) == sorted(
+        r for r, t in zip(table.column("row_id").to_pylist(), table.column("ts").to_pylist(),
+                          strict=True) if t >= T0 + 10)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cache_mb", [512.0, 0.0])
+def test_a_bad_value_found_in_a_window_is_named_by_its_topic_partition_and_offset(
+        broker: MockBroker, cache_mb: float) -> None:
+    # cache_mb=0: the rows are read again from the broker, not from the owner's memory.
+    topic = f"badlabel{int(cache_mb)}"
+    broker.command(f"create {topic} 2")
+    rows = [{"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b", "row_id": i,
+             "ts": T0 + i} for i in range(10)]
+    rows[6]["label"] = None
+    send(broker.bootstrap, topic, [(1, json.dumps(r).encode(), T0 + i)
+                                   for i, r in enumerate(rows)])
+    send(broker.bootstrap, topic, [(0, json.dumps({**rows[0], "row_id": 100}).encode(), T0 + 9)])
+    got = _walk(KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, topic,
+                                                             batch_size=4, cache_mb=cache_mb)),
+                skip=0, limit_s=30.0)
+    assert isinstance(got[-1], DataError), got
+    assert f"{topic}[1]@6" in str(got[-1]) and "label" in str(got[-1])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", ["json", "arrow"])
+def test_a_time_column_the_messages_lack_is_named_not_replaced_by_message_timestamps(
+        broker: MockBroker, fmt: str) -> None:
+    # A typo in time_column windowed every row by the time the broker stamped, silently.
+    topic = f"notime{fmt}"
+    broker.command(f"create {topic} 2")
+    produce(broker.bootstrap, topic, rows_table("dlrm", windows=2, rows=20, window_s=10.0),
+            partitions=2, fmt=fmt)
+    got = _walk(KafkaWindowDataset(_spec(), **source_options(
+        broker.bootstrap, topic, format=fmt, time_column="event_ts")), skip=0, limit_s=30.0)
+    assert isinstance(got[-1], DataError), got
+    assert "event_ts" in str(got[-1]) and f"{topic}[" in str(got[-1])
+
+
+@pytest.mark.timeout(60)
+def test_event_times_in_another_unit_are_named_by_message_with_the_unit_they_look_like(
+        broker: MockBroker) -> None:
+    # Milliseconds read as seconds stopped the job with "ValueError: year 58692 is out of range".
+    broker.command("create msunit 2")
+    send(broker.bootstrap, "msunit", [
+        (i % 2, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
+                            "row_id": i, "ts": int((T0 + i) * 1000)}).encode(), T0 + i)
+        for i in range(20)])
+    got = _walk(KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "msunit")),
+                skip=0, limit_s=30.0)
+    assert isinstance(got[-1], DataError), got
+    assert "msunit[" in str(got[-1]) and "time_unit='ms'" in str(got[-1])
+
+
+@pytest.mark.timeout(60)
+def test_a_row_stamped_far_ahead_of_its_message_does_not_hold_back_its_partitions_later_rows(
+        broker: MockBroker) -> None:
+    # One row from a clock 11 days ahead took its partition's watermark there: the partition's
+    # later rows waited (unassigned) until event time caught up, then trained 11 days late.
+    broker.command("create ahead 2")
+
+    def msg(p: int, row_id: int, ts: float, sent: float) -> tuple[int, bytes, float]:
+        return (p, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
+                               "row_id": row_id, "ts": ts}).encode(), sent)
+
+    msgs = [msg(0, i, T0 + i, T0 + i) for i in range(5)] + [msg(0, 999, T0 + 1e6, T0 + 5)]
+    msgs += [msg(0, i, T0 + i, T0 + i) for i in range(5, 40)]
+    msgs += [msg(1, 1000 + i, T0 + i, T0 + i) for i in range(40)]
+    send(broker.bootstrap, "ahead", msgs)
+    ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "ahead"))
+    got = _walk(ds, skip=0, limit_s=30.0)
+    assert got[-1] == "ended", got
+    window_of = {wid: i for i, wid in enumerate(Clock(10.0, 0.0).name(int(T0 // 10) + k)
+                                                 for k in range(4))}
+    for wid, rows in got[:-1]:
+        for r in rows:  # every row in the window of its event time; the far one, its message's
+            assert window_of.get(wid) == (0 if r == 999 else (r % 1000) // 10), (wid, r)
+    assert sum(len(rows) for _, rows in got[:-1]) == 81
+    assert ds.stats.ahead_of_message == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_quiet_partition_is_idle_again_after_a_broker_outage_and_holds_no_window_open(
+        own_broker: MockBroker) -> None:
+    # After any outage a quiet partition never counted as idle again (its end is reported once,
+    # and no new message came): every window waited for it, without a word.
+    b = own_broker
+    b.command("create quiet 2")
+
+    def msg(p: int, i: int, t: float) -> tuple[int, bytes, float]:
+        return (p, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
+                               "row_id": i, "ts": t}).encode(), t)
+
+    send(b.bootstrap, "quiet", [msg(1, 1000 + i, T0 + i) for i in range(5)]
+         + [msg(0, i, T0 + i) for i in range(25)])
+    ds = KafkaWindowDataset(_spec(), **source_options(b.bootstrap, "quiet", end_offsets=None,
+                                                      end_time=T0 + 50))
+    ids = ds.window_ids()
+    assert next(ids) == Clock(10.0, 0.0).name(int(T0 // 10))  # partition 1 idle after 1 s
+    b.command("down")
+    time.sleep(3)
+    b.command("up")
+    send(b.bootstrap, "quiet", [msg(0, i, T0 + i) for i in range(25, 60)])
+    got = _walk(ds, skip=1, limit_s=30.0)
+    assert got[-1] == "ended", f"windows held open by the quiet partition: {got}"
+    assert [len(rows) for _, rows in got[:-1]] == [10, 10, 10, 10]
+
+
+@pytest.mark.timeout(60)
+def test_start_or_end_offsets_naming_a_partition_the_source_does_not_read_is_refused_by_name(
+        broker: MockBroker) -> None:
+    broker.command("create startkeys 2")
+    for name, value in (("start", {0: 0, 7: 3}), ("end_offsets", {5: 10})):
+        ds = KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "startkeys",
+                                                          **{name: value}))
+        with pytest.raises(TopicMissingError, match=rf"`{name}` names partitions \[\d\]"):
+            next(ds.window_ids())
+        ds.close()

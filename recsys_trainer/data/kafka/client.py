@@ -222,9 +222,9 @@ class SpanReader:
             self._consumer = None
 
     def rows(self, window: int, partition: int, span: Span, a: int, b: int,
-             chunk_rows: int = 16384) -> Iterator[pa.Table]:
+             chunk_rows: int = 16384) -> Iterator[tuple[pa.Table, np.ndarray]]:
         """The span's rows ``[a, b)`` (numbered in the span), in tables of about
-        ``chunk_rows`` rows."""
+        ``chunk_rows`` rows, each with its rows' offsets (what errors name)."""
         if a >= b:
             return
         if self._consumer is None:
@@ -232,7 +232,7 @@ class SpanReader:
         c = self._consumer
         offset, seen = span.seek(a)
         c.assign([TopicPartition(self.topic, partition, offset)])
-        out: list[pa.Table] = []
+        out: list[tuple[pa.Table, np.ndarray]] = []
         n_out = 0
         waited_since: float | None = None
         try:
@@ -271,15 +271,15 @@ class SpanReader:
                 row_ms = np.repeat(np.array([m.timestamp()[1] for m in data], dtype=np.int64),
                                    batch.rows)
                 v = self.clock.window_of(self.fmt.event_times(batch.table, row_ms))
-                mask = in_window(window, span, np.repeat(offsets, batch.rows), v, self.late,
-                                 self.start_window)
+                row_offsets = np.repeat(offsets, batch.rows)
+                mask = in_window(window, span, row_offsets, v, self.late, self.start_window)
                 k = int(mask.sum())
                 rows = batch.table if k == batch.table.num_rows else batch.table.filter(
                     pa.array(mask))
                 lo, hi = max(a - seen, 0), min(b - seen, k)
                 seen += k
                 if lo < hi:
-                    out.append(rows.slice(lo, hi - lo))
+                    out.append((rows.slice(lo, hi - lo), row_offsets[mask][lo:hi]))
                     n_out += hi - lo
                     if n_out >= chunk_rows:
                         yield from out

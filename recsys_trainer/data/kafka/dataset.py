@@ -62,8 +62,10 @@ from recsys_trainer.data.kafka.positions import (
     KafkaStats,
     PartitionPosition,
     SourceState,
+    ends_now,
     first_state,
     lost_early_rows,
+    saved_end_offsets,
 )
 from recsys_trainer.data.kafka.reading import KafkaWindowIterator, ShareReader
 from recsys_trainer.data.kafka.tracker import RankReport, Tracker
@@ -84,9 +86,6 @@ from recsys_trainer.data.windows import WaitInterrupted
 from recsys_trainer.distributed import FakeGang, Gang
 
 logger = logging.getLogger("recsys_trainer.data.kafka")
-
-_CHUNK_ROWS = 16384
-"""Rows decoded at once (whole batches)."""
 
 _ERRORS: dict[str, type[Exception]] = {
     c.__name__: c for c in (BrokerUnavailableError, TopicMissingError, OffsetsOutOfRangeError,
@@ -147,6 +146,8 @@ class KafkaWindowDataset(WindowedDataset):
         self._current = -1
         self._by_id: dict[str, WindowPlan] = {}
         self._fmt: MessageFormat | None = None
+        self._saved_ends: Any = saved_end_offsets(o)
+        """The ``end_offsets`` of the run that wrote the checkpoint resumed from."""
 
     # ------------------------------------------------------------------ WindowedDataset
 
@@ -213,7 +214,8 @@ class KafkaWindowDataset(WindowedDataset):
             "closed": st.closed, "next_index": st.next_index,
             "plans": [p.to_json() for i, p in sorted(st.plans.items()) if i >= self._current],
             "partitions": {str(p): v.to_json() for p, v in sorted(st.partitions.items())},
-            "id_kinds": dict(st.id_kinds), "stats": dataclasses.asdict(self.stats)})
+            "id_kinds": dict(st.id_kinds), "stats": dataclasses.asdict(self.stats),
+            "end_offsets": self._saved_ends})
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,6 +234,8 @@ class KafkaWindowDataset(WindowedDataset):
         self._floor = min([p.index for p in plans] + [self._state.next_index])
         self.stats = KafkaStats(**state.get("stats", {}))
         self._base = dataclasses.replace(self.stats)
+        # Older checkpoints did not say: their ends stand.
+        self._saved_ends = state.get("end_offsets", saved_end_offsets(self.options))
 
     def load_resharded_state_dict(self, state: dict[str, Any], world_size: int) -> None:
         """The state is the same on every rank (rank 0's serves any world size): the partitions
@@ -251,6 +255,7 @@ class KafkaWindowDataset(WindowedDataset):
         self._reading.close()
         if self._committer is not None:
             with contextlib.suppress(Exception):
+                self._committer.poll(0.5)  # the last commit's answer
                 self._committer.close()
             self._committer = None
 
@@ -301,7 +306,7 @@ class KafkaWindowDataset(WindowedDataset):
             o = self.options
             self._fmt = MessageFormat(self.features, self.decoder or o.format,
                                       schema=o.arrow_schema(), time_column=o.time_column,
-                                      time_unit=o.time_unit)
+                                      time_unit=o.time_unit, max_ahead_s=o.max_event_ahead_s)
         return self._fmt
 
     def _settings(self, group_id: str | None = None) -> dict[str, Any]:
@@ -315,24 +320,14 @@ class KafkaWindowDataset(WindowedDataset):
             return
         gang = self._gang or FakeGang()
         if self._state is None:
-            message: tuple[str, Any]
-            if gang.rank == 0:
-                try:
-                    message = ("ok", first_state(self.options, self._settings(),
-                                                 self.start_window))
-                except Exception as exc:  # noqa: BLE001 - raised on every rank below
-                    message = ("error", (type(exc).__name__, str(exc)))
-            else:
-                message = ("ok", None)
-            kind, payload = gang.broadcast_object(message, src=0)
-            if kind == "error":
-                raise _ERRORS.get(payload[0], KafkaSourceError)(
-                    f"rank 0 could not start reading: {payload[1]}")
-            self._state = payload
-        elif self.options.on_out_of_range == "skip":
-            lost = lost_early_rows(self._state, self.options.topic, self._settings()) \
-                if gang.rank == 0 else None
-            self._drop_early_rows(gang.broadcast_object(lost, src=0))
+            self._state = _from_rank0(gang, lambda: first_state(
+                self.options, self._settings(), self.start_window))
+        else:
+            self._set_ends(gang)
+            if self.options.on_out_of_range == "skip":
+                lost = lost_early_rows(self._state, self.options.topic, self._settings()) \
+                    if gang.rank == 0 else None
+                self._drop_early_rows(gang.broadcast_object(lost, src=0))
         st = self._state
         assert st is not None
         o = self.options
@@ -353,6 +348,22 @@ class KafkaWindowDataset(WindowedDataset):
         logger.info("%s: rank %d reads partitions %s (of %s) from offsets %s", o.topic,
                     self.rank, sorted(mine), sorted(st.partitions),
                     {p: v.frontier for p, v in sorted(st.partitions.items())})
+
+    def _set_ends(self, gang: Gang) -> None:
+        """A resumed run whose ``end_offsets`` differs from the checkpoint's run ends where its
+        own setting says (a bounded run resumed as a stream reads on; a stream resumed with
+        ``"log_end"`` ends at the log's end now); the same setting keeps the checkpoint's ends
+        (one job through its restarts)."""
+        st, o = self._state, self.options
+        assert st is not None
+        if self._saved_ends == saved_end_offsets(o):
+            return
+        ends = _from_rank0(gang, lambda: ends_now(o, sorted(st.partitions), self._settings()))
+        for p, v in st.partitions.items():
+            v.end = ends.get(p)
+        logger.info("%s: end_offsets changed since the checkpoint (%r -> %r): the partitions "
+                    "end at %s", o.topic, self._saved_ends, o.end_offsets, ends)
+        self._saved_ends = saved_end_offsets(o)
 
     def _drop_early_rows(self, lost: dict[int, list[int]] | None) -> None:
         st = self._state
@@ -395,6 +406,8 @@ class KafkaWindowDataset(WindowedDataset):
         self.stats.corrupt_skipped = self._base.corrupt_skipped + sum(
             rep.corrupt for rep, _ in reports)
         self.stats.lost_messages = self._base.lost_messages + sum(rep.lost for rep, _ in reports)
+        self.stats.ahead_of_message = self._base.ahead_of_message + sum(
+            rep.ahead for rep, _ in reports)
         for rep, _ in reports:
             for column, kind in rep.kinds.items():
                 st.id_kinds.setdefault(column, kind)
@@ -531,7 +544,9 @@ class KafkaWindowDataset(WindowedDataset):
             offsets[p] = min(firsts)
         try:
             if self._committer is None:
-                self._committer = Consumer(self._settings(group_id=o.commit_group))
+                self._committer = Consumer({**self._settings(group_id=o.commit_group),
+                                            "on_commit": self._committed})
+            self._committer.poll(0)  # the last commit's answer (``_committed``)
             self._committer.commit(offsets=[TopicPartition(o.topic, p, off)
                                             for p, off in sorted(offsets.items())],
                                    asynchronous=True)
@@ -539,8 +554,33 @@ class KafkaWindowDataset(WindowedDataset):
             logger.warning("%s: committing offsets to consumer group %r failed: %s", o.topic,
                            o.commit_group, exc)
 
+    def _committed(self, err: Any, partitions: Any) -> None:
+        """The broker's answer to an asynchronous commit: a refusal is logged (monitoring
+        only, never stops training), else it went unseen."""
+        failed = [tp for tp in partitions or [] if tp.error is not None]
+        if err is not None or failed:
+            logger.warning("%s: committing offsets to consumer group %r failed: %s",
+                           self.options.topic, self.options.commit_group,
+                           err if err is not None else failed[0].error)
+
     def _iterator(self, plan: WindowPlan, sh: Share) -> KafkaWindowIterator:
         return self._reading.iterator(plan, sh)
+
+
+def _from_rank0(gang: Gang, ask: Callable[[], Any]) -> Any:
+    """What rank 0 asks the broker, on every rank; rank 0's error raised on every rank."""
+    message: tuple[str, Any] = ("ok", None)
+    if gang.rank == 0:
+        try:
+            message = ("ok", ask())
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            message = ("error", (type(exc).__name__, str(exc)))
+    kind, payload = gang.broadcast_object(message, src=0)
+    if kind == "error":
+        raise _ERRORS.get(payload[0], KafkaSourceError)(
+            f"rank 0 could not start reading: {payload[1]}")
+    return payload
+
 
 class KafkaFollowingWindows(WindowedDataset):
     """The evaluation side of ``train_and_evaluate`` over a ``KafkaWindowDataset``: its window

@@ -10,7 +10,8 @@ decoded with (the owner of a partition decodes messages in whatever groups arriv
 reading a span again in others): the spec's numeric columns as float64, its id columns of
 no type (every value null) as int64, and, for JSON, the spec's columns a message lacks as
 nulls. Then the file readers' schema rules apply (``FeatureSpec.check_schema``: a declared
-column missing or of the wrong type is a ``DataError``).
+column missing or of the wrong type is a ``DataError``); a message without the time column
+(``time_column``: an Arrow schema without it, a JSON object without the key) is one too.
 
 A message that cannot be decoded is reported as a ``Corrupt`` (the source's ``on_corrupt``
 decides: stop, or skip it, count it and write its offset to the dead-letter file).
@@ -39,6 +40,18 @@ Decoder = Callable[[bytes], Any]
 FormatName = Literal["arrow", "json"]
 
 TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
+
+MAX_EVENT_TIME_S = 253402300800.0
+"""Event times are within this many seconds of the epoch (years 1 to 9999, what a window's
+id, its UTC start, can name)."""
+
+
+class EventTimeError(ValueError):
+    """A row's event time that is no time (``row``: its row in the table decoded)."""
+
+    def __init__(self, message: str, row: int) -> None:
+        super().__init__(message)
+        self.row = row
 
 
 @dataclass(frozen=True)
@@ -69,17 +82,20 @@ class MessageFormat:
             columns' types (default: inferred, then normalized).
         time_column: the column holding each row's event time (a timestamp, or a number in
             ``time_unit``s since the epoch); None: the message's timestamp. A row whose
-            event time is null takes the message's timestamp.
+            event time is null takes the message's timestamp; a message without the column
+            (a JSON object without the key) is a ``DataError`` naming it.
     """
 
     def __init__(self, spec: FeatureSpec, format: FormatName | Decoder, *,
                  schema: pa.Schema | None = None, time_column: str | None = None,
-                 time_unit: str = "s") -> None:
+                 time_unit: str = "s", max_ahead_s: float | None = None) -> None:
         self.spec = spec
         self.format = format
         self.schema = schema
         self.time_column = time_column
         self.time_scale = TIME_UNITS[time_unit]
+        self._unit = time_unit
+        self.max_ahead_s = max_ahead_s
         self.columns = list(dict.fromkeys(
             [*spec.columns(), *([time_column] if time_column else [])]))
         numeric = {*spec.labels, *(d.column for d in spec.dense_features)}
@@ -134,6 +150,7 @@ class MessageFormat:
                 continue
             if not any(t.schema.equals(s) for s in checked):
                 self.spec.check_schema(t.schema, name(i))
+                self._check_time_column(t.schema.names, name(i))
                 checked.append(t.schema)
             rows[i] = t.num_rows
             tables.append(t)
@@ -158,6 +175,10 @@ class MessageFormat:
             except (pa.ArrowException, ValueError):
                 table = None
             if table is not None and table.num_rows == len(values):
+                self._check_time_column(table.column_names, name(0))
+                if self.time_column is not None and table.column(self.time_column).null_count:
+                    table = None  # a message without the key, or a null: one by one below
+            if table is not None and table.num_rows == len(values):
                 table = self._normalize(table, fill_missing=True)
                 try:
                     self.spec.check_schema(table.schema, name(0))
@@ -165,12 +186,13 @@ class MessageFormat:
                 except DataError:
                     pass  # one by one below: the error names the message that breaks the rules
         out: list[pa.Table | Corrupt] = []
-        for v in values:
+        for i, v in enumerate(values):
             if not v:
                 out.append(Corrupt("the message is empty (a JSON message holds one object)"))
                 continue
             try:
-                if not isinstance(json.loads(v), dict):
+                obj = json.loads(v)
+                if not isinstance(obj, dict):
                     raise ValueError("the message is JSON, but not one object")
                 table = self._json(v.replace(b"\n", b" "))
             except (pa.ArrowException, ValueError) as exc:
@@ -180,8 +202,20 @@ class MessageFormat:
                 out.append(Corrupt(f"the message holds {table.num_rows} rows; a JSON message "
                                    "is one object"))
                 continue
+            self._check_time_column(list(obj), name(i))
             out.append(self._normalize(table, fill_missing=True))
         return self._join(out, name)
+
+    def _check_time_column(self, names: Sequence[str], message: str) -> None:
+        """A message must hold the time column (a null in it takes the message's timestamp):
+        one without it is a producer's or a setting's mistake, never windowed silently by
+        the time the broker stamped."""
+        if self.time_column is not None and self.time_column not in names:
+            raise DataError(
+                f"the message has no time column {self.time_column!r} (its columns: "
+                f"{sorted(names)}): set time_column to the column of the rows' event time, or "
+                "None to window by the messages' timestamps.", file=message,
+                column=self.time_column)
 
     def _json(self, data: bytes) -> pa.Table:
         parse = pajson.ParseOptions(explicit_schema=self.schema,
@@ -220,10 +254,18 @@ class MessageFormat:
 
     def event_times(self, table: pa.Table, message_ms: np.ndarray) -> np.ndarray:
         """Each row's event time in seconds since the epoch (float64); ``message_ms``: each
-        row's message timestamp (milliseconds), the time of a row without one."""
+        row's message timestamp (milliseconds), the time of a row without one, or of a row
+        more than ``max_ahead_s`` ahead of it (``ahead``)."""
+        return self.times_and_ahead(table, message_ms)[0]
+
+    def times_and_ahead(self, table: pa.Table,
+                        message_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``event_times``, and which rows were more than ``max_ahead_s`` ahead of their
+        message's timestamp (they take it: a rule of the message alone, so that every reader
+        of the log windows them alike)."""
         fallback = np.asarray(message_ms, dtype=np.float64) / 1000.0
         if self.time_column is None or self.time_column not in table.column_names:
-            return fallback.copy()
+            return fallback.copy(), np.zeros(len(fallback), dtype=bool)
         col = table.column(self.time_column)
         if pa.types.is_timestamp(col.type):
             scale = TIME_UNITS[col.type.unit]
@@ -238,4 +280,19 @@ class MessageFormat:
         nulls = np.asarray(col.is_null().to_numpy(zero_copy_only=False))
         if nulls.any():
             t[nulls] = fallback[nulls]
-        return t
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.abs(t) < MAX_EVENT_TIME_S)
+        if bad.any():
+            row = int(np.flatnonzero(bad)[0])
+            value = raw[row].as_py()
+            hint = next((f": the values look like {u}, set time_unit={u!r}"
+                         for u in ("ms", "us", "ns")
+                         if np.abs(t[row]) * TIME_UNITS[u] < MAX_EVENT_TIME_S), "")
+            raise EventTimeError(
+                f"the time column {self.time_column!r} holds {value!r}, which in "
+                f"time_unit={self._unit!r} is no time between the years 1 and 9999{hint}.", row)
+        ahead = np.zeros(len(t), dtype=bool)
+        if self.max_ahead_s is not None:
+            ahead = t - fallback > self.max_ahead_s
+            t[ahead] = fallback[ahead]
+        return t, ahead

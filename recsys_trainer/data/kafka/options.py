@@ -37,6 +37,11 @@ class KafkaSourceOptions:
     allowed_lateness_s: float = 0.0
     """A window closes once every partition's watermark (its largest event time read) is this
     far past its end."""
+    max_event_ahead_s: float | None = 3600.0
+    """A row whose event time is more than this past its message's timestamp (a clock far
+    ahead) takes the message's timestamp instead (counted: ``KafkaStats.ahead_of_message``;
+    logged): one such row would hold its partition's later rows back until event time caught
+    up with it. None: event times as they are."""
     late_rows: Literal["train", "drop"] = "train"
     """A row whose window had closed when it was read: trained in the window open then, or
     dropped; counted either way."""
@@ -54,7 +59,8 @@ class KafkaSourceOptions:
     """The stream ends after the last window starting before this event time (unix s)."""
     end_offsets: Literal["log_end"] | dict[int, int] | None = None
     """The stream ends at these offsets (``"log_end"``: each partition's end when the run
-    starts); None: no end."""
+    starts); None: no end. A resumed run keeps its checkpoint's ends when this is what that
+    run had (one job through its restarts), else its own apply from the resume."""
     batch_size: int = 512
     """Rows per batch (per rank)."""
     prefetch_batches: int = 4
@@ -77,7 +83,9 @@ class KafkaSourceOptions:
     """Also commit the offsets of trained windows to this consumer group (for lag monitoring;
     the checkpoint's offsets stay the truth)."""
     consumer_config: dict[str, Any] = field(default_factory=dict)
-    """More librdkafka settings for every consumer (security, SASL, timeouts)."""
+    """More librdkafka settings for every consumer (security, SASL, timeouts); the settings
+    the source owns (``OWNED_CONSUMER_SETTINGS``: its offsets, its group, the ends of
+    partitions) are refused by name."""
     cache_mb: float = 512.0
     """Decoded rows a rank keeps from its own partitions for training (beyond: read again)."""
     max_windows_ahead: int = 2
@@ -103,6 +111,7 @@ class KafkaSourceOptions:
         check_choice("time_unit", self.time_unit, ("s", "ms", "us", "ns"))
         check_number("window_s", self.window_s, above=0)
         check_number("allowed_lateness_s", self.allowed_lateness_s, at_least=0)
+        check_number("max_event_ahead_s", self.max_event_ahead_s, at_least=0, allow_none=True)
         check_choice("late_rows", self.late_rows, ("train", "drop"))
         check_number("idle_timeout_s", self.idle_timeout_s, above=0)
         if not (self.start in ("earliest", "latest") or (
@@ -130,6 +139,12 @@ class KafkaSourceOptions:
         check_number("broker_timeout_s", self.broker_timeout_s, above=0)
         check_number("poll_interval_s", self.poll_interval_s, above=0)
         check_type("consumer_config", self.consumer_config, (dict,), "a mapping of settings")
+        owned = sorted(set(self.consumer_config) & set(OWNED_CONSUMER_SETTINGS))
+        if owned:
+            key = owned[0]
+            raise ValueError(
+                f"`consumer_config` sets {key!r}={self.consumer_config[key]!r}, a setting the "
+                f"Kafka source owns: {OWNED_CONSUMER_SETTINGS[key]} Remove it.")
         check_number("cache_mb", self.cache_mb, at_least=0)
         check_int("max_windows_ahead", self.max_windows_ahead)
 
@@ -154,7 +169,27 @@ class KafkaSourceOptions:
         return {"topic": self.topic, "partitions": self.partitions, "window_s": self.window_s,
                 "allowed_lateness_s": self.allowed_lateness_s, "late_rows": self.late_rows,
                 "time_column": self.time_column, "time_unit": self.time_unit,
+                "max_event_ahead_s": self.max_event_ahead_s,
                 "start_time": self.start_time, "batch_size": self.batch_size}
+
+
+OWNED_CONSUMER_SETTINGS: dict[str, str] = {
+    "bootstrap.servers": "it is `bootstrap_servers`.",
+    "metadata.broker.list": "it is `bootstrap_servers`.",
+    "group.id": "every consumer reads by assignment in a group of its own (the checkpoint "
+                "holds the offsets); `commit_group` commits the trained offsets to a group.",
+    "enable.auto.commit": "offsets are committed only by `commit_group`, once their rows are "
+                          "trained (the checkpoint stays the truth).",
+    "auto.commit.enable": "offsets are committed only by `commit_group`, once their rows are "
+                          "trained (the checkpoint stays the truth).",
+    "enable.auto.offset.store": "offsets are committed only by `commit_group`.",
+    "auto.offset.reset": "an offset out of range is never skipped silently: "
+                         "`on_out_of_range` names it or skips and counts the lost messages.",
+    "enable.partition.eof": "the end of a partition is how it is found idle.",
+    "allow.auto.create.topics": "reading never creates a topic (a missing one is named).",
+}
+"""librdkafka settings ``consumer_config`` may not change, and why: with them changed, rows
+could be skipped or committed without a trace in the checkpoint."""
 
 
 def _type(name: Any) -> pa.DataType:

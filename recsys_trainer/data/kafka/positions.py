@@ -51,6 +51,9 @@ class KafkaStats:
     the resumed job trained them (``on_out_of_range="skip"``)."""
     idle_closes: int = 0
     """Windows closed while a partition was idle."""
+    ahead_of_message: int = 0
+    """Rows whose event time was more than ``max_event_ahead_s`` past their message's
+    timestamp, windowed by the message's timestamp."""
 
 
 
@@ -115,6 +118,12 @@ def first_state(o: KafkaSourceOptions, settings: dict[str, Any],
                     f"topic {o.topic!r} has partitions {parts}, not {missing}: fix "
                     "`partitions`.")
             parts = sorted(o.partitions)
+        for name, given in (("start", o.start), ("end_offsets", o.end_offsets)):
+            unknown = sorted(set(given) - set(parts)) if isinstance(given, dict) else []
+            if unknown:
+                raise TopicMissingError(
+                    f"`{name}` names partitions {unknown} of topic {o.topic!r}, which the "
+                    f"source does not read (it reads {parts}): fix `{name}`.")
         start: dict[int, int] = {}
         times: dict[int, int] = {}
         if o.start_time is not None:
@@ -146,17 +155,49 @@ def first_state(o: KafkaSourceOptions, settings: dict[str, Any],
             else:
                 first = low if o.start == "earliest" else high
             start[p] = first
-            end = None
-            if o.end_offsets == "log_end":
-                end = high
-            elif isinstance(o.end_offsets, dict) and p in o.end_offsets:
-                end = o.end_offsets[p]
-            out[p] = PartitionPosition(first, end=end)
+            out[p] = PartitionPosition(first, end=end_of(o, p, high))
         closed = None if start_window is None else start_window - 1
         logger.info("%s: a new run reads partitions %s from %s%s", o.topic, parts, start,
                     "" if o.end_offsets is None else
                     f" to {({p: v.end for p, v in out.items()})}")
         return SourceState(out, closed)
+    finally:
+        c.close()
+
+
+def end_of(o: KafkaSourceOptions, partition: int, high: int) -> int | None:
+    """Where the source's ``end_offsets`` ends ``partition`` (``high``: its log end now)."""
+    if o.end_offsets == "log_end":
+        return high
+    if isinstance(o.end_offsets, dict):
+        return o.end_offsets.get(partition)
+    return None
+
+
+def saved_end_offsets(o: KafkaSourceOptions) -> Any:
+    """``end_offsets`` as a checkpoint keeps it (JSON: partitions as strings)."""
+    ends = o.end_offsets
+    return {str(p): v for p, v in sorted(ends.items())} if isinstance(ends, dict) else ends
+
+
+def ends_now(o: KafkaSourceOptions, partitions: list[int],
+             settings: dict[str, Any]) -> dict[int, int | None]:
+    """A resumed run's end offsets when its ``end_offsets`` differs from the checkpoint's run
+    (rank 0 asks the broker for ``"log_end"``): the run's own setting applies, not the
+    first run's."""
+    if o.end_offsets != "log_end":
+        return {p: end_of(o, p, 0) for p in partitions}
+    c = Consumer(settings)
+    try:
+        out: dict[int, int | None] = {}
+        for p in partitions:
+            marks = watermarks(c, o.topic, p, 10.0)
+            if marks is None:
+                raise BrokerUnavailableError(
+                    f"{where(o.topic, p)}: the broker did not give its offsets (for "
+                    "end_offsets='log_end').")
+            out[p] = marks[1]
+        return out
     finally:
         c.close()
 

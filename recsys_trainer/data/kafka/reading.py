@@ -7,14 +7,16 @@ takes: ``unify_columns``, ``decode_chunk``), cut into the planned batch sizes
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
 from recsys_trainer.batch import Batch
 from recsys_trainer.data.columns import IdKindError, conform_id_kinds
 from recsys_trainer.data.errors import DataError, _RowError
-from recsys_trainer.data.kafka.client import SpanReader
+from recsys_trainer.data.kafka.client import SpanReader, where
 from recsys_trainer.data.kafka.windowing import Bucket, Clock, Share, WindowPlan
 from recsys_trainer.data.prefetch import BatchStream
 from recsys_trainer.data.spec import FeatureSpec
@@ -52,9 +54,9 @@ class ShareReader:
     def iterator(self, plan: WindowPlan, sh: Share) -> KafkaWindowIterator:
         return KafkaWindowIterator(self, plan, sh)
 
-    def rows(self, plan: WindowPlan, intervals: list[tuple[int, int, int]]) -> Iterator[pa.Table]:
-        """The rows of this rank's intervals, in order: from memory when this rank read them,
-        else from the broker."""
+    def rows(self, plan: WindowPlan, intervals: list[tuple[int, int, int]]) -> Iterator[Rows]:
+        """The rows of this rank's intervals, in order (each table with its partition and its
+        rows' offsets): from memory when this rank read them, else from the broker."""
         for p, a, b in intervals:
             bucket = self._buckets.get((plan.number, p))
             if bucket is not None and bucket.cached:
@@ -62,21 +64,23 @@ class ShareReader:
                 for part in bucket.parts:
                     lo, hi = max(a - pos, 0), min(b - pos, part.rows)
                     if lo < hi:
-                        yield part.table.slice(lo, hi - lo)
+                        offsets = np.repeat(part.offsets, part.counts)[lo:hi]
+                        yield Rows(part.table.slice(lo, hi - lo), p, offsets)
                     pos += part.rows
                     if pos >= b:
                         break
                 continue
             if self._spans is None:
                 self._spans = self._make_spans()
-            yield from self._spans.rows(plan.number, p, plan.spans[p], a, b)
+            for table, offsets in self._spans.rows(plan.number, p, plan.spans[p], a, b):
+                yield Rows(table, p, offsets)
 
     def batches(self, plan: WindowPlan, sh: Share) -> Iterator[tuple[Batch, int]]:
         """(batch, its rows) for the share: the planned sizes, a 0 (or a batch whose every row
         was dropped for a NaN label) as a zero-weight padding batch."""
         sizes = sh.sizes
         source = self.rows(plan, sh.intervals)
-        held: list[pa.Table] = []
+        held: list[Rows] = []
         i = 0
         while i < len(sizes):
             j, need = i, 0
@@ -91,7 +95,7 @@ class ShareReader:
                                     f"{self.clock.name(plan.number)}: rank {self.rank} found "
                                     f"{got} of the {need} rows it planned to read.")
                 if got + t.num_rows > need:
-                    held.insert(0, t.slice(need - got))
+                    held.insert(0, t.slice(need - got, t.num_rows))
                     t = t.slice(0, need - got)
                 tables.append(t)
                 got += t.num_rows
@@ -106,23 +110,49 @@ class ShareReader:
                     yield batch, n
             i = j
 
-    def decode(self, tables: list[pa.Table], plan: WindowPlan) -> Any:
+    def decode(self, tables: list[Rows], plan: WindowPlan) -> Any:
         spec = self._features()
         try:
             kinds = self._kinds()
-            parts = [conform_id_kinds(t, kinds) for t in tables]
+            parts = [conform_id_kinds(t.table, kinds) for t in tables]
             parts = spec.unify_columns(parts)
             table = parts[0] if len(parts) == 1 else pa.concat_tables(
                 parts, promote_options="permissive")
             return spec.decode_chunk(table, self.batch_size)
         except (_RowError, IdKindError) as exc:
-            raise DataError(f"{self.topic}: window {self.clock.name(plan.number)} "
-                            f"(rank {self.rank}'s share, row {exc.row}): {exc.detail}",
-                            column=exc.column) from None
+            raise DataError(f"window {self.clock.name(plan.number)}: {exc.detail}",
+                            file=self._where(tables, exc.row), column=exc.column) from None
         except pa.ArrowException as exc:
             raise DataError(f"{self.topic}: window {self.clock.name(plan.number)}: its "
                             f"rows cannot be combined ({exc}); write each column with one "
                             "type.") from None
+
+
+    def _where(self, tables: list[Rows], row: int | None) -> str:
+        """The message holding row ``row`` of ``tables`` together (``topic[partition]@offset``)."""
+        if row is not None:
+            for t in tables:
+                if row < t.num_rows:
+                    return where(self.topic, t.partition, int(t.offsets[row]))
+                row -= t.num_rows
+        return f"{self.topic} (rank {self.rank}'s share)"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows of one partition (``table``), with each row's message offset."""
+
+    table: pa.Table
+    partition: int
+    offsets: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.table.num_rows)
+
+    def slice(self, start: int, stop: int) -> Rows:
+        return Rows(self.table.slice(start, stop - start), self.partition,
+                    self.offsets[start:stop])
 
 
 class KafkaWindowIterator(BatchStream):

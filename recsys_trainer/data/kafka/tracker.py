@@ -41,7 +41,7 @@ from recsys_trainer.data.kafka.client import (
     watermarks,
     where,
 )
-from recsys_trainer.data.kafka.formats import MessageFormat
+from recsys_trainer.data.kafka.formats import EventTimeError, MessageFormat
 from recsys_trainer.data.kafka.windowing import Closed, PartitionLog, PartitionStatus, Run
 from recsys_trainer.data.spec import FeatureSpec
 
@@ -68,6 +68,8 @@ class RankReport:
     """The id kinds (integer / string) read, per id column."""
     corrupt: int = 0
     lost: int = 0
+    ahead: int = 0
+    """Rows windowed by their message's timestamp (``max_event_ahead_s``)."""
     """Messages lost to retention and skipped (``on_out_of_range="skip"``)."""
     partitions: list[int] | None = None
     """The topic's partitions as this rank last saw them (rank 0's are taken)."""
@@ -109,12 +111,14 @@ class Tracker:
         self._kinds: dict[str, str] = {}
         self.corrupt = 0
         self.lost = 0
+        self.ahead = 0
         self.cached = 0
         """Bytes of decoded rows held (pending here, and in closed windows' buckets)."""
         self._closed_window: int | None = None
         self._paused: set[int] = set()
         self._partitions: list[int] | None = None
         self._added: dict[int, PartitionLog] = {}
+        self._ends_unknown = False
 
     # ------------------------------------------------------------------ life
 
@@ -154,8 +158,8 @@ class Tracker:
                                                 log.last_window(), idle, finished))
             down = None if self._down_since is None else now - self._down_since
             return RankReport(statuses, self._error, down, self._down_reason,
-                              dict(self._kinds), self.corrupt, self.lost, self._partitions,
-                              time.time())
+                              dict(self._kinds), self.corrupt, self.lost, self.ahead,
+                              self._partitions, time.time())
 
     def close(self, first: int, last: int, forced: set[int]) -> dict[int, Closed]:
         """Close windows ``first..last`` in every owned partition (``forced``: the partitions
@@ -188,9 +192,12 @@ class Tracker:
                            "offsets %s", self.topic, time.monotonic() - self._down_since,
                            {p: log.position for p, log in sorted(self.logs.items())})
             self._down_since = None
-            # What each partition's end was before the outage says nothing now.
+            # What each partition's end was before the outage says nothing now; the broker
+            # reports a partition's end once per new end, so a quiet partition would never be
+            # idle again: its end is asked for (``_recheck_ends``).
             for p in self._caught_up:
                 self._caught_up[p] = False
+            self._ends_unknown = True
 
     def _fail(self, exc: Exception) -> None:
         if self._error is None:
@@ -253,6 +260,8 @@ class Tracker:
                 if now - last_check >= interval:
                     last_check = now
                     self._check(consumer)
+                if self._ends_unknown and self._down_since is None:
+                    self._recheck_ends(consumer)
         finally:
             consumer.close()
 
@@ -282,6 +291,19 @@ class Tracker:
             self._fail(TopicMissingError(
                 f"{where(self.topic, missing[0])}: the partition no longer exists (the topic "
                 f"has {len(parts)}); the job cannot read its windows. Start a new run."))
+
+    def _recheck_ends(self, consumer: Consumer) -> None:
+        """After an outage: a partition read to the log's end is caught up again (it may turn
+        idle); one with messages past its position is not until they are read."""
+        for p, log in sorted(self.logs.items()):
+            if self._caught_up[p]:
+                continue
+            marks = watermarks(consumer, self.topic, p, 2.0)
+            if marks is None:
+                return  # the broker is not answering yet: asked again on the next turn
+            if marks[1] <= log.position:
+                self._caught_up[p] = True
+        self._ends_unknown = False
 
     def _at_end(self, p: int, offset: int) -> None:
         """Partition ``p`` is read to its end, ``offset`` (every message before it added)."""
@@ -336,9 +358,15 @@ class Tracker:
         row_ms = np.repeat(np.array([m.timestamp()[1] for m in msgs], dtype=np.int64),
                            batch.rows)
         try:
-            times = self.fmt.event_times(batch.table, row_ms)
+            times, ahead = self.fmt.times_and_ahead(batch.table, row_ms)
         except TypeError as exc:
             raise DataError(str(exc), file=where(self.topic, p, msgs[0].offset())) from None
+        except EventTimeError as exc:
+            i = int(np.searchsorted(np.cumsum(batch.rows), exc.row, side="right"))
+            raise DataError(str(exc), file=where(self.topic, p, msgs[i].offset()),
+                            column=self.fmt.time_column) from None
+        if ahead.any():
+            self._ahead(p, msgs, batch.rows, ahead)
         for c, kind in self.spec.id_kinds(batch.table.schema).items():
             if not pa.types.is_null(batch.table.schema.field(c).type):
                 self._kinds.setdefault(c, kind)
@@ -356,6 +384,16 @@ class Tracker:
                 logger.warning("%s: messages again after an idle time", where(self.topic, p))
             if end is not None and log.position >= end:
                 logger.info("%s: read to its end offset %d", where(self.topic, p), end)
+
+    def _ahead(self, p: int, msgs: list[Any], rows: np.ndarray, ahead: np.ndarray) -> None:
+        row = int(np.flatnonzero(ahead)[0])
+        m = msgs[int(np.searchsorted(np.cumsum(rows), row, side="right"))]
+        self.ahead += int(ahead.sum())
+        logger.warning("%s: %d row(s) with event times more than max_event_ahead_s=%g s past "
+                       "their message's timestamp (a producer's clock ahead?): windowed by the "
+                       "message's timestamp (counted: ahead_of_message)",
+                       where(self.topic, p, m.offset()), int(ahead.sum()),
+                       self.fmt.max_ahead_s)
 
     def _corrupt(self, p: int, m: Any, error: str) -> None:
         name = where(self.topic, p, m.offset())
