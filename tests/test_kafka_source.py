@@ -301,7 +301,8 @@ def test_a_deleted_topic_is_named_within_seconds(own_broker: MockBroker) -> None
     next(ids)
     own_broker.command("delete_topic gone")
     started = time.monotonic()
-    with pytest.raises(TopicMissingError, match="gone"):
+    with pytest.raises(TopicMissingError,
+                       match=rf"topic 'gone' does not exist on '{own_broker.bootstrap}'"):
         for _ in ids:
             pass
     assert time.monotonic() - started < 15
@@ -642,3 +643,25 @@ def test_start_or_end_offsets_naming_a_partition_the_source_does_not_read_is_ref
         with pytest.raises(TopicMissingError, match=rf"`{name}` names partitions \[\d\]"):
             next(ds.window_ids())
         ds.close()
+
+
+@pytest.mark.timeout(90)
+def test_the_click_producer_counts_what_it_delivered_and_what_the_broker_never_acknowledged(
+        own_broker: MockBroker) -> None:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from recsys_trainer.data.generators.kafka_producer import ClickProducer
+
+    own_broker.command("create clicks 2")
+    p = ClickProducer(own_broker.bootstrap, "clicks", rows_per_s=200, fmt="arrow",
+                      rows_per_message=4, producer_config={"message.timeout.ms": 1500})
+    p.run(seconds=1)
+    assert p.sent == 50 and p.failed == 0
+    c = Consumer({"bootstrap.servers": own_broker.bootstrap, "group.id": "count"})
+    ends = [c.get_watermark_offsets(TopicPartition("clicks", q), timeout=10)[1] for q in (0, 1)]
+    c.close()
+    assert ends == [25, 25]  # every message it counted sent is on the topic
+    # The broker gone: what it sends is counted as not delivered, not as produced.
+    own_broker.stop()
+    p.run(seconds=1)
+    assert p.sent == 100 and p.failed == 50

@@ -71,6 +71,9 @@ class ClickProducer:
         self.stop = threading.Event()
         self.stats: list[dict[str, Any]] = []
         self.sent = 0
+        self.failed = 0
+        """Messages the broker never acknowledged (delivery errors, or still queued when
+        ``run`` gave up flushing): produced is ``sent - failed``."""
 
     def run(self, seconds: float = 0.0) -> None:
         t0 = time.time()
@@ -95,14 +98,23 @@ class ClickProducer:
                         self.producer.produce(self.topic, value,
                                               partition=self.partitions[
                                                   self.sent % len(self.partitions)],
-                                              timestamp=int(now * 1000))
+                                              timestamp=int(now * 1000),
+                                              on_delivery=self._delivered)
                         self.sent += 1
                     first = now if first is None else first
                     last = now
                 self.producer.poll(0)
             self.stats.append({"second": second, "rows": n, "first_ts": first, "last_ts": last})
             second += 1
-        self.producer.flush(30)
+        left = self.producer.flush(30)  # runs the delivery callbacks of what was acknowledged
+        self.failed += left
+
+    def _delivered(self, err: Any, _msg: Any) -> None:
+        if err is not None:
+            self.failed += 1
+            if self.failed == 1:
+                log.warning("a message was not delivered: %s (counted; the summary says how "
+                            "many)", err)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,10 +139,13 @@ def main(argv: list[str] | None = None) -> None:
     log.info("producing %d rows/s to %s (%d partitions) as %s", a.rows_per_s, a.topic,
              len(p.partitions), a.format)
     p.run(a.seconds)
-    log.info("produced %d messages", p.sent)
     if a.stats:
         with open(a.stats, "w") as f:
             json.dump(p.stats, f)
+    if p.failed:
+        log.error("%d of %d messages were not delivered to %s", p.failed, p.sent, a.topic)
+        raise SystemExit(1)
+    log.info("produced %d messages", p.sent)
 
 
 __all__ = ["ClickProducer", "encode", "main"]

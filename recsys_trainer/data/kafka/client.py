@@ -86,9 +86,11 @@ def is_transport(err: KafkaError) -> bool:
     return err.code() in _TRANSPORT_ERRORS
 
 
-def partitions_of(consumer: Consumer, topic: str, timeout_s: float) -> list[int] | None:
+def partitions_of(consumer: Consumer, topic: str, timeout_s: float,
+                  bootstrap_servers: str) -> list[int] | None:
     """The topic's partitions, None when the broker did not answer in ``timeout_s``; a
-    ``TopicMissingError`` when it answered that the topic does not exist."""
+    ``TopicMissingError`` naming ``bootstrap_servers`` (what ``consumer`` was made with) when
+    it answered that the topic does not exist."""
     try:
         md = consumer.list_topics(topic, timeout=timeout_s)
     except KafkaException as exc:
@@ -98,17 +100,13 @@ def partitions_of(consumer: Consumer, topic: str, timeout_s: float) -> list[int]
     t = md.topics.get(topic)
     if t is None or (t.error is not None and t.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
         raise TopicMissingError(
-            f"topic {topic!r} does not exist on {consumer_bootstrap(consumer)} (deleted, or "
+            f"topic {topic!r} does not exist on {bootstrap_servers!r} (deleted, or "
             "never created): the job cannot read its windows. Recreate the topic and start a "
             "new run (its offsets are not this checkpoint's), or point the source at the "
             "right topic.")
     if t.error is not None:
         return None
     return sorted(t.partitions)
-
-
-def consumer_bootstrap(consumer: Consumer) -> str:
-    return getattr(consumer, "_recsys_bootstrap", "the broker")
 
 
 def watermarks(consumer: Consumer, topic: str, partition: int,

@@ -100,7 +100,7 @@ def first_state(o: KafkaSourceOptions, settings: dict[str, Any],
     c = Consumer(settings)
     try:
         deadline = time.monotonic() + o.broker_timeout_s
-        parts = partitions_of(c, o.topic, 5.0)
+        parts = partitions_of(c, o.topic, 5.0, o.bootstrap_servers)
         while parts is None:
             if time.monotonic() > deadline:
                 raise BrokerUnavailableError(
@@ -110,7 +110,7 @@ def first_state(o: KafkaSourceOptions, settings: dict[str, Any],
             logger.warning("%s: no answer from %s yet; retrying", o.topic,
                            o.bootstrap_servers)
             time.sleep(1.0)
-            parts = partitions_of(c, o.topic, 5.0)
+            parts = partitions_of(c, o.topic, 5.0, o.bootstrap_servers)
         if o.partitions is not None:
             missing = sorted(set(o.partitions) - set(parts))
             if missing:

@@ -273,7 +273,8 @@ class Tracker:
     def _check(self, consumer: Consumer) -> None:
         """The topic's metadata: reachability, a deleted topic, the partitions."""
         try:
-            parts = partitions_of(consumer, self.topic, 1.0)
+            parts = partitions_of(consumer, self.topic, 1.0,
+                                  self._settings["bootstrap.servers"])
         except TopicMissingError as exc:
             self._fail(exc)
             return
