@@ -68,17 +68,25 @@ class WindowedDataset(ABC):
     def setup(self, rank: int, world_size: int) -> None:
         """Choose this rank's share of every window. Default: no sharding (rank reads all)."""
 
+    _gang: Gang | None = None
+    _stop: Callable[[], bool] | None = None
+    _on_wait: Callable[[], None] | None = None
+
     def set_gang(self, gang: Gang) -> None:
         """Called by the Trainer after ``setup`` with the gang its ranks agree through. A
         dataset whose listing can differ between ranks (files on shared storage) lists on rank
-        0 and hands the listing to the others through it. Default: not needed."""
+        0 and hands the listing to the others through it. Default: kept as ``_gang`` (None
+        until then) for a subclass that agrees through it."""
+        self._gang = gang
 
     def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
         """Called by the Trainer with ``stop()``: whether a stop (a preemption signal) was
         requested on this rank. A dataset that waits for data (a stream waiting for its next
         window) asks it while waiting and, when any rank's says True, ends the wait on every
         rank with ``WaitInterrupted`` (``windows.agreed_windows``); the Trainer then stops as
-        for a signal at a batch fetch. None: no check. Default: ignored (nothing waits)."""
+        for a signal at a batch fetch. None: no check. Default: kept as ``_stop`` for a
+        subclass that waits."""
+        self._stop = stop
 
     def set_wait_hook(self, on_wait: Callable[[], None] | None) -> None:
         """Called by the Trainer with ``on_wait()``: what to do while the dataset waits for
@@ -86,7 +94,8 @@ class WindowedDataset(ABC):
         every rank reaches together (its heartbeats, ``windows.agreed_windows``), on every
         rank; the Trainer finishes a checkpoint in flight there (the ``"wait"`` resume point),
         so a window's checkpoint commits and is published while the stream waits. None:
-        nothing. Default: ignored (nothing waits)."""
+        nothing. Default: kept as ``_on_wait`` for a subclass that waits."""
+        self._on_wait = on_wait
 
     def landed_at(self, window_id: str) -> float | None:
         """When window ``window_id`` landed (unix time), as its source records it, or None

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -71,7 +71,6 @@ from recsys_trainer.data.parquet_plan import WindowPlanner, shard_pieces, shuffl
 from recsys_trainer.data.prefetch import BatchStream, Prefetcher
 from recsys_trainer.data.spec import FeatureSpec
 from recsys_trainer.data.windows import Window, WindowSource, agreed_windows, describe_source
-from recsys_trainer.distributed import Gang
 from recsys_trainer.validation import check_choice, check_int, check_type
 
 logger = logging.getLogger("recsys_trainer.data")
@@ -179,9 +178,6 @@ class ParquetWindowDataset(WindowedDataset):
         self._id_columns = sorted({c for s in features.id_features for c in s.sources})
         self._known: dict[str, Window] = {}
         self._pending_state: dict[str, Any] | None = None
-        self._gang: Gang | None = None
-        self._stop: Callable[[], bool] | None = None
-        self._on_wait: Callable[[], None] | None = None
         self._id_kinds: dict[str, dict[str, str]] = {}
         """Per sparse id column: the kind of ids first read ("integer"/"string"), and the window
         and file it was first read from (saved in ``state_dict``)."""
@@ -198,15 +194,6 @@ class ParquetWindowDataset(WindowedDataset):
         if self._pending_state is not None:
             self._check_fingerprint(self._pending_state)
             self._pending_state = None
-
-    def set_gang(self, gang: Gang) -> None:
-        self._gang = gang
-
-    def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
-        self._stop = stop
-
-    def set_wait_hook(self, on_wait: Callable[[], None] | None) -> None:
-        self._on_wait = on_wait
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

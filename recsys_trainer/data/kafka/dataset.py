@@ -129,9 +129,6 @@ class KafkaWindowDataset(WindowedDataset):
         self.stats = KafkaStats()
         self._base = KafkaStats()
         """The counts of the runs before the checkpoint this one resumed from."""
-        self._gang: Gang | None = None
-        self._stop: Callable[[], bool] | None = None
-        self._on_wait: Callable[[], None] | None = None
         self._state: SourceState | None = None
         self._floor = 0
         self._tracker: Tracker | None = None
@@ -159,15 +156,6 @@ class KafkaWindowDataset(WindowedDataset):
                                "up for another rank or world size; make a new one.")
         self.rank, self.world_size = rank, world_size
         self._reading.rank = rank
-
-    def set_gang(self, gang: Gang) -> None:
-        self._gang = gang
-
-    def set_stop_check(self, stop: Callable[[], bool] | None) -> None:
-        self._stop = stop
-
-    def set_wait_hook(self, on_wait: Callable[[], None] | None) -> None:
-        self._on_wait = on_wait
 
     def set_epoch(self, epoch: int) -> None:
         if epoch > 0:
