@@ -72,8 +72,7 @@ def _simulate(seed: int, late: str) -> None:
                 break
             continue
         first, last = got
-        forced = {s.partition for s in statuses if s.idle or s.finished}
-        rounds = {p: parts[p].close(first, last, forced=p in forced) for p in logs}
+        rounds = {p: parts[p].close(first, last) for p in logs}
         for p, c in rounds.items():
             dropped += sum(c.late_dropped.values())
             before += c.before_start
@@ -128,7 +127,7 @@ def test_a_row_read_before_its_window_closes_waits_for_it_and_a_late_row_joins_t
     log = PartitionLog(0, clock, "train", frontier=0)
     ts = np.array([1.0, 12.0, 3.0, 25.0])  # 12 arrives early; 3 after 12
     log.add(Run.of(clock, range(4), [1] * 4, ts, pa.table({"t": ts})))
-    c = log.close(0, 1, forced=False)  # the message at 25 closes windows 0 and 1
+    c = log.close(0, 1)  # the message at 25 closes windows 0 and 1
     # 12 took the watermark past window 0's end: 3, read after it, is late (trained in window
     # 1); 12 itself is window 0's range but waits for its own window, 1; 25 waits for 2.
     rows = {w: [t for p in b.parts for t in p.table.column("t").to_pylist()]
@@ -145,7 +144,7 @@ def test_with_lateness_a_row_a_little_late_still_lands_in_its_own_window() -> No
     for offset in range(4):  # one message at a time
         log.add(Run.of(clock, [offset], [1], ts[offset:offset + 1],
                        pa.table({"t": ts[offset:offset + 1]})))
-    c = log.close(0, 0, forced=False)  # 16 >= end(0) + 5 closes window 0
+    c = log.close(0, 0)  # 16 >= end(0) + 5 closes window 0
     assert sorted(t for p in c.windows[0].parts for t in p.table.column("t").to_pylist()) == [
         1.0, 3.0]
     assert log.deferred_state() == {1: (1, 2)}  # 12 and 16 wait for window 1 (from offset 1)

@@ -420,8 +420,7 @@ class KafkaWindowDataset(WindowedDataset):
             time.sleep(o.poll_interval_s)
             return
         first, last = span
-        forced = {s.partition for s in statuses if s.idle or s.finished}
-        mine = tracker.close(first, last, forced)
+        mine = tracker.close(first, last)
         summary = {p: (c.lo, c.hi, c.bounds,
                        {w: (b.rows, b.first, b.index()) for w, b in c.windows.items()},
                        c.late_trained, c.late_dropped, c.before_start,

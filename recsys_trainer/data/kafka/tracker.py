@@ -161,11 +161,10 @@ class Tracker:
                               dict(self._kinds), self.corrupt, self.lost, self.ahead,
                               self._partitions, time.time())
 
-    def close(self, first: int, last: int, forced: set[int]) -> dict[int, Closed]:
-        """Close windows ``first..last`` in every owned partition (``forced``: the partitions
-        every rank saw idle or finished)."""
+    def close(self, first: int, last: int) -> dict[int, Closed]:
+        """Close windows ``first..last`` in every owned partition."""
         with self.lock:
-            return {p: log.close(first, last, forced=p in forced)
+            return {p: log.close(first, last)
                     for p, log in sorted(self.logs.items())}
 
     def release(self, nbytes: int) -> None:

@@ -367,11 +367,13 @@ class PartitionLog:
         found.extend(self.deferred)
         return min(found) if found else None
 
-    def close(self, first: int, last: int, *, forced: bool) -> Closed:
+    def close(self, first: int, last: int) -> Closed:
         """Close windows ``first..last`` in this partition: assign every pending message whose
-        close window is at most ``last`` (``forced``: the partition is idle or at its end, so
-        every message read so far is), and collect the rows of windows ``first..last``; rows
-        of later windows wait in ``deferred``. (The message after the one whose watermark
+        close window is at most ``last`` (the cut is the first message whose watermark before
+        it passes ``last``'s close, whether the partition is idle, finished or neither: an
+        idle partition's later messages wait for a later range as a busy one's do), and
+        collect the rows of windows ``first..last``; rows of later windows wait in
+        ``deferred``. (The message after the one whose watermark
         passes ``last``'s end plus the lateness starts a later range: the same cut either
         way.)"""
         clock = self.clock
