@@ -53,7 +53,9 @@ __all__ = [
 ]
 
 # Imported on first use (PEP 562): the publish hook brings the serving export, the checkpoint
-# stack and the data decoding (about 50 modules) that the other hooks never need.
-_LAZY = dict.fromkeys(("PublishError", "PublishHook", "PublishRecord"),
-                      "recsys_trainer.hooks.publish")
+# stack and the data decoding (about 50 modules) that the other hooks never need. A publish's
+# report is the pipe's type, named from its one home.
+_LAZY = {"PublishError": "recsys_trainer.hooks.publish",
+         "PublishHook": "recsys_trainer.hooks.publish",
+         "PublishRecord": "recsys_trainer.serving.exporting.publisher_client"}
 __getattr__, __dir__ = lazy_attributes("recsys_trainer.hooks", _LAZY)

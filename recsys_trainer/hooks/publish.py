@@ -517,4 +517,4 @@ def _log_failure(err: PublishError) -> None:
     logger.error("PublishError: %s; LATEST is unchanged; trying again at the next period", err)
 
 
-__all__ = ["PublishError", "PublishHook", "PublishRecord"]
+__all__ = ["PublishError", "PublishHook"]

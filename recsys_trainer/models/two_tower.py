@@ -63,7 +63,7 @@ class TwoTowerModel(RetrievalBase):
         tower_dims: hidden widths and the output width of both towers.
 
     The other keywords (``embedding_dim``, ``max_len``, ``temperature``, ``loss``, ...) are
-    ``retrieval.base.RetrievalOptions``, which ``SASRecModel`` takes too, with the same defaults.
+    ``models.retrieval_base.RetrievalOptions``, which ``SASRecModel`` takes too, with the same defaults.
     """
 
     @takes_retrieval_options
