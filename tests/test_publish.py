@@ -416,7 +416,9 @@ def test_a_delta_deleted_by_hand_makes_the_next_publish_a_base_that_followers_ca
 
 
 @pytest.mark.timeout(180)
-def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp_path) -> None:
+def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp_path,
+                                                                            caplog) -> None:
+    caplog.set_level(logging.INFO, logger="recsys_trainer")
     root = str(tmp_path)
     stream, held_out = _stream(root, 2)
     spec, model = su.spec_and_model("dynamic")  # every table dynamic, a pass every 2 steps
@@ -438,6 +440,10 @@ def test_every_eviction_pass_publishes_after_each_pass_of_the_dynamic_tables(tmp
     published = [r.kind for r in hook.records if r.kind != "superseded"]
     assert published[0] == "base" and hook.records[-1].kind != "superseded"
     assert not any(r.error for r in hook.records)
+    # ... and the log says which step was not published, and why.
+    for r in hook.records:
+        said = f"not publishing step {r.step} (window {r.window}): a newer checkpoint" in caplog.text
+        assert said == (r.kind == "superseded"), (r, caplog.text[-2000:])
     from recsys_trainer.serving.runtime.follow import Follower
 
     follower = Follower(loc)

@@ -484,6 +484,10 @@ class PublishHook(Hook):
                 _log_failure(err)
             return
         if record.kind == "superseded":
+            # A reader of the log expecting a publish per window must see why one is absent.
+            logger.info("not publishing step %d (window %s): a newer checkpoint was handed to "
+                        "the publisher before it began, and is published instead",
+                        record.step, record.window)
             return
         self.last_error = None
         logger.info("published %s %s (step %d, window %s, %.2f MB) to %s in %.2f s; the loop "
