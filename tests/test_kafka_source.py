@@ -65,6 +65,12 @@ def _spec(**kw: Any) -> FeatureSpec:
                        passthrough=["row_id"], **kw)
 
 
+def _json_row(row_id: int, ts: float, *, label: float = 1.0, i2: float = 0.0) -> bytes:
+    """One row of ``_spec()`` as a JSON message."""
+    return json.dumps({"label": label, "I1": 1.0, "I2": i2, "C1": "a", "C2": "b",
+                       "row_id": row_id, "ts": ts}).encode()
+
+
 def _read_all(ds: KafkaWindowDataset) -> dict[str, list[int]]:
     out = {}
     for wid in ds.window_ids():
@@ -164,8 +170,7 @@ def test_arrow_messages_and_a_user_decoder_give_the_rows_json_gives(
 def test_late_rows_are_counted_and_trained_in_the_open_window_or_dropped_and_early_rows_wait(
         broker: MockBroker) -> None:
     def row(i: int, t: float) -> bytes:
-        return json.dumps({"label": 1, "I1": 1.0, "I2": 2.0, "C1": "a", "C2": "b", "row_id": i,
-                           "ts": t}).encode()
+        return _json_row(i, t, label=1, i2=2.0)
 
     for late in ("train", "drop"):
         topic = f"late-{late}"
@@ -436,8 +441,7 @@ def test_train_and_evaluate_evaluates_each_window_on_the_next_and_commits_offset
 def test_a_gap_in_the_traffic_closes_its_empty_windows_and_reading_goes_on(
         broker: MockBroker) -> None:
     def row(i: int, t: float) -> bytes:
-        return json.dumps({"label": 1, "I1": 1.0, "I2": 2.0, "C1": "a", "C2": "b", "row_id": i,
-                           "ts": t}).encode()
+        return _json_row(i, t, label=1, i2=2.0)
 
     broker.command("create gap 1")
     # Window 0, then nothing until window 20 (the producer stopped for 200 s of event time).
@@ -570,8 +574,7 @@ def test_event_times_in_another_unit_are_named_by_message_with_the_unit_they_loo
     # Milliseconds read as seconds stopped the job with "ValueError: year 58692 is out of range".
     broker.command("create msunit 2")
     send(broker.bootstrap, "msunit", [
-        (i % 2, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
-                            "row_id": i, "ts": int((T0 + i) * 1000)}).encode(), T0 + i)
+        (i % 2, _json_row(i, int((T0 + i) * 1000)), T0 + i)
         for i in range(20)])
     got = _walk(KafkaWindowDataset(_spec(), **source_options(broker.bootstrap, "msunit")),
                 skip=0, limit_s=30.0)
@@ -587,8 +590,7 @@ def test_a_row_stamped_far_ahead_of_its_message_does_not_hold_back_its_partition
     broker.command("create ahead 2")
 
     def msg(p: int, row_id: int, ts: float, sent: float) -> tuple[int, bytes, float]:
-        return (p, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
-                               "row_id": row_id, "ts": ts}).encode(), sent)
+        return (p, _json_row(row_id, ts), sent)
 
     msgs = [msg(0, i, T0 + i, T0 + i) for i in range(5)] + [msg(0, 999, T0 + 1e6, T0 + 5)]
     msgs += [msg(0, i, T0 + i, T0 + i) for i in range(5, 40)]
@@ -615,8 +617,7 @@ def test_a_quiet_partition_is_idle_again_after_a_broker_outage_and_holds_no_wind
     b.command("create quiet 2")
 
     def msg(p: int, i: int, t: float) -> tuple[int, bytes, float]:
-        return (p, json.dumps({"label": 1.0, "I1": 1.0, "I2": 0.0, "C1": "a", "C2": "b",
-                               "row_id": i, "ts": t}).encode(), t)
+        return (p, _json_row(i, t), t)
 
     send(b.bootstrap, "quiet", [msg(1, 1000 + i, T0 + i) for i in range(5)]
          + [msg(0, i, T0 + i) for i in range(25)])
