@@ -63,11 +63,11 @@ def table_dtype_names(configs: list[Any]) -> dict[str, str]:
     return {c.name: dtype_name(c.data_type) for c in configs}
 
 
-@functools.cache
-def kernel_trains(device_type: str, dtype: str, optimizer: str) -> str | None:
-    """None when FBGEMM's table-batched kernel on ``device_type`` runs a forward and a backward
-    (the fused ``optimizer`` update) of a ``dtype`` table; else what failed. Probed once per
-    process on a 4-row table (a few ms)."""
+def _probe_tbe(device_type: str, rows: int, dim: int, optimizer: str, dtype: str,
+               learning_rate: float, **kwargs: Any) -> tuple[Any, torch.device]:
+    """A one-table FBGEMM table-batched module of ``rows x dim`` on ``device_type`` (``cuda``:
+    on the device; else on the host), trained by ``optimizer`` in ``dtype``, and its device:
+    what ``kernel_trains`` and ``rounds_stochastically`` probe."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
@@ -76,14 +76,23 @@ def kernel_trains(device_type: str, dtype: str, optimizer: str) -> str | None:
     )
 
     cuda = device_type == "cuda"
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
+          ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
+        optimizer=getattr(EmbOptimType, _EMB_OPT[optimizer]),
+        weights_precision=SparseType(dtype), learning_rate=learning_rate,
+        device=dev if cuda else None, **kwargs)
+    return tbe, dev
+
+
+@functools.cache
+def kernel_trains(device_type: str, dtype: str, optimizer: str) -> str | None:
+    """None when FBGEMM's table-batched kernel on ``device_type`` runs a forward and a backward
+    (the fused ``optimizer`` update) of a ``dtype`` table; else what failed. Probed once per
+    process on a 4-row table (a few ms)."""
     try:
-        tbe = SplitTableBatchedEmbeddingBagsCodegen(
-            [(4, 4, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
-              ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
-            optimizer=getattr(EmbOptimType, _EMB_OPT[optimizer]),
-            weights_precision=SparseType(dtype), learning_rate=0.01,
-            device=torch.device("cuda") if cuda else None)
-        dev = torch.device("cuda") if cuda else torch.device("cpu")
+        tbe, dev = _probe_tbe(device_type, 4, 4, optimizer, dtype, 0.01)
         out = tbe(torch.tensor([0, 1], device=dev), torch.tensor([0, 1, 2], device=dev))
         out.sum().backward()
     except Exception as e:  # the kernel's own refusal, whatever its type
@@ -105,21 +114,8 @@ def rounds_stochastically(device_type: str, dtype: str) -> bool:
         raise ValueError(f"FBGEMM's table-batched kernel on {device_type} cannot train a {dtype} "
                          f"table ({error}), so it has no rounding to probe; ask about a "
                          "precision it trains there.")
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        EmbeddingLocation,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
-    cuda = device_type == "cuda"
-    dev = torch.device("cuda") if cuda else torch.device("cpu")
     ulp = float(torch.finfo(TORCH_DTYPES[dtype]).eps)  # at 1.0
-    tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(1, 64, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
-          ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
-        optimizer=EmbOptimType.EXACT_SGD, weights_precision=SparseType(dtype),
-        learning_rate=ulp / 4, stochastic_rounding=True, device=dev if cuda else None)
+    tbe, dev = _probe_tbe(device_type, 1, 64, "sgd", dtype, ulp / 4, stochastic_rounding=True)
     with torch.no_grad():
         tbe.split_embedding_weights()[0].fill_(1.0)
     idx, off = torch.tensor([0], device=dev), torch.tensor([0, 1], device=dev)
@@ -169,7 +165,7 @@ def check_sharding(configs: list[Any], sharding_types: Mapping[str, str],
     weight is a plain parameter that the dense optimizer updates in place in its own dtype,
     rounding to nearest, and torch's Adam turns an fp16 one to NaN in one step, silently (its
     ``eps`` of 1e-8 is 0 in fp16)."""
-    dtypes = {c.name: dtype_name(c.data_type) for c in configs}
+    dtypes = table_dtype_names(configs)
     bad = sorted(t for t, st in sharding_types.items()
                  if st == "data_parallel" and dtypes.get(t, "fp32") != "fp32")
     if bad:

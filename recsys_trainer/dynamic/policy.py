@@ -28,8 +28,9 @@ class DecayedLFUEvictionPolicy(MCHEvictionPolicy):
     sightings, multiplied by ``2 ** (-1 / half_life)`` at every pass (``decay``), kept in fixed
     point (``COUNT_ONE`` per sighting).
 
-    Metadata: per slot ``counts`` (float32, see ``id_map.compact_map``) and ``last_access_iter`` (the forward that last saw the id;
-    expiry reads it), which ``DynamicMCHModule`` updates in every training forward; per history
+    Metadata: per slot ``counts`` (float32, see ``id_map.compact_map``) and
+    ``last_access_iter`` (the forward that last saw the id; expiry reads it), which
+    ``DynamicMCHModule`` updates in every training forward; per history
     entry ``counts`` (the history holds the ids without a row; an entry may stand for several
     sightings: the module coalesces its history in place, and ids that did not get a row wait
     there with their decayed count). A new id whose count is below

@@ -64,7 +64,6 @@ class DINClassifier(BinaryClassifier):
     max_len=max_len)]``.
     """
 
-
     positions: torch.Tensor
 
     def __init__(

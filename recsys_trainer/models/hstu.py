@@ -323,7 +323,6 @@ class HSTURankingModel(BinaryClassifier):
     (the time features last).
     """
 
-
     def __init__(
         self,
         sparse_features: Sequence[str] = (),

@@ -36,7 +36,6 @@ class MMoEClassifier(BinaryClassifier):
     weighted BCE (``models.multi_task_bce_with_logits``).
     """
 
-
     def __init__(
         self,
         sparse_features: list[str],

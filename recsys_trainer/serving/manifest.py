@@ -52,6 +52,8 @@ def schema_version_of(tables: Sequence[Mapping[str, Any]],
     if any(q.get("values", False) for q in sequence_inputs):
         return 3
     return 2 if any(t.get("dtype", "fp32") != "fp32" for t in tables) else 1
+
+
 MANIFEST = "manifest.json"
 MARKER = "COMMITTED"
 TABLES = "tables.safetensors"
