@@ -90,11 +90,19 @@ class ClickProducer:
                 wait = due - time.time()
                 if wait > 0 and self.stop.wait(wait):
                     break
+                # JSON rows go to Python once per chunk, not once per message: a 1-row
+                # slice, append_column and to_pylist cost ~85 us a row, against ~12 us batched.
+                objs = chunk.to_pylist() if self.fmt == "json" else []
                 for j in range(0, chunk.num_rows, self.rows_per_message):
-                    rows = chunk.slice(j, self.rows_per_message)
                     now = time.time()
-                    rows = rows.append_column("ts", pa.array(np.full(rows.num_rows, now)))
-                    for value in encode(rows, self.fmt):
+                    if self.fmt == "json":
+                        objs[j]["ts"] = now
+                        values = [json.dumps(objs[j]).encode()]
+                    else:
+                        rows = chunk.slice(j, self.rows_per_message)
+                        values = encode(rows.append_column(
+                            "ts", pa.array(np.full(rows.num_rows, now))), self.fmt)
+                    for value in values:
                         self.producer.produce(self.topic, value,
                                               partition=self.partitions[
                                                   self.sent % len(self.partitions)],
