@@ -303,8 +303,9 @@ def shard_model(
         opt.check_device(device.type)
         if table in unbounded:
             dynamic.check_sparse_optimizer(model, opt.name)
+    configs = table_configs(model)
     # A precision FBGEMM cannot train here is refused by name, never trained in fp32 instead.
-    table_precision.check_tables(table_configs(model), device.type, chosen)
+    table_precision.check_tables(configs, device.type, chosen)
     register_sparse_optimizers(model, chosen)
     pg = process_group if process_group is not None else dist.GroupMember.WORLD
     assert pg is not None, "a process group must be initialised before sharding"
@@ -313,8 +314,7 @@ def shard_model(
     if plan is None:
         plan = plan_sharding(model, env, device, sharding_types, local_world_size)
     # Every rank holds the same plan (rank 0's, broadcast), so every rank refuses it here.
-    table_precision.check_sharding(table_configs(model), _planned_sharding_types(plan),
-                                   sharding_types)
+    table_precision.check_sharding(configs, _planned_sharding_types(plan), sharding_types)
     with quiet_stack_notices():
         dmp = DistributedModelParallel(
             module=model,
