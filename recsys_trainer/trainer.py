@@ -341,6 +341,8 @@ class Trainer:
         restores the model (and what the model needs, see ``checkpoint.contents``) and the step,
         never a dataset position, the optimizers or hook state, so the datasets may differ from
         training's; a later ``train()`` still resumes in full."""
+        # Before the resume: a run that saves claims output_dir's lock there.
+        self.checkpointer.saves_requested = any(h.requests_saves for h in self.hooks)
         self.checkpointer.resume(mode=mode)
 
     def save_checkpoint(self, path: str | None = None) -> str:

@@ -265,7 +265,11 @@ def _publish(root: str) -> PublishHook:
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_while_a_trainer_waits_stops_commits_and_publishes_the_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("save_steps", [10_000, None], ids=["save-trigger", "publish-only"])
+def test_sigterm_while_a_trainer_waits_stops_commits_and_publishes_the_step(
+        tmp_path: Path, save_steps: int | None) -> None:
+    # publish-only: no save trigger in args; the PublishHook's requests make the run one that
+    # saves (Hook.requests_saves), so the preemption still commits and publishes the step.
     root = str(tmp_path)
     land(os.path.join(root, "data"), hours=2)
     marker = os.path.join(root, "waiting.json")
@@ -281,7 +285,7 @@ def test_sigterm_while_a_trainer_waits_stops_commits_and_publishes_the_step(tmp_
                 threading.Timer(0.5, fire).start()  # the stream is waiting by then
 
     publish = _publish(root)
-    trainer = build(root, POLL_S, [publish, SignalWhileWaiting(marker, 2)])
+    trainer = build(root, POLL_S, [publish, SignalWhileWaiting(marker, 2)], save_steps=save_steps)
     with pytest.raises(Preempted) as info:
         trainer.train()
     took = time.monotonic() - signalled[0]

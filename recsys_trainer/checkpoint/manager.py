@@ -126,6 +126,9 @@ class CheckpointManager:
         s = settings if settings is not None else CheckpointArguments()
         self.settings: CheckpointArguments = dataclasses.replace(s, **fields)
         """What, when and how this manager saves (``TrainingArguments.checkpoint``)."""
+        self.saves_requested = False
+        """Whether a hook of the run asks for saves (``Hook.requests_saves``; the Trainer sets
+        it before resuming): the run then saves without a save trigger of its own."""
         s = self.settings
         self.output_dir = output_dir
         self._filesystem = filesystem
@@ -286,10 +289,12 @@ class CheckpointManager:
             locate=self._locate)
 
     def will_save(self) -> bool:
-        """Whether this run saves checkpoints (any save trigger is set)."""
+        """Whether this run saves checkpoints: a save trigger is set, or a hook asks for saves
+        (``saves_requested``)."""
         triggers = (self.settings.save_steps, self.settings.save_every_n_rows, self.settings.save_every_n_windows,
                     self.settings.save_every_n_epochs, self.settings.save_every_n_event_seconds)
-        return self.settings.save_end or any(t is not None for t in triggers)
+        return (self.settings.save_end or self.saves_requested
+                or any(t is not None for t in triggers))
 
     def _prepare_staging(self) -> None:
         """Async saves copy into staging buffers; allocating (and page-faulting) them takes

@@ -15,7 +15,7 @@ import difflib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import torch
 
@@ -244,6 +244,12 @@ class Hook:
     run, call ``trainer.request_stop(reason)``: the request is agreed across ranks at the next
     batch fetch, so every rank stops after the same step.
     """
+
+    requests_saves: ClassVar[bool] = False
+    """True for a hook that asks for checkpoints (``trainer.request_save``): a run with one
+    saves as a run with a save trigger in ``args`` does, even without one: it holds
+    ``output_dir``'s lock, prepares the staging buffers before the loop, and saves the stopped
+    step at a preemption."""
 
     def before_train(self, trainer: TrainerView) -> None:
         """Once, when ``train()`` (or ``train_and_evaluate()``) starts, before any data."""

@@ -157,6 +157,8 @@ class PublishHook(Hook):
     the last failure, ``publisher_pid`` the publisher process.
     """
 
+    requests_saves = True  # every publish is of a checkpoint it asks for
+
     def __init__(self, location: str, *, every_n_windows: int | None = None,
                  every_n_steps: int | None = None, every_n_seconds: float | None = None,
                  every_eviction_pass: bool = False, every_n_event_seconds: float | None = None,
